@@ -1,0 +1,65 @@
+# Tidal's developer and CI entry points. `make test` installs what it needs.
+SHELL := /bin/bash
+VENV ?= .venv
+PYTHON := $(VENV)/bin/python
+PYTEST := $(PYTHON) -m pytest
+CONSTRAINTS := ci/constraints.txt
+STAMP := $(VENV)/.installed
+
+.PHONY: install proto proto-check lint test test-unit test-slurm cluster-up cluster-down cluster-status demo bench clean
+
+install: $(STAMP)
+
+# Editable install into a venv; torch pinned to the CPU build that lies on disk.
+$(STAMP): setup.cfg pyproject.toml $(CONSTRAINTS)
+	test -x $(PYTHON) || python3 -m venv $(VENV)
+	$(PYTHON) -m pip install -q --upgrade pip
+	$(PYTHON) -m pip install -q -c $(CONSTRAINTS) torch==2.13.0
+	$(PYTHON) -m pip install -q -c $(CONSTRAINTS) -e '.[test]'
+	touch $(STAMP)
+
+proto: install
+	PYTHON=$(PYTHON) scripts/gen-proto
+
+# Regenerate into a scratch folder and fail on any difference from the committed stubs.
+proto-check: install
+	@scratch=$$(mktemp -d) && trap 'rm -rf $$scratch' EXIT && \
+	PYTHON=$(PYTHON) scripts/gen-proto $$scratch && \
+	for f in $$scratch/*; do \
+	  cmp -s $$f proto/$$(basename $$f) || { echo "proto-check: proto/$$(basename $$f) differs from what make proto generates"; exit 1; }; \
+	done && \
+	for f in proto/*_pb2*.py*; do \
+	  test -e $$scratch/$$(basename $$f) || { echo "proto-check: stale proto/$$(basename $$f)"; exit 1; }; \
+	done && echo "proto-check: stubs match proto/*.proto"
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+# Every tier: unit, then the mini Slurm cluster's tests (brought up and stopped here).
+test: install proto-check lint
+	TIDAL_REQUIRE_SLURM=1 scripts/with-cluster $(PYTEST) tests
+
+test-unit: install
+	$(PYTEST) tests -m "not slurm and not integration"
+
+test-slurm: install
+	TIDAL_REQUIRE_SLURM=1 scripts/with-cluster $(PYTEST) tests -m slurm
+
+cluster-up:
+	scripts/minicluster up
+
+cluster-down:
+	scripts/minicluster down
+
+cluster-status:
+	scripts/minicluster status
+
+# For now: a real cluster and what Tidal sees of it. Grows with the controller.
+demo: install
+	scripts/with-cluster bash -c '$(VENV)/bin/tidal nodes && echo && squeue && echo && sinfo'
+
+bench: install
+	@echo "bench: no benchmarks yet (they come with the benchmark issue)"; exit 1
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

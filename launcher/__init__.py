@@ -1,0 +1,1 @@
+"""tidal-launcher: the per-unit agent, and the worker library training scripts import."""

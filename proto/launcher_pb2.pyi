@@ -1,0 +1,225 @@
+import datetime
+
+from google.protobuf import duration_pb2 as _duration_pb2
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from tidal.proto import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class LeaveCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LEAVE_CAUSE_UNSPECIFIED: _ClassVar[LeaveCause]
+    LEAVE_CAUSE_PREEMPTED: _ClassVar[LeaveCause]
+    LEAVE_CAUSE_DRAINED: _ClassVar[LeaveCause]
+    LEAVE_CAUSE_SHUTDOWN: _ClassVar[LeaveCause]
+
+class EpochPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EPOCH_PHASE_UNSPECIFIED: _ClassVar[EpochPhase]
+    EPOCH_PHASE_STARTED: _ClassVar[EpochPhase]
+    EPOCH_PHASE_RECONFIGURED: _ClassVar[EpochPhase]
+    EPOCH_PHASE_STOPPED: _ClassVar[EpochPhase]
+    EPOCH_PHASE_LEFT: _ClassVar[EpochPhase]
+LEAVE_CAUSE_UNSPECIFIED: LeaveCause
+LEAVE_CAUSE_PREEMPTED: LeaveCause
+LEAVE_CAUSE_DRAINED: LeaveCause
+LEAVE_CAUSE_SHUTDOWN: LeaveCause
+EPOCH_PHASE_UNSPECIFIED: EpochPhase
+EPOCH_PHASE_STARTED: EpochPhase
+EPOCH_PHASE_RECONFIGURED: EpochPhase
+EPOCH_PHASE_STOPPED: EpochPhase
+EPOCH_PHASE_LEFT: EpochPhase
+
+class LauncherMessage(_message.Message):
+    __slots__ = ("register", "heartbeat", "worker_exited", "leave_request", "epoch_report")
+    REGISTER_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_EXITED_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_REPORT_FIELD_NUMBER: _ClassVar[int]
+    register: Register
+    heartbeat: Heartbeat
+    worker_exited: WorkerExited
+    leave_request: LeaveRequest
+    epoch_report: EpochReport
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., worker_exited: _Optional[_Union[WorkerExited, _Mapping]] = ..., leave_request: _Optional[_Union[LeaveRequest, _Mapping]] = ..., epoch_report: _Optional[_Union[EpochReport, _Mapping]] = ...) -> None: ...
+
+class Register(_message.Message):
+    __slots__ = ("job_id", "unit_id", "secret", "nodes", "address", "procs_per_node", "slurm_job_id", "last_epoch", "worker_pids", "launcher_version")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    UNIT_ID_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PROCS_PER_NODE_FIELD_NUMBER: _ClassVar[int]
+    SLURM_JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    WORKER_PIDS_FIELD_NUMBER: _ClassVar[int]
+    LAUNCHER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    unit_id: str
+    secret: str
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    address: str
+    procs_per_node: int
+    slurm_job_id: int
+    last_epoch: int
+    worker_pids: _containers.RepeatedScalarFieldContainer[int]
+    launcher_version: str
+    def __init__(self, job_id: _Optional[str] = ..., unit_id: _Optional[str] = ..., secret: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., address: _Optional[str] = ..., procs_per_node: _Optional[int] = ..., slurm_job_id: _Optional[int] = ..., last_epoch: _Optional[int] = ..., worker_pids: _Optional[_Iterable[int]] = ..., launcher_version: _Optional[str] = ...) -> None: ...
+
+class WorkerProgress(_message.Message):
+    __slots__ = ("local_rank", "rank", "pid", "step", "progress_time")
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_TIME_FIELD_NUMBER: _ClassVar[int]
+    local_rank: int
+    rank: int
+    pid: int
+    step: int
+    progress_time: _timestamp_pb2.Timestamp
+    def __init__(self, local_rank: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., progress_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("epoch", "sequence", "sent_at", "workers")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    SENT_AT_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    sequence: int
+    sent_at: _timestamp_pb2.Timestamp
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerProgress]
+    def __init__(self, epoch: _Optional[int] = ..., sequence: _Optional[int] = ..., sent_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerProgress, _Mapping]]] = ...) -> None: ...
+
+class WorkerExited(_message.Message):
+    __slots__ = ("epoch", "local_rank", "pid", "exit_code", "signal")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    local_rank: int
+    pid: int
+    exit_code: int
+    signal: int
+    def __init__(self, epoch: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("epoch", "cause", "deadline", "detail")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    cause: LeaveCause
+    deadline: _timestamp_pb2.Timestamp
+    detail: str
+    def __init__(self, epoch: _Optional[int] = ..., cause: _Optional[_Union[LeaveCause, str]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class EpochReport(_message.Message):
+    __slots__ = ("epoch", "phase", "step", "at", "detail")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    phase: EpochPhase
+    step: int
+    at: _timestamp_pb2.Timestamp
+    detail: str
+    def __init__(self, epoch: _Optional[int] = ..., phase: _Optional[_Union[EpochPhase, str]] = ..., step: _Optional[int] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class ControllerMessage(_message.Message):
+    __slots__ = ("registered", "start_epoch", "reconfigure", "stop_epoch", "leave", "heartbeat_ack")
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    START_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RECONFIGURE_FIELD_NUMBER: _ClassVar[int]
+    STOP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_ACK_FIELD_NUMBER: _ClassVar[int]
+    registered: Registered
+    start_epoch: StartEpoch
+    reconfigure: Reconfigure
+    stop_epoch: StopEpoch
+    leave: Leave
+    heartbeat_ack: HeartbeatAck
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., start_epoch: _Optional[_Union[StartEpoch, _Mapping]] = ..., reconfigure: _Optional[_Union[Reconfigure, _Mapping]] = ..., stop_epoch: _Optional[_Union[StopEpoch, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ...) -> None: ...
+
+class Registered(_message.Message):
+    __slots__ = ("current_epoch", "heartbeat_interval", "heartbeat_timeout", "mode", "progress_timeout")
+    CURRENT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    current_epoch: int
+    heartbeat_interval: _duration_pb2.Duration
+    heartbeat_timeout: _duration_pb2.Duration
+    mode: _common_pb2.JobMode
+    progress_timeout: _duration_pb2.Duration
+    def __init__(self, current_epoch: _Optional[int] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., heartbeat_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., mode: _Optional[_Union[_common_pb2.JobMode, str]] = ..., progress_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class StartEpoch(_message.Message):
+    __slots__ = ("epoch", "rank_table", "rendezvous", "resume_step")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RANK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    rank_table: _common_pb2.RankTable
+    rendezvous: _common_pb2.Rendezvous
+    resume_step: int
+    def __init__(self, epoch: _Optional[int] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., rendezvous: _Optional[_Union[_common_pb2.Rendezvous, _Mapping]] = ..., resume_step: _Optional[int] = ...) -> None: ...
+
+class Reconfigure(_message.Message):
+    __slots__ = ("epoch", "from_epoch", "at_step", "rank_table", "rendezvous", "state_sources")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FROM_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    AT_STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
+    STATE_SOURCES_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    from_epoch: int
+    at_step: int
+    rank_table: _common_pb2.RankTable
+    rendezvous: _common_pb2.Rendezvous
+    state_sources: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, epoch: _Optional[int] = ..., from_epoch: _Optional[int] = ..., at_step: _Optional[int] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., rendezvous: _Optional[_Union[_common_pb2.Rendezvous, _Mapping]] = ..., state_sources: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StopEpoch(_message.Message):
+    __slots__ = ("epoch", "reason", "failed_unit_id")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    FAILED_UNIT_ID_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    reason: str
+    failed_unit_id: str
+    def __init__(self, epoch: _Optional[int] = ..., reason: _Optional[str] = ..., failed_unit_id: _Optional[str] = ...) -> None: ...
+
+class Leave(_message.Message):
+    __slots__ = ("epoch", "at_step", "reason")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    AT_STEP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    at_step: int
+    reason: str
+    def __init__(self, epoch: _Optional[int] = ..., at_step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class HeartbeatAck(_message.Message):
+    __slots__ = ("sequence",)
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    def __init__(self, sequence: _Optional[int] = ...) -> None: ...

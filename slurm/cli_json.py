@@ -1,0 +1,149 @@
+"""The default backend: Slurm's own commands with --json, each call under a timeout.
+
+Reads use `squeue --json` for jobs, `sinfo --json` (22.05) or `scontrol show nodes --json`
+(23.11+) for nodes, and `scontrol show partition --oneliner` for partitions. Slurm 22.05
+ignores filters given together with --json, so every filter is applied here, after one
+cluster-wide query.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Mapping, Sequence
+
+from tidal.slurm import parse
+from tidal.slurm.errors import (
+    SlurmCommandFailed,
+    SlurmJobNotFound,
+    SlurmNotInstalled,
+    SlurmTimeout,
+    UnsupportedSlurmVersion,
+)
+from tidal.slurm.hostlist import compress
+from tidal.slurm.models import Job, Node, Partition, SlurmVersion, UnitSubmission
+
+DEFAULT_TIMEOUT_S = 10.0
+
+
+class CliJsonSlurmClient:
+    """SlurmClient over the CLI. `bin_dir` picks the Slurm commands (default: PATH);
+    `slurm_conf` overrides $SLURM_CONF for the commands this client runs."""
+
+    def __init__(self, *, timeout_s: float = DEFAULT_TIMEOUT_S, slurm_conf: str | None = None,
+                 bin_dir: str | None = None) -> None:
+        self.timeout_s = timeout_s
+        self.slurm_conf = slurm_conf
+        self.bin_dir = bin_dir
+        self._version: SlurmVersion | None = None
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _environment(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.slurm_conf:
+            env["SLURM_CONF"] = self.slurm_conf
+        if extra:
+            env.update(extra)
+        return env
+
+    def _run(self, argv: Sequence[str], *, stdin: str | None = None,
+             env: Mapping[str, str] | None = None) -> str:
+        program = os.path.join(self.bin_dir, argv[0]) if self.bin_dir else argv[0]
+        command = [program, *argv[1:]]
+        try:
+            result = subprocess.run(command, input=stdin, capture_output=True, text=True,
+                                    timeout=self.timeout_s, env=dict(env or self._environment()))
+        except FileNotFoundError:
+            raise SlurmNotInstalled(argv[0]) from None
+        except subprocess.TimeoutExpired:
+            # subprocess.run has killed the command by now.
+            raise SlurmTimeout(argv, self.timeout_s) from None
+        if result.returncode != 0:
+            raise SlurmCommandFailed(argv, result.returncode, result.stderr)
+        return result.stdout
+
+    def _json_flag(self) -> str:
+        version = self.version()
+        if version < SlurmVersion(23, 2):
+            return "--json"  # 21.08/22.05: openapi v0.0.37/38, no choice of version
+        if version < SlurmVersion(23, 11):
+            raise UnsupportedSlurmVersion(
+                f"Slurm {version} prints JSON schema v0.0.39, which Tidal does not read; "
+                "use 22.05, or 23.11 and later")
+        if version < SlurmVersion(24, 11):
+            return "--json=v0.0.40"
+        return "--json=v0.0.42"
+
+    # ------------------------------------------------------------------ reads
+
+    def version(self) -> SlurmVersion:
+        if self._version is None:
+            self._version = parse.parse_version(self._run(["scontrol", "--version"]))
+        return self._version
+
+    def list_nodes(self) -> list[Node]:
+        flag = self._json_flag()
+        if self.version() < SlurmVersion(23, 11):
+            return parse.parse_nodes(self._run(["sinfo", flag]))
+        return parse.parse_nodes(self._run(["scontrol", "show", "nodes", flag]))
+
+    def list_partitions(self) -> list[Partition]:
+        return parse.parse_partitions_oneliner(self._run(["scontrol", "show", "partition", "--oneliner"]))
+
+    def list_jobs(self, user: str | None = None) -> list[Job]:
+        jobs = parse.parse_jobs(self._run(["squeue", self._json_flag()]))
+        return [job for job in jobs if user is None or job.user == user]
+
+    def get_job(self, job_id: int) -> Job:
+        for job in self.list_jobs():
+            if job.job_id == job_id:
+                return job
+        raise SlurmJobNotFound(job_id)
+
+    # ------------------------------------------------------------------ writes
+
+    def submit(self, unit: UnitSubmission) -> int:
+        argv = ["sbatch", "--parsable", *unit.extra_options, f"--job-name={unit.name}",
+                f"--nodes={unit.nodes}"]
+        if unit.partition:
+            argv.append(f"--partition={unit.partition}")
+        if unit.exclusive:
+            argv.append("--exclusive")
+        argv.append("--requeue" if unit.requeue else "--no-requeue")
+        optional = {"--time": unit.time_limit, "--constraint": unit.constraint, "--gres": unit.gres,
+                    "--account": unit.account, "--qos": unit.qos, "--chdir": unit.working_dir,
+                    "--output": unit.output, "--comment": unit.comment}
+        argv += [f"{option}={value}" for option, value in optional.items() if value]
+        if unit.exclude_nodes:
+            argv.append(f"--exclude={compress(unit.exclude_nodes)}")
+        # The unit's environment (the job secret among it) travels in sbatch's own
+        # environment, which --export=ALL hands to the job; it never appears in argv.
+        argv.append("--export=ALL")
+        output = self._run(argv, stdin=unit.script, env=self._environment(unit.environment))
+        return parse.parse_sbatch_parsable(output)
+
+    def cancel(self, job_id: int, signal: str | None = None, *, batch_only: bool = False) -> None:
+        argv = ["scancel"]
+        if signal:
+            # --full reaches the batch script too, not only the job's steps.
+            argv += [f"--signal={signal}", "--batch" if batch_only else "--full"]
+        argv.append(str(job_id))
+        try:
+            self._run(argv)
+        except SlurmCommandFailed as error:
+            if "already completing or completed" in error.stderr or "Job has already finished" in error.stderr:
+                return
+            if "Invalid job id" in error.stderr:
+                raise SlurmJobNotFound(job_id) from None
+            raise
+
+    def shrink(self, job_id: int, node_count: int) -> None:
+        if node_count < 1:
+            raise ValueError("a running job keeps at least one node")
+        try:
+            self._run(["scontrol", "update", f"JobId={job_id}", f"NumNodes={node_count}"])
+        except SlurmCommandFailed as error:
+            if "Invalid job id" in error.stderr:
+                raise SlurmJobNotFound(job_id) from None
+            raise

@@ -1,0 +1,46 @@
+"""Typed errors from the Slurm access layer. A failed call raises; it never returns
+"nothing changed"."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class SlurmError(Exception):
+    """Base class: Slurm could not be asked, or did not answer usefully."""
+
+
+class SlurmNotInstalled(SlurmError):
+    def __init__(self, program: str) -> None:
+        super().__init__(f"{program}: not found on PATH (is slurm-client installed?)")
+        self.program = program
+
+
+class SlurmTimeout(SlurmError):
+    def __init__(self, command: Sequence[str], timeout_s: float) -> None:
+        super().__init__(f"{' '.join(command)}: no answer within {timeout_s:g}s")
+        self.command = tuple(command)
+        self.timeout_s = timeout_s
+
+
+class SlurmCommandFailed(SlurmError):
+    def __init__(self, command: Sequence[str], returncode: int, stderr: str) -> None:
+        detail = stderr.strip().splitlines()[-1] if stderr.strip() else "no message"
+        super().__init__(f"{' '.join(command)}: exit {returncode}: {detail}")
+        self.command = tuple(command)
+        self.returncode = returncode
+        self.stderr = stderr
+
+
+class SlurmParseError(SlurmError):
+    """Slurm answered, but not with what this version of its output should look like."""
+
+
+class SlurmJobNotFound(SlurmError):
+    def __init__(self, job_id: int) -> None:
+        super().__init__(f"Slurm job {job_id} is unknown (never existed, or left squeue after MinJobAge)")
+        self.job_id = job_id
+
+
+class UnsupportedSlurmVersion(SlurmError):
+    pass

@@ -1,0 +1,283 @@
+"""Pure parsers from what Slurm prints to Tidal's models. Tested on recorded real output
+(tests/data/slurm-*/), never on hand-written JSON.
+
+Two JSON schemas are understood:
+
+- openapi v0.0.37/v0.0.38 (Slurm 21.08–22.05): `job_state` is a string that names a flag
+  instead of the base state while a flag is set; node `state` is a lower-case base state
+  with a separate `state_flags` list; numbers are plain integers.
+- data_parser v0.0.40–v0.0.42 (Slurm 23.11–24.11+, pinned with --json=v0.0.42 where the
+  release knows it): states are lists, base first (`["PENDING", "COMPLETING"]`); a number
+  that can be unset is `{"set": bool, "infinite": bool, "number": int}`.
+
+Anything that is not the document a schema promises raises SlurmParseError.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from datetime import datetime, timezone
+from typing import Any
+
+from tidal.slurm.errors import SlurmParseError
+from tidal.slurm.hostlist import expand
+from tidal.slurm.models import (
+    Gres,
+    Job,
+    JobFlag,
+    JobState,
+    Node,
+    NodeFlag,
+    NodeState,
+    Partition,
+    PreemptMode,
+    SlurmVersion,
+)
+
+_JOB_STATES = {s.value for s in JobState}
+_JOB_FLAGS = {f.value for f in JobFlag}
+_NODE_STATES = {s.value for s in NodeState}
+_NODE_FLAGS = {f.value for f in NodeFlag}
+# Slurm's printed names that differ from the flag's enum name.
+_NODE_FLAG_ALIASES = {"MAINT": "MAINTENANCE", "NO_RESPOND": "NOT_RESPONDING", "NOT_RESPONDING": "NOT_RESPONDING",
+                      "REBOOT": "REBOOT_REQUESTED", "POWER": "POWERED_DOWN", "RESV": "RESERVED",
+                      "INVAL": "INVALID", "PERFCTRS": "EXTERNAL"}
+# Compound names `sinfo` and slurm_node_state_string() print for base+flag combinations.
+_NODE_COMPOUND = {"DRAINED": ("IDLE", "DRAIN"), "DRAINING": ("ALLOCATED", "DRAIN"),
+                  "ALLOCATED+DRAIN": ("ALLOCATED", "DRAIN"), "MIXED+DRAIN": ("MIXED", "DRAIN")}
+
+
+def parse_version(text: str) -> SlurmVersion:
+    """`slurm-wlm 22.05.8` or `slurm 24.11.5` → SlurmVersion(22, 5, 8)."""
+    match = re.search(r"(\d+)\.(\d+)\.(\d+)", text)
+    if not match:
+        raise SlurmParseError(f"no Slurm version in {text.strip()!r}")
+    return SlurmVersion(int(match[1]), int(match[2]), int(match[3]))
+
+
+def load_document(text: str, key: str) -> tuple[str, list[Mapping[str, Any]]]:
+    """Parse a Slurm JSON document; return (schema, records under `key`)."""
+    try:
+        document = json.loads(text)
+    except ValueError as error:
+        raise SlurmParseError(f"Slurm printed no valid JSON: {error}") from None
+    if not isinstance(document, dict) or not isinstance(document.get(key), list):
+        raise SlurmParseError(f"Slurm's JSON has no '{key}' list")
+    errors = [e for e in document.get("errors") or [] if e]
+    if errors:
+        raise SlurmParseError(f"Slurm reported errors: {errors}")
+    return schema_of(document), document[key]
+
+
+def schema_of(document: Mapping[str, Any]) -> str:
+    """'v0.0.38' or 'v0.0.40'…'v0.0.42', from the document's meta block."""
+    meta = document.get("meta") or {}
+    plugin = meta.get("plugin") or {}
+    for candidate in (plugin.get("data_parser", ""), plugin.get("type", "")):
+        match = re.search(r"v0\.0\.(\d+)", candidate or "")
+        if match:
+            version = int(match[1])
+            if version in (37, 38) or 40 <= version <= 42:
+                return f"v0.0.{version}"
+            raise SlurmParseError(f"unsupported Slurm JSON schema v0.0.{version} "
+                                  "(supported: v0.0.37-38, v0.0.40-42)")
+    raise SlurmParseError("Slurm's JSON names no schema version in meta.plugin")
+
+
+def number(value: Any) -> int | None:
+    """A plain integer (v0.0.38) or {"set","infinite","number"} (v0.0.40+) → int or None
+    when unset or infinite."""
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return int(value)
+    if isinstance(value, Mapping):
+        if not value.get("set", False) or value.get("infinite", False):
+            return None
+        return int(value.get("number", 0))
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    raise SlurmParseError(f"not a number: {value!r}")
+
+
+def timestamp(value: Any) -> datetime | None:
+    """Seconds since the epoch → aware UTC datetime; 0, unset or infinite → None."""
+    seconds = number(value)
+    if not seconds or seconds < 0 or seconds >= 2**32 - 2:
+        return None
+    return datetime.fromtimestamp(seconds, tz=timezone.utc)
+
+
+def parse_gres(text: str | None) -> tuple[Gres, ...]:
+    """`gpu:a100:4(S:0-1),nic:1` → (Gres("gpu","a100",4), Gres("nic",None,1))."""
+    if not text or text in ("(null)", "N/A"):
+        return ()
+    result: list[Gres] = []
+    for item in re.split(r",(?![^()]*\))", text):
+        item = re.sub(r"\(.*\)$", "", item.strip())
+        if not item:
+            continue
+        parts = item.split(":")
+        name = parts[0]
+        kind: str | None = None
+        count = 1
+        if len(parts) == 2:
+            if parts[1].isdigit():
+                count = int(parts[1])
+            else:
+                kind = parts[1]
+        elif len(parts) >= 3:
+            kind = parts[1]
+            count = int(parts[2]) if parts[2].isdigit() else 1
+        result.append(Gres(name, kind, count))
+    return tuple(result)
+
+
+def job_state_from_names(names: Iterable[str]) -> tuple[JobState, frozenset[JobFlag]]:
+    """A list of state words (v0.0.40+) or one word (v0.0.38, pyslurm) → base and flags.
+    Words this version of Tidal does not know are ignored rather than fatal, so a newer
+    Slurm's new flag does not stop the poller."""
+    base = JobState.UNKNOWN
+    flags: set[JobFlag] = set()
+    for raw in names:
+        word = str(raw).strip().upper()
+        if word in _JOB_STATES and base is JobState.UNKNOWN:
+            base = JobState(word)
+        elif word in _JOB_FLAGS:
+            flags.add(JobFlag(word))
+    return base, frozenset(flags)
+
+
+def node_state_from_names(names: Iterable[str]) -> tuple[NodeState, frozenset[NodeFlag]]:
+    """State words in any of Slurm's spellings (`idle`, `IDLE+DRAIN`, `["IDLE","DRAIN"]`,
+    `drained`, `down*`) → base and flags."""
+    base = NodeState.UNKNOWN
+    flags: set[NodeFlag] = set()
+    words: list[str] = []
+    for raw in names:
+        text = str(raw).strip().upper()
+        if text.endswith("*"):  # sinfo's mark for a node not responding
+            text = text[:-1]
+            words.append("NOT_RESPONDING")
+        if text in _NODE_COMPOUND:
+            words.extend(_NODE_COMPOUND[text])
+        else:
+            words.extend(w for w in text.split("+") if w)
+    for word in words:
+        if word in _NODE_STATES and base is NodeState.UNKNOWN:
+            base = NodeState(word)
+            continue
+        word = _NODE_FLAG_ALIASES.get(word, word)
+        if word in _NODE_FLAGS:
+            flags.add(NodeFlag(word))
+    return base, frozenset(flags)
+
+
+def _as_list(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [v for v in value.split(",") if v]
+    return [str(v) for v in value]
+
+
+def parse_jobs(text: str) -> list[Job]:
+    """`squeue --json` (any supported schema) → jobs."""
+    schema, records = load_document(text, "jobs")
+    try:
+        return [_job(record, schema) for record in records]
+    except (KeyError, TypeError, ValueError) as error:
+        raise SlurmParseError(f"unexpected job record in {schema}: {error!r}") from None
+
+
+def _job(record: Mapping[str, Any], schema: str) -> Job:
+    raw_state = record["job_state"]
+    state, flags = job_state_from_names([raw_state] if isinstance(raw_state, str) else raw_state)
+    nodes_field = record.get("nodes") or ""
+    return Job(
+        job_id=int(record["job_id"]),
+        name=str(record.get("name", "")),
+        user=str(record.get("user_name", "")),
+        state=state,
+        flags=flags,
+        partition=str(record.get("partition", "")),
+        nodes=expand(nodes_field if isinstance(nodes_field, str) else ""),
+        node_count=number(record.get("node_count")) or 0,
+        priority=number(record.get("priority")) or 0,
+        submit_time=timestamp(record.get("submit_time")),
+        start_time=timestamp(record.get("start_time")),
+        end_time=timestamp(record.get("end_time")),
+        preempt_time=timestamp(record.get("preempt_time")),
+        requeue_count=number(record.get("restart_cnt")) or 0,
+        reason=str(record.get("state_reason") or ""),
+        comment=str(record.get("comment") or ""),
+    )
+
+
+def parse_nodes(text: str) -> list[Node]:
+    """`sinfo --json` (22.05) or `scontrol show nodes --json` (23.11+) → nodes."""
+    schema, records = load_document(text, "nodes")
+    try:
+        return [_node(record, schema) for record in records]
+    except (KeyError, TypeError, ValueError) as error:
+        raise SlurmParseError(f"unexpected node record in {schema}: {error!r}") from None
+
+
+def _node(record: Mapping[str, Any], schema: str) -> Node:
+    raw_state = record.get("state", "")
+    words = [raw_state] if isinstance(raw_state, str) else list(raw_state)
+    words += list(record.get("state_flags") or [])  # v0.0.38 keeps flags apart
+    state, flags = node_state_from_names(words)
+    return Node(
+        name=str(record["name"]),
+        state=state,
+        flags=flags,
+        partitions=tuple(_as_list(record.get("partitions"))),
+        cpus=number(record.get("cpus")) or 0,
+        gres=parse_gres(record.get("gres")),
+        features=tuple(_as_list(record.get("features"))),
+        reason=str(record.get("reason") or ""),
+        address=str(record.get("address") or ""),
+    )
+
+
+def parse_partitions_oneliner(text: str) -> list[Partition]:
+    """`scontrol show partition --oneliner` → partitions. The text form is read on every
+    Slurm version: 24.11's partition JSON carries no PreemptMode."""
+    partitions: list[Partition] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        fields: dict[str, str] = {}
+        for token in line.split():
+            key, sep, value = token.partition("=")
+            if sep:
+                fields[key] = value
+        if "PartitionName" not in fields:
+            raise SlurmParseError(f"not a partition line: {line[:80]!r}")
+        modes = frozenset(PreemptMode(m) for m in fields.get("PreemptMode", "OFF").split(",")
+                          if m in PreemptMode.__members__)
+        try:
+            partitions.append(Partition(
+                name=fields["PartitionName"],
+                nodes=expand(fields.get("Nodes", "")),
+                priority_tier=int(fields.get("PriorityTier", "1")),
+                preempt_mode=modes,
+                grace_time_s=int(fields.get("GraceTime", "0")),
+                is_default=fields.get("Default", "NO") == "YES",
+                is_up=fields.get("State", "UP") == "UP",
+            ))
+        except ValueError as error:
+            raise SlurmParseError(f"bad partition line {line[:80]!r}: {error}") from None
+    return partitions
+
+
+def parse_sbatch_parsable(text: str) -> int:
+    """`sbatch --parsable` prints `JOBID` or `JOBID;CLUSTER`."""
+    first = text.strip().split(";")[0]
+    if not first.isdigit():
+        raise SlurmParseError(f"sbatch printed no job id: {text.strip()[:80]!r}")
+    return int(first)

@@ -1,0 +1,63 @@
+"""One cluster-wide view per poll, and what to do when Slurm does not answer.
+
+A failed poll never reads as "nothing changed": the last good view comes back marked
+stale, with the error and its age, and `require_fresh()` refuses to act on it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tidal.slurm.client import SlurmClient
+from tidal.slurm.errors import SlurmError
+from tidal.slurm.models import Job, Node
+
+
+class StaleClusterView(SlurmError):
+    """An action needed fresh data, and the last poll of Slurm failed."""
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    nodes: tuple[Node, ...]
+    jobs: tuple[Job, ...]
+    # When this data was read from Slurm (clock seconds); 0 if never.
+    observed_at: float
+    stale: bool
+    error: SlurmError | None = None
+    consecutive_failures: int = 0
+
+    def require_fresh(self) -> ClusterView:
+        if self.stale:
+            raise StaleClusterView(f"Slurm data is stale ({self.consecutive_failures} failed polls): {self.error}")
+        return self
+
+    def job(self, job_id: int) -> Job | None:
+        return next((j for j in self.jobs if j.job_id == job_id), None)
+
+
+class ClusterPoll:
+    """Reads nodes and jobs from a SlurmClient, one query each per `poll()`."""
+
+    def __init__(self, client: SlurmClient, clock: Callable[[], float] = time.time) -> None:
+        self.client = client
+        self.clock = clock
+        self._last = ClusterView(nodes=(), jobs=(), observed_at=0.0, stale=True)
+
+    @property
+    def last(self) -> ClusterView:
+        return self._last
+
+    def poll(self) -> ClusterView:
+        try:
+            nodes = tuple(self.client.list_nodes())
+            jobs = tuple(self.client.list_jobs())
+        except SlurmError as error:
+            previous = self._last
+            self._last = ClusterView(previous.nodes, previous.jobs, previous.observed_at, stale=True,
+                                     error=error, consecutive_failures=previous.consecutive_failures + 1)
+            return self._last
+        self._last = ClusterView(nodes, jobs, self.clock(), stale=False)
+        return self._last

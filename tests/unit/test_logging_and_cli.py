@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import structlog
+
+from tidal.controller import cli
+from tidal.controller.logs import configure_logging
+
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def test_json_logs_when_not_a_terminal() -> None:
+    stream = io.StringIO()
+    configure_logging(stream=stream)
+    structlog.get_logger().bind(job="job-1", epoch=3).info("world_reformed", world_size=2)
+    record = json.loads(stream.getvalue())
+    assert record["event"] == "world_reformed" and record["job"] == "job-1" and record["epoch"] == 3
+    assert record["level"] == "info" and record["timestamp"].endswith("Z")
+
+
+def test_console_logs_on_request() -> None:
+    stream = io.StringIO()
+    configure_logging(stream=stream, json=False)
+    structlog.get_logger().info("unit_preempted", unit="u1")
+    assert "unit_preempted" in stream.getvalue() and "u1" in stream.getvalue()
+
+
+def test_cli_rejects_unknown_commands_clearly() -> None:
+    result = subprocess.run([sys.executable, "-m", "tidal.controller.cli", "frobnicate"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "invalid choice" in result.stderr
+
+
+def test_tidal_nodes_says_when_slurm_is_missing(tmp_path: Path) -> None:
+    env = {"PATH": str(tmp_path), "SLURM_CONF": str(tmp_path / "none.conf"), "TIDAL_SLURM_BACKEND": "cli"}
+    result = subprocess.run([sys.executable, "-m", "tidal.controller.cli", "nodes"], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == cli.EXIT_SLURM_UNAVAILABLE
+    assert "Slurm did not answer" in result.stderr and "not found" in result.stderr
+
+
+def test_unbuilt_daemons_say_so() -> None:
+    for module in ("tidal.controller.daemon", "tidal.launcher.agent"):
+        result = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and "not built yet" in result.stderr

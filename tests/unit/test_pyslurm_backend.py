@@ -1,0 +1,67 @@
+"""The pyslurm backend's translation into Tidal's models. pyslurm 25.11 cannot be built
+here (no Slurm 25.11 on these machines), so these stand-ins carry the attribute names of
+pyslurm 25.11's Job, Node and Partition; the backend has not talked to a real slurmctld."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from tidal.slurm import JobFlag, JobState, NodeFlag, NodeState, PreemptMode, SlurmCommandFailed, SlurmVersion
+from tidal.slurm.pyslurm_backend import (
+    PyslurmSlurmClient,
+    job_from_pyslurm,
+    node_from_pyslurm,
+    partition_from_pyslurm,
+)
+
+
+def pyslurm_job(**overrides: object) -> SimpleNamespace:
+    fields = {"id": 7, "name": "unit-a", "user_name": "alice", "state": "RUNNING", "partition": "train",
+                  "allocated_nodes": "n[1-2]", "num_nodes": 2, "priority": 100, "submit_time": 1795257906,
+                  "start_time": 1795257907, "end_time": 1795257912, "preempt_time": 1795257907,
+                  "requeue_count": 0, "state_reason": "None", "comment": "tidal:job-1"}
+    fields.update(overrides)
+    return SimpleNamespace(**fields)
+
+
+def test_job_translation() -> None:
+    job = job_from_pyslurm(pyslurm_job())
+    assert job.job_id == 7 and job.user == "alice" and job.nodes == ("n1", "n2")
+    assert job.state is JobState.RUNNING and job.is_being_preempted
+    completing = job_from_pyslurm(pyslurm_job(state="COMPLETING", preempt_time=None, requeue_count=1))
+    assert completing.flags == {JobFlag.COMPLETING} and completing.was_requeued
+
+
+def test_node_and_partition_translation() -> None:
+    node = node_from_pyslurm(SimpleNamespace(
+        name="n4", state="IDLE+DRAIN", partitions=["train"], total_cpus=64,
+        configured_gres={"gpu:a100": 8}, available_features=["a100"], reason="bad fan", address="10.0.0.4"))
+    assert node.state is NodeState.IDLE and node.flags == {NodeFlag.DRAIN}
+    assert node.gres_count("gpu") == 8 and not node.is_idle_and_usable
+    partition = partition_from_pyslurm(SimpleNamespace(
+        name="train", nodes="n[1-4]", priority_tier=1, preempt_mode="REQUEUE",
+        preemption_grace_time=30, is_default=True, state="UP"))
+    assert partition.preempt_mode == {PreemptMode.REQUEUE} and partition.grace_time_s == 30
+    assert partition.nodes == ("n1", "n2", "n3", "n4")
+
+
+def test_client_turns_pyslurm_errors_into_typed_errors() -> None:
+    class RPCError(Exception):
+        pass
+
+    def refuse() -> None:
+        raise RPCError("Unable to contact slurm controller")
+
+    module = SimpleNamespace(__version__="25.11.0", Jobs=SimpleNamespace(load=refuse))
+    client = PyslurmSlurmClient(module)
+    assert client.version() == SlurmVersion(25, 11, 0)
+    with pytest.raises(SlurmCommandFailed, match="Unable to contact"):
+        client.list_jobs()
+
+
+def test_client_lists_through_pyslurm_collections() -> None:
+    jobs = {7: pyslurm_job(), 8: pyslurm_job(id=8, user_name="bob")}
+    module = SimpleNamespace(__version__="25.11.1", Jobs=SimpleNamespace(load=lambda: jobs))
+    assert [j.job_id for j in PyslurmSlurmClient(module).list_jobs(user="bob")] == [8]
