@@ -17,6 +17,7 @@ from tidal.slurm.errors import (
     SlurmJobNotFound,
     SlurmNotInstalled,
     SlurmParseError,
+    SlurmReportedError,
     SlurmTimeout,
     UnsupportedSlurmVersion,
 )
@@ -37,7 +38,7 @@ from tidal.slurm.models import (
 __all__ = [
     "CliJsonSlurmClient", "Gres", "Job", "JobFlag", "JobState", "Node", "NodeFlag", "NodeState",
     "Partition", "PreemptMode", "SlurmClient", "SlurmCommandFailed", "SlurmError",
-    "SlurmJobNotFound", "SlurmNotInstalled", "SlurmParseError", "SlurmTimeout", "SlurmVersion",
+    "SlurmJobNotFound", "SlurmNotInstalled", "SlurmParseError", "SlurmReportedError", "SlurmTimeout", "SlurmVersion",
     "UnitSubmission", "UnsupportedSlurmVersion", "default_client",
 ]
 

@@ -36,6 +36,12 @@ class SlurmParseError(SlurmError):
     """Slurm answered, but not with what this version of its output should look like."""
 
 
+class SlurmReportedError(SlurmError):
+    """Slurm's command exited 0 but its JSON lists errors: Slurm 22.05's `squeue --json`
+    answers an unreachable slurmctld with `"jobs": []` and an error, which must never
+    read as "no jobs"."""
+
+
 class SlurmJobNotFound(SlurmError):
     def __init__(self, job_id: int) -> None:
         super().__init__(f"Slurm job {job_id} is unknown (never existed, or left squeue after MinJobAge)")

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
 from typing import Any
 
-from tidal.slurm.errors import SlurmParseError
+from tidal.slurm.errors import SlurmParseError, SlurmReportedError
 from tidal.slurm.hostlist import expand
 from tidal.slurm.models import (
     Gres,
@@ -67,7 +67,9 @@ def load_document(text: str, key: str) -> tuple[str, list[Mapping[str, Any]]]:
         raise SlurmParseError(f"Slurm's JSON has no '{key}' list")
     errors = [e for e in document.get("errors") or [] if e]
     if errors:
-        raise SlurmParseError(f"Slurm reported errors: {errors}")
+        details = "; ".join(str(e.get("description") or e.get("error") or e) if isinstance(e, dict) else str(e)
+                            for e in errors)
+        raise SlurmReportedError(f"Slurm reported errors instead of '{key}': {details}")
     return schema_of(document), document[key]
 
 

@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from tidal.slurm import JobFlag, JobState, NodeFlag, NodeState, PreemptMode, SlurmParseError, parse
+from tidal.slurm import (
+    JobFlag,
+    JobState,
+    NodeFlag,
+    NodeState,
+    PreemptMode,
+    SlurmParseError,
+    SlurmReportedError,
+    parse,
+)
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 RECORDED_RELEASES = sorted(p.name.removeprefix("slurm-") for p in DATA_DIR.glob("slurm-*"))
@@ -122,12 +131,22 @@ def test_partitions(release: str) -> None:
     ('{"meta": {}, "jobs": "nope"}', "no 'jobs' list"),
     ('{"meta": {"plugin": {"type": "openapi/v0.0.39"}}, "jobs": []}', "unsupported Slurm JSON schema v0.0.39"),
     ('{"meta": {}, "jobs": []}', "names no schema version"),
-    ('{"meta": {"plugin": {"type": "openapi/v0.0.38"}}, "errors": [{"error": "boom"}], "jobs": []}', "boom"),
     ('{"meta": {"plugin": {"type": "openapi/v0.0.38"}}, "jobs": [{"name": "no id"}]}', "unexpected job record"),
 ])
 def test_nonsense_is_a_typed_error(text: str, message: str) -> None:
     with pytest.raises(SlurmParseError, match=message):
         parse.parse_jobs(text)
+
+
+@pytest.mark.parametrize("release", RECORDED_RELEASES)
+def test_controller_down_is_an_error_not_an_empty_list(release: str) -> None:
+    """Recorded with slurmctld unreachable. 22.05 exits 0 with `"jobs": []` and errors
+    (SlurmReportedError); 24.11 exits 1 and prints no JSON (the recording keeps its
+    message; the CLI client raises SlurmCommandFailed on the exit status)."""
+    with pytest.raises((SlurmReportedError, SlurmParseError)):
+        parse.parse_jobs(recorded(release, "jobs-controller-down.json"))
+    with pytest.raises((SlurmReportedError, SlurmParseError)):
+        parse.parse_nodes(recorded(release, "nodes-controller-down.json"))
 
 
 def test_truncated_recorded_output_is_refused() -> None:
