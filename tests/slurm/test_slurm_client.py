@@ -167,7 +167,7 @@ def test_unreachable_controller_is_an_error_not_an_empty_cluster(mini_cluster: d
 def test_failing_and_missing_commands_are_typed_errors(slurm: CliJsonSlurmClient, tmp_path: Path) -> None:
     with pytest.raises(SlurmNotInstalled):
         CliJsonSlurmClient(bin_dir=str(tmp_path)).list_jobs()
-    with pytest.raises(SlurmCommandFailed, match="(?i)invalid partition"):
+    with pytest.raises(SlurmCommandFailed, match=r"(?i)invalid partition"):
         slurm.submit(UnitSubmission(name="tidal-test-bad", script=SLEEPER, partition="no-such-partition"))
     with pytest.raises(SlurmJobNotFound):
         slurm.get_job(999999)
