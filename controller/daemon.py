@@ -13,16 +13,19 @@ import structlog
 
 from tidal.controller.logs import configure_logging
 
-NOT_BUILT = "the controller daemon is not built yet (it arrives with the control-plane work)"
+
+def refuse_unbuilt(program: str, description: str, argv: list[str] | None) -> int:
+    """Entry point of a component that is not built yet: say so, exit 2."""
+    argparse.ArgumentParser(prog=program, description=description).parse_args(argv)
+    configure_logging()
+    reason = f"{program} is not built yet (it arrives with the control-plane work)"
+    structlog.get_logger(program).error("component_unavailable", reason=reason)
+    print(f"{program}: {reason}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tidal-controller", description="Tidal's per-cluster daemon.")
-    parser.parse_args(argv)
-    configure_logging()
-    structlog.get_logger("tidal.controller").error("controller_unavailable", reason=NOT_BUILT)
-    print(f"tidal-controller: {NOT_BUILT}", file=sys.stderr)
-    return 2
+    return refuse_unbuilt("tidal-controller", "Tidal's per-cluster daemon.", argv)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, TypeVar
 
 from tidal.slurm.errors import SlurmParseError, SlurmReportedError
 from tidal.slurm.hostlist import expand
@@ -36,6 +36,7 @@ from tidal.slurm.models import (
     SlurmVersion,
 )
 
+T = TypeVar("T")
 _JOB_STATES = {s.value for s in JobState}
 _JOB_FLAGS = {f.value for f in JobFlag}
 _NODE_STATES = {s.value for s in NodeState}
@@ -185,16 +186,20 @@ def _as_list(value: Any) -> list[str]:
     return [str(v) for v in value]
 
 
+def _records(text: str, key: str, build: Callable[[Mapping[str, Any]], T]) -> list[T]:
+    schema, records = load_document(text, key)
+    try:
+        return [build(record) for record in records]
+    except (KeyError, TypeError, ValueError) as error:
+        raise SlurmParseError(f"unexpected {key} record in {schema}: {error!r}") from None
+
+
 def parse_jobs(text: str) -> list[Job]:
     """`squeue --json` (any supported schema) → jobs."""
-    schema, records = load_document(text, "jobs")
-    try:
-        return [_job(record, schema) for record in records]
-    except (KeyError, TypeError, ValueError) as error:
-        raise SlurmParseError(f"unexpected job record in {schema}: {error!r}") from None
+    return _records(text, "jobs", _job)
 
 
-def _job(record: Mapping[str, Any], schema: str) -> Job:
+def _job(record: Mapping[str, Any]) -> Job:
     raw_state = record["job_state"]
     state, flags = job_state_from_names([raw_state] if isinstance(raw_state, str) else raw_state)
     nodes_field = record.get("nodes") or ""
@@ -220,14 +225,10 @@ def _job(record: Mapping[str, Any], schema: str) -> Job:
 
 def parse_nodes(text: str) -> list[Node]:
     """`sinfo --json` (22.05) or `scontrol show nodes --json` (23.11+) → nodes."""
-    schema, records = load_document(text, "nodes")
-    try:
-        return [_node(record, schema) for record in records]
-    except (KeyError, TypeError, ValueError) as error:
-        raise SlurmParseError(f"unexpected node record in {schema}: {error!r}") from None
+    return _records(text, "nodes", _node)
 
 
-def _node(record: Mapping[str, Any], schema: str) -> Node:
+def _node(record: Mapping[str, Any]) -> Node:
     raw_state = record.get("state", "")
     words = [raw_state] if isinstance(raw_state, str) else list(raw_state)
     words += list(record.get("state_flags") or [])  # v0.0.38 keeps flags apart

@@ -131,7 +131,7 @@ def test_partitions(release: str) -> None:
     ('{"meta": {}, "jobs": "nope"}', "no 'jobs' list"),
     ('{"meta": {"plugin": {"type": "openapi/v0.0.39"}}, "jobs": []}', "unsupported Slurm JSON schema v0.0.39"),
     ('{"meta": {}, "jobs": []}', "names no schema version"),
-    ('{"meta": {"plugin": {"type": "openapi/v0.0.38"}}, "jobs": [{"name": "no id"}]}', "unexpected job record"),
+    ('{"meta": {"plugin": {"type": "openapi/v0.0.38"}}, "jobs": [{"name": "no id"}]}', "unexpected jobs record"),
 ])
 def test_nonsense_is_a_typed_error(text: str, message: str) -> None:
     with pytest.raises(SlurmParseError, match=message):
