@@ -42,7 +42,7 @@ _JOB_FLAGS = {f.value for f in JobFlag}
 _NODE_STATES = {s.value for s in NodeState}
 _NODE_FLAGS = {f.value for f in NodeFlag}
 # Slurm's printed names that differ from the flag's enum name.
-_NODE_FLAG_ALIASES = {"MAINT": "MAINTENANCE", "NO_RESPOND": "NOT_RESPONDING", "NOT_RESPONDING": "NOT_RESPONDING",
+_NODE_FLAG_ALIASES = {"MAINT": "MAINTENANCE", "NO_RESPOND": "NOT_RESPONDING",
                       "REBOOT": "REBOOT_REQUESTED", "POWER": "POWERED_DOWN", "RESV": "RESERVED",
                       "INVAL": "INVALID", "PERFCTRS": "EXTERNAL"}
 # Compound names `sinfo` and slurm_node_state_string() print for base+flag combinations.
