@@ -1,31 +1,211 @@
-"""tidal-controller entry point.
+"""tidal-controller: the per-cluster daemon (run by systemd, in the foreground).
 
-The daemon itself (gRPC servers, SQLite registry, health monitor, Slurm poller) is the
-control-plane issue's work and does not exist yet; this entry point says so instead of
-pretending to run."""
+gRPC on TCP for launchers (and admins with the token), on a Unix socket for the CLI;
+`grpc.health.v1` SERVING once the database (and, when required, Slurm) answers; SIGTERM
+drains gracefully. Launchers keep training while it is down or restarting."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
 import sys
+from pathlib import Path
+from typing import Any
 
+import grpc
 import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import start_http_server
 
+from tidal.controller.config import ConfigError, ControllerConfig, config_as_dict, load_config, split_host_port
 from tidal.controller.logs import configure_logging
+from tidal.controller.metrics import ControllerMetrics
+from tidal.controller.security import UnixSocketRelay, load_or_create_admin_token
+from tidal.controller.server import AdminServicer, Controller, LauncherServicer
+from tidal.controller.store import StateStore, StoreError
+from tidal.proto import admin_pb2, admin_pb2_grpc, launcher_pb2, launcher_pb2_grpc
+from tidal.slurm import SlurmError, default_client
+
+log = structlog.get_logger("tidal.controller")
+
+EXIT_CONFIG = 2
+EXIT_STARTUP = 1
+
+SERVICE_NAMES = ("", launcher_pb2.DESCRIPTOR.services_by_name["LauncherService"].full_name,
+                 admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name)
 
 
-def refuse_unbuilt(program: str, description: str, argv: list[str] | None) -> int:
-    """Entry point of a component that is not built yet: say so, exit 2."""
-    argparse.ArgumentParser(prog=program, description=description).parse_args(argv)
-    configure_logging()
-    reason = f"{program} is not built yet (it arrives with the control-plane work)"
-    structlog.get_logger(program).error("component_unavailable", reason=reason)
-    print(f"{program}: {reason}", file=sys.stderr)
-    return 2
+def notify_systemd(state: str) -> None:
+    """sd_notify(3) without libsystemd: a datagram to $NOTIFY_SOCKET, if set."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.sendto(state.encode(), address)
+
+
+def server_options(config: ControllerConfig) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_concurrent_streams", 1000),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def _readiness(config: ControllerConfig, store: StateStore) -> str | None:
+    """None when ready to serve, else what does not answer."""
+    try:
+        store.ping()
+    except Exception as error:
+        return f"database does not answer: {error}"
+    if config.require_slurm:
+        try:
+            default_client(timeout_s=10.0).version()
+        except SlurmError as error:
+            return f"Slurm does not answer: {error}"
+    return None
+
+
+async def _watch_readiness(config: ControllerConfig, store: StateStore, servicer: health.aio.HealthServicer) -> None:
+    last: str | None = "starting"
+    while True:
+        problem = await asyncio.to_thread(_readiness, config, store) if config.require_slurm else _readiness(
+            config, store)
+        if problem != last:
+            status = (health_pb2.HealthCheckResponse.SERVING if problem is None
+                      else health_pb2.HealthCheckResponse.NOT_SERVING)
+            for name in SERVICE_NAMES:
+                await servicer.set(name, status)
+            if problem is None:
+                log.info("controller_ready")
+            else:
+                log.warning("controller_not_ready", reason=problem)
+            last = problem
+        await asyncio.sleep(config.readiness_check_interval_s if problem is None else 1.0)
+
+
+async def serve(config: ControllerConfig, ready_file: Path | None = None) -> int:
+    config.state_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        store = StateStore(config.database_path)
+    except StoreError as error:
+        log.error("controller_start_failed", reason=str(error))
+        return EXIT_STARTUP
+    admin_token = load_or_create_admin_token(config.admin_token_path)
+    metrics = ControllerMetrics()
+    metrics_port = 0
+    metrics_server = None
+    if config.metrics_listen:
+        host, port = split_host_port(config.metrics_listen, "metrics_listen")
+        metrics_server, _thread = start_http_server(port, addr=host, registry=metrics.registry)
+        metrics_port = metrics_server.server_port
+
+    controller = Controller(config, store, metrics)
+    controller.load()
+    server = grpc.aio.server(options=server_options(config))
+    health_servicer = health.aio.HealthServicer()
+    for name in SERVICE_NAMES:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    launcher_pb2_grpc.add_LauncherServiceServicer_to_server(LauncherServicer(controller), server)
+
+    if config.tls_cert_file and config.tls_key_file:
+        credentials = grpc.ssl_server_credentials(
+            [(config.tls_key_file.read_bytes(), config.tls_cert_file.read_bytes())])
+        tcp_port = server.add_secure_port(config.listen, credentials)
+    else:
+        tcp_port = server.add_insecure_port(config.listen)
+    relay_port = server.add_insecure_port("127.0.0.1:0")
+    if not tcp_port or not relay_port:
+        log.error("controller_start_failed", reason=f"cannot listen on {config.listen}")
+        return EXIT_STARTUP
+    relay = UnixSocketRelay(config.unix_socket, relay_port)
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(controller, admin_token, relay), server)
+    await server.start()
+    try:
+        await relay.start()
+    except OSError as error:
+        log.error("controller_start_failed", reason=f"cannot listen on {config.unix_socket}: {error}")
+        await server.stop(None)
+        return EXIT_STARTUP
+
+    background = [asyncio.create_task(controller.tick_forever(), name="ticker"),
+                  asyncio.create_task(_watch_readiness(config, store, health_servicer), name="readiness")]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    endpoint = {"pid": os.getpid(), "listen": config.listen, "tcp_port": tcp_port,
+                "unix_socket": str(config.unix_socket), "metrics_port": metrics_port,
+                "database": str(config.database_path), "tls": bool(config.tls_cert_file)}
+    log.info("controller_started", **endpoint)
+    if ready_file is not None:
+        temporary = ready_file.with_suffix(".tmp")
+        temporary.write_text(json.dumps(endpoint))
+        temporary.replace(ready_file)
+    notify_systemd("READY=1")
+
+    await stop.wait()
+    log.info("controller_stopping", reason="signal")
+    notify_systemd("STOPPING=1")
+    controller.shutting_down = True
+    await health_servicer.enter_graceful_shutdown()
+    await relay.stop()
+    await server.stop(grace=3.0)
+    for task in background:
+        task.cancel()
+    store.close()
+    if metrics_server is not None:
+        metrics_server.shutdown()
+    log.info("controller_stopped")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tidal-controller", description="Tidal's per-cluster daemon.")
+    parser.add_argument("--config", type=Path, help="TOML file (default /etc/tidal/controller.toml if present)")
+    parser.add_argument("--state-dir", help="where SQLite, secrets and the admin token live")
+    parser.add_argument("--listen", help="host:port for launchers and token-holding admins")
+    parser.add_argument("--unix-socket", help="Unix socket for the CLI")
+    parser.add_argument("--metrics-listen", help="host:port for Prometheus metrics ('' disables)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="any other setting, e.g. --set heartbeat_interval_s=0.5 (repeatable)")
+    parser.add_argument("--ready-file", type=Path, help="write the bound endpoints here (JSON) once serving")
+    parser.add_argument("--print-config", action="store_true", help="print the effective configuration and exit")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    return refuse_unbuilt("tidal-controller", "Tidal's per-cluster daemon.", argv)
+    args = build_parser().parse_args(argv)
+    overrides: dict[str, Any] = {"state_dir": args.state_dir, "listen": args.listen,
+                                 "unix_socket": args.unix_socket, "metrics_listen": args.metrics_listen}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            print(f"tidal-controller: --set needs KEY=VALUE, got {item!r}", file=sys.stderr)
+            return EXIT_CONFIG
+        overrides[key.strip()] = value
+    try:
+        config = load_config(args.config, overrides=overrides)
+    except ConfigError as error:
+        print(f"tidal-controller: configuration error: {error}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.print_config:
+        print(json.dumps(config_as_dict(config), indent=2))
+        return 0
+    configure_logging(level=config.log_level, json={"json": True, "console": False}.get(config.log_format))
+    return asyncio.run(serve(config, args.ready_file))
 
 
 if __name__ == "__main__":

@@ -1,18 +1,478 @@
-"""tidal-launcher entry point.
+"""tidal-launcher: the per-unit agent, one per Slurm allocation of a replica.
 
-The launcher (registration, heartbeats, worker processes) is the control-plane issue's
-work and does not exist yet; this entry point says so instead of pretending to run."""
+It registers with the controller using the job's secret (from a file or the environment,
+never argv), heartbeats, starts the node's workers with a torchrun-compatible environment
+when an epoch starts, stops them when the controller says so, and turns SIGTERM (Slurm's
+preemption notice) into a request to leave. Training goes on while the controller is away.
+
+One state machine (`AgentState`) and one loop (`Agent.run`); every input, from the
+controller, the workers, signals or the clock, is an event on one queue."""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import enum
+import os
+import shutil
+import signal
+import socket
 import sys
+import tempfile
+import time
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
+from pathlib import Path
+from typing import Any
 
-from tidal.controller.daemon import refuse_unbuilt
+import structlog
+
+from tidal.controller.logs import configure_logging
+from tidal.launcher.link import ControllerLink, ControllerSaid, LinkDown, LinkEvent, LinkRefused, LinkUp
+from tidal.launcher.workers import (
+    Placement,
+    Worker,
+    WorkerGroup,
+    exit_status,
+    read_progress,
+    start_workers,
+    worker_environment,
+)
+from tidal.proto import launcher_pb2
+
+log = structlog.get_logger("tidal.launcher")
+
+EXIT_OK = 0
+EXIT_UNIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_REFUSED = 3
+EXIT_UNREACHABLE = 4
+
+
+class AgentState(enum.StrEnum):
+    """The launcher's lifecycle.
+
+    CONNECTING: not registered yet (a launcher that was registered once never returns
+    here; while the controller is away it stays in its state and keeps its workers).
+    WAITING: registered, no workers: a joiner, or between two epochs.
+    RUNNING: the workers of `epoch` run.
+    STOPPING: stopping the workers (the controller's STOP, or before a new epoch).
+    LEAVING: stopping the workers to leave the job; exits 0 afterwards.
+    SUCCEEDED, FAILED: final; the process exits (0, or the code saying why)."""
+
+    CONNECTING = "connecting"
+    WAITING = "waiting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    LEAVING = "leaving"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (AgentState.SUCCEEDED, AgentState.FAILED)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerExit:
+    epoch: int
+    worker: Worker
+    returncode: int
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkersStopped:
+    epoch: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SignalReceived:
+    signum: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Tick:
+    pass
+
+
+AgentEvent = LinkEvent | WorkerExit | WorkersStopped | SignalReceived | Tick
+
+
+@dataclasses.dataclass(frozen=True)
+class LauncherOptions:
+    controller: str
+    job_id: str
+    unit_id: str
+    secret: str
+    address: str
+    nodes: tuple[str, ...]
+    slurm_job_id: int = 0
+    tls_ca: Path | None = None
+    # After SIGTERM: how long to wait for the controller's Leave before leaving alone.
+    leave_timeout_s: float = 20.0
+    # Give up when never registered after this long.
+    connect_timeout_s: float = 600.0
+    # SIGTERM-to-SIGKILL grace when the launcher itself ends its workers.
+    stop_grace_s: float = 10.0
+
+
+class Agent:
+    def __init__(self, options: LauncherOptions) -> None:
+        self.options = options
+        self.state = AgentState.CONNECTING
+        self.events: asyncio.Queue[AgentEvent] = asyncio.Queue()
+        self.epoch = 0
+        self.workers: WorkerGroup | None = None
+        self.registered: launcher_pb2.Registered | None = None
+        self.exit_code = EXIT_OK
+        self.exit_reason = ""
+        self.pending_start: launcher_pb2.StartEpoch | None = None
+        self.failed_self = False
+        self.leave_requested_at: float | None = None
+        self.started_at = time.monotonic()
+        self.heartbeat_sequence = 0
+        self.run_dir = Path(tempfile.mkdtemp(prefix=f"tidal-{options.unit_id}-"))
+        self.store: Any = None
+        self.store_port = 0
+        self.log = log.bind(job=options.job_id, unit=options.unit_id)
+        self.link = ControllerLink(options.controller, register=self._register_message, post=self.events.put_nowait,
+                                   tls_ca=options.tls_ca)
+
+    # Setup and teardown.
+
+    def _new_store(self) -> None:
+        """A fresh rendezvous store: one serves one epoch only, as under torchrun, since
+        torch's env:// rendezvous reuses the same keys in every epoch."""
+        from torch.distributed import TCPStore
+
+        self.store = None
+        self.store = TCPStore(host_name=self.options.address, port=0, is_master=True, wait_for_workers=False)
+        self.store_port = int(self.store.port)
+
+    def _register_message(self) -> launcher_pb2.Register:
+        running = self.workers is not None and not self.workers.all_exited
+        return launcher_pb2.Register(
+            job_id=self.options.job_id, unit_id=self.options.unit_id, secret=self.options.secret,
+            nodes=list(self.options.nodes), address=self.options.address,
+            procs_per_node=self.registered.procs_per_node if self.registered else 0,
+            slurm_job_id=self.options.slurm_job_id, last_epoch=self.epoch,
+            worker_pids=self.workers.pids if running and self.workers else [],
+            launcher_version=_version(), store_port=self.store_port)
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.events.put_nowait, SignalReceived(signum))
+        self._new_store()
+        link_task = asyncio.create_task(self.link.run(), name="link")
+        ticker = asyncio.create_task(self._tick_forever(), name="ticker")
+        self.log.info("launcher_started", controller=self.options.controller, address=self.options.address,
+                      store_port=self.store_port, pid=os.getpid())
+        try:
+            while not self.state.is_final:
+                self._handle(await self.events.get())
+        finally:
+            ticker.cancel()
+            if self.workers is not None and not self.workers.all_exited:
+                await self.workers.stop(grace_s=1.0)
+            self.link.close()
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(link_task, timeout=2.0)
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        self.log.info("launcher_exited", state=self.state.value, exit_code=self.exit_code, reason=self.exit_reason)
+        return self.exit_code
+
+    async def _tick_forever(self) -> None:
+        while True:
+            interval = (self.registered.heartbeat_interval.ToNanoseconds() / 1e9
+                        if self.registered is not None else 1.0)
+            await asyncio.sleep(max(0.05, interval))
+            self.events.put_nowait(Tick())
+
+    # The one place transitions happen.
+
+    def _handle(self, event: AgentEvent) -> None:
+        match event:
+            case LinkUp(registered):
+                self._on_registered(registered)
+            case LinkDown(error):
+                self.log.warning("controller_lost", error=error, state=self.state.value)
+            case LinkRefused(code, details):
+                self._finish(AgentState.FAILED, EXIT_REFUSED, f"controller refused this launcher: {code.name}: "
+                             f"{details}")
+            case ControllerSaid(message):
+                self._on_command(message)
+            case WorkerExit(epoch, worker, returncode):
+                self._on_worker_exit(epoch, worker, returncode)
+            case WorkersStopped(epoch):
+                self._on_workers_stopped(epoch)
+            case SignalReceived(signum):
+                self._on_signal(signum)
+            case Tick():
+                self._on_tick()
+
+    def _on_registered(self, registered: launcher_pb2.Registered) -> None:
+        self.registered = registered
+        if self.state is AgentState.CONNECTING:
+            self.state = AgentState.WAITING
+        self.log.info("registered", controller_epoch=registered.current_epoch, own_epoch=self.epoch,
+                      state=self.state.value)
+        if self.leave_requested_at is not None and self.state not in (AgentState.LEAVING,):
+            self._request_leave()
+
+    def _on_command(self, message: launcher_pb2.ControllerMessage) -> None:
+        kind = message.WhichOneof("body")
+        if kind == "start_epoch":
+            self._on_start_epoch(message.start_epoch)
+        elif kind == "stop_epoch":
+            stop = message.stop_epoch
+            if stop.failed_unit_id == self.options.unit_id:
+                self.failed_self = True
+                self.link.close()
+            if stop.epoch < self.epoch:
+                self.log.info("stale_stop_ignored", stop_epoch=stop.epoch, epoch=self.epoch)
+                return
+            self.log.info("epoch_stop_ordered", epoch=stop.epoch, reason=stop.reason)
+            self.pending_start = None
+            self._stop_workers(AgentState.STOPPING, stop.grace.ToNanoseconds() / 1e9 if stop.HasField("grace")
+                               else self.options.stop_grace_s)
+        elif kind == "leave":
+            self.log.info("leave_ordered", epoch=message.leave.epoch, reason=message.leave.reason)
+            self._stop_workers(AgentState.LEAVING, self.options.stop_grace_s)
+        elif kind == "reconfigure":
+            self.log.warning("reconfigure_unsupported", reason="live mode needs the worker library")
+
+    def _on_start_epoch(self, start: launcher_pb2.StartEpoch) -> None:
+        if self.state in (AgentState.LEAVING,) or self.state.is_final:
+            return
+        if self.workers is not None and not self.workers.all_exited:
+            if self.workers.epoch == start.epoch:
+                return
+            # Restart mode: the old workers go first, then the new epoch starts.
+            self.pending_start = start
+            self._stop_workers(AgentState.STOPPING, self.options.stop_grace_s)
+            return
+        if self.state is AgentState.STOPPING:
+            self.pending_start = start
+            return
+        self._start(start)
+
+    def _start(self, start: launcher_pb2.StartEpoch) -> None:
+        assert self.registered is not None
+        mine = next((a for a in start.rank_table.assignments if a.unit_id == self.options.unit_id), None)
+        if mine is None:
+            self.log.warning("not_in_rank_table", epoch=start.epoch)
+            return
+        if start.rendezvous.host_unit_id == self.options.unit_id and start.rendezvous.port != self.store_port:
+            self.log.warning("rendezvous_port_mismatch", named=start.rendezvous.port, serving=self.store_port)
+        placement = Placement(epoch=start.epoch, first_rank=mine.first_rank, group_rank=mine.group_rank,
+                              group_world_size=len(start.rank_table.assignments),
+                              procs_per_node=mine.procs_per_node, world_size=start.rank_table.world_size,
+                              master_addr=start.rendezvous.host, master_port=start.rendezvous.port)
+        progress = [self.run_dir / f"progress-{local}" for local in range(mine.procs_per_node)]
+        environments = [worker_environment(os.environ, dict(self.registered.environment), placement=placement,
+                                           local_rank=local, job_id=self.options.job_id,
+                                           unit_id=self.options.unit_id, progress_file=progress[local])
+                        for local in range(mine.procs_per_node)]
+        epoch = start.epoch
+        try:
+            self.workers = start_workers(
+                list(self.registered.command), environments, epoch=epoch, first_rank=mine.first_rank,
+                working_dir=self.registered.working_dir, progress_files=progress,
+                on_exit=lambda worker, code: self.events.put_nowait(WorkerExit(epoch, worker, code)))
+        except OSError as error:
+            self.log.error("workers_not_started", epoch=epoch, error=str(error))
+            self.epoch = epoch
+            self.link.send(launcher_pb2.LauncherMessage(worker_exited=launcher_pb2.WorkerExited(
+                epoch=epoch, local_rank=0, pid=0, exit_code=127)))
+            self.state = AgentState.WAITING
+            return
+        self.epoch = epoch
+        self.state = AgentState.RUNNING
+        report = launcher_pb2.EpochReport(epoch=epoch, phase=launcher_pb2.EPOCH_PHASE_STARTED,
+                                          step=start.resume_step)
+        report.at.GetCurrentTime()
+        self.link.send(launcher_pb2.LauncherMessage(epoch_report=report))
+        self.log.info("epoch_started", epoch=epoch, rank=mine.first_rank, world_size=placement.world_size,
+                      master=f"{placement.master_addr}:{placement.master_port}")
+
+    def _stop_workers(self, next_state: AgentState, grace_s: float) -> None:
+        """Move to STOPPING or LEAVING; WorkersStopped follows once every worker is gone."""
+        if self.state is AgentState.LEAVING and next_state is AgentState.STOPPING:
+            return
+        already_stopping = self.state in (AgentState.STOPPING, AgentState.LEAVING)
+        self.state = next_state
+        group = self.workers
+        epoch = self.epoch
+        if group is None or group.all_exited:
+            if not already_stopping:
+                self.events.put_nowait(WorkersStopped(epoch))
+            return
+        if group.stopping:
+            return
+
+        async def stop() -> None:
+            await group.stop(grace_s)
+            self.events.put_nowait(WorkersStopped(epoch))
+
+        asyncio.get_running_loop().create_task(stop())
+
+    def _on_workers_stopped(self, epoch: int) -> None:
+        if self.state.is_final:
+            return
+        self.log.info("workers_stopped", epoch=epoch, state=self.state.value)
+        if self.state is AgentState.LEAVING:
+            report = launcher_pb2.EpochReport(epoch=self.epoch, phase=launcher_pb2.EPOCH_PHASE_LEFT, detail="left")
+            report.at.GetCurrentTime()
+            self.link.send(launcher_pb2.LauncherMessage(epoch_report=report))
+            self._finish(AgentState.SUCCEEDED, EXIT_OK, "left the job")
+            return
+        if self.failed_self:
+            self._finish(AgentState.FAILED, EXIT_UNIT_FAILED, "the controller declared this unit failed")
+            return
+        self._new_store()
+        report = launcher_pb2.EpochReport(epoch=self.epoch, phase=launcher_pb2.EPOCH_PHASE_STOPPED,
+                                          store_port=self.store_port)
+        report.at.GetCurrentTime()
+        self.link.send(launcher_pb2.LauncherMessage(epoch_report=report))
+        self.state = AgentState.WAITING
+        if self.pending_start is not None:
+            start, self.pending_start = self.pending_start, None
+            self._start(start)
+
+    def _on_worker_exit(self, epoch: int, worker: Worker, returncode: int) -> None:
+        group = self.workers
+        if group is None or group.epoch != epoch or group.stopping:
+            return
+        exit_code, signum = exit_status(returncode)
+        if self.leave_requested_at is not None and signum == signal.SIGTERM:
+            # Slurm signals the whole allocation; a worker ended by that SIGTERM is leaving too.
+            self.log.info("worker_terminated_with_launcher", epoch=epoch, rank=worker.rank, pid=worker.pid)
+            return
+        self.log.info("worker_exited", epoch=epoch, rank=worker.rank, pid=worker.pid, exit_code=exit_code,
+                      signal=signum)
+        self.link.send(launcher_pb2.LauncherMessage(worker_exited=launcher_pb2.WorkerExited(
+            epoch=epoch, local_rank=worker.local_rank, pid=worker.pid, exit_code=exit_code, signal=signum)))
+
+    def _on_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if self.leave_requested_at is not None or self.state in (AgentState.LEAVING, AgentState.CONNECTING):
+            self.log.warning("leaving_now", signal=name)
+            self._stop_workers(AgentState.LEAVING, 1.0)
+            return
+        self.log.info("leave_requested", signal=name)
+        self.leave_requested_at = time.monotonic()
+        if self.link.connected:
+            self._request_leave()
+        else:
+            self._stop_workers(AgentState.LEAVING, self.options.stop_grace_s)
+
+    def _request_leave(self) -> None:
+        request = launcher_pb2.LeaveRequest(epoch=self.epoch, cause=launcher_pb2.LEAVE_CAUSE_PREEMPTED,
+                                            detail="SIGTERM")
+        self.link.send(launcher_pb2.LauncherMessage(leave_request=request))
+
+    def _on_tick(self) -> None:
+        now = time.monotonic()
+        if self.state is AgentState.CONNECTING and now - self.started_at > self.options.connect_timeout_s:
+            self._finish(AgentState.FAILED, EXIT_UNREACHABLE,
+                         f"not registered within {self.options.connect_timeout_s:g} s")
+            return
+        if (self.leave_requested_at is not None and self.state is not AgentState.LEAVING
+                and now - self.leave_requested_at > self.options.leave_timeout_s):
+            self.log.warning("leaving_without_controller", waited_s=self.options.leave_timeout_s)
+            self._stop_workers(AgentState.LEAVING, self.options.stop_grace_s)
+        if self.link.connected:
+            self.link.send(launcher_pb2.LauncherMessage(heartbeat=self._heartbeat()), reliable=False)
+
+    def _heartbeat(self) -> launcher_pb2.Heartbeat:
+        self.heartbeat_sequence += 1
+        beat = launcher_pb2.Heartbeat(epoch=self.epoch, sequence=self.heartbeat_sequence)
+        beat.sent_at.GetCurrentTime()
+        if self.workers is not None:
+            for worker in self.workers.workers:
+                if worker.exited.done():
+                    continue
+                entry = launcher_pb2.WorkerProgress(local_rank=worker.local_rank, rank=worker.rank, pid=worker.pid)
+                progress = read_progress(worker.progress_file)
+                if progress is not None:
+                    entry.step = progress.step
+                    entry.progress_time.FromNanoseconds(int(progress.at * 1e9))
+                beat.workers.append(entry)
+        return beat
+
+    def _finish(self, state: AgentState, exit_code: int, reason: str) -> None:
+        self.state = state
+        self.exit_code = exit_code
+        self.exit_reason = reason
+
+
+def _version() -> str:
+    try:
+        return package_version("tidal-elastic")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def read_secret(secret_file: str | None) -> str:
+    """The job's secret: from --secret-file / $TIDAL_SECRET_FILE, else $TIDAL_JOB_SECRET."""
+    path = secret_file or os.environ.get("TIDAL_SECRET_FILE")
+    if path:
+        return Path(path).read_text().strip()
+    return os.environ.get("TIDAL_JOB_SECRET", "").strip()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    parser = argparse.ArgumentParser(
+        prog="tidal-launcher", description="Tidal's per-unit agent. The job's secret comes from --secret-file, "
+        "$TIDAL_SECRET_FILE or $TIDAL_JOB_SECRET, never from the command line.")
+    parser.add_argument("--controller", default=env("TIDAL_CONTROLLER"), help="host:port ($TIDAL_CONTROLLER)")
+    parser.add_argument("--job", default=env("TIDAL_JOB_ID"), help="job id ($TIDAL_JOB_ID)")
+    parser.add_argument("--unit", default=env("TIDAL_UNIT_ID"),
+                        help="unit id ($TIDAL_UNIT_ID; default <host>-<Slurm job id or pid>)")
+    parser.add_argument("--secret-file", default=None, help="file holding the job's secret ($TIDAL_SECRET_FILE)")
+    parser.add_argument("--address", default=env("TIDAL_ADDRESS"),
+                        help="address other nodes reach this one at ($TIDAL_ADDRESS; default the host name)")
+    parser.add_argument("--tls-ca", type=Path, default=env("TIDAL_TLS_CA"),
+                        help="CA certificate to verify the controller's TLS ($TIDAL_TLS_CA)")
+    parser.add_argument("--leave-timeout", type=float, default=20.0,
+                        help="seconds after SIGTERM to wait for the controller before leaving alone")
+    parser.add_argument("--connect-timeout", type=float, default=600.0,
+                        help="give up when not registered after this many seconds")
+    parser.add_argument("--stop-grace", type=float, default=10.0, help="SIGTERM-to-SIGKILL grace for workers")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    return refuse_unbuilt("tidal-launcher", "Tidal's per-unit agent.", argv)
+    args = build_parser().parse_args(argv)
+    configure_logging()
+    missing = [name for name in ("controller", "job") if not getattr(args, name)]
+    if missing:
+        print(f"tidal-launcher: missing --{' and --'.join(missing)} (or their TIDAL_* variables)", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        secret = read_secret(args.secret_file)
+    except OSError as error:
+        print(f"tidal-launcher: cannot read the job's secret: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    if not secret:
+        print("tidal-launcher: no job secret (set --secret-file, $TIDAL_SECRET_FILE or $TIDAL_JOB_SECRET)",
+              file=sys.stderr)
+        return EXIT_USAGE
+    host = socket.gethostname()
+    slurm_job_id = int(os.environ.get("SLURM_JOB_ID", "0") or 0)
+    nodename = os.environ.get("SLURMD_NODENAME", host)
+    options = LauncherOptions(
+        controller=args.controller, job_id=args.job, unit_id=args.unit or f"{nodename}-{slurm_job_id or os.getpid()}",
+        secret=secret, address=args.address or host, nodes=(nodename,), slurm_job_id=slurm_job_id,
+        tls_ca=args.tls_ca, leave_timeout_s=args.leave_timeout, connect_timeout_s=args.connect_timeout,
+        stop_grace_s=args.stop_grace)
+    return asyncio.run(Agent(options).run())
 
 
 if __name__ == "__main__":
     sys.exit(main())
+

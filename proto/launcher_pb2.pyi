@@ -51,7 +51,7 @@ class LauncherMessage(_message.Message):
     def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., worker_exited: _Optional[_Union[WorkerExited, _Mapping]] = ..., leave_request: _Optional[_Union[LeaveRequest, _Mapping]] = ..., epoch_report: _Optional[_Union[EpochReport, _Mapping]] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("job_id", "unit_id", "secret", "nodes", "address", "procs_per_node", "slurm_job_id", "last_epoch", "worker_pids", "launcher_version")
+    __slots__ = ("job_id", "unit_id", "secret", "nodes", "address", "procs_per_node", "slurm_job_id", "last_epoch", "worker_pids", "launcher_version", "store_port")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     UNIT_ID_FIELD_NUMBER: _ClassVar[int]
     SECRET_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class Register(_message.Message):
     LAST_EPOCH_FIELD_NUMBER: _ClassVar[int]
     WORKER_PIDS_FIELD_NUMBER: _ClassVar[int]
     LAUNCHER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     unit_id: str
     secret: str
@@ -72,7 +73,8 @@ class Register(_message.Message):
     last_epoch: int
     worker_pids: _containers.RepeatedScalarFieldContainer[int]
     launcher_version: str
-    def __init__(self, job_id: _Optional[str] = ..., unit_id: _Optional[str] = ..., secret: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., address: _Optional[str] = ..., procs_per_node: _Optional[int] = ..., slurm_job_id: _Optional[int] = ..., last_epoch: _Optional[int] = ..., worker_pids: _Optional[_Iterable[int]] = ..., launcher_version: _Optional[str] = ...) -> None: ...
+    store_port: int
+    def __init__(self, job_id: _Optional[str] = ..., unit_id: _Optional[str] = ..., secret: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., address: _Optional[str] = ..., procs_per_node: _Optional[int] = ..., slurm_job_id: _Optional[int] = ..., last_epoch: _Optional[int] = ..., worker_pids: _Optional[_Iterable[int]] = ..., launcher_version: _Optional[str] = ..., store_port: _Optional[int] = ...) -> None: ...
 
 class WorkerProgress(_message.Message):
     __slots__ = ("local_rank", "rank", "pid", "step", "progress_time")
@@ -127,18 +129,20 @@ class LeaveRequest(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., cause: _Optional[_Union[LeaveCause, str]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class EpochReport(_message.Message):
-    __slots__ = ("epoch", "phase", "step", "at", "detail")
+    __slots__ = ("epoch", "phase", "step", "at", "detail", "store_port")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     AT_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     phase: EpochPhase
     step: int
     at: _timestamp_pb2.Timestamp
     detail: str
-    def __init__(self, epoch: _Optional[int] = ..., phase: _Optional[_Union[EpochPhase, str]] = ..., step: _Optional[int] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., detail: _Optional[str] = ...) -> None: ...
+    store_port: int
+    def __init__(self, epoch: _Optional[int] = ..., phase: _Optional[_Union[EpochPhase, str]] = ..., step: _Optional[int] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., detail: _Optional[str] = ..., store_port: _Optional[int] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
     __slots__ = ("registered", "start_epoch", "reconfigure", "stop_epoch", "leave", "heartbeat_ack")
@@ -157,18 +161,35 @@ class ControllerMessage(_message.Message):
     def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., start_epoch: _Optional[_Union[StartEpoch, _Mapping]] = ..., reconfigure: _Optional[_Union[Reconfigure, _Mapping]] = ..., stop_epoch: _Optional[_Union[StopEpoch, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ...) -> None: ...
 
 class Registered(_message.Message):
-    __slots__ = ("current_epoch", "heartbeat_interval", "heartbeat_timeout", "mode", "progress_timeout")
+    __slots__ = ("current_epoch", "heartbeat_interval", "heartbeat_timeout", "mode", "progress_timeout", "command", "environment", "working_dir", "procs_per_node", "job_name")
+    class EnvironmentEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     CURRENT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
+    WORKING_DIR_FIELD_NUMBER: _ClassVar[int]
+    PROCS_PER_NODE_FIELD_NUMBER: _ClassVar[int]
+    JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     current_epoch: int
     heartbeat_interval: _duration_pb2.Duration
     heartbeat_timeout: _duration_pb2.Duration
     mode: _common_pb2.JobMode
     progress_timeout: _duration_pb2.Duration
-    def __init__(self, current_epoch: _Optional[int] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., heartbeat_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., mode: _Optional[_Union[_common_pb2.JobMode, str]] = ..., progress_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    command: _containers.RepeatedScalarFieldContainer[str]
+    environment: _containers.ScalarMap[str, str]
+    working_dir: str
+    procs_per_node: int
+    job_name: str
+    def __init__(self, current_epoch: _Optional[int] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., heartbeat_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., mode: _Optional[_Union[_common_pb2.JobMode, str]] = ..., progress_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., command: _Optional[_Iterable[str]] = ..., environment: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., procs_per_node: _Optional[int] = ..., job_name: _Optional[str] = ...) -> None: ...
 
 class StartEpoch(_message.Message):
     __slots__ = ("epoch", "rank_table", "rendezvous", "resume_step")
@@ -199,14 +220,16 @@ class Reconfigure(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., from_epoch: _Optional[int] = ..., at_step: _Optional[int] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., rendezvous: _Optional[_Union[_common_pb2.Rendezvous, _Mapping]] = ..., state_sources: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StopEpoch(_message.Message):
-    __slots__ = ("epoch", "reason", "failed_unit_id")
+    __slots__ = ("epoch", "reason", "failed_unit_id", "grace")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     FAILED_UNIT_ID_FIELD_NUMBER: _ClassVar[int]
+    GRACE_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     reason: str
     failed_unit_id: str
-    def __init__(self, epoch: _Optional[int] = ..., reason: _Optional[str] = ..., failed_unit_id: _Optional[str] = ...) -> None: ...
+    grace: _duration_pb2.Duration
+    def __init__(self, epoch: _Optional[int] = ..., reason: _Optional[str] = ..., failed_unit_id: _Optional[str] = ..., grace: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Leave(_message.Message):
     __slots__ = ("epoch", "at_step", "reason")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import replace
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from tidal.slurm.errors import SlurmCommandFailed, SlurmError, SlurmJobNotFound, SlurmTimeout
 from tidal.slurm.models import (
@@ -32,7 +32,7 @@ from tidal.slurm.models import (
 
 
 def _utcnow() -> datetime:
-    return datetime.now(tz=timezone.utc)
+    return datetime.now(tz=UTC)
 
 
 class FakeSlurmClient:

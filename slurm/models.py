@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 
-class JobState(str, enum.Enum):
+class JobState(enum.StrEnum):
     """A Slurm job's base state (squeue's JOB_STATE without flags)."""
 
     PENDING = "PENDING"
@@ -36,7 +36,7 @@ class JobState(str, enum.Enum):
         return self not in (JobState.PENDING, JobState.RUNNING, JobState.SUSPENDED, JobState.UNKNOWN)
 
 
-class JobFlag(str, enum.Enum):
+class JobFlag(enum.StrEnum):
     """Flags Slurm sets beside a job's base state (JOB_STATE_FLAGS in slurm.h)."""
 
     COMPLETING = "COMPLETING"
@@ -58,7 +58,7 @@ class JobFlag(str, enum.Enum):
     EXPEDITING = "EXPEDITING"
 
 
-class NodeState(str, enum.Enum):
+class NodeState(enum.StrEnum):
     """A node's base state (NODE_STATE_BASE in slurm.h)."""
 
     IDLE = "IDLE"
@@ -70,7 +70,7 @@ class NodeState(str, enum.Enum):
     UNKNOWN = "UNKNOWN"
 
 
-class NodeFlag(str, enum.Enum):
+class NodeFlag(enum.StrEnum):
     """Flags beside a node's base state (NODE_STATE_FLAGS in slurm.h)."""
 
     DRAIN = "DRAIN"
@@ -112,7 +112,7 @@ BLOCKING_NODE_FLAGS = frozenset({
 })
 
 
-class PreemptMode(str, enum.Enum):
+class PreemptMode(enum.StrEnum):
     OFF = "OFF"
     CANCEL = "CANCEL"
     REQUEUE = "REQUEUE"

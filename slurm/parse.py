@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterable, Mapping
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from tidal.slurm.errors import SlurmParseError, SlurmReportedError
@@ -110,7 +110,7 @@ def timestamp(value: Any) -> datetime | None:
     seconds = number(value)
     if not seconds or seconds < 0 or seconds >= 2**32 - 2:
         return None
-    return datetime.fromtimestamp(seconds, tz=timezone.utc)
+    return datetime.fromtimestamp(seconds, tz=UTC)
 
 
 def parse_gres(text: str | None) -> tuple[Gres, ...]:

@@ -5,7 +5,7 @@ same: the same jobs in the same states, the same nodes, the same partitions."""
 from __future__ import annotations
 
 import json
-from datetime import timezone
+from datetime import UTC
 from pathlib import Path
 
 import pytest
@@ -54,7 +54,7 @@ def test_running_pending_and_two_node_jobs(release: str) -> None:
     assert waiting.state is JobState.PENDING and waiting.nodes == ()
     assert waiting.reason in ("Resources", "Priority")
     assert unit.partition == "train" and unit.user == "root"
-    assert unit.start_time is not None and unit.start_time.tzinfo is timezone.utc
+    assert unit.start_time is not None and unit.start_time.tzinfo is UTC
     assert unit.preempt_time is None and not unit.is_being_preempted and not unit.was_requeued
     assert all(j.is_active for j in jobs.values())
 

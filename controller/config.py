@@ -1,0 +1,194 @@
+"""The controller's one typed configuration object.
+
+Precedence, lowest first: the defaults below, a TOML file (`--config`, default
+/etc/tidal/controller.toml when it exists), `TIDAL_<FIELD>` environment variables
+(`TIDAL_HEARTBEAT_INTERVAL_S=0.5`), then command-line flags. Every field is named with its
+unit (`_s` for seconds, `_bytes`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CONFIG_FILE = Path("/etc/tidal/controller.toml")
+ENV_PREFIX = "TIDAL_"
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, of the wrong type or out of range; the message
+    names the field and where the value came from."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerConfig:
+    # Where SQLite, job secrets and the admin token live.
+    state_dir: Path = Path("/var/lib/tidal")
+    # SQLite file; empty means <state_dir>/tidal.db.
+    database: Path | None = None
+    # TCP address launchers (and token-holding admins) connect to.
+    listen: str = "0.0.0.0:7420"
+    # Unix socket for the CLI; the caller's uid is checked (job owner or root).
+    unix_socket: Path = Path("/run/tidal/controller.sock")
+    # Admin token for admin calls over TCP; empty means <state_dir>/admin.token, made
+    # (mode 0600) at first start.
+    admin_token_file: Path | None = None
+    # TLS for the TCP listener: both set, or neither.
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    # Prometheus metrics (host:port); empty disables.
+    metrics_listen: str = "127.0.0.1:9464"
+    # Health.
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 3.0
+    # A worker that reported progress once and then none for this long is hung.
+    progress_timeout_s: float = 300.0
+    # A launcher must send Register within this long after opening its session.
+    register_timeout_s: float = 10.0
+    # After a controller (re)start, launchers of running epochs get this long to reconnect.
+    reconnect_grace_s: float = 15.0
+    # Wait this long after the last registration before forming or growing a world, so
+    # launchers that start together form one epoch.
+    join_settle_s: float = 2.0
+    # SIGTERM-to-SIGKILL grace for workers on a planned change (restart mode).
+    restart_grace_s: float = 10.0
+    # SIGTERM-to-SIGKILL grace for workers when the epoch stops for a failure.
+    failure_stop_grace_s: float = 0.5
+    # No grow within this long after a world change.
+    scale_up_snooze_s: float = 0.0
+    # Bounds on what a launcher may send.
+    max_message_bytes: int = 1 << 20
+    launcher_messages_per_s: float = 50.0
+    launcher_message_burst: int = 100
+    # SERVING only once Slurm answers too (a controller that manages Slurm units).
+    require_slurm: bool = False
+    # Seconds between health re-checks of the database (and Slurm).
+    readiness_check_interval_s: float = 10.0
+    log_level: str = "info"
+    # json, console, or empty for "json unless stderr is a terminal".
+    log_format: str = ""
+
+    def __post_init__(self) -> None:
+        positive = ["heartbeat_interval_s", "heartbeat_timeout_s", "progress_timeout_s", "register_timeout_s",
+                    "restart_grace_s", "failure_stop_grace_s", "launcher_messages_per_s",
+                    "readiness_check_interval_s"]
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ["reconnect_grace_s", "join_settle_s", "scale_up_snooze_s"]:
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ConfigError(f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed "
+                              f"heartbeat_interval_s ({self.heartbeat_interval_s})")
+        if not 1024 <= self.max_message_bytes <= 64 << 20:
+            raise ConfigError(f"max_message_bytes must be within 1 KiB..64 MiB, got {self.max_message_bytes}")
+        if self.launcher_message_burst < 1:
+            raise ConfigError("launcher_message_burst must be >= 1")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ConfigError("tls_cert_file and tls_key_file go together: set both or neither")
+        if self.log_format not in ("", "json", "console"):
+            raise ConfigError(f"log_format must be json, console or empty, got {self.log_format!r}")
+        split_host_port(self.listen, "listen")
+        if self.metrics_listen:
+            split_host_port(self.metrics_listen, "metrics_listen")
+
+    @property
+    def database_path(self) -> Path:
+        return self.database or self.state_dir / "tidal.db"
+
+    @property
+    def admin_token_path(self) -> Path:
+        return self.admin_token_file or self.state_dir / "admin.token"
+
+    @property
+    def secrets_dir(self) -> Path:
+        return self.state_dir / "secrets"
+
+
+def split_host_port(address: str, field: str) -> tuple[str, int]:
+    """`host:port` or `[v6]:port` into its parts; ConfigError naming `field` otherwise."""
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ConfigError(f"{field} must be host:port, got {address!r}")
+    return host.strip("[]"), int(port_text)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(ControllerConfig)}
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    """Turn a TOML, environment or flag value into the field's type."""
+    kind = str(_FIELDS[name].type)
+    try:
+        if "Path" in kind:
+            if not isinstance(value, str):
+                raise ValueError(value)
+            if value:
+                return Path(value)
+            if "None" in kind:
+                return None
+            raise ValueError(value)
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            lowered = str(value).strip().lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if kind == "int":
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return int(value)
+        if kind == "float":
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return float(value)
+        if not isinstance(value, str):
+            raise ValueError(value)
+        return value
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} ({source}) must be {kind}, got {value!r}") from None
+
+
+def load_config(path: Path | None = None, *, environ: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> ControllerConfig:
+    """Build the config from defaults, the TOML file, the environment and `overrides`
+    (flags), in that order. An unknown key in the file is an error (a typo must not pass
+    silently); unknown `TIDAL_*` variables are ignored (the launcher has its own)."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    file = path if path is not None else (DEFAULT_CONFIG_FILE if DEFAULT_CONFIG_FILE.exists() else None)
+    if file is not None:
+        try:
+            with open(file, "rb") as handle:
+                document = tomllib.load(handle)
+        except OSError as error:
+            raise ConfigError(f"cannot read config file {file}: {error.strerror}") from None
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError(f"config file {file} is not valid TOML: {error}") from None
+        table = document.get("controller", document)
+        for key, value in table.items():
+            if key not in _FIELDS:
+                raise ConfigError(f"unknown setting {key!r} in {file}; known: {', '.join(sorted(_FIELDS))}")
+            values[key] = _coerce(key, value, str(file))
+    for name in _FIELDS:
+        env_name = ENV_PREFIX + name.upper()
+        if env_name in environ:
+            values[name] = _coerce(name, environ[env_name], f"${env_name}")
+    for name, value in (overrides or {}).items():
+        if name not in _FIELDS:
+            raise ConfigError(f"unknown setting {name!r}")
+        if value is not None:
+            values[name] = _coerce(name, value, "command line")
+    return ControllerConfig(**values)
+
+
+def config_as_dict(config: ControllerConfig) -> dict[str, Any]:
+    """Printable form (`tidal-controller --print-config`); holds no secret, only paths."""
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(config).items()}

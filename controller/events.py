@@ -1,0 +1,37 @@
+"""The event log: every state change is one row in SQLite, one structured log line, and
+one message to whoever watches (`tidal events --follow`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+
+import structlog
+
+from tidal.controller.model import EventRecord
+from tidal.controller.store import StateStore
+
+log = structlog.get_logger("tidal.controller.events")
+
+
+class EventLog:
+    def __init__(self, store: StateStore) -> None:
+        self.store = store
+        self._watchers: set[asyncio.Queue[EventRecord]] = set()
+
+    def record(self, job_id: str, kind: str, reason: str = "", *, unit_id: str = "", epoch: int = 0,
+               fields: Mapping[str, object] | None = None) -> EventRecord:
+        """Append the event (inside the caller's transaction, if any) and announce it."""
+        event = self.store.append_event(job_id, kind, reason, unit_id=unit_id, epoch=epoch, fields=fields)
+        log.info(kind, job=job_id, unit=unit_id or None, epoch=epoch, reason=reason or None, **event.fields)
+        for queue in self._watchers:
+            queue.put_nowait(event)
+        return event
+
+    def watch(self) -> asyncio.Queue[EventRecord]:
+        queue: asyncio.Queue[EventRecord] = asyncio.Queue(maxsize=0)
+        self._watchers.add(queue)
+        return queue
+
+    def unwatch(self, queue: asyncio.Queue[EventRecord]) -> None:
+        self._watchers.discard(queue)

@@ -1,0 +1,88 @@
+"""Health verdicts and rate bounds: pure functions of observations and a monotonic `now`.
+
+A broken stream and a worker's exit are failures the moment they are seen (the job actor
+acts on them directly); what needs a clock is judged here: heartbeats that stopped, a
+worker that stopped making progress, a launcher that did not come back after a controller
+restart. The reasons go into the event log as they are."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitHealth:
+    """What the controller last saw of one member of the running epoch (monotonic times)."""
+
+    unit_id: str
+    connected: bool
+    # Last heartbeat received, or when the session opened.
+    last_heartbeat_at: float | None
+    # Per global rank: when the worker last made progress, if it ever reported any.
+    progress_at: Mapping[int, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class HealthPolicy:
+    heartbeat_timeout_s: float
+    progress_timeout_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    unit_id: str
+    reason: str
+    # Short machine name of the cause, for metrics: heartbeat, progress, reconnect.
+    cause: str
+
+
+def health_verdicts(units: Sequence[UnitHealth], *, now: float, policy: HealthPolicy,
+                    epoch_started_at: float, reconnect_deadline: float) -> list[Failure]:
+    """Failures among the members of a running epoch.
+
+    - connected, but no heartbeat for longer than `heartbeat_timeout_s`: hung or cut off;
+    - not connected past `reconnect_deadline` (only after a controller restart does a
+      member have no session; a session that breaks is a failure at once, elsewhere);
+    - a worker that reported progress in this epoch and then none for `progress_timeout_s`.
+      Workers that never report (unmodified torchrun scripts) are judged by heartbeats and
+      exits only."""
+    failures: list[Failure] = []
+    for unit in units:
+        if not unit.connected:
+            if now > reconnect_deadline:
+                failures.append(Failure(unit.unit_id, "launcher did not reconnect after the controller restarted",
+                                        "reconnect"))
+            continue
+        if unit.last_heartbeat_at is not None:
+            silent = now - unit.last_heartbeat_at
+            if silent > policy.heartbeat_timeout_s:
+                failures.append(Failure(unit.unit_id, f"no heartbeat for {silent:.1f} s "
+                                        f"(timeout {policy.heartbeat_timeout_s:g} s)", "heartbeat"))
+                continue
+        stalled = {rank: now - at for rank, at in unit.progress_at.items()
+                   if at >= epoch_started_at and now - at > policy.progress_timeout_s}
+        if stalled:
+            rank, age = max(stalled.items(), key=lambda item: item[1])
+            failures.append(Failure(unit.unit_id, f"rank {rank} made no progress for {age:.1f} s "
+                                    f"(timeout {policy.progress_timeout_s:g} s)", "progress"))
+    return failures
+
+
+class TokenBucket:
+    """At most `rate` events per second on average, `burst` at once. The clock is passed
+    in, so tests need no sleeping."""
+
+    def __init__(self, rate: float, burst: int, now: float) -> None:
+        self.rate = rate
+        self.burst = float(burst)
+        self.tokens = float(burst)
+        self.updated_at = now
+
+    def allow(self, now: float) -> bool:
+        self.tokens = min(self.burst, self.tokens + (now - self.updated_at) * self.rate)
+        self.updated_at = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False

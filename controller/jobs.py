@@ -1,0 +1,661 @@
+"""One actor per elastic job: the job's state machine, one input queue, one loop.
+
+Inputs are launcher sessions opening and closing, what launchers say, admin requests and a
+clock tick. Every transition is written to SQLite (and the event log) before any message
+about it leaves, so a controller killed at any point reloads what it decided. Decisions
+come from the pure functions in `planning` and `health`; this module only applies them."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import signal
+import time
+
+import grpc
+import structlog
+from google.protobuf import duration_pb2
+
+from tidal.controller import planning
+from tidal.controller.config import ControllerConfig
+from tidal.controller.events import EventLog
+from tidal.controller.health import Failure, HealthPolicy, UnitHealth, health_verdicts
+from tidal.controller.metrics import ControllerMetrics
+from tidal.controller.model import EpochRecord, EventRecord, JobRecord, JobState, UnitRecord, UnitState, join_ids
+from tidal.controller.security import secret_matches
+from tidal.controller.sessions import LauncherSession
+from tidal.controller.store import StateStore
+from tidal.proto import admin_pb2, launcher_pb2
+
+log = structlog.get_logger("tidal.controller.jobs")
+
+
+class Refusal(Exception):
+    """A launcher call the controller refuses, with the gRPC status it gets."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+# Inputs of the actor's loop.
+
+
+@dataclasses.dataclass(frozen=True)
+class Connected:
+    session: LauncherSession
+    register: launcher_pb2.Register
+
+
+@dataclasses.dataclass(frozen=True)
+class Said:
+    session: LauncherSession
+    message: launcher_pb2.LauncherMessage
+
+
+@dataclasses.dataclass(frozen=True)
+class Disconnected:
+    session: LauncherSession
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Tick:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class CancelRequested:
+    uid: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DrainRequested:
+    unit_ids: tuple[str, ...]
+    uid: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ResizeRequested:
+    min_replicas: int
+    max_replicas: int
+    uid: int
+
+
+JobInput = Connected | Said | Disconnected | Tick | CancelRequested | DrainRequested | ResizeRequested
+
+
+@dataclasses.dataclass
+class PendingStop:
+    """An epoch being stopped: who must still confirm, and what comes next."""
+
+    epoch: int
+    cause: str
+    reason: str
+    detected_at: float
+    waiting_for: set[str]
+    deadline: float
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    value = duration_pb2.Duration()
+    value.FromNanoseconds(int(seconds * 1e9))
+    return value
+
+
+def describe_exit(exit_code: int, signal_number: int) -> str:
+    if signal_number:
+        try:
+            return f"killed by {signal.Signals(signal_number).name}"
+        except ValueError:
+            return f"killed by signal {signal_number}"
+    return f"exit code {exit_code}"
+
+
+class JobActor:
+    def __init__(self, job: JobRecord, units: list[UnitRecord], epoch: EpochRecord | None, *,
+                 epoch_stopped: bool, config: ControllerConfig, store: StateStore, events: EventLog,
+                 metrics: ControllerMetrics, started_at: float) -> None:
+        self.job = job
+        self.units = {u.unit_id: u for u in units}
+        self.epoch = epoch
+        self.config = config
+        self.store = store
+        self.events = events
+        self.metrics = metrics
+        self.inputs: asyncio.Queue[JobInput] = asyncio.Queue()
+        self.sessions: dict[str, LauncherSession] = {}
+        self.stop: PendingStop | None = None
+        self.registered_at: dict[str, float] = {}
+        self.last_change_at: float | None = None
+        self.epoch_started_at = started_at
+        self.reconnect_deadline = started_at + config.reconnect_grace_s
+        self.exited_ok: dict[str, set[int]] = {}
+        self.failure_detected_at: float | None = None
+        self.log = log.bind(job=job.job_id)
+        if job.state is JobState.RECONFIGURING and epoch is not None and not epoch_stopped:
+            # Killed while stopping an epoch: finish the stop with whoever comes back.
+            members = {m.unit_id for m in epoch.members if not self.units[m.unit_id].state.is_final}
+            self.stop = PendingStop(epoch=epoch.epoch, cause="restart", reason="stop resumed after controller restart",
+                                    detected_at=started_at, waiting_for=members,
+                                    deadline=self.reconnect_deadline + config.restart_grace_s)
+
+    # Entry points used by the gRPC layer (synchronous, on the event loop).
+
+    def admit(self, register: launcher_pb2.Register) -> launcher_pb2.Registered:
+        """Check a launcher's Register; raise Refusal with the status it gets."""
+        job = self.job
+        if not secret_matches(register.secret, job.secret_sha256):
+            raise Refusal(grpc.StatusCode.UNAUTHENTICATED, f"wrong secret for job {job.job_id}")
+        if job.state.is_final:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"job {job.job_id} is {job.state.value}")
+        unit = self.units.get(register.unit_id)
+        if unit is not None and unit.state.is_final:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"unit {unit.unit_id} is {unit.state.value} ({unit.reason or 'no reason recorded'}); "
+                          f"it is no longer part of job {job.job_id}")
+        if register.last_epoch > job.epoch:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"unit {register.unit_id} claims epoch {register.last_epoch}, "
+                          f"but job {job.job_id} is at epoch {job.epoch}")
+        in_current = self.epoch is not None and self.epoch.member(register.unit_id) is not None
+        if register.last_epoch and register.last_epoch < job.epoch and not in_current:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"stale epoch {register.last_epoch}: job {job.job_id} is at epoch {job.epoch} "
+                          f"and unit {register.unit_id} is not part of it")
+        if register.last_epoch and unit is None:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"unit {register.unit_id} claims epoch {register.last_epoch} of job {job.job_id}, "
+                          "which has no record of it")
+        spec = job.spec
+        return launcher_pb2.Registered(
+            current_epoch=job.epoch, heartbeat_interval=_duration(self.config.heartbeat_interval_s),
+            heartbeat_timeout=_duration(self.config.heartbeat_timeout_s), mode=spec.mode,
+            progress_timeout=_duration(self.config.progress_timeout_s), command=list(spec.command),
+            environment=dict(spec.environment), working_dir=spec.working_dir,
+            procs_per_node=spec.procs_per_node or 1, job_name=spec.name)
+
+    def heartbeat(self, session: LauncherSession, beat: launcher_pb2.Heartbeat) -> launcher_pb2.ControllerMessage:
+        """Record a heartbeat; it needs no decision, so it skips the queue."""
+        now = time.monotonic()
+        session.last_heartbeat_at = now
+        if beat.HasField("sent_at"):
+            sent_at = beat.sent_at.ToNanoseconds() / 1e9
+            self.metrics.heartbeat_latency.observe(max(0.0, time.time() - sent_at))
+            for worker in beat.workers:
+                if worker.HasField("progress_time"):
+                    age = max(0.0, sent_at - worker.progress_time.ToNanoseconds() / 1e9)
+                    session.progress_at[worker.rank] = now - age
+                    session.steps[worker.rank] = worker.step
+        return launcher_pb2.ControllerMessage(heartbeat_ack=launcher_pb2.HeartbeatAck(sequence=beat.sequence))
+
+    def put(self, item: JobInput) -> None:
+        self.inputs.put_nowait(item)
+
+    async def run(self) -> None:
+        while True:
+            item = await self.inputs.get()
+            try:
+                self._handle(item)
+            except Exception:
+                # One bad input must not take the job (or the daemon) down.
+                self.log.exception("job_input_failed", input=type(item).__name__)
+
+    # The one place transitions happen.
+
+    def _handle(self, item: JobInput) -> None:
+        match item:
+            case Tick():
+                self._on_tick(time.monotonic())
+            case Connected(session, register):
+                self._on_connected(session, register)
+            case Said(session, message):
+                if self.sessions.get(session.unit_id) is session:
+                    self._on_said(session, message)
+            case Disconnected(session, reason):
+                self._on_disconnected(session, reason)
+            case CancelRequested(uid):
+                self._on_cancel(uid)
+            case DrainRequested(unit_ids, uid):
+                for unit_id in unit_ids:
+                    self._leave(unit_id, "drained", f"drained by uid {uid}")
+            case ResizeRequested(min_replicas, max_replicas, uid):
+                self._on_resize(min_replicas, max_replicas, uid)
+
+    def _on_connected(self, session: LauncherSession, register: launcher_pb2.Register) -> None:
+        now = time.monotonic()
+        unit_id = session.unit_id
+        previous = self.sessions.get(unit_id)
+        if previous is not None:
+            previous.close(grpc.StatusCode.ABORTED, "replaced by a newer session of the same unit")
+        self.sessions[unit_id] = session
+        self.metrics.launchers_connected.inc()
+        unit = self.units.get(unit_id)
+        fields = {"address": register.address, "nodes": join_ids(list(register.nodes)),
+                  "workers": join_ids([str(p) for p in register.worker_pids])}
+        if unit is None or unit.state is UnitState.SUBMITTED:
+            unit = unit or UnitRecord(job_id=self.job.job_id, unit_id=unit_id, state=UnitState.JOINING)
+            unit.state = UnitState.JOINING
+            unit.nodes = list(register.nodes) or [register.address]
+            unit.address = register.address
+            unit.procs_per_node = self.job.spec.procs_per_node or 1
+            unit.slurm_job_id = register.slurm_job_id
+            unit.registered_at = time.time()
+            self.units[unit_id] = unit
+            with self.store.transaction():
+                self.store.upsert_unit(unit)
+                self.events.record(self.job.job_id, "unit_registered", "launcher registered", unit_id=unit_id,
+                                   epoch=self.job.epoch, fields=fields)
+            self.registered_at[unit_id] = now
+            self._refresh_gauges()
+            return
+        unit.address = register.address or unit.address
+        member = self.epoch.member(unit_id) if self.epoch is not None else None
+        if unit.state is UnitState.JOINING:
+            self.registered_at[unit_id] = now
+            self.events.record(self.job.job_id, "launcher_reconnected", "joining unit reconnected", unit_id=unit_id,
+                               epoch=self.job.epoch, fields=fields)
+            return
+        if member is None or self.epoch is None:
+            return
+        if self.stop is not None and self.stop.epoch == self.epoch.epoch:
+            self.stop.waiting_for.add(unit_id)
+            session.send(self._stop_message(self.stop, failed_unit_id=""))
+            self.events.record(self.job.job_id, "launcher_reconnected", "told to stop the epoch being stopped",
+                               unit_id=unit_id, epoch=self.epoch.epoch, fields=fields)
+        elif register.last_epoch == self.epoch.epoch and register.worker_pids:
+            self.events.record(self.job.job_id, "launcher_reattached",
+                               f"still running epoch {self.epoch.epoch}; workers untouched", unit_id=unit_id,
+                               epoch=self.epoch.epoch, fields=fields)
+        elif self.job.state is JobState.RUNNING:
+            session.send(self._start_message(self.epoch))
+            self.events.record(self.job.job_id, "epoch_start_resent",
+                               f"reconnected without workers of epoch {self.epoch.epoch}", unit_id=unit_id,
+                               epoch=self.epoch.epoch, fields=fields)
+
+    def _on_said(self, session: LauncherSession, message: launcher_pb2.LauncherMessage) -> None:
+        unit_id = session.unit_id
+        kind = message.WhichOneof("body")
+        if kind == "worker_exited":
+            exited = message.worker_exited
+            if self.epoch is None or exited.epoch != self.epoch.epoch or self.job.state is not JobState.RUNNING:
+                self.metrics.stale_messages.inc()
+                self.log.info("stale_message_ignored", unit=unit_id, kind=kind, message_epoch=exited.epoch)
+                return
+            member = self.epoch.member(unit_id)
+            if member is None:
+                return
+            rank = member.first_rank + exited.local_rank
+            if exited.exit_code == 0 and exited.signal == 0:
+                self.exited_ok.setdefault(unit_id, set()).add(exited.local_rank)
+                self.events.record(self.job.job_id, "worker_finished", f"rank {rank} (pid {exited.pid}) exited 0",
+                                   unit_id=unit_id, epoch=self.epoch.epoch)
+                if all(len(self.exited_ok.get(m.unit_id, ())) >= m.world_share for m in self.epoch.members):
+                    self._on_completed()
+                return
+            self._fail(unit_id, f"worker rank {rank} (pid {exited.pid}) "
+                       f"{describe_exit(exited.exit_code, exited.signal)}", "worker_exit", time.monotonic())
+        elif kind == "leave_request":
+            request = message.leave_request
+            cause = launcher_pb2.LeaveCause.Name(request.cause).removeprefix("LEAVE_CAUSE_").lower()
+            self._leave(unit_id, cause, request.detail or cause)
+        elif kind == "epoch_report":
+            report = message.epoch_report
+            if report.store_port:
+                session.store_port = report.store_port
+            if report.phase == launcher_pb2.EPOCH_PHASE_LEFT:
+                self._mark_left(unit_id, report.detail or "left")
+            if (report.phase in (launcher_pb2.EPOCH_PHASE_STOPPED, launcher_pb2.EPOCH_PHASE_LEFT)
+                    and self.stop is not None and report.epoch == self.stop.epoch):
+                self.stop.waiting_for.discard(unit_id)
+                self._maybe_finish_stop()
+
+    def _on_disconnected(self, session: LauncherSession, reason: str) -> None:
+        if self.sessions.get(session.unit_id) is not session:
+            return
+        del self.sessions[session.unit_id]
+        self.metrics.launchers_connected.dec()
+        unit = self.units.get(session.unit_id)
+        if unit is None or unit.state is UnitState.FAILED:
+            return
+        if unit.state is UnitState.LEAVING or self.job.state.is_final:
+            self._mark_left(unit.unit_id, f"session closed ({reason})")
+            if self.stop is not None:
+                self.stop.waiting_for.discard(unit.unit_id)
+                self._maybe_finish_stop()
+            return
+        if unit.state is UnitState.ACTIVE and self.epoch is not None and self.epoch.member(unit.unit_id):
+            self._fail(unit.unit_id, f"launcher stream broke: {reason}", "stream", time.monotonic())
+            return
+        self.registered_at.pop(unit.unit_id, None)
+        self.events.record(self.job.job_id, "launcher_disconnected", reason, unit_id=unit.unit_id,
+                           epoch=self.job.epoch)
+
+    def _on_tick(self, now: float) -> None:
+        if self.job.state.is_final:
+            return
+        if self.stop is not None:
+            if now > self.stop.deadline:
+                for unit_id in sorted(self.stop.waiting_for):
+                    self._fail(unit_id, f"did not confirm the stop of epoch {self.stop.epoch} in time", "stop", now)
+                self.stop.waiting_for.clear()
+                self._maybe_finish_stop()
+            return
+        if self.job.state is JobState.RUNNING and self.epoch is not None:
+            for failure in self._health_failures(now):
+                self._fail(failure.unit_id, failure.reason, failure.cause, now)
+                if self.job.state is not JobState.RUNNING:
+                    return
+        self._decide(now)
+
+    def _health_failures(self, now: float) -> list[Failure]:
+        assert self.epoch is not None
+        observed: list[UnitHealth] = []
+        for member in self.epoch.members:
+            session = self.sessions.get(member.unit_id)
+            if self.units[member.unit_id].state is not UnitState.ACTIVE:
+                continue
+            observed.append(UnitHealth(unit_id=member.unit_id, connected=session is not None,
+                                       last_heartbeat_at=session.last_heartbeat_at if session else None,
+                                       progress_at=dict(session.progress_at) if session else {}))
+        policy = HealthPolicy(self.config.heartbeat_timeout_s, self.config.progress_timeout_s)
+        return health_verdicts(observed, now=now, policy=policy, epoch_started_at=self.epoch_started_at,
+                               reconnect_deadline=self.reconnect_deadline)
+
+    def _decide(self, now: float) -> None:
+        running = self.job.state is JobState.RUNNING and self.epoch is not None
+        if running:
+            assert self.epoch is not None
+            members = self.epoch.unit_ids
+        else:
+            members = tuple(u for u, unit in self.units.items()
+                            if unit.state is UnitState.ACTIVE and u in self.sessions)
+        joiners = {u: self.registered_at.get(u, now) for u, unit in self.units.items()
+                   if unit.state is UnitState.JOINING and u in self.sessions}
+        spec = self.job.spec
+        snapshot = planning.WorldSnapshot(
+            running=running, members=members, joiners=joiners, min_replicas=spec.min_replicas,
+            max_replicas=spec.max_replicas,
+            sizes=tuple(planning.allowed_sizes(spec.min_replicas, spec.max_replicas, spec.replica_step,
+                                               list(spec.allowed_replicas))),
+            last_change_at=self.last_change_at, join_settle_s=self.config.join_settle_s,
+            scale_up_snooze_s=self.config.scale_up_snooze_s)
+        action = planning.decide_world(snapshot, now)
+        match action:
+            case planning.Form():
+                self._start_epoch(members, action, now)
+            case planning.Grow():
+                self._begin_stop("grow", action.reason, now)
+            case planning.Wait():
+                if not running and self.job.state is JobState.RUNNING:
+                    self._set_state(JobState.DEGRADED, action.reason)
+
+    # Actions.
+
+    def _fail(self, unit_id: str, reason: str, cause: str, detected_at: float) -> None:
+        """The one failure path: record, tell the failed unit to kill its workers, and stop
+        the epoch everywhere else."""
+        unit = self.units.get(unit_id)
+        if unit is None or unit.state.is_final:
+            return
+        epoch_number = self.epoch.epoch if self.epoch is not None else 0
+        was_member = (self.epoch is not None and self.epoch.member(unit_id) is not None
+                      and unit.state in (UnitState.ACTIVE, UnitState.LEAVING)
+                      and self.job.state in (JobState.RUNNING, JobState.RECONFIGURING))
+        unit.state = UnitState.FAILED
+        unit.reason = reason
+        with self.store.transaction():
+            self.store.upsert_unit(unit)
+            self.events.record(self.job.job_id, "failure_detected", reason, unit_id=unit_id, epoch=epoch_number,
+                               fields={"cause": cause})
+        self.metrics.failures.labels(cause=cause).inc()
+        session = self.sessions.get(unit_id)
+        if session is not None:
+            session.send(launcher_pb2.ControllerMessage(stop_epoch=launcher_pb2.StopEpoch(
+                epoch=epoch_number, reason=reason, failed_unit_id=unit_id,
+                grace=_duration(self.config.failure_stop_grace_s))))
+            session.close(grpc.StatusCode.ABORTED, f"unit {unit_id} failed: {reason}")
+        self._refresh_gauges()
+        if not was_member:
+            return
+        if self.stop is not None:
+            self.stop.waiting_for.discard(unit_id)
+            self._maybe_finish_stop()
+            return
+        self.failure_detected_at = detected_at
+        self._begin_stop("failure", f"unit {unit_id} failed: {reason}", detected_at)
+
+    def _stop_message(self, stop: PendingStop, failed_unit_id: str) -> launcher_pb2.ControllerMessage:
+        grace = self.config.failure_stop_grace_s if stop.cause == "failure" else self.config.restart_grace_s
+        return launcher_pb2.ControllerMessage(stop_epoch=launcher_pb2.StopEpoch(
+            epoch=stop.epoch, reason=stop.reason, failed_unit_id=failed_unit_id, grace=_duration(grace)))
+
+    def _begin_stop(self, cause: str, reason: str, detected_at: float) -> None:
+        """Broadcast STOP for the running epoch to every member and wait for each to
+        confirm (or fail past the deadline)."""
+        assert self.epoch is not None
+        now = time.monotonic()
+        waiting = {m.unit_id for m in self.epoch.members
+                   if self.units[m.unit_id].state in (UnitState.ACTIVE, UnitState.LEAVING)
+                   and (m.unit_id in self.sessions or now < self.reconnect_deadline)}
+        grace = self.config.failure_stop_grace_s if cause == "failure" else self.config.restart_grace_s
+        deadline = max(now + grace + self.config.heartbeat_timeout_s, self.reconnect_deadline)
+        self.stop = PendingStop(epoch=self.epoch.epoch, cause=cause, reason=reason, detected_at=detected_at,
+                                waiting_for=waiting, deadline=deadline)
+        self.job.state = JobState.RECONFIGURING
+        with self.store.transaction():
+            self.store.update_job(self.job)
+            self.events.record(self.job.job_id, "epoch_stopping", reason, epoch=self.epoch.epoch,
+                               fields={"cause": cause, "waiting_for": join_ids(sorted(waiting))})
+        message = self._stop_message(self.stop, failed_unit_id="")
+        for unit_id in waiting:
+            session = self.sessions.get(unit_id)
+            if session is not None and self.units[unit_id].state is not UnitState.LEAVING:
+                session.send(message)
+        self._refresh_gauges()
+        self._maybe_finish_stop()
+
+    def _maybe_finish_stop(self) -> None:
+        stop = self.stop
+        if stop is None or stop.waiting_for:
+            return
+        now = time.monotonic()
+        self.stop = None
+        elapsed = now - stop.detected_at
+        with self.store.transaction():
+            self.store.mark_epoch_stopped(self.job.job_id, stop.epoch, time.time())
+            self.events.record(self.job.job_id, "epoch_stopped", f"every rank of epoch {stop.epoch} stopped",
+                               epoch=stop.epoch, fields={"cause": stop.cause,
+                                                         "detection_to_all_stopped_s": f"{elapsed:.3f}"})
+        if stop.cause == "failure":
+            self.metrics.stop_duration.observe(elapsed)
+        if self.job.state.is_final:
+            return
+        self._decide(now)
+        if self.job.state is JobState.RECONFIGURING:
+            alive = sum(1 for u in self.units.values() if u.state in (UnitState.ACTIVE, UnitState.JOINING))
+            self._set_state(JobState.DEGRADED, f"{alive} replica(s) alive, below min_replicas "
+                            f"{self.job.spec.min_replicas}; waiting for more")
+
+    def _start_epoch(self, survivors: tuple[str, ...], form: planning.Form, now: float) -> None:
+        chosen = list(survivors) + list(form.joiners)
+        previous = self.epoch
+        candidates = []
+        for unit_id in chosen:
+            unit = self.units[unit_id]
+            session = self.sessions[unit_id]
+            member = previous.member(unit_id) if previous is not None else None
+            candidates.append(planning.Candidate(
+                unit_id=unit_id, nodes=tuple(unit.nodes), procs_per_node=unit.procs_per_node, address=unit.address,
+                store_port=session.store_port, previous_group_rank=member.group_rank if member else None,
+                registered_at=unit.registered_at))
+        try:
+            plan = planning.plan_epoch(job_id=self.job.job_id, epoch=self.job.epoch + 1, candidates=candidates,
+                                       replicas=form.replicas, reason=form.reason, now=time.time(),
+                                       resume_step=self.job.step)
+        except ValueError as error:
+            self.log.warning("epoch_not_formed", reason=str(error))
+            return
+        members = set(plan.unit_ids)
+        self.job.epoch = plan.epoch
+        self.job.state = JobState.RUNNING
+        fields: dict[str, object] = {"world_size": plan.world_size, "replicas": len(plan.members),
+                                     "members": join_ids(list(plan.unit_ids)),
+                                     "rendezvous": f"{plan.rendezvous_host}:{plan.rendezvous_port}"}
+        if self.failure_detected_at is not None:
+            fields["detection_to_started_s"] = f"{now - self.failure_detected_at:.3f}"
+        with self.store.transaction():
+            self.store.insert_epoch(plan)
+            self.store.update_job(self.job)
+            for unit_id in chosen:
+                unit = self.units[unit_id]
+                member = plan.member(unit_id)
+                unit.state = UnitState.ACTIVE if unit_id in members else UnitState.JOINING
+                unit.group_rank = member.group_rank if member else -1
+                self.store.upsert_unit(unit)
+            self.events.record(self.job.job_id, "world_formed", form.reason, epoch=plan.epoch, fields=fields)
+        if self.failure_detected_at is not None:
+            self.metrics.recovery_duration.observe(now - self.failure_detected_at)
+            self.failure_detected_at = None
+        self.metrics.epochs_formed.labels(job=self.job.job_id).inc()
+        self.epoch = plan
+        self.epoch_started_at = now
+        self.last_change_at = now
+        self.exited_ok = {}
+        message = self._start_message(plan)
+        for unit_id in plan.unit_ids:
+            self.sessions[unit_id].send(message)
+        self._refresh_gauges()
+
+    @staticmethod
+    def _start_message(epoch: EpochRecord) -> launcher_pb2.ControllerMessage:
+        return launcher_pb2.ControllerMessage(start_epoch=launcher_pb2.StartEpoch(
+            epoch=epoch.epoch, rank_table=epoch.rank_table(), rendezvous=epoch.rendezvous(),
+            resume_step=epoch.resume_step))
+
+    def _leave(self, unit_id: str, cause: str, detail: str) -> None:
+        unit = self.units.get(unit_id)
+        if unit is None or unit.state.is_final or unit.state is UnitState.LEAVING:
+            return
+        was_active = unit.state is UnitState.ACTIVE
+        unit.state = UnitState.LEAVING
+        unit.reason = f"{cause}: {detail}" if detail != cause else cause
+        epoch_number = self.epoch.epoch if self.epoch is not None else 0
+        with self.store.transaction():
+            self.store.upsert_unit(unit)
+            self.events.record(self.job.job_id, "unit_leaving", unit.reason, unit_id=unit_id, epoch=epoch_number,
+                               fields={"cause": cause})
+        session = self.sessions.get(unit_id)
+        if session is not None:
+            session.send(launcher_pb2.ControllerMessage(leave=launcher_pb2.Leave(
+                epoch=epoch_number, at_step=0, reason=unit.reason)))
+        else:
+            self._mark_left(unit_id, "not connected when asked to leave")
+        if self.stop is not None:
+            if session is not None and self.stop.epoch == epoch_number and was_active:
+                self.stop.waiting_for.add(unit_id)
+            return
+        if was_active and self.job.state is JobState.RUNNING and self.epoch is not None:
+            self._begin_stop("leave", f"unit {unit_id} leaves ({cause})", time.monotonic())
+
+    def _mark_left(self, unit_id: str, reason: str) -> None:
+        unit = self.units.get(unit_id)
+        if unit is None or unit.state.is_final:
+            return
+        unit.state = UnitState.LEFT
+        with self.store.transaction():
+            self.store.upsert_unit(unit)
+            self.events.record(self.job.job_id, "unit_left", reason, unit_id=unit_id, epoch=self.job.epoch)
+        self._refresh_gauges()
+
+    def _on_completed(self) -> None:
+        self._end(JobState.COMPLETED, "job_completed", "every rank exited 0")
+
+    def _on_cancel(self, uid: int) -> None:
+        if not self.job.state.is_final:
+            self._end(JobState.CANCELLED, "job_cancelled", f"cancelled by uid {uid}")
+
+    def _end(self, state: JobState, kind: str, reason: str) -> None:
+        self.job.state = state
+        self.stop = None
+        epoch_number = self.epoch.epoch if self.epoch is not None else 0
+        with self.store.transaction():
+            self.store.update_job(self.job)
+            if self.epoch is not None:
+                self.store.mark_epoch_stopped(self.job.job_id, epoch_number, time.time())
+            self.events.record(self.job.job_id, kind, reason, epoch=epoch_number)
+        for unit_id, unit in self.units.items():
+            if unit.state.is_final:
+                continue
+            session = self.sessions.get(unit_id)
+            if session is None:
+                self._mark_left(unit_id, reason)
+                continue
+            unit.state = UnitState.LEAVING
+            self.store.upsert_unit(unit)
+            session.send(launcher_pb2.ControllerMessage(leave=launcher_pb2.Leave(
+                epoch=epoch_number, at_step=0, reason=reason)))
+        self._refresh_gauges()
+
+    def _on_resize(self, min_replicas: int, max_replicas: int, uid: int) -> None:
+        spec = self.job.spec
+        spec.min_replicas = min_replicas or spec.min_replicas
+        spec.max_replicas = max_replicas or spec.max_replicas
+        with self.store.transaction():
+            self.store.update_job(self.job)
+            self.events.record(self.job.job_id, "job_resized", f"by uid {uid}", epoch=self.job.epoch,
+                               fields={"min_replicas": spec.min_replicas, "max_replicas": spec.max_replicas})
+        if self.epoch is not None and self.job.state is JobState.RUNNING:
+            surplus = len(self.epoch.members) - spec.max_replicas
+            for member in sorted(self.epoch.members, key=lambda m: -m.group_rank)[:max(0, surplus)]:
+                self._leave(member.unit_id, "resized", f"max_replicas is now {spec.max_replicas}")
+
+    def _set_state(self, state: JobState, reason: str) -> None:
+        if self.job.state is state:
+            return
+        self.job.state = state
+        with self.store.transaction():
+            self.store.update_job(self.job)
+            self.events.record(self.job.job_id, f"job_{state.value}", reason, epoch=self.job.epoch)
+        self._refresh_gauges()
+
+    def _refresh_gauges(self) -> None:
+        self.metrics.world_size.labels(job=self.job.job_id).set(
+            self.epoch.world_size if self.epoch is not None and self.job.state is JobState.RUNNING else 0)
+        self.metrics.epoch.labels(job=self.job.job_id).set(self.job.epoch)
+
+    # Admin views.
+
+    def to_proto(self) -> admin_pb2.Job:
+        job = self.job
+        epoch = self.epoch
+        running = epoch is not None and job.state is JobState.RUNNING
+        units = []
+        for unit in self.units.values():
+            session = self.sessions.get(unit.unit_id)
+            entry = admin_pb2.Unit(unit_id=unit.unit_id, slurm_job_id=unit.slurm_job_id, nodes=unit.nodes,
+                                   state=unit.state.to_proto(), group_rank=unit.group_rank)
+            if session is not None:
+                entry.last_heartbeat.FromNanoseconds(
+                    int((time.time() - (time.monotonic() - session.last_heartbeat_at)) * 1e9))
+            units.append(entry)
+        steps = [step for s in self.sessions.values() for step in s.steps.values()]
+        message = admin_pb2.Job(job_id=job.job_id, spec=job.spec, state=job.state.to_proto(),
+                                owner_uid=job.owner_uid, epoch=job.epoch,
+                                world_size=epoch.world_size if running and epoch else 0,
+                                replicas=len(epoch.members) if running and epoch else 0,
+                                step=min(steps) if steps else job.step, units=units)
+        message.created_at.FromNanoseconds(int(job.created_at * 1e9))
+        last = self.store.last_event(job.job_id)
+        if last is not None:
+            message.last_event.CopyFrom(event_to_proto(last))
+        return message
+
+
+def event_to_proto(event: EventRecord) -> admin_pb2.Event:
+    message = admin_pb2.Event(sequence=event.sequence, job_id=event.job_id, unit_id=event.unit_id,
+                              epoch=event.epoch, kind=event.kind, reason=event.reason, fields=event.fields)
+    message.time.FromNanoseconds(int(event.time * 1e9))
+    return message
+

@@ -1,0 +1,153 @@
+"""What the controller knows of jobs, units, epochs and events: plain dataclasses and
+enums, stored by `store.py`, decided on by `planning.py` and `health.py`."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+
+from tidal.proto import admin_pb2, common_pb2
+
+
+class JobState(enum.Enum):
+    """A job's lifecycle.
+
+    PENDING until `min_replicas` units have registered and epoch 1 forms; RUNNING while
+    an epoch's workers run; RECONFIGURING while an epoch is being stopped (failure, grow,
+    leave) and the next one planned; DEGRADED when fewer than `min_replicas` units are
+    alive, waiting for more; COMPLETED, FAILED and CANCELLED are final."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    RECONFIGURING = "reconfiguring"
+    DEGRADED = "degraded"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED)
+
+    def to_proto(self) -> admin_pb2.JobState.ValueType:
+        return admin_pb2.JobState.Value("JOB_STATE_" + self.name)
+
+
+class UnitState(enum.Enum):
+    """A unit's lifecycle: SUBMITTED (to Slurm, not registered) → JOINING (registered,
+    not in the current epoch) → ACTIVE (a member of the current epoch) → LEAVING (asked
+    to leave, stopping) → LEFT; FAILED from any state. LEFT and FAILED are final."""
+
+    SUBMITTED = "submitted"
+    JOINING = "joining"
+    ACTIVE = "active"
+    LEAVING = "leaving"
+    LEFT = "left"
+    FAILED = "failed"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (UnitState.LEFT, UnitState.FAILED)
+
+    def to_proto(self) -> admin_pb2.UnitState.ValueType:
+        return admin_pb2.UnitState.Value("UNIT_STATE_" + self.name)
+
+
+@dataclasses.dataclass
+class JobRecord:
+    job_id: str
+    spec: admin_pb2.JobSpec
+    state: JobState
+    owner_uid: int
+    secret_sha256: str
+    epoch: int = 0
+    # Last step completed everywhere, as the workers reported it.
+    step: int = 0
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+
+@dataclasses.dataclass
+class UnitRecord:
+    job_id: str
+    unit_id: str
+    state: UnitState
+    nodes: list[str] = dataclasses.field(default_factory=list)
+    address: str = ""
+    procs_per_node: int = 1
+    slurm_job_id: int = 0
+    group_rank: int = -1
+    registered_at: float = 0.0
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """One unit's place in an epoch."""
+
+    unit_id: str
+    nodes: tuple[str, ...]
+    procs_per_node: int
+    group_rank: int
+    first_rank: int
+
+    @property
+    def world_share(self) -> int:
+        return self.procs_per_node * len(self.nodes)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochRecord:
+    job_id: str
+    epoch: int
+    members: tuple[Member, ...]
+    rendezvous_host: str
+    rendezvous_port: int
+    rendezvous_unit_id: str
+    reason: str
+    created_at: float
+    resume_step: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return sum(m.world_share for m in self.members)
+
+    @property
+    def unit_ids(self) -> tuple[str, ...]:
+        return tuple(m.unit_id for m in self.members)
+
+    def member(self, unit_id: str) -> Member | None:
+        return next((m for m in self.members if m.unit_id == unit_id), None)
+
+    def rank_table(self) -> common_pb2.RankTable:
+        return common_pb2.RankTable(
+            world_size=self.world_size,
+            assignments=[common_pb2.RankAssignment(unit_id=m.unit_id, nodes=list(m.nodes), group_rank=m.group_rank,
+                                                   first_rank=m.first_rank, procs_per_node=m.procs_per_node)
+                         for m in self.members])
+
+    def rendezvous(self) -> common_pb2.Rendezvous:
+        return common_pb2.Rendezvous(host=self.rendezvous_host, port=self.rendezvous_port,
+                                     host_unit_id=self.rendezvous_unit_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class EventRecord:
+    sequence: int
+    time: float
+    job_id: str
+    unit_id: str
+    epoch: int
+    kind: str
+    reason: str
+    fields: dict[str, str]
+
+
+def members_from_rank_table(table: common_pb2.RankTable) -> tuple[Member, ...]:
+    return tuple(Member(unit_id=a.unit_id, nodes=tuple(a.nodes), procs_per_node=a.procs_per_node,
+                        group_rank=a.group_rank, first_rank=a.first_rank) for a in table.assignments)
+
+
+def join_ids(ids: Sequence[str]) -> str:
+    return ",".join(ids) if ids else "-"

@@ -1,0 +1,146 @@
+"""Epoch planning and world decisions: pure functions of a snapshot and `now`.
+
+Each returns what to do and a human-readable reason; the job actor applies it and puts
+the reason in the event log. Nothing here reads a clock, a socket or the database."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from tidal.controller.model import EpochRecord, Member
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A unit that could be in the next epoch."""
+
+    unit_id: str
+    nodes: tuple[str, ...]
+    procs_per_node: int
+    address: str
+    # Port of the unit's fresh rendezvous store (0: unknown, cannot host).
+    store_port: int
+    # Group rank in the current epoch, or None for a joiner.
+    previous_group_rank: int | None
+    registered_at: float
+
+
+def allowed_sizes(min_replicas: int, max_replicas: int, replica_step: int = 0,
+                  allowed_replicas: Sequence[int] = ()) -> list[int]:
+    """World sizes (in replicas) the job accepts, ascending. An explicit list wins; a step
+    allows min, min+step, ...; otherwise every size from min to max."""
+    if allowed_replicas:
+        return sorted({n for n in allowed_replicas if min_replicas <= n <= max_replicas})
+    step = replica_step if replica_step > 1 else 1
+    return list(range(min_replicas, max_replicas + 1, step))
+
+
+def choose_world_size(available: int, sizes: Sequence[int]) -> int | None:
+    """The largest allowed size that `available` units can fill, or None."""
+    fitting = [n for n in sizes if n <= available]
+    return max(fitting) if fitting else None
+
+
+def plan_epoch(*, job_id: str, epoch: int, candidates: Sequence[Candidate], replicas: int, reason: str,
+               now: float, resume_step: int) -> EpochRecord:
+    """The next epoch's rank table and rendezvous.
+
+    Survivors keep their relative order (so ranks move as little as possible), joiners
+    follow in registration order; the first `replicas` candidates are members. Group rank
+    0 hosts the rendezvous store; it is chosen among the live members each epoch, so the
+    loss of any one node, the previous host's included, never strands the job. A member
+    whose store port is unknown is never made host."""
+    if replicas <= 0 or replicas > len(candidates):
+        raise ValueError(f"cannot form {replicas} replicas from {len(candidates)} candidates")
+    ordered = sorted(candidates, key=lambda c: (c.previous_group_rank is None,
+                                                c.previous_group_rank if c.previous_group_rank is not None else 0,
+                                                c.registered_at, c.unit_id))
+    chosen = ordered[:replicas]
+    hosts = [c for c in chosen if c.store_port > 0]
+    if not hosts:
+        raise ValueError("no member can host the rendezvous store (no store port reported)")
+    host = hosts[0]
+    # The host becomes group rank 0, so that rank 0 and the store sit on the same node.
+    chosen.remove(host)
+    chosen.insert(0, host)
+    members: list[Member] = []
+    first_rank = 0
+    for group_rank, candidate in enumerate(chosen):
+        member = Member(unit_id=candidate.unit_id, nodes=candidate.nodes, procs_per_node=candidate.procs_per_node,
+                        group_rank=group_rank, first_rank=first_rank)
+        members.append(member)
+        first_rank += member.world_share
+    return EpochRecord(job_id=job_id, epoch=epoch, members=tuple(members), rendezvous_host=host.address,
+                       rendezvous_port=host.store_port, rendezvous_unit_id=host.unit_id, reason=reason,
+                       created_at=now, resume_step=resume_step)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorldSnapshot:
+    """What the world decision looks at."""
+
+    running: bool
+    members: tuple[str, ...]
+    # Registered units not in the current epoch, with when they registered (monotonic).
+    joiners: Mapping[str, float]
+    min_replicas: int
+    max_replicas: int
+    sizes: tuple[int, ...]
+    # When the world last changed (monotonic), or None.
+    last_change_at: float | None
+    join_settle_s: float
+    scale_up_snooze_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Wait:
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Form:
+    """Form a new epoch from the members that remain and these joiners."""
+
+    replicas: int
+    joiners: tuple[str, ...]
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Grow:
+    """Stop the running epoch so the next one includes `joiners` (restart mode)."""
+
+    replicas: int
+    joiners: tuple[str, ...]
+    reason: str
+
+
+WorldAction = Wait | Form | Grow
+
+
+def decide_world(snapshot: WorldSnapshot, now: float) -> WorldAction:
+    """Form a world when none runs and enough units are ready, grow a running one onto
+    joiners, or wait, saying why."""
+    joiners = sorted(snapshot.joiners, key=lambda u: (snapshot.joiners[u], u))
+    available = len(snapshot.members) + len(joiners)
+    size = choose_world_size(min(available, snapshot.max_replicas), snapshot.sizes)
+    settling_until = max(snapshot.joiners.values(), default=float("-inf")) + snapshot.join_settle_s
+    if not snapshot.running:
+        if size is None:
+            return Wait(f"{available} of min {snapshot.min_replicas} replicas ready")
+        if available < snapshot.max_replicas and now < settling_until:
+            return Wait(f"{available} replicas ready; waiting {settling_until - now:.1f} s for more to register")
+        taken = tuple(joiners[: max(0, size - len(snapshot.members))])
+        return Form(size, taken, f"{size} replicas ready (min {snapshot.min_replicas}, max {snapshot.max_replicas})")
+    current = len(snapshot.members)
+    if not joiners or current >= snapshot.max_replicas:
+        return Wait("no joiner" if not joiners else f"at max_replicas {snapshot.max_replicas}")
+    if size is None or size <= current:
+        return Wait(f"{len(joiners)} joiner(s) do not reach the next allowed size above {current}")
+    if now < settling_until:
+        return Wait(f"waiting {settling_until - now:.1f} s for more joiners to register")
+    if snapshot.last_change_at is not None and now < snapshot.last_change_at + snapshot.scale_up_snooze_s:
+        return Wait(f"scale-up snoozed for {snapshot.last_change_at + snapshot.scale_up_snooze_s - now:.1f} s")
+    taken = tuple(joiners[: size - current])
+    return Grow(size, taken, f"grow {current} -> {size} replicas: {', '.join(taken)} joined")

@@ -1,0 +1,357 @@
+"""The controller's gRPC services: the launcher session and the admin API, over a
+registry of job actors."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+import re
+import secrets
+import time
+from pathlib import Path
+
+import grpc
+import structlog
+
+from tidal.controller.config import ControllerConfig
+from tidal.controller.events import EventLog
+from tidal.controller.health import TokenBucket
+from tidal.controller.jobs import (
+    CancelRequested,
+    Connected,
+    Disconnected,
+    DrainRequested,
+    JobActor,
+    Refusal,
+    ResizeRequested,
+    Said,
+    Tick,
+    event_to_proto,
+)
+from tidal.controller.metrics import ControllerMetrics
+from tidal.controller.model import JobRecord, JobState, UnitState
+from tidal.controller.security import Caller, UnixSocketRelay, new_secret, secret_digest, write_private_file
+from tidal.controller.sessions import LauncherSession, SessionClose
+from tidal.controller.spec import SpecError, normalized_spec
+from tidal.controller.store import StateStore
+from tidal.proto import admin_pb2, admin_pb2_grpc, launcher_pb2, launcher_pb2_grpc
+from tidal.slurm import SlurmError, default_client
+
+log = structlog.get_logger("tidal.controller.server")
+
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+
+class Controller:
+    """Every job's actor, the event log, and what the services share."""
+
+    def __init__(self, config: ControllerConfig, store: StateStore, metrics: ControllerMetrics) -> None:
+        self.config = config
+        self.store = store
+        self.metrics = metrics
+        self.events = EventLog(store)
+        self.actors: dict[str, JobActor] = {}
+        self.shutting_down = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def load(self) -> None:
+        """Rebuild every job's actor from SQLite (a restart resumes where it stopped)."""
+        started_at = time.monotonic()
+        for job in self.store.jobs():
+            found = self.store.epoch(job.job_id, job.epoch) if job.epoch else None
+            epoch, stopped_at = found if found else (None, None)
+            actor = JobActor(job, self.store.units(job.job_id), epoch, epoch_stopped=stopped_at is not None,
+                             config=self.config, store=self.store, events=self.events, metrics=self.metrics,
+                             started_at=started_at)
+            self._add(actor)
+            if not job.state.is_final:
+                log.info("job_reloaded", job=job.job_id, state=job.state.value, epoch=job.epoch)
+        self.refresh_gauges()
+
+    def _add(self, actor: JobActor) -> None:
+        self.actors[actor.job.job_id] = actor
+        task = asyncio.get_running_loop().create_task(actor.run(), name=f"job-{actor.job.job_id}")
+        self._tasks.add(task)
+
+    async def tick_forever(self) -> None:
+        interval = min(0.25, self.config.heartbeat_interval_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            for actor in self.actors.values():
+                if not actor.job.state.is_final:
+                    actor.put(Tick())
+            self.refresh_gauges()
+
+    def refresh_gauges(self) -> None:
+        by_job_state = dict.fromkeys(JobState, 0)
+        by_unit_state = dict.fromkeys(UnitState, 0)
+        for actor in self.actors.values():
+            by_job_state[actor.job.state] += 1
+            for unit in actor.units.values():
+                by_unit_state[unit.state] += 1
+        for job_state, count in by_job_state.items():
+            self.metrics.jobs.labels(state=job_state.value).set(count)
+        for unit_state, count in by_unit_state.items():
+            self.metrics.units.labels(state=unit_state.value).set(count)
+
+    def submit(self, spec: admin_pb2.JobSpec, owner_uid: int) -> tuple[JobActor, Path]:
+        """Persist a new job and write its secret for the owner; SpecError if invalid."""
+        spec = normalized_spec(spec)
+        job_id = f"{spec.name}-{secrets.token_hex(3)}"
+        secret = new_secret()
+        now = time.time()
+        job = JobRecord(job_id=job_id, spec=spec, state=JobState.PENDING, owner_uid=owner_uid,
+                        secret_sha256=secret_digest(secret), created_at=now, updated_at=now)
+        secret_path = self.config.secrets_dir / f"{job_id}.secret"
+        self.config.secrets_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.config.secrets_dir, 0o711)
+        write_private_file(secret_path, secret + "\n", owner_uid=owner_uid)
+        with self.store.transaction():
+            self.store.insert_job(job)
+            self.events.record(job_id, "job_submitted", f"by uid {owner_uid}",
+                               fields={"min_replicas": spec.min_replicas, "max_replicas": spec.max_replicas,
+                                       "mode": "restart" if spec.mode == 2 else "live"})
+        actor = JobActor(job, [], None, epoch_stopped=False, config=self.config, store=self.store,
+                         events=self.events, metrics=self.metrics, started_at=time.monotonic())
+        self._add(actor)
+        self.refresh_gauges()
+        return actor, secret_path
+
+
+class LauncherServicer(launcher_pb2_grpc.LauncherServiceServicer):
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+
+    async def Session(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]
+        config = self.controller.config
+        metrics = self.controller.metrics
+        try:
+            first = await asyncio.wait_for(context.read(), timeout=config.register_timeout_s)
+        except TimeoutError:
+            await self._refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED,
+                               f"no register message within {config.register_timeout_s:g} s")
+            return
+        if first is grpc.aio.EOF:
+            return
+        assert isinstance(first, launcher_pb2.LauncherMessage)
+        if first.WhichOneof("body") != "register":
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "the first message must be register")
+        register = first.register
+        for field in ("job_id", "unit_id"):
+            if not _ID.match(getattr(register, field)):
+                await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"{field} must be 1-128 letters, digits, '.', '_', ':' or '-'")
+        actor = self.controller.actors.get(register.job_id)
+        if actor is None:
+            await self._refuse(context, grpc.StatusCode.NOT_FOUND, f"no job {register.job_id}")
+            return
+        try:
+            registered = actor.admit(register)
+        except Refusal as refusal:
+            log.warning("launcher_refused", job=register.job_id, unit=register.unit_id, code=refusal.code.name,
+                        reason=refusal.details, peer=context.peer())
+            await self._refuse(context, refusal.code, refusal.details)
+            return
+        now = time.monotonic()
+        session = LauncherSession(job_id=register.job_id, unit_id=register.unit_id, opened_at=now,
+                                  last_heartbeat_at=now, store_port=register.store_port,
+                                  worker_pids=tuple(register.worker_pids))
+        await context.write(launcher_pb2.ControllerMessage(registered=registered))
+        actor.put(Connected(session, register))
+        bucket = TokenBucket(config.launcher_messages_per_s, config.launcher_message_burst, now)
+        reader = asyncio.create_task(self._read(context, actor, session, bucket))
+        reason = "session ended"
+        try:
+            while True:
+                getter = asyncio.create_task(session.outbox.get())
+                done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if getter in done:
+                    item = getter.result()
+                    if isinstance(item, SessionClose):
+                        reason = item.details
+                        await context.abort(item.code, item.details)
+                    else:
+                        await context.write(item)
+                    continue
+                getter.cancel()
+                outcome = reader.result()
+                if isinstance(outcome, SessionClose):
+                    reason = outcome.details
+                    metrics.refused_calls.labels(code=outcome.code.name).inc()
+                    log.warning("launcher_session_refused", job=session.job_id, unit=session.unit_id,
+                                code=outcome.code.name, reason=outcome.details)
+                    await context.abort(outcome.code, outcome.details)
+                reason = outcome
+                return
+        except asyncio.CancelledError:
+            reason = "stream cancelled (launcher gone or connection lost)"
+            raise
+        finally:
+            reader.cancel()
+            if not self.controller.shutting_down:
+                actor.put(Disconnected(session, reason))
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:
+        self.controller.metrics.refused_calls.labels(code=code.name).inc()
+        await context.abort(code, details)
+
+    async def _read(self, context: grpc.aio.ServicerContext, actor: JobActor, session: LauncherSession,
+                    bucket: TokenBucket) -> str | SessionClose:
+        config = self.controller.config
+        while True:
+            try:
+                message = await context.read()
+            except (grpc.RpcError, grpc.aio.AioRpcError, RuntimeError) as error:
+                return f"read failed: {error}"
+            if message is grpc.aio.EOF:
+                return "launcher closed its stream"
+            assert isinstance(message, launcher_pb2.LauncherMessage)
+            if not bucket.allow(time.monotonic()):
+                return SessionClose(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"more than {config.launcher_messages_per_s:g} messages/s "
+                                    f"(burst {config.launcher_message_burst})")
+            kind = message.WhichOneof("body")
+            if kind is None or kind == "register":
+                return SessionClose(grpc.StatusCode.INVALID_ARGUMENT,
+                                    "register may only be the first message" if kind else "empty message")
+            if kind == "heartbeat":
+                session.send(actor.heartbeat(session, message.heartbeat))
+            else:
+                actor.put(Said(session, message))
+
+
+class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
+    def __init__(self, controller: Controller, admin_token: str, relay: UnixSocketRelay | None) -> None:
+        self.controller = controller
+        self.admin_token = admin_token
+        self.relay = relay
+
+    async def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
+        if self.relay is not None:
+            uid = self.relay.uid_for_peer(context.peer())
+            if uid is not None:
+                return Caller(uid=uid, is_admin=uid == 0, via="unix")
+        metadata = dict(context.invocation_metadata() or ())
+        presented = str(metadata.get("authorization", "")).removeprefix("Bearer ").strip()
+        if presented and hmac.compare_digest(presented.encode(), self.admin_token.encode()):
+            return Caller(uid=0, is_admin=True, via="token")
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                            "admin calls need the controller's Unix socket or its admin token over TCP")
+        raise AssertionError("unreachable")
+
+    async def _actor(self, context: grpc.aio.ServicerContext, job_id: str, caller: Caller) -> JobActor:
+        actor = self.controller.actors.get(job_id)
+        if actor is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no job {job_id!r}")
+            raise AssertionError("unreachable")
+        if not caller.may_act_on(actor.job.owner_uid):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"job {job_id} belongs to uid {actor.job.owner_uid}, not to uid {caller.uid}")
+        return actor
+
+    async def SubmitJob(self, request: admin_pb2.SubmitJobRequest,
+                        context: grpc.aio.ServicerContext) -> admin_pb2.SubmitJobResponse:
+        caller = await self._caller(context)
+        try:
+            actor, secret_path = self.controller.submit(request.spec, caller.uid)
+        except SpecError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid job spec: {error}")
+            raise
+        return admin_pb2.SubmitJobResponse(job=actor.to_proto(), secret_path=str(secret_path))
+
+    async def GetJob(self, request: admin_pb2.GetJobRequest,
+                     context: grpc.aio.ServicerContext) -> admin_pb2.Job:
+        caller = await self._caller(context)
+        return (await self._actor(context, request.job_id, caller)).to_proto()
+
+    async def ListJobs(self, request: admin_pb2.ListJobsRequest,
+                       context: grpc.aio.ServicerContext) -> admin_pb2.ListJobsResponse:
+        await self._caller(context)
+        jobs = [a.to_proto() for a in self.controller.actors.values()
+                if request.include_finished or not a.job.state.is_final]
+        return admin_pb2.ListJobsResponse(jobs=jobs)
+
+    async def ListEvents(self, request: admin_pb2.ListEventsRequest,
+                         context: grpc.aio.ServicerContext) -> admin_pb2.ListEventsResponse:
+        caller = await self._caller(context)
+        if request.job_id:
+            await self._actor(context, request.job_id, caller)
+        limit = request.limit if 0 < request.limit <= 10000 else 1000
+        events = self.controller.store.events(request.job_id, after_sequence=request.after_sequence, limit=limit)
+        return admin_pb2.ListEventsResponse(events=[event_to_proto(e) for e in events])
+
+    async def WatchEvents(self, request: admin_pb2.ListEventsRequest,
+                          context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]
+        caller = await self._caller(context)
+        if request.job_id:
+            await self._actor(context, request.job_id, caller)
+        queue = self.controller.events.watch()
+        try:
+            last = request.after_sequence
+            for event in self.controller.store.events(request.job_id, after_sequence=last, limit=10000):
+                await context.write(event_to_proto(event))
+                last = event.sequence
+            while True:
+                event = await queue.get()
+                if event.sequence > last and (not request.job_id or event.job_id == request.job_id):
+                    await context.write(event_to_proto(event))
+                    last = event.sequence
+        finally:
+            self.controller.events.unwatch(queue)
+
+    async def ListNodes(self, request: admin_pb2.ListNodesRequest,
+                        context: grpc.aio.ServicerContext) -> admin_pb2.ListNodesResponse:
+        await self._caller(context)
+        try:
+            nodes = await asyncio.to_thread(lambda: default_client(timeout_s=10.0).list_nodes())
+        except SlurmError as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"Slurm did not answer: {error}")
+            raise
+        where = {n: (a.job.job_id, u.unit_id) for a in self.controller.actors.values() for u in a.units.values()
+                 if u.state in (UnitState.ACTIVE, UnitState.JOINING, UnitState.LEAVING) for n in u.nodes}
+        response = admin_pb2.ListNodesResponse()
+        response.observed_at.GetCurrentTime()
+        for node in nodes:
+            job_id, unit_id = where.get(node.name, ("", ""))
+            response.nodes.append(admin_pb2.Node(
+                name=node.name, state=node.state.value, flags=sorted(f.value for f in node.flags),
+                partitions=list(node.partitions), cpus=node.cpus,
+                gres=",".join(f"{g.name}:{g.count}" for g in node.gres), reason=node.reason or "",
+                job_id=job_id, unit_id=unit_id))
+        return response
+
+    async def ResizeJob(self, request: admin_pb2.ResizeJobRequest,
+                        context: grpc.aio.ServicerContext) -> admin_pb2.Job:
+        caller = await self._caller(context)
+        actor = await self._actor(context, request.job_id, caller)
+        spec = actor.job.spec
+        new_min = request.min_replicas or spec.min_replicas
+        new_max = request.max_replicas or spec.max_replicas
+        if request.min_replicas < 0 or request.max_replicas < 0 or new_min < 1 or new_max < new_min:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"min_replicas {new_min} / max_replicas {new_max}: need 1 <= min <= max")
+        actor.put(ResizeRequested(request.min_replicas, request.max_replicas, caller.uid))
+        return actor.to_proto()
+
+    async def Drain(self, request: admin_pb2.DrainRequest,
+                    context: grpc.aio.ServicerContext) -> admin_pb2.DrainResponse:
+        caller = await self._caller(context)
+        if request.target in self.controller.actors:
+            actor = await self._actor(context, request.target, caller)
+            unit_ids = tuple(u for u, unit in actor.units.items() if not unit.state.is_final)
+        else:
+            owners = [a for a in self.controller.actors.values() if request.target in a.units]
+            if not owners:
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"no job or unit {request.target!r}")
+            actor = await self._actor(context, owners[0].job.job_id, caller)
+            unit_ids = (request.target,)
+        actor.put(DrainRequested(unit_ids, caller.uid))
+        return admin_pb2.DrainResponse(unit_ids=list(unit_ids))
+
+    async def CancelJob(self, request: admin_pb2.CancelJobRequest,
+                        context: grpc.aio.ServicerContext) -> admin_pb2.Job:
+        caller = await self._caller(context)
+        actor = await self._actor(context, request.job_id, caller)
+        actor.put(CancelRequested(caller.uid))
+        return actor.to_proto()

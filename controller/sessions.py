@@ -1,0 +1,45 @@
+"""One launcher's open session, as the job actor sees it: an outbox the gRPC handler
+drains, and what the launcher last reported."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import grpc
+
+from tidal.proto import launcher_pb2
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionClose:
+    """Ends the session with this status after the messages queued before it."""
+
+    code: grpc.StatusCode
+    details: str
+
+
+@dataclasses.dataclass(eq=False)
+class LauncherSession:
+    job_id: str
+    unit_id: str
+    opened_at: float
+    last_heartbeat_at: float
+    store_port: int
+    worker_pids: tuple[int, ...]
+    outbox: asyncio.Queue[launcher_pb2.ControllerMessage | SessionClose] = dataclasses.field(
+        default_factory=asyncio.Queue)
+    # Per global rank: when the worker last made progress (controller's monotonic clock).
+    progress_at: dict[int, float] = dataclasses.field(default_factory=dict)
+    # Per global rank: last completed step.
+    steps: dict[int, int] = dataclasses.field(default_factory=dict)
+    closed: bool = False
+
+    def send(self, message: launcher_pb2.ControllerMessage) -> None:
+        if not self.closed:
+            self.outbox.put_nowait(message)
+
+    def close(self, code: grpc.StatusCode, details: str) -> None:
+        if not self.closed:
+            self.closed = True
+            self.outbox.put_nowait(SessionClose(code, details))

@@ -1,0 +1,219 @@
+"""The controller's state in SQLite: jobs, units, epochs (with their rank tables) and the
+event log. The controller writes a decision here before it sends it, so a controller
+killed at any point and started again reloads what it had decided.
+
+One connection, used from the controller's event-loop thread only. WAL journal with
+synchronous=FULL: a commit survives the process being killed and the machine losing
+power."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+from tidal.controller.model import (
+    EpochRecord,
+    EventRecord,
+    JobRecord,
+    JobState,
+    UnitRecord,
+    UnitState,
+    members_from_rank_table,
+)
+from tidal.proto import admin_pb2, common_pb2
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id TEXT PRIMARY KEY,
+    spec BLOB NOT NULL,
+    state TEXT NOT NULL,
+    owner_uid INTEGER NOT NULL,
+    secret_sha256 TEXT NOT NULL,
+    epoch INTEGER NOT NULL DEFAULT 0,
+    step INTEGER NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS units (
+    job_id TEXT NOT NULL REFERENCES jobs(job_id),
+    unit_id TEXT NOT NULL,
+    state TEXT NOT NULL,
+    nodes TEXT NOT NULL DEFAULT '[]',
+    address TEXT NOT NULL DEFAULT '',
+    procs_per_node INTEGER NOT NULL DEFAULT 1,
+    slurm_job_id INTEGER NOT NULL DEFAULT 0,
+    group_rank INTEGER NOT NULL DEFAULT -1,
+    registered_at REAL NOT NULL DEFAULT 0,
+    reason TEXT NOT NULL DEFAULT '',
+    PRIMARY KEY (job_id, unit_id)
+);
+CREATE TABLE IF NOT EXISTS epochs (
+    job_id TEXT NOT NULL REFERENCES jobs(job_id),
+    epoch INTEGER NOT NULL,
+    rank_table BLOB NOT NULL,
+    rendezvous BLOB NOT NULL,
+    reason TEXT NOT NULL,
+    resume_step INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    stopped_at REAL,
+    PRIMARY KEY (job_id, epoch)
+);
+CREATE TABLE IF NOT EXISTS events (
+    sequence INTEGER PRIMARY KEY AUTOINCREMENT,
+    time REAL NOT NULL,
+    job_id TEXT NOT NULL,
+    unit_id TEXT NOT NULL DEFAULT '',
+    epoch INTEGER NOT NULL DEFAULT 0,
+    kind TEXT NOT NULL,
+    reason TEXT NOT NULL DEFAULT '',
+    fields TEXT NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, sequence);
+"""
+
+
+class StoreError(RuntimeError):
+    """The database cannot be opened or is of an unknown schema."""
+
+
+class StateStore:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._db = sqlite3.connect(str(path), isolation_level=None, timeout=5.0)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._db.executescript(_SCHEMA)
+            row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            if row is None:
+                self._db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            elif int(row[0]) != SCHEMA_VERSION:
+                raise StoreError(f"{path}: schema version {row[0]}, this controller knows {SCHEMA_VERSION}")
+        except sqlite3.DatabaseError as error:
+            raise StoreError(f"cannot open state database {path}: {error}") from error
+
+    def close(self) -> None:
+        self._db.close()
+
+    def ping(self) -> None:
+        """Raise if the database does not answer (readiness check)."""
+        self._db.execute("SELECT count(*) FROM jobs").fetchone()
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Group writes so a decision lands whole or not at all."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    # Jobs.
+
+    def insert_job(self, job: JobRecord) -> None:
+        self._db.execute(
+            "INSERT INTO jobs VALUES (?,?,?,?,?,?,?,?,?)",
+            (job.job_id, job.spec.SerializeToString(), job.state.value, job.owner_uid, job.secret_sha256,
+             job.epoch, job.step, job.created_at, job.updated_at))
+
+    def update_job(self, job: JobRecord) -> None:
+        job.updated_at = time.time()
+        self._db.execute(
+            "UPDATE jobs SET spec=?, state=?, epoch=?, step=?, updated_at=? WHERE job_id=?",
+            (job.spec.SerializeToString(), job.state.value, job.epoch, job.step, job.updated_at, job.job_id))
+
+    def jobs(self) -> list[JobRecord]:
+        rows = self._db.execute(
+            "SELECT job_id, spec, state, owner_uid, secret_sha256, epoch, step, created_at, updated_at "
+            "FROM jobs ORDER BY created_at").fetchall()
+        return [JobRecord(job_id=r[0], spec=admin_pb2.JobSpec.FromString(r[1]), state=JobState(r[2]),
+                          owner_uid=r[3], secret_sha256=r[4], epoch=r[5], step=r[6], created_at=r[7],
+                          updated_at=r[8]) for r in rows]
+
+    # Units.
+
+    def upsert_unit(self, unit: UnitRecord) -> None:
+        self._db.execute(
+            "INSERT INTO units VALUES (?,?,?,?,?,?,?,?,?,?) ON CONFLICT (job_id, unit_id) DO UPDATE SET "
+            "state=excluded.state, nodes=excluded.nodes, address=excluded.address, "
+            "procs_per_node=excluded.procs_per_node, slurm_job_id=excluded.slurm_job_id, "
+            "group_rank=excluded.group_rank, registered_at=excluded.registered_at, reason=excluded.reason",
+            (unit.job_id, unit.unit_id, unit.state.value, json.dumps(unit.nodes), unit.address, unit.procs_per_node,
+             unit.slurm_job_id, unit.group_rank, unit.registered_at, unit.reason))
+
+    def units(self, job_id: str) -> list[UnitRecord]:
+        rows = self._db.execute(
+            "SELECT job_id, unit_id, state, nodes, address, procs_per_node, slurm_job_id, group_rank, "
+            "registered_at, reason FROM units WHERE job_id=? ORDER BY registered_at, unit_id", (job_id,)).fetchall()
+        return [UnitRecord(job_id=r[0], unit_id=r[1], state=UnitState(r[2]), nodes=json.loads(r[3]), address=r[4],
+                           procs_per_node=r[5], slurm_job_id=r[6], group_rank=r[7], registered_at=r[8], reason=r[9])
+                for r in rows]
+
+    # Epochs.
+
+    def insert_epoch(self, epoch: EpochRecord) -> None:
+        self._db.execute(
+            "INSERT INTO epochs (job_id, epoch, rank_table, rendezvous, reason, resume_step, created_at) "
+            "VALUES (?,?,?,?,?,?,?)",
+            (epoch.job_id, epoch.epoch, epoch.rank_table().SerializeToString(),
+             epoch.rendezvous().SerializeToString(), epoch.reason, epoch.resume_step, epoch.created_at))
+
+    def mark_epoch_stopped(self, job_id: str, epoch: int, at: float) -> None:
+        self._db.execute("UPDATE epochs SET stopped_at=? WHERE job_id=? AND epoch=? AND stopped_at IS NULL",
+                         (at, job_id, epoch))
+
+    def epoch(self, job_id: str, epoch: int) -> tuple[EpochRecord, float | None] | None:
+        """The epoch and when it stopped (None while it runs)."""
+        row = self._db.execute(
+            "SELECT rank_table, rendezvous, reason, resume_step, created_at, stopped_at FROM epochs "
+            "WHERE job_id=? AND epoch=?", (job_id, epoch)).fetchone()
+        if row is None:
+            return None
+        rendezvous = common_pb2.Rendezvous.FromString(row[1])
+        record = EpochRecord(job_id=job_id, epoch=epoch,
+                             members=members_from_rank_table(common_pb2.RankTable.FromString(row[0])),
+                             rendezvous_host=rendezvous.host, rendezvous_port=rendezvous.port,
+                             rendezvous_unit_id=rendezvous.host_unit_id, reason=row[2], resume_step=row[3],
+                             created_at=row[4])
+        return record, row[5]
+
+    # Events.
+
+    def append_event(self, job_id: str, kind: str, reason: str = "", *, unit_id: str = "", epoch: int = 0,
+                     fields: Mapping[str, object] | None = None, at: float | None = None) -> EventRecord:
+        at = time.time() if at is None else at
+        text_fields = {k: str(v) for k, v in (fields or {}).items()}
+        cursor = self._db.execute(
+            "INSERT INTO events (time, job_id, unit_id, epoch, kind, reason, fields) VALUES (?,?,?,?,?,?,?)",
+            (at, job_id, unit_id, epoch, kind, reason, json.dumps(text_fields, sort_keys=True)))
+        return EventRecord(sequence=int(cursor.lastrowid or 0), time=at, job_id=job_id, unit_id=unit_id,
+                           epoch=epoch, kind=kind, reason=reason, fields=text_fields)
+
+    def events(self, job_id: str = "", *, after_sequence: int = 0, limit: int = 1000) -> list[EventRecord]:
+        query = "SELECT sequence, time, job_id, unit_id, epoch, kind, reason, fields FROM events WHERE sequence > ?"
+        params: list[object] = [after_sequence]
+        if job_id:
+            query += " AND job_id = ?"
+            params.append(job_id)
+        query += " ORDER BY sequence LIMIT ?"
+        params.append(limit)
+        return [EventRecord(sequence=r[0], time=r[1], job_id=r[2], unit_id=r[3], epoch=r[4], kind=r[5],
+                            reason=r[6], fields=json.loads(r[7]))
+                for r in self._db.execute(query, params).fetchall()]
+
+    def last_event(self, job_id: str) -> EventRecord | None:
+        found = self._db.execute("SELECT max(sequence) FROM events WHERE job_id=?", (job_id,)).fetchone()
+        if not found or found[0] is None:
+            return None
+        return self.events(job_id, after_sequence=found[0] - 1, limit=1)[0]

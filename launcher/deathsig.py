@@ -1,0 +1,39 @@
+"""Exec a command that dies with its launcher: `python -m tidal.launcher.deathsig PID CMD...`.
+
+PR_SET_PDEATHSIG has to be set in the child, and running Python code between fork and
+exec in a launcher that has gRPC threads is not safe (a child crashed in our tests). So
+the launcher starts this small program with a plain fork+exec, and it sets the signal and
+execs the worker; the setting survives exec. If the launcher (PID) is already gone, the
+worker is not started at all."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+_PR_SET_PDEATHSIG = 1
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or not argv[0].isdigit():
+        print("usage: python -m tidal.launcher.deathsig LAUNCHER_PID COMMAND [ARG...]", file=sys.stderr)
+        return 2
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        print(f"deathsig: prctl failed: {os.strerror(ctypes.get_errno())}", file=sys.stderr)
+        return 1
+    if os.getppid() != int(argv[0]):
+        return 1
+    command = argv[1:]
+    try:
+        os.execvp(command[0], command)
+    except OSError as error:
+        print(f"deathsig: cannot run {command[0]}: {error.strerror}", file=sys.stderr)
+        return 127
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

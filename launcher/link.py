@@ -1,0 +1,185 @@
+"""The launcher's session with the controller: one bidirectional stream, reopened with
+exponential backoff and jitter whenever it breaks. Messages that matter (a worker's exit,
+an epoch report, a leave request) wait while the controller is away and go out after the
+next registration; heartbeats sent while away are dropped."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import structlog
+
+from tidal.proto import launcher_pb2, launcher_pb2_grpc
+
+log = structlog.get_logger("tidal.launcher.link")
+
+# Refusals that retrying cannot fix: the launcher reports them and exits.
+FATAL_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                         grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
+                         grpc.StatusCode.INVALID_ARGUMENT})
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkUp:
+    registered: launcher_pb2.Registered
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkDown:
+    error: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkRefused:
+    code: grpc.StatusCode
+    details: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerSaid:
+    message: launcher_pb2.ControllerMessage
+
+
+LinkEvent = LinkUp | LinkDown | LinkRefused | ControllerSaid
+
+
+@dataclasses.dataclass(frozen=True)
+class Backoff:
+    initial_s: float = 0.1
+    maximum_s: float = 2.0
+
+    def delay(self, attempt: int, rng: random.Random) -> float:
+        """Full jitter over an exponentially growing ceiling."""
+        ceiling = min(self.maximum_s, self.initial_s * (2 ** min(attempt, 20)))
+        return rng.uniform(ceiling / 2, ceiling)
+
+
+class ControllerLink:
+    def __init__(self, target: str, *, register: Callable[[], launcher_pb2.Register],
+                 post: Callable[[LinkEvent], None], tls_ca: Path | None = None, max_message_bytes: int = 1 << 20,
+                 backoff: Backoff | None = None, first_reply_timeout_s: float = 10.0) -> None:
+        self.target = target
+        self._register = register
+        self._post = post
+        self._tls_ca = tls_ca
+        self._max_message_bytes = max_message_bytes
+        self._backoff = backoff or Backoff()
+        self._first_reply_timeout_s = first_reply_timeout_s
+        self._rng = random.Random()
+        self._backlog: list[launcher_pb2.LauncherMessage] = []
+        self._queue: asyncio.Queue[tuple[launcher_pb2.LauncherMessage, bool] | None] | None = None
+        self._closing = False
+        self._was_registered = False
+        self.connected = False
+
+    def send(self, message: launcher_pb2.LauncherMessage, *, reliable: bool = True) -> None:
+        """Queue a message; a reliable one waits for the next session if there is none."""
+        if self.connected and self._queue is not None:
+            self._queue.put_nowait((message, reliable))
+        elif reliable:
+            self._backlog.append(message)
+
+    def close(self) -> None:
+        """Stop reconnecting; end the current session after what is queued."""
+        self._closing = True
+        if self._queue is not None:
+            self._queue.put_nowait(None)
+
+    def _channel(self) -> grpc.aio.Channel:
+        options = [("grpc.max_receive_message_length", self._max_message_bytes),
+                   ("grpc.max_send_message_length", self._max_message_bytes),
+                   ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+                   ("grpc.enable_retries", 0)]
+        if self._tls_ca is not None:
+            credentials = grpc.ssl_channel_credentials(root_certificates=self._tls_ca.read_bytes())
+            return grpc.aio.secure_channel(self.target, credentials, options=options)
+        return grpc.aio.insecure_channel(self.target, options=options)
+
+    async def run(self) -> None:
+        attempt = 0
+        while not self._closing:
+            error = await self._session()
+            if error is None or self._closing:
+                return
+            if isinstance(error, LinkRefused):
+                self._post(error)
+                return
+            self._post(LinkDown(error))
+            attempt = 0 if self._was_registered else attempt + 1
+            delay = self._backoff.delay(attempt, self._rng)
+            log.info("controller_unreachable", target=self.target, error=error, retry_in_s=round(delay, 2))
+            await asyncio.sleep(delay)
+
+    async def _session(self) -> str | LinkRefused | None:
+        """One session; None when it ended because the launcher closed it."""
+        self._was_registered = False
+        channel = self._channel()
+        queue: asyncio.Queue[tuple[launcher_pb2.LauncherMessage, bool] | None] = asyncio.Queue()
+        writer: asyncio.Task[None] | None = None
+        # A session lives as long as the launcher, so it has no deadline; liveness comes
+        # from heartbeats and keepalive, the first reply has a timeout.
+        call = launcher_pb2_grpc.LauncherServiceStub(channel).Session()
+        try:
+            await call.write(launcher_pb2.LauncherMessage(register=self._register()))
+            first = await asyncio.wait_for(call.read(), timeout=self._first_reply_timeout_s)
+            if first is grpc.aio.EOF or first.WhichOneof("body") != "registered":
+                return "controller ended the session without registering it"
+            for message in self._backlog:
+                queue.put_nowait((message, True))
+            self._backlog.clear()
+            self._queue = queue
+            self.connected = True
+            self._was_registered = True
+            if self._closing:
+                queue.put_nowait(None)
+            self._post(LinkUp(first.registered))
+            writer = asyncio.create_task(self._write(call, queue))
+            while True:
+                message = await call.read()
+                if message is grpc.aio.EOF:
+                    return None if self._closing else "controller closed the session"
+                self._post(ControllerSaid(message))
+        except grpc.aio.AioRpcError as failure:
+            if failure.code() in FATAL_CODES:
+                return LinkRefused(failure.code(), failure.details() or "")
+            return f"{failure.code().name}: {failure.details()}"
+        except TimeoutError:
+            return f"no reply to register within {self._first_reply_timeout_s:g} s"
+        except (grpc.RpcError, OSError, asyncio.InvalidStateError) as failure:
+            return f"session failed: {failure}"
+        finally:
+            self.connected = False
+            self._queue = None
+            # Reliable messages still queued go out with the next session.
+            while not queue.empty():
+                item = queue.get_nowait()
+                if item is not None and item[1]:
+                    self._backlog.append(item[0])
+            if writer is not None:
+                writer.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await writer
+            call.cancel()
+            await channel.close(grace=None)
+
+    async def _write(self, call: grpc.aio.StreamStreamCall, queue: asyncio.Queue[
+            tuple[launcher_pb2.LauncherMessage, bool] | None]) -> None:
+        while True:
+            item = await queue.get()
+            if item is None:
+                with contextlib.suppress(Exception):
+                    await call.done_writing()
+                return
+            message, reliable = item
+            try:
+                await call.write(message)
+            except Exception:
+                if reliable:
+                    self._backlog.insert(0, message)
+                raise

@@ -1,0 +1,186 @@
+"""A launcher's worker processes: a torchrun-compatible environment, start, watch, stop.
+
+Each worker runs in a session (process group) of its own, so a stop reaches whatever it
+started; each is started through `deathsig`, which sets PR_SET_PDEATHSIG, so that a
+launcher killed with SIGKILL leaves no orphan behind. Exits are seen at once through a
+pidfd on the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger("tidal.launcher.workers")
+
+# Variables a worker must not inherit from its launcher.
+PRIVATE_VARIABLES = frozenset({"TIDAL_JOB_SECRET", "TIDAL_SECRET_FILE"})
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where this launcher's workers sit in an epoch's world."""
+
+    epoch: int
+    first_rank: int
+    group_rank: int
+    group_world_size: int
+    procs_per_node: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+
+def worker_environment(base: Mapping[str, str], extra: Mapping[str, str], *, placement: Placement, local_rank: int,
+                       job_id: str, unit_id: str, progress_file: Path) -> dict[str, str]:
+    """The environment of one worker: the launcher's (minus its secrets), the job's own
+    variables, then what torchrun would set, then Tidal's. A script written for torchrun
+    (env:// rendezvous) runs unmodified; TORCHELASTIC_USE_AGENT_STORE makes every rank a
+    client of the store the epoch's host launcher serves, as under torchrun."""
+    env = {k: v for k, v in base.items() if k not in PRIVATE_VARIABLES}
+    env.update(extra)
+    rank = placement.first_rank + local_rank
+    env.update({
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(placement.world_size),
+        "LOCAL_WORLD_SIZE": str(placement.procs_per_node),
+        "GROUP_RANK": str(placement.group_rank),
+        "GROUP_WORLD_SIZE": str(placement.group_world_size),
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(placement.world_size),
+        "MASTER_ADDR": placement.master_addr,
+        "MASTER_PORT": str(placement.master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(placement.epoch - 1),
+        "TORCHELASTIC_MAX_RESTARTS": "-1",
+        "TORCHELASTIC_RUN_ID": job_id,
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TIDAL_JOB_ID": job_id,
+        "TIDAL_UNIT_ID": unit_id,
+        "TIDAL_EPOCH": str(placement.epoch),
+        "TIDAL_PROGRESS_FILE": str(progress_file),
+    })
+    if placement.procs_per_node > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerProgress:
+    step: int
+    at: float
+
+
+def read_progress(path: Path) -> WorkerProgress | None:
+    """What a worker last wrote with `tidal.launcher.progress.report_progress`."""
+    try:
+        step_text, time_text = path.read_text().split()[:2]
+        return WorkerProgress(step=int(step_text), at=float(time_text))
+    except (OSError, ValueError):
+        return None
+
+
+@dataclasses.dataclass
+class Worker:
+    local_rank: int
+    rank: int
+    process: subprocess.Popen[bytes]
+    progress_file: Path
+    exited: asyncio.Future[int]
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+class WorkerGroup:
+    """The workers of one epoch on this node."""
+
+    def __init__(self, epoch: int, workers: list[Worker]) -> None:
+        self.epoch = epoch
+        self.workers = workers
+        # Set once the launcher stops them, so their exits are not reported as failures.
+        self.stopping = False
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.pid for w in self.workers if not w.exited.done()]
+
+    @property
+    def all_exited(self) -> bool:
+        return all(w.exited.done() for w in self.workers)
+
+    async def stop(self, grace_s: float) -> None:
+        """SIGTERM every worker's process group, SIGKILL what is left after `grace_s`."""
+        self.stopping = True
+        alive = [w for w in self.workers if not w.exited.done()]
+        for worker in alive:
+            _signal_group(worker.pid, signal.SIGTERM)
+        if alive:
+            await asyncio.wait([w.exited for w in alive], timeout=grace_s)
+        for worker in alive:
+            # The group may outlive its leader (a child the worker started).
+            _signal_group(worker.pid, signal.SIGKILL)
+        if alive:
+            await asyncio.wait([w.exited for w in alive])
+
+
+def _signal_group(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signum)
+
+
+def start_workers(command: Sequence[str], environments: Sequence[dict[str, str]], *, epoch: int, first_rank: int,
+                  working_dir: str, progress_files: Sequence[Path],
+                  on_exit: Callable[[Worker, int], None]) -> WorkerGroup:
+    """Start one process per environment; `on_exit(worker, returncode)` runs on the event
+    loop when one exits (negative: killed by that signal). Raises OSError if the command
+    cannot be started (after stopping the ones already started)."""
+    loop = asyncio.get_running_loop()
+    workers: list[Worker] = []
+    try:
+        for local_rank, env in enumerate(environments):
+            with contextlib.suppress(FileNotFoundError):
+                progress_files[local_rank].unlink()
+            wrapped = [sys.executable, "-m", "tidal.launcher.deathsig", str(os.getpid()), *command]
+            process = subprocess.Popen(wrapped, env=env, cwd=working_dir or None, start_new_session=True,
+                                       stdin=subprocess.DEVNULL)
+            worker = Worker(local_rank=local_rank, rank=first_rank + local_rank, process=process,
+                            progress_file=progress_files[local_rank], exited=loop.create_future())
+            workers.append(worker)
+            _watch_exit(loop, worker, on_exit)
+    except OSError:
+        for worker in workers:
+            _signal_group(worker.pid, signal.SIGKILL)
+            worker.process.wait()
+        raise
+    log.info("workers_started", epoch=epoch, pids=[w.pid for w in workers], first_rank=first_rank)
+    return WorkerGroup(epoch, workers)
+
+
+def _watch_exit(loop: asyncio.AbstractEventLoop, worker: Worker, on_exit: Callable[[Worker, int], None]) -> None:
+    descriptor = os.pidfd_open(worker.pid)
+
+    def exited() -> None:
+        loop.remove_reader(descriptor)
+        os.close(descriptor)
+        returncode = worker.process.wait()
+        if not worker.exited.done():
+            worker.exited.set_result(returncode)
+        on_exit(worker, returncode)
+
+    loop.add_reader(descriptor, exited)
+
+
+def exit_status(returncode: int) -> tuple[int, int]:
+    """(exit_code, signal) as the protocol reports them."""
+    return (0, -returncode) if returncode < 0 else (returncode, 0)
+
