@@ -363,7 +363,7 @@ class JobActor:
         return health_verdicts(observed, now=now, policy=policy, epoch_started_at=self.epoch_started_at,
                                reconnect_deadline=self.reconnect_deadline)
 
-    def _decide(self, now: float) -> None:
+    def _decide(self, now: float, after: str = "") -> None:
         running = self.job.state is JobState.RUNNING and self.epoch is not None
         if running:
             assert self.epoch is not None
@@ -384,6 +384,8 @@ class JobActor:
         action = planning.decide_world(snapshot, now)
         match action:
             case planning.Form():
+                if after:
+                    action = dataclasses.replace(action, reason=f"{after}; {action.reason}")
                 self._start_epoch(members, action, now)
             case planning.Grow():
                 self._begin_stop("grow", action.reason, now)
@@ -472,7 +474,7 @@ class JobActor:
             self.metrics.stop_duration.observe(elapsed)
         if self.job.state.is_final:
             return
-        self._decide(now)
+        self._decide(now, after=stop.reason)
         if self.job.state is JobState.RECONFIGURING:
             alive = sum(1 for u in self.units.values() if u.state in (UnitState.ACTIVE, UnitState.JOINING))
             self._set_state(JobState.DEGRADED, f"{alive} replica(s) alive, below min_replicas "

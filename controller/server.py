@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import structlog
+from google.protobuf.message import DecodeError
 
 from tidal.controller.config import ControllerConfig
 from tidal.controller.events import EventLog
@@ -40,6 +41,7 @@ from tidal.slurm import SlurmError, default_client
 
 log = structlog.get_logger("tidal.controller.server")
 
+GARBLED = "garbled message: not a tidal.v1.LauncherMessage"
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 
 
@@ -132,6 +134,9 @@ class LauncherServicer(launcher_pb2_grpc.LauncherServiceServicer):
             await self._refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED,
                                f"no register message within {config.register_timeout_s:g} s")
             return
+        except DecodeError:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, GARBLED)
+            return
         if first is grpc.aio.EOF:
             return
         assert isinstance(first, launcher_pb2.LauncherMessage)
@@ -202,6 +207,8 @@ class LauncherServicer(launcher_pb2_grpc.LauncherServiceServicer):
         while True:
             try:
                 message = await context.read()
+            except DecodeError:
+                return SessionClose(grpc.StatusCode.INVALID_ARGUMENT, GARBLED)
             except (grpc.RpcError, grpc.aio.AioRpcError, RuntimeError) as error:
                 return f"read failed: {error}"
             if message is grpc.aio.EOF:

@@ -7,10 +7,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -66,7 +68,10 @@ class ControllerProcess:
     def __init__(self, directory: Path, settings: dict[str, str]) -> None:
         self.directory = directory
         self.port = free_port()
-        self.socket = directory / "controller.sock"
+        # Outside pytest's 0700 folders, so that a test may connect as another user.
+        self.socket_dir = Path(tempfile.mkdtemp(prefix="tidal-test-"))
+        self.socket_dir.chmod(0o755)
+        self.socket = self.socket_dir / "controller.sock"
         self.state_dir = directory / "state"
         self.settings = settings
         self.process: subprocess.Popen[bytes] | None = None
@@ -102,6 +107,7 @@ class ControllerProcess:
     def stop(self) -> None:
         if self.process is not None:
             _stop_process(self.process)
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
 
     def admin(self) -> AdminClient:
         return AdminClient(unix_socket=self.socket, timeout_s=10.0)

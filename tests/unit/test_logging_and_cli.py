@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,7 +45,11 @@ def test_tidal_nodes_says_when_slurm_is_missing(tmp_path: Path) -> None:
     assert "Slurm did not answer" in result.stderr and "not found" in result.stderr
 
 
-def test_unbuilt_daemons_say_so() -> None:
-    for module in ("tidal.controller.daemon", "tidal.launcher.agent"):
-        result = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True, timeout=60)
-        assert result.returncode == 2 and "not built yet" in result.stderr
+def test_daemons_refuse_bad_configuration_with_exit_2(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "tidal.controller.daemon", "--state-dir", str(tmp_path),
+                             "--set", "heartbeat_timeout_s=0.5"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "heartbeat_timeout_s (0.5) must exceed heartbeat_interval_s" in result.stderr
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")}
+    result = subprocess.run([sys.executable, "-m", "tidal.launcher.agent", "--controller", "127.0.0.1:1",
+                             "--job", "j"], capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 2 and "no job secret" in result.stderr

@@ -1,0 +1,158 @@
+"""Configuration, the SQLite store, job specs, secrets, and the launcher's worker
+environment."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from tidal.controller.config import ConfigError, load_config
+from tidal.controller.model import EpochRecord, JobRecord, JobState, Member, UnitRecord, UnitState
+from tidal.controller.security import (
+    Caller,
+    load_or_create_admin_token,
+    peer_uid,
+    secret_digest,
+    secret_matches,
+    write_private_file,
+)
+from tidal.controller.spec import SpecError, normalized_spec
+from tidal.controller.store import StateStore
+from tidal.launcher.link import Backoff
+from tidal.launcher.workers import Placement, read_progress, worker_environment
+from tidal.proto import admin_pb2, common_pb2
+
+
+def test_config_precedence_file_then_environment_then_flags(tmp_path: Path) -> None:
+    file = tmp_path / "controller.toml"
+    file.write_text('[controller]\nheartbeat_interval_s = 0.5\nheartbeat_timeout_s = 2\nlisten = "127.0.0.1:9"\n')
+    config = load_config(file, environ={"TIDAL_HEARTBEAT_TIMEOUT_S": "4", "TIDAL_UNRELATED": "x"},
+                         overrides={"listen": "127.0.0.1:10", "state_dir": None})
+    assert config.heartbeat_interval_s == 0.5 and config.heartbeat_timeout_s == 4.0
+    assert config.listen == "127.0.0.1:10" and config.state_dir == Path("/var/lib/tidal")
+    assert config.database_path == Path("/var/lib/tidal/tidal.db")
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("heartbeat_intervl_s = 1", "unknown setting 'heartbeat_intervl_s'"),
+    ("heartbeat_interval_s = 'fast'", "heartbeat_interval_s"),
+    ("heartbeat_interval_s = 5", "must exceed heartbeat_interval_s"),
+    ("listen = 'nowhere'", "listen must be host:port"),
+    ("tls_cert_file = '/c.pem'", "tls_cert_file and tls_key_file go together"),
+    ("heartbeat_interval_s = [", "not valid TOML"),
+])
+def test_bad_configuration_names_the_field(tmp_path: Path, content: str, message: str) -> None:
+    file = tmp_path / "bad.toml"
+    file.write_text(content + "\n")
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        load_config(file, environ={})
+
+
+def test_environment_values_are_typed() -> None:
+    with pytest.raises(ConfigError, match=r"\$TIDAL_REQUIRE_SLURM"):
+        load_config(None, environ={"TIDAL_REQUIRE_SLURM": "maybe"})
+    assert load_config(None, environ={"TIDAL_REQUIRE_SLURM": "yes"}).require_slurm is True
+
+
+def test_store_survives_reopening(tmp_path: Path) -> None:
+    path = tmp_path / "state" / "tidal.db"
+    store = StateStore(path)
+    spec = admin_pb2.JobSpec(name="lm", min_replicas=1, max_replicas=4, command=["python", "train.py"])
+    job = JobRecord(job_id="lm-1", spec=spec, state=JobState.PENDING, owner_uid=1000, secret_sha256="ab",
+                    created_at=1.0, updated_at=1.0)
+    members = (Member("u1", ("n1",), 2, 0, 0), Member("u2", ("n2",), 2, 1, 2))
+    epoch = EpochRecord(job_id="lm-1", epoch=1, members=members,
+                        rendezvous_host="n1", rendezvous_port=29500, rendezvous_unit_id="u1", reason="formed",
+                        created_at=2.0, resume_step=0)
+    with store.transaction():
+        store.insert_job(job)
+        store.upsert_unit(UnitRecord("lm-1", "u1", UnitState.ACTIVE, ["n1"], "n1", 2, 77, 0, 1.5))
+        store.insert_epoch(epoch)
+        job.state, job.epoch = JobState.RUNNING, 1
+        store.update_job(job)
+        store.append_event("lm-1", "world_formed", "formed", epoch=1, fields={"world_size": 4})
+    with pytest.raises(RuntimeError), store.transaction():
+        store.append_event("lm-1", "lost", "rolled back")
+        raise RuntimeError("boom")
+    store.close()
+
+    reopened = StateStore(path)
+    [loaded] = reopened.jobs()
+    assert loaded.state is JobState.RUNNING and loaded.epoch == 1 and loaded.spec == spec
+    [unit] = reopened.units("lm-1")
+    assert unit.state is UnitState.ACTIVE and unit.slurm_job_id == 77 and unit.nodes == ["n1"]
+    found = reopened.epoch("lm-1", 1)
+    assert found is not None and found[0] == epoch and found[1] is None
+    assert [(e.kind, e.fields) for e in reopened.events("lm-1")] == [("world_formed", {"world_size": "4"})]
+    reopened.mark_epoch_stopped("lm-1", 1, 3.0)
+    assert reopened.epoch("lm-1", 1)[1] == 3.0  # type: ignore[index]
+
+
+def test_spec_defaults_and_errors_name_the_field() -> None:
+    spec = normalized_spec(admin_pb2.JobSpec(command=["python", "train.py"]))
+    assert (spec.min_replicas, spec.max_replicas, spec.nodes_per_replica, spec.procs_per_node) == (1, 1, 1, 1)
+    assert spec.mode == common_pb2.JOB_MODE_RESTART
+    with pytest.raises(SpecError) as error:
+        normalized_spec(admin_pb2.JobSpec(name="x y", min_replicas=4, max_replicas=2, global_batch=-1,
+                                          environment={"TIDAL_JOB_SECRET": "x"}))
+    message = str(error.value)
+    for field in ("name:", "max_replicas:", "global_batch:", "command:", "environment:"):
+        assert field in message
+
+
+def test_secrets_are_stored_as_digests_and_written_privately(tmp_path: Path) -> None:
+    digest = secret_digest("s3cret")
+    assert secret_matches("s3cret", digest) and not secret_matches("s3cret ", digest) and "s3cret" not in digest
+    target = tmp_path / "secrets" / "job.secret"
+    write_private_file(target, "s3cret\n")
+    assert target.read_text() == "s3cret\n" and target.stat().st_mode & 0o777 == 0o600
+    token_file = tmp_path / "admin.token"
+    token = load_or_create_admin_token(token_file)
+    assert len(token) > 30 and load_or_create_admin_token(token_file) == token
+    assert token_file.stat().st_mode & 0o777 == 0o600
+
+
+def test_peer_uid_is_the_kernels_word_and_callers_act_on_their_own_jobs() -> None:
+    left, right = socket.socketpair(socket.AF_UNIX)
+    with left, right:
+        assert peer_uid(left) == os.geteuid()
+    assert Caller(1000, False, "unix").may_act_on(1000)
+    assert not Caller(1001, False, "unix").may_act_on(1000)
+    assert Caller(0, True, "token").may_act_on(1000)
+
+
+def test_worker_environment_is_torchrun_compatible_and_holds_no_secret(tmp_path: Path) -> None:
+    placement = Placement(epoch=3, first_rank=4, group_rank=2, group_world_size=3, procs_per_node=2, world_size=6,
+                          master_addr="n1", master_port=29400)
+    env = worker_environment({"PATH": "/bin", "TIDAL_JOB_SECRET": "s", "TIDAL_SECRET_FILE": "/s"}, {"FOO": "bar"},
+                             placement=placement, local_rank=1, job_id="j", unit_id="u", progress_file=tmp_path / "p")
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                                "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")} == {
+        "RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "2",
+        "MASTER_ADDR": "n1", "MASTER_PORT": "29400", "TORCHELASTIC_RESTART_COUNT": "2"}
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True" and env["TIDAL_EPOCH"] == "3" and env["FOO"] == "bar"
+    assert "TIDAL_JOB_SECRET" not in env and "TIDAL_SECRET_FILE" not in env and env["OMP_NUM_THREADS"] == "1"
+
+
+def test_progress_file_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tidal.launcher.progress import report_progress
+
+    target = tmp_path / "progress-0"
+    assert read_progress(target) is None
+    monkeypatch.setenv("TIDAL_PROGRESS_FILE", str(target))
+    report_progress(41)
+    progress = read_progress(target)
+    assert progress is not None and progress.step == 41 and progress.at > 1.7e9
+
+
+def test_backoff_grows_with_jitter_and_is_capped() -> None:
+    import random
+
+    backoff = Backoff(initial_s=0.1, maximum_s=2.0)
+    rng = random.Random(7)
+    delays = [backoff.delay(attempt, rng) for attempt in range(8)]
+    assert 0.05 <= delays[0] <= 0.1 and all(1.0 <= d <= 2.0 for d in delays[5:])
+    assert len({round(d, 6) for d in delays}) == len(delays)

@@ -1,0 +1,141 @@
+"""The pure deciders: epoch planning, world decisions and health verdicts, with the clock
+passed in."""
+
+from __future__ import annotations
+
+import pytest
+
+from tidal.controller.health import Failure, HealthPolicy, TokenBucket, UnitHealth, health_verdicts
+from tidal.controller.planning import (
+    Candidate,
+    Form,
+    Grow,
+    Wait,
+    WorldSnapshot,
+    allowed_sizes,
+    choose_world_size,
+    decide_world,
+    plan_epoch,
+)
+
+
+def candidate(unit: str, previous: int | None = None, port: int = 5000, registered: float = 0.0,
+              procs: int = 1) -> Candidate:
+    return Candidate(unit_id=unit, nodes=(f"n-{unit}",), procs_per_node=procs, address=f"host-{unit}",
+                     store_port=port, previous_group_rank=previous, registered_at=registered)
+
+
+def test_survivors_keep_their_order_and_joiners_follow() -> None:
+    plan = plan_epoch(job_id="j", epoch=4, candidates=[
+        candidate("late", registered=9.0), candidate("c", previous=2), candidate("a", previous=0),
+        candidate("early", registered=1.0)], replicas=4, reason="r", now=100.0, resume_step=17)
+    assert plan.unit_ids == ("a", "c", "early", "late")
+    assert [m.group_rank for m in plan.members] == [0, 1, 2, 3]
+    assert plan.rendezvous_unit_id == "a" and plan.rendezvous_host == "host-a" and plan.rendezvous_port == 5000
+    assert plan.resume_step == 17 and plan.world_size == 4
+
+
+def test_ranks_count_every_process_of_every_unit() -> None:
+    plan = plan_epoch(job_id="j", epoch=1, candidates=[candidate("a", procs=2), candidate("b", procs=3)],
+                      replicas=2, reason="r", now=0.0, resume_step=0)
+    assert [(m.unit_id, m.first_rank) for m in plan.members] == [("a", 0), ("b", 2)]
+    table = plan.rank_table()
+    assert table.world_size == 5 and table.assignments[1].first_rank == 2
+
+
+def test_rendezvous_moves_to_a_live_unit_when_the_old_host_is_gone() -> None:
+    # Epoch 1 was hosted by "a" (group rank 0); "a" failed; the survivors re-form.
+    plan = plan_epoch(job_id="j", epoch=2, candidates=[candidate("c", previous=2), candidate("b", previous=1)],
+                      replicas=2, reason="r", now=0.0, resume_step=0)
+    assert plan.rendezvous_unit_id == "b" and plan.members[0].unit_id == "b"
+
+
+def test_a_unit_without_a_store_port_never_hosts() -> None:
+    plan = plan_epoch(job_id="j", epoch=1, candidates=[candidate("a", previous=0, port=0), candidate("b", 1)],
+                      replicas=2, reason="r", now=0.0, resume_step=0)
+    assert plan.rendezvous_unit_id == "b" and plan.members[0].unit_id == "b"
+    with pytest.raises(ValueError, match="no member can host"):
+        plan_epoch(job_id="j", epoch=1, candidates=[candidate("a", port=0)], replicas=1, reason="r", now=0.0,
+                   resume_step=0)
+
+
+def test_allowed_sizes() -> None:
+    assert allowed_sizes(1, 4) == [1, 2, 3, 4]
+    assert allowed_sizes(2, 8, replica_step=2) == [2, 4, 6, 8]
+    assert allowed_sizes(1, 8, allowed_replicas=[8, 4, 2, 16]) == [2, 4, 8]
+    assert choose_world_size(5, [2, 4, 8]) == 4
+    assert choose_world_size(1, [2, 4]) is None
+
+
+def snapshot(*, running: bool, members: tuple[str, ...] = (), joiners: dict[str, float] | None = None,
+             min_replicas: int = 2, max_replicas: int = 3, last_change_at: float | None = None,
+             snooze: float = 0.0) -> WorldSnapshot:
+    return WorldSnapshot(running=running, members=members, joiners=joiners or {}, min_replicas=min_replicas,
+                         max_replicas=max_replicas, sizes=tuple(allowed_sizes(min_replicas, max_replicas)),
+                         last_change_at=last_change_at, join_settle_s=2.0, scale_up_snooze_s=snooze)
+
+
+def test_forming_waits_for_min_then_settles_then_forms() -> None:
+    assert decide_world(snapshot(running=False, joiners={"a": 10.0}), now=10.5) == Wait("1 of min 2 replicas ready")
+    waiting = decide_world(snapshot(running=False, joiners={"a": 10.0, "b": 11.0}), now=11.5)
+    assert isinstance(waiting, Wait) and "waiting 1.5 s for more" in waiting.reason
+    formed = decide_world(snapshot(running=False, joiners={"a": 10.0, "b": 11.0}), now=13.1)
+    assert formed == Form(2, ("a", "b"), "2 replicas ready (min 2, max 3)")
+    # At max, no need to wait for the settle window.
+    full = decide_world(snapshot(running=False, joiners={"a": 10.0, "b": 10.0, "c": 10.0}), now=10.1)
+    assert isinstance(full, Form) and full.replicas == 3
+
+
+def test_survivors_reform_at_once_without_waiting() -> None:
+    action = decide_world(snapshot(running=False, members=("a", "b")), now=50.0)
+    assert action == Form(2, (), "2 replicas ready (min 2, max 3)")
+    below = decide_world(snapshot(running=False, members=("a",)), now=50.0)
+    assert below == Wait("1 of min 2 replicas ready")
+
+
+def test_grow_needs_a_settled_joiner_and_respects_the_snooze() -> None:
+    running = {"running": True, "members": ("a", "b")}
+    assert decide_world(snapshot(**running), now=5.0) == Wait("no joiner")
+    settling = decide_world(snapshot(**running, joiners={"c": 4.0}), now=5.0)
+    assert isinstance(settling, Wait) and "more joiners" in settling.reason
+    snoozed = decide_world(snapshot(**running, joiners={"c": 4.0}, last_change_at=3.0, snooze=10.0), now=7.0)
+    assert isinstance(snoozed, Wait) and "snoozed for 6.0 s" in snoozed.reason
+    grow = decide_world(snapshot(**running, joiners={"c": 4.0}), now=7.0)
+    assert grow == Grow(3, ("c",), "grow 2 -> 3 replicas: c joined")
+    at_max = decide_world(snapshot(running=True, members=("a", "b", "c"), joiners={"d": 0.0}), now=9.0)
+    assert at_max == Wait("at max_replicas 3")
+
+
+POLICY = HealthPolicy(heartbeat_timeout_s=3.0, progress_timeout_s=60.0)
+
+
+def test_missing_heartbeats_fail_a_unit_after_the_timeout() -> None:
+    units = [UnitHealth("a", True, last_heartbeat_at=100.0), UnitHealth("b", True, last_heartbeat_at=97.5)]
+    assert health_verdicts(units, now=100.4, policy=POLICY, epoch_started_at=0.0, reconnect_deadline=0.0) == []
+    verdicts = health_verdicts(units, now=100.6, policy=POLICY, epoch_started_at=0.0, reconnect_deadline=0.0)
+    assert verdicts == [Failure("b", "no heartbeat for 3.1 s (timeout 3 s)", "heartbeat")]
+
+
+def test_a_launcher_that_does_not_come_back_after_a_restart_fails_after_the_grace() -> None:
+    units = [UnitHealth("a", connected=False, last_heartbeat_at=None)]
+    assert health_verdicts(units, now=10.0, policy=POLICY, epoch_started_at=0.0, reconnect_deadline=15.0) == []
+    [failure] = health_verdicts(units, now=15.1, policy=POLICY, epoch_started_at=0.0, reconnect_deadline=15.0)
+    assert failure.cause == "reconnect" and "did not reconnect" in failure.reason
+
+
+def test_a_worker_without_progress_is_hung_but_only_if_it_ever_reported() -> None:
+    silent = UnitHealth("a", True, last_heartbeat_at=199.0)
+    stalled = UnitHealth("b", True, last_heartbeat_at=199.0, progress_at={4: 130.0, 5: 190.0})
+    verdicts = health_verdicts([silent, stalled], now=200.0, policy=POLICY, epoch_started_at=100.0,
+                               reconnect_deadline=0.0)
+    assert verdicts == [Failure("b", "rank 4 made no progress for 70.0 s (timeout 60 s)", "progress")]
+    # Progress from before this epoch started does not count against it.
+    assert health_verdicts([stalled], now=200.0, policy=POLICY, epoch_started_at=135.0, reconnect_deadline=0.0) == []
+
+
+def test_token_bucket_allows_the_burst_then_the_rate() -> None:
+    bucket = TokenBucket(rate=10.0, burst=5, now=0.0)
+    assert [bucket.allow(0.0) for _ in range(6)] == [True] * 5 + [False]
+    assert bucket.allow(0.05) is False
+    assert bucket.allow(0.1) is True
+    assert bucket.allow(10.0) and bucket.tokens == pytest.approx(4.0)
