@@ -133,12 +133,12 @@ class LauncherProcess:
         self.log_path = directory / f"launcher-{unit_id}.log"
         self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self, controller: ControllerProcess, job_id: str, secret_path: str) -> None:
+    def start(self, controller: ControllerProcess, job_id: str, secret_path: str, extra: tuple[str, ...] = ()) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115
         env = {**os.environ, "TIDAL_SECRET_FILE": secret_path, "TIDAL_LOG_FORMAT": "json"}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tidal.launcher.agent", "--controller", controller.address, "--job", job_id,
-             "--unit", self.unit_id, "--address", "127.0.0.1", "--stop-grace", "5"],
+             "--unit", self.unit_id, "--address", "127.0.0.1", "--stop-grace", "5", *extra],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         log.close()
 
@@ -186,9 +186,9 @@ class TidalRun:
         self.secret_path = response.secret_path
         return response.job
 
-    def start_launcher(self, unit_id: str) -> LauncherProcess:
+    def start_launcher(self, unit_id: str, extra: tuple[str, ...] = ()) -> LauncherProcess:
         launcher = LauncherProcess(self.directory, unit_id)
-        launcher.start(self.controller, self.job_id, self.secret_path)
+        launcher.start(self.controller, self.job_id, self.secret_path, extra)
         self.launchers[unit_id] = launcher
         return launcher
 
