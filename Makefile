@@ -54,9 +54,13 @@ cluster-down:
 cluster-status:
 	scripts/minicluster status
 
-# For now: a real cluster and what Tidal sees of it. Grows with the controller.
+# A real Slurm cluster and what Tidal sees of it; then the control plane on loopback: a
+# controller, three launchers and a torchrun-style script that loses a worker and a
+# launcher and goes on. (Units as Slurm jobs come with the autoscaling work.)
 demo: install
 	scripts/with-cluster bash -c '$(VENV)/bin/tidal nodes && echo && squeue && echo && sinfo'
+	@echo
+	$(PYTHON) scripts/demo-control-plane
 
 bench: install
 	@echo "bench: no benchmarks yet (they come with the benchmark issue)"; exit 1

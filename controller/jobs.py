@@ -229,6 +229,7 @@ class JobActor:
         previous = self.sessions.get(unit_id)
         if previous is not None:
             previous.close(grpc.StatusCode.ABORTED, "replaced by a newer session of the same unit")
+            self.metrics.launchers_connected.dec()
         self.sessions[unit_id] = session
         self.metrics.launchers_connected.inc()
         unit = self.units.get(unit_id)
@@ -317,7 +318,7 @@ class JobActor:
         del self.sessions[session.unit_id]
         self.metrics.launchers_connected.dec()
         unit = self.units.get(session.unit_id)
-        if unit is None or unit.state is UnitState.FAILED:
+        if unit is None or unit.state.is_final:
             return
         if unit.state is UnitState.LEAVING or self.job.state.is_final:
             self._mark_left(unit.unit_id, f"session closed ({reason})")

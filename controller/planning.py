@@ -132,7 +132,8 @@ def decide_world(snapshot: WorldSnapshot, now: float) -> WorldAction:
         if available < snapshot.max_replicas and now < settling_until:
             return Wait(f"{available} replicas ready; waiting {settling_until - now:.1f} s for more to register")
         taken = tuple(joiners[: max(0, size - len(snapshot.members))])
-        return Form(size, taken, f"{size} replicas ready (min {snapshot.min_replicas}, max {snapshot.max_replicas})")
+        return Form(size, taken, f"{size} replica{'s' if size != 1 else ''} ready "
+                    f"(min {snapshot.min_replicas}, max {snapshot.max_replicas})")
     current = len(snapshot.members)
     if not joiners or current >= snapshot.max_replicas:
         return Wait("no joiner" if not joiners else f"at max_replicas {snapshot.max_replicas}")
