@@ -37,13 +37,13 @@ lint: install
 
 # Every tier: unit, then the mini Slurm cluster's tests (brought up and stopped here).
 test: install proto-check lint
-	TIDAL_REQUIRE_SLURM=1 scripts/with-cluster $(PYTEST) tests
+	TIDAL_TEST_REQUIRE_SLURM=1 scripts/with-cluster $(PYTEST) tests
 
 test-unit: install
 	$(PYTEST) tests -m "not slurm and not integration"
 
 test-slurm: install
-	TIDAL_REQUIRE_SLURM=1 scripts/with-cluster $(PYTEST) tests -m slurm
+	TIDAL_TEST_REQUIRE_SLURM=1 scripts/with-cluster $(PYTEST) tests -m slurm
 
 cluster-up:
 	scripts/minicluster up

@@ -63,25 +63,24 @@ def server_options(config: ControllerConfig) -> list[tuple[str, Any]]:
     ]
 
 
-def _readiness(config: ControllerConfig, store: StateStore) -> str | None:
-    """None when ready to serve, else what does not answer."""
+def _slurm_problem() -> str | None:
     try:
-        store.ping()
-    except Exception as error:
-        return f"database does not answer: {error}"
-    if config.require_slurm:
-        try:
-            default_client(timeout_s=10.0).version()
-        except SlurmError as error:
-            return f"Slurm does not answer: {error}"
+        default_client(timeout_s=10.0).version()
+    except SlurmError as error:
+        return f"Slurm does not answer: {error}"
     return None
 
 
 async def _watch_readiness(config: ControllerConfig, store: StateStore, servicer: health.aio.HealthServicer) -> None:
+    """SERVING while the database (on this thread: SQLite connections stay on theirs) and,
+    when required, Slurm (in a worker thread: a slow Slurm must not block the loop) answer."""
     last: str | None = "starting"
     while True:
-        problem = await asyncio.to_thread(_readiness, config, store) if config.require_slurm else _readiness(
-            config, store)
+        try:
+            store.ping()
+            problem = await asyncio.to_thread(_slurm_problem) if config.require_slurm else None
+        except Exception as error:
+            problem = f"database does not answer: {error}"
         if problem != last:
             status = (health_pb2.HealthCheckResponse.SERVING if problem is None
                       else health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -2,7 +2,7 @@
 
 Tests marked `slurm` need the real mini cluster (`scripts/minicluster up`, SLURM_CONF
 set; `make test` does both). Without one they are skipped, except when
-TIDAL_REQUIRE_SLURM=1 (as in `make test` and CI), where a missing cluster fails them.
+TIDAL_TEST_REQUIRE_SLURM=1 (as in `make test` and CI), where a missing cluster fails them.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def mini_cluster() -> dict:
         except SlurmError as error:
             problem = f"the mini cluster does not answer: {error}"
     if problem:
-        if os.environ.get("TIDAL_REQUIRE_SLURM") == "1":
+        if os.environ.get("TIDAL_TEST_REQUIRE_SLURM") == "1":
             pytest.fail(problem)
         pytest.skip(problem)
     return json.loads(record.read_text())

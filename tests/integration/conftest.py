@@ -74,6 +74,7 @@ class ControllerProcess:
         self.socket = self.socket_dir / "controller.sock"
         self.state_dir = directory / "state"
         self.settings = settings
+        self.extra_env: dict[str, str] = {}
         self.process: subprocess.Popen[bytes] | None = None
         self.ready: dict[str, Any] = {}
         self.starts = 0
@@ -92,8 +93,10 @@ class ControllerProcess:
         for key, value in self.settings.items():
             command += ["--set", f"{key}={value}"]
         log = open(self.directory / f"controller-{self.starts}.log", "wb")  # noqa: SIM115
+        # Only the settings above: no TIDAL_* variable of the test run leaks into the config.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")}
         self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                        env={**os.environ, "TIDAL_LOG_FORMAT": "json"})
+                                        env={**env, "TIDAL_LOG_FORMAT": "json", **self.extra_env})
         log.close()
         wait_until(lambda: ready_file.exists() or self.process.poll() is not None, 30, "the controller to serve")
         assert self.process.poll() is None, (self.directory / f"controller-{self.starts}.log").read_text()

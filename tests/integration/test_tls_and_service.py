@@ -9,8 +9,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.integration.conftest import REPO, TidalRun
+from tests.integration.conftest import REPO, TidalRun, wait_until
 from tidal.controller.client import AdminClient
 
 
@@ -44,6 +45,24 @@ def test_launcher_and_admin_over_tls(tidal_run: TidalRun) -> None:
             pytest.raises(grpc.RpcError) as refused:
         plaintext.jobs()
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.integration
+def test_health_is_not_serving_while_a_required_slurm_does_not_answer(tidal_run: TidalRun, tmp_path: Path) -> None:
+    controller = tidal_run.controller
+    controller.stop()
+    controller.settings["require_slurm"] = "true"
+    controller.extra_env = {"SLURM_CONF": str(tmp_path / "no-such-slurm.conf"), "TIDAL_SLURM_BACKEND": "cli"}
+    controller.start()
+    with grpc.insecure_channel(controller.address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    log = tidal_run.directory / f"controller-{controller.starts}.log"
+    wait_until(lambda: "controller_not_ready" in log.read_text(), 20, "the controller to say why")
+    assert "Slurm does not answer" in log.read_text()
+    with grpc.insecure_channel(controller.address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def test_systemd_unit_runs_the_daemon_in_the_foreground_and_restarts_it() -> None:
