@@ -178,11 +178,11 @@ class TidalRun:
         self.secret_path = ""
 
     def submit(self, *, min_replicas: int, max_replicas: int, steps: int = 100_000, step_time: float = 0.05,
-               name: str = "train") -> admin_pb2.Job:
+               name: str = "train", procs_per_node: int = 1) -> admin_pb2.Job:
         command = [sys.executable, str(EXAMPLE), "--snapshot", str(self.directory / "snapshot.pt"),
                    "--steps", str(steps), "--step-time", str(step_time), "--log-dir", str(self.log_dir)]
         spec = admin_pb2.JobSpec(name=name, min_replicas=min_replicas, max_replicas=max_replicas, command=command,
-                                 working_dir=str(self.directory))
+                                 working_dir=str(self.directory), procs_per_node=procs_per_node)
         with self.controller.admin() as client:
             response = client.submit(spec)
         self.job_id = response.job.job_id

@@ -57,3 +57,11 @@ def test_controller_sigkill_and_restart_leaves_training_untouched(tidal_run: Tid
         [(e.sequence, e.kind) for e in events_before]
     assert not any(e.kind in ("failure_detected", "epoch_stopping") for e in events_after)
     tidal_run.wait_steps(len(rank0) + 5, world_size=3)
+
+    # A graceful stop (SIGTERM, as systemd does) and start: the same, and exit status 0.
+    tidal_run.controller.stop()
+    assert tidal_run.controller.process is not None and tidal_run.controller.process.returncode == 0
+    tidal_run.controller.start()
+    wait_until(lambda: len([e for e in tidal_run.controller.events(tidal_run.job_id)
+                            if e.kind == "launcher_reattached"]) == 6, 10, "three more reattachments")
+    assert tidal_run.all_worker_pids() == workers_before and all(alive(pid) for pid in workers_before)

@@ -7,6 +7,7 @@ import os
 import signal
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -114,3 +115,31 @@ def test_sigterm_makes_a_launcher_leave_cleanly_and_the_job_goes_on(tidal_run: T
     assert not any(kind == "failure_detected" for kind, _ in kinds)
     leave = next(e for e in tidal_run.controller.events(tidal_run.job_id) if e.kind == "unit_leaving")
     assert leave.fields["cause"] == "preempted"
+
+
+def test_a_launcher_killed_with_sigkill_takes_its_workers_along(tidal_run: TidalRun) -> None:
+    tidal_run.submit(min_replicas=1, max_replicas=2, procs_per_node=2)
+    for unit in ("u1", "u2"):
+        tidal_run.start_launcher(unit)
+    formed = tidal_run.controller.wait_event(tidal_run.job_id, "world_formed", where=lambda e: e.epoch == 1)
+    assert formed.fields["world_size"] == "4"
+    tidal_run.wait_steps(4, world_size=4)
+    ranks = {r["rank"] for r in tidal_run.steps() if r["world_size"] == 4}
+    assert ranks == {0, 1, 2, 3}
+    victim_unit = formed.fields["members"].split(",")[1]
+    victim = tidal_run.launchers[victim_unit]
+    orphans = victim.worker_pids()
+    assert len(orphans) == 2
+    os.kill(victim.pid, signal.SIGKILL)
+    # No orphan: its workers die with it (PR_SET_PDEATHSIG).
+    for pid in orphans:
+        wait_until(lambda pid=pid: not alive(pid), 3, f"worker {pid} of the killed launcher to die")
+    failure = tidal_run.controller.wait_event(tidal_run.job_id, "failure_detected")
+    assert failure.unit_id == victim_unit and failure.fields["cause"] == "stream"
+    formed = tidal_run.controller.wait_event(tidal_run.job_id, "world_formed", where=lambda e: e.epoch == 2)
+    assert formed.fields["world_size"] == "2"
+    tidal_run.wait_steps(3, world_size=2)
+    # The job's secret never reaches a log.
+    secret = Path(tidal_run.secret_path).read_text().strip()
+    for log in tidal_run.directory.glob("*.log"):
+        assert secret not in log.read_text(errors="replace"), log
