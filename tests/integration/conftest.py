@@ -221,6 +221,15 @@ class TidalRun:
     def close(self) -> list[int]:
         """Stop everything; return worker PIDs that had to be killed here (should be none)."""
         workers = self.all_worker_pids()
+        # Cancel first, so the launchers leave together instead of re-forming one by one.
+        with contextlib.suppress(Exception):
+            if self.job_id and self.controller.process and self.controller.process.poll() is None:
+                with self.controller.admin() as client:
+                    client.cancel(self.job_id)
+                for launcher in self.launchers.values():
+                    if launcher.process is not None:
+                        with contextlib.suppress(subprocess.TimeoutExpired):
+                            launcher.process.wait(10)
         for launcher in self.launchers.values():
             launcher.stop()
         self.controller.stop()
