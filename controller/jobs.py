@@ -176,8 +176,9 @@ class JobActor:
             environment=dict(spec.environment), working_dir=spec.working_dir,
             procs_per_node=spec.procs_per_node or 1, job_name=spec.name)
 
-    def heartbeat(self, session: LauncherSession, beat: launcher_pb2.Heartbeat) -> launcher_pb2.ControllerMessage:
-        """Record a heartbeat; it needs no decision, so it skips the queue."""
+    def heartbeat(self, session: LauncherSession, beat: launcher_pb2.Heartbeat) -> None:
+        """Record a heartbeat; it needs no decision, so it skips the queue, and no reply
+        (the stream and gRPC keepalive tell the launcher the controller is there)."""
         now = time.monotonic()
         session.last_heartbeat_at = now
         if beat.HasField("sent_at"):
@@ -188,7 +189,6 @@ class JobActor:
                     age = max(0.0, sent_at - worker.progress_time.ToNanoseconds() / 1e9)
                     session.progress_at[worker.rank] = now - age
                     session.steps[worker.rank] = worker.step
-        return launcher_pb2.ControllerMessage(heartbeat_ack=launcher_pb2.HeartbeatAck(sequence=beat.sequence))
 
     def put(self, item: JobInput) -> None:
         self.inputs.put_nowait(item)
@@ -229,9 +229,7 @@ class JobActor:
         previous = self.sessions.get(unit_id)
         if previous is not None:
             previous.close(grpc.StatusCode.ABORTED, "replaced by a newer session of the same unit")
-            self.metrics.launchers_connected.dec()
         self.sessions[unit_id] = session
-        self.metrics.launchers_connected.inc()
         unit = self.units.get(unit_id)
         fields = {"address": register.address, "nodes": join_ids(list(register.nodes)),
                   "workers": join_ids([str(p) for p in register.worker_pids])}
@@ -249,7 +247,6 @@ class JobActor:
                 self.events.record(self.job.job_id, "unit_registered", "launcher registered", unit_id=unit_id,
                                    epoch=self.job.epoch, fields=fields)
             self.registered_at[unit_id] = now
-            self._refresh_gauges()
             return
         unit.address = register.address or unit.address
         member = self.epoch.member(unit_id) if self.epoch is not None else None
@@ -262,7 +259,7 @@ class JobActor:
             return
         if self.stop is not None and self.stop.epoch == self.epoch.epoch:
             self.stop.waiting_for.add(unit_id)
-            session.send(self._stop_message(self.stop, failed_unit_id=""))
+            session.send(self._stop_message(self.stop.epoch, self.stop.reason, self.stop.cause))
             self.events.record(self.job.job_id, "launcher_reconnected", "told to stop the epoch being stopped",
                                unit_id=unit_id, epoch=self.epoch.epoch, fields=fields)
         elif register.last_epoch == self.epoch.epoch and register.worker_pids:
@@ -316,7 +313,6 @@ class JobActor:
         if self.sessions.get(session.unit_id) is not session:
             return
         del self.sessions[session.unit_id]
-        self.metrics.launchers_connected.dec()
         unit = self.units.get(session.unit_id)
         if unit is None or unit.state.is_final:
             return
@@ -415,11 +411,8 @@ class JobActor:
         self.metrics.failures.labels(cause=cause).inc()
         session = self.sessions.get(unit_id)
         if session is not None:
-            session.send(launcher_pb2.ControllerMessage(stop_epoch=launcher_pb2.StopEpoch(
-                epoch=epoch_number, reason=reason, failed_unit_id=unit_id,
-                grace=_duration(self.config.failure_stop_grace_s))))
+            session.send(self._stop_message(epoch_number, reason, "failure", failed_unit_id=unit_id))
             session.close(grpc.StatusCode.ABORTED, f"unit {unit_id} failed: {reason}")
-        self._refresh_gauges()
         if not was_member:
             return
         if self.stop is not None:
@@ -429,10 +422,15 @@ class JobActor:
         self.failure_detected_at = detected_at
         self._begin_stop("failure", f"unit {unit_id} failed: {reason}", detected_at)
 
-    def _stop_message(self, stop: PendingStop, failed_unit_id: str) -> launcher_pb2.ControllerMessage:
-        grace = self.config.failure_stop_grace_s if stop.cause == "failure" else self.config.restart_grace_s
+    def _stop_grace_s(self, cause: str) -> float:
+        """Workers' SIGTERM-to-SIGKILL grace: short for a failure, longer for a planned change."""
+        return self.config.failure_stop_grace_s if cause == "failure" else self.config.restart_grace_s
+
+    def _stop_message(self, epoch: int, reason: str, cause: str,
+                      failed_unit_id: str = "") -> launcher_pb2.ControllerMessage:
         return launcher_pb2.ControllerMessage(stop_epoch=launcher_pb2.StopEpoch(
-            epoch=stop.epoch, reason=stop.reason, failed_unit_id=failed_unit_id, grace=_duration(grace)))
+            epoch=epoch, reason=reason, failed_unit_id=failed_unit_id,
+            grace=_duration(self._stop_grace_s(cause))))
 
     def _begin_stop(self, cause: str, reason: str, detected_at: float) -> None:
         """Broadcast STOP for the running epoch to every member and wait for each to
@@ -442,8 +440,7 @@ class JobActor:
         waiting = {m.unit_id for m in self.epoch.members
                    if self.units[m.unit_id].state in (UnitState.ACTIVE, UnitState.LEAVING)
                    and (m.unit_id in self.sessions or now < self.reconnect_deadline)}
-        grace = self.config.failure_stop_grace_s if cause == "failure" else self.config.restart_grace_s
-        deadline = max(now + grace + self.config.heartbeat_timeout_s, self.reconnect_deadline)
+        deadline = max(now + self._stop_grace_s(cause) + self.config.heartbeat_timeout_s, self.reconnect_deadline)
         self.stop = PendingStop(epoch=self.epoch.epoch, cause=cause, reason=reason, detected_at=detected_at,
                                 waiting_for=waiting, deadline=deadline)
         self.job.state = JobState.RECONFIGURING
@@ -451,12 +448,11 @@ class JobActor:
             self.store.update_job(self.job)
             self.events.record(self.job.job_id, "epoch_stopping", reason, epoch=self.epoch.epoch,
                                fields={"cause": cause, "waiting_for": join_ids(sorted(waiting))})
-        message = self._stop_message(self.stop, failed_unit_id="")
+        message = self._stop_message(self.stop.epoch, reason, cause)
         for unit_id in waiting:
             session = self.sessions.get(unit_id)
             if session is not None and self.units[unit_id].state is not UnitState.LEAVING:
                 session.send(message)
-        self._refresh_gauges()
         self._maybe_finish_stop()
 
     def _maybe_finish_stop(self) -> None:
@@ -529,7 +525,6 @@ class JobActor:
         message = self._start_message(plan)
         for unit_id in plan.unit_ids:
             self.sessions[unit_id].send(message)
-        self._refresh_gauges()
 
     @staticmethod
     def _start_message(epoch: EpochRecord) -> launcher_pb2.ControllerMessage:
@@ -570,7 +565,6 @@ class JobActor:
         with self.store.transaction():
             self.store.upsert_unit(unit)
             self.events.record(self.job.job_id, "unit_left", reason, unit_id=unit_id, epoch=self.job.epoch)
-        self._refresh_gauges()
 
     def _on_completed(self) -> None:
         self._end(JobState.COMPLETED, "job_completed", "every rank exited 0")
@@ -599,7 +593,6 @@ class JobActor:
             self.store.upsert_unit(unit)
             session.send(launcher_pb2.ControllerMessage(leave=launcher_pb2.Leave(
                 epoch=epoch_number, at_step=0, reason=reason)))
-        self._refresh_gauges()
 
     def _on_resize(self, min_replicas: int, max_replicas: int, uid: int) -> None:
         spec = self.job.spec
@@ -621,12 +614,32 @@ class JobActor:
         with self.store.transaction():
             self.store.update_job(self.job)
             self.events.record(self.job.job_id, f"job_{state.value}", reason, epoch=self.job.epoch)
-        self._refresh_gauges()
 
-    def _refresh_gauges(self) -> None:
-        self.metrics.world_size.labels(job=self.job.job_id).set(
-            self.epoch.world_size if self.epoch is not None and self.job.state is JobState.RUNNING else 0)
-        self.metrics.epoch.labels(job=self.job.job_id).set(self.job.epoch)
+    # What the state gauges read (metrics.JobView).
+
+    @property
+    def job_id(self) -> str:
+        return self.job.job_id
+
+    @property
+    def job_state(self) -> str:
+        return self.job.state.value
+
+    @property
+    def unit_states(self) -> list[str]:
+        return [unit.state.value for unit in self.units.values()]
+
+    @property
+    def world_size(self) -> int:
+        return self.epoch.world_size if self.epoch is not None and self.job.state is JobState.RUNNING else 0
+
+    @property
+    def epoch_number(self) -> int:
+        return self.job.epoch
+
+    @property
+    def connected_launchers(self) -> int:
+        return len(self.sessions)
 
     # Admin views.
 
@@ -646,7 +659,7 @@ class JobActor:
         steps = [step for s in self.sessions.values() for step in s.steps.values()]
         message = admin_pb2.Job(job_id=job.job_id, spec=job.spec, state=job.state.to_proto(),
                                 owner_uid=job.owner_uid, epoch=job.epoch,
-                                world_size=epoch.world_size if running and epoch else 0,
+                                world_size=self.world_size,
                                 replicas=len(epoch.members) if running and epoch else 0,
                                 step=min(steps) if steps else job.step, units=units)
         message.created_at.FromNanoseconds(int(job.created_at * 1e9))

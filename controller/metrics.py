@@ -1,23 +1,76 @@
 """Prometheus metrics of the controller, on a registry of its own (so two controllers in
-one test process do not collide)."""
+one test process do not collide). Counters and histograms are updated where things
+happen; the gauges of jobs, units, world sizes and epochs are read from the job actors
+when Prometheus scrapes, so no code path has to keep them up to date."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+
+class JobView(Protocol):
+    """What the state gauges read of a job (a JobActor)."""
+
+    @property
+    def job_id(self) -> str: ...
+
+    @property
+    def job_state(self) -> str: ...
+
+    @property
+    def unit_states(self) -> Iterable[str]: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def epoch_number(self) -> int: ...
+
+    @property
+    def connected_launchers(self) -> int: ...
+
+
+class _StateCollector(Collector):
+    def __init__(self, jobs: Callable[[], Iterable[JobView]], job_states: Iterable[str],
+                 unit_states: Iterable[str]) -> None:
+        self._jobs = jobs
+        self._job_states = list(job_states)
+        self._unit_states = list(unit_states)
+
+    def collect(self) -> Iterator[Metric]:
+        jobs = GaugeMetricFamily("tidal_jobs", "Jobs by state.", labels=["state"])
+        units = GaugeMetricFamily("tidal_units", "Units (replicas) by state.", labels=["state"])
+        world = GaugeMetricFamily("tidal_world_size", "Ranks in the job's current epoch (0 when not running).",
+                                  labels=["job"])
+        epoch = GaugeMetricFamily("tidal_epoch", "The job's current epoch number.", labels=["job"])
+        connected = 0
+        job_counts = dict.fromkeys(self._job_states, 0)
+        unit_counts = dict.fromkeys(self._unit_states, 0)
+        for job in self._jobs():
+            job_counts[job.job_state] = job_counts.get(job.job_state, 0) + 1
+            for state in job.unit_states:
+                unit_counts[state] = unit_counts.get(state, 0) + 1
+            world.add_metric([job.job_id], job.world_size)
+            epoch.add_metric([job.job_id], job.epoch_number)
+            connected += job.connected_launchers
+        for state, count in job_counts.items():
+            jobs.add_metric([state], count)
+        for state, count in unit_counts.items():
+            units.add_metric([state], count)
+        yield from (jobs, units, world, epoch,
+                    GaugeMetricFamily("tidal_launchers_connected", "Launcher sessions open.", value=connected))
 
 
 class ControllerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.jobs = Gauge("tidal_jobs", "Jobs by state.", ["state"], registry=self.registry)
-        self.units = Gauge("tidal_units", "Units (replicas) by state.", ["state"], registry=self.registry)
-        self.world_size = Gauge("tidal_world_size", "Ranks in the job's current epoch.", ["job"],
-                                registry=self.registry)
-        self.epoch = Gauge("tidal_epoch", "The job's current epoch number.", ["job"], registry=self.registry)
         self.epochs_formed = Counter("tidal_epochs_formed", "Epochs formed.", ["job"], registry=self.registry)
         self.failures = Counter("tidal_failures", "Failures detected, by cause.", ["cause"], registry=self.registry)
-        self.launchers_connected = Gauge("tidal_launchers_connected", "Launcher sessions open.",
-                                         registry=self.registry)
         self.heartbeat_latency = Histogram(
             "tidal_heartbeat_latency_seconds", "Launcher send to controller receipt (clocks may differ).",
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5), registry=self.registry)
@@ -31,3 +84,8 @@ class ControllerMetrics:
                                      ["code"], registry=self.registry)
         self.stale_messages = Counter("tidal_stale_messages", "Launcher messages of an old epoch, ignored.",
                                       registry=self.registry)
+
+    def read_job_states(self, jobs: Callable[[], Iterable[JobView]], job_states: Iterable[str],
+                        unit_states: Iterable[str]) -> None:
+        """Serve the state gauges from `jobs()` at every scrape."""
+        self.registry.register(_StateCollector(jobs, job_states, unit_states))

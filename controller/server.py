@@ -33,10 +33,10 @@ from tidal.controller.jobs import (
 from tidal.controller.metrics import ControllerMetrics
 from tidal.controller.model import JobRecord, JobState, UnitState
 from tidal.controller.security import Caller, UnixSocketRelay, new_secret, secret_digest, write_private_file
-from tidal.controller.sessions import LauncherSession, SessionClose
+from tidal.controller.sessions import LauncherSession, SessionClose, SessionEnded
 from tidal.controller.spec import SpecError, normalized_spec
 from tidal.controller.store import StateStore
-from tidal.proto import admin_pb2, admin_pb2_grpc, launcher_pb2, launcher_pb2_grpc
+from tidal.proto import admin_pb2, admin_pb2_grpc, common_pb2, launcher_pb2, launcher_pb2_grpc
 from tidal.slurm import SlurmError, default_client
 
 log = structlog.get_logger("tidal.controller.server")
@@ -56,6 +56,8 @@ class Controller:
         self.actors: dict[str, JobActor] = {}
         self.shutting_down = False
         self._tasks: set[asyncio.Task[None]] = set()
+        metrics.read_job_states(lambda: list(self.actors.values()), [s.value for s in JobState],
+                                [s.value for s in UnitState])
 
     def load(self) -> None:
         """Rebuild every job's actor from SQLite (a restart resumes where it stopped)."""
@@ -69,7 +71,6 @@ class Controller:
             self._add(actor)
             if not job.state.is_final:
                 log.info("job_reloaded", job=job.job_id, state=job.state.value, epoch=job.epoch)
-        self.refresh_gauges()
 
     def _add(self, actor: JobActor) -> None:
         self.actors[actor.job.job_id] = actor
@@ -83,19 +84,6 @@ class Controller:
             for actor in self.actors.values():
                 if not actor.job.state.is_final:
                     actor.put(Tick())
-            self.refresh_gauges()
-
-    def refresh_gauges(self) -> None:
-        by_job_state = dict.fromkeys(JobState, 0)
-        by_unit_state = dict.fromkeys(UnitState, 0)
-        for actor in self.actors.values():
-            by_job_state[actor.job.state] += 1
-            for unit in actor.units.values():
-                by_unit_state[unit.state] += 1
-        for job_state, count in by_job_state.items():
-            self.metrics.jobs.labels(state=job_state.value).set(count)
-        for unit_state, count in by_unit_state.items():
-            self.metrics.units.labels(state=unit_state.value).set(count)
 
     def submit(self, spec: admin_pb2.JobSpec, owner_uid: int) -> tuple[JobActor, Path]:
         """Persist a new job and write its secret for the owner; SpecError if invalid."""
@@ -113,11 +101,10 @@ class Controller:
             self.store.insert_job(job)
             self.events.record(job_id, "job_submitted", f"by uid {owner_uid}",
                                fields={"min_replicas": spec.min_replicas, "max_replicas": spec.max_replicas,
-                                       "mode": "restart" if spec.mode == 2 else "live"})
+                                       "mode": common_pb2.JobMode.Name(spec.mode).removeprefix("JOB_MODE_").lower()})
         actor = JobActor(job, [], None, epoch_stopped=False, config=self.config, store=self.store,
                          events=self.events, metrics=self.metrics, started_at=time.monotonic())
         self._add(actor)
-        self.refresh_gauges()
         return actor, secret_path
 
 
@@ -127,7 +114,6 @@ class LauncherServicer(launcher_pb2_grpc.LauncherServiceServicer):
 
     async def Session(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]
         config = self.controller.config
-        metrics = self.controller.metrics
         try:
             first = await asyncio.wait_for(context.read(), timeout=config.register_timeout_s)
         except TimeoutError:
@@ -165,30 +151,20 @@ class LauncherServicer(launcher_pb2_grpc.LauncherServiceServicer):
         await context.write(launcher_pb2.ControllerMessage(registered=registered))
         actor.put(Connected(session, register))
         bucket = TokenBucket(config.launcher_messages_per_s, config.launcher_message_burst, now)
+        # One task reads; this one writes whatever the outbox holds (commands from the
+        # job actor, or how the session ends), so no message waits on a poll.
         reader = asyncio.create_task(self._read(context, actor, session, bucket))
         reason = "session ended"
         try:
             while True:
-                getter = asyncio.create_task(session.outbox.get())
-                done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
-                if getter in done:
-                    item = getter.result()
-                    if isinstance(item, SessionClose):
-                        reason = item.details
-                        await context.abort(item.code, item.details)
-                    else:
-                        await context.write(item)
-                    continue
-                getter.cancel()
-                outcome = reader.result()
-                if isinstance(outcome, SessionClose):
-                    reason = outcome.details
-                    metrics.refused_calls.labels(code=outcome.code.name).inc()
-                    log.warning("launcher_session_refused", job=session.job_id, unit=session.unit_id,
-                                code=outcome.code.name, reason=outcome.details)
-                    await context.abort(outcome.code, outcome.details)
-                reason = outcome
-                return
+                item = await session.outbox.get()
+                if isinstance(item, SessionEnded):
+                    reason = item.reason
+                    return
+                if isinstance(item, SessionClose):
+                    reason = item.details
+                    await context.abort(item.code, item.details)
+                await context.write(item)
         except asyncio.CancelledError:
             reason = "stream cancelled (launcher gone or connection lost)"
             raise
@@ -202,30 +178,43 @@ class LauncherServicer(launcher_pb2_grpc.LauncherServiceServicer):
         await context.abort(code, details)
 
     async def _read(self, context: grpc.aio.ServicerContext, actor: JobActor, session: LauncherSession,
-                    bucket: TokenBucket) -> str | SessionClose:
+                    bucket: TokenBucket) -> None:
+        """Read the launcher's messages until its stream ends or it breaks a rule; either
+        way, tell the writing side through the outbox."""
         config = self.controller.config
         while True:
             try:
                 message = await context.read()
             except DecodeError:
-                return SessionClose(grpc.StatusCode.INVALID_ARGUMENT, GARBLED)
-            except (grpc.RpcError, grpc.aio.AioRpcError, RuntimeError) as error:
-                return f"read failed: {error}"
+                self._refuse_session(session, grpc.StatusCode.INVALID_ARGUMENT, GARBLED)
+                return
+            except grpc.RpcError as error:
+                session.end(f"read failed: {error}")
+                return
             if message is grpc.aio.EOF:
-                return "launcher closed its stream"
+                session.end("launcher closed its stream")
+                return
             assert isinstance(message, launcher_pb2.LauncherMessage)
             if not bucket.allow(time.monotonic()):
-                return SessionClose(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"more than {config.launcher_messages_per_s:g} messages/s "
-                                    f"(burst {config.launcher_message_burst})")
+                self._refuse_session(session, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                     f"more than {config.launcher_messages_per_s:g} messages/s "
+                                     f"(burst {config.launcher_message_burst})")
+                return
             kind = message.WhichOneof("body")
             if kind is None or kind == "register":
-                return SessionClose(grpc.StatusCode.INVALID_ARGUMENT,
-                                    "register may only be the first message" if kind else "empty message")
+                self._refuse_session(session, grpc.StatusCode.INVALID_ARGUMENT,
+                                     "register may only be the first message" if kind else "empty message")
+                return
             if kind == "heartbeat":
-                session.send(actor.heartbeat(session, message.heartbeat))
+                actor.heartbeat(session, message.heartbeat)
             else:
                 actor.put(Said(session, message))
+
+    def _refuse_session(self, session: LauncherSession, code: grpc.StatusCode, details: str) -> None:
+        self.controller.metrics.refused_calls.labels(code=code.name).inc()
+        log.warning("launcher_session_refused", job=session.job_id, unit=session.unit_id, code=code.name,
+                    reason=details)
+        session.close(code, details)
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):

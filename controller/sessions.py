@@ -19,6 +19,13 @@ class SessionClose:
     details: str
 
 
+@dataclasses.dataclass(frozen=True)
+class SessionEnded:
+    """The launcher's side of the stream ended (closed, or the read failed)."""
+
+    reason: str
+
+
 @dataclasses.dataclass(eq=False)
 class LauncherSession:
     job_id: str
@@ -27,7 +34,7 @@ class LauncherSession:
     last_heartbeat_at: float
     store_port: int
     worker_pids: tuple[int, ...]
-    outbox: asyncio.Queue[launcher_pb2.ControllerMessage | SessionClose] = dataclasses.field(
+    outbox: asyncio.Queue[launcher_pb2.ControllerMessage | SessionClose | SessionEnded] = dataclasses.field(
         default_factory=asyncio.Queue)
     # Per global rank: when the worker last made progress (controller's monotonic clock).
     progress_at: dict[int, float] = dataclasses.field(default_factory=dict)
@@ -43,3 +50,7 @@ class LauncherSession:
         if not self.closed:
             self.closed = True
             self.outbox.put_nowait(SessionClose(code, details))
+
+    def end(self, reason: str) -> None:
+        """The reading side is done: the writing side stops after what is queued."""
+        self.outbox.put_nowait(SessionEnded(reason))

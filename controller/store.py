@@ -200,20 +200,24 @@ class StateStore:
         return EventRecord(sequence=int(cursor.lastrowid or 0), time=at, job_id=job_id, unit_id=unit_id,
                            epoch=epoch, kind=kind, reason=reason, fields=text_fields)
 
+    _EVENT_COLUMNS = "sequence, time, job_id, unit_id, epoch, kind, reason, fields"
+
+    @staticmethod
+    def _event(row: tuple) -> EventRecord:  # type: ignore[type-arg]
+        return EventRecord(sequence=row[0], time=row[1], job_id=row[2], unit_id=row[3], epoch=row[4], kind=row[5],
+                           reason=row[6], fields=json.loads(row[7]))
+
     def events(self, job_id: str = "", *, after_sequence: int = 0, limit: int = 1000) -> list[EventRecord]:
-        query = "SELECT sequence, time, job_id, unit_id, epoch, kind, reason, fields FROM events WHERE sequence > ?"
+        query = f"SELECT {self._EVENT_COLUMNS} FROM events WHERE sequence > ?"
         params: list[object] = [after_sequence]
         if job_id:
             query += " AND job_id = ?"
             params.append(job_id)
         query += " ORDER BY sequence LIMIT ?"
         params.append(limit)
-        return [EventRecord(sequence=r[0], time=r[1], job_id=r[2], unit_id=r[3], epoch=r[4], kind=r[5],
-                            reason=r[6], fields=json.loads(r[7]))
-                for r in self._db.execute(query, params).fetchall()]
+        return [self._event(row) for row in self._db.execute(query, params).fetchall()]
 
     def last_event(self, job_id: str) -> EventRecord | None:
-        found = self._db.execute("SELECT max(sequence) FROM events WHERE job_id=?", (job_id,)).fetchone()
-        if not found or found[0] is None:
-            return None
-        return self.events(job_id, after_sequence=found[0] - 1, limit=1)[0]
+        row = self._db.execute(f"SELECT {self._EVENT_COLUMNS} FROM events WHERE job_id=? "
+                               "ORDER BY sequence DESC LIMIT 1", (job_id,)).fetchone()
+        return None if row is None else self._event(row)

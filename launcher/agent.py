@@ -219,7 +219,7 @@ class Agent:
             self.state = AgentState.WAITING
         self.log.info("registered", controller_epoch=registered.current_epoch, own_epoch=self.epoch,
                       state=self.state.value)
-        if self.leave_requested_at is not None and self.state not in (AgentState.LEAVING,):
+        if self.leave_requested_at is not None and self.state is not AgentState.LEAVING:
             self._request_leave()
 
     def _on_command(self, message: launcher_pb2.ControllerMessage) -> None:
@@ -245,7 +245,7 @@ class Agent:
             self.log.warning("reconfigure_unsupported", reason="live mode needs the worker library")
 
     def _on_start_epoch(self, start: launcher_pb2.StartEpoch) -> None:
-        if self.state in (AgentState.LEAVING,) or self.state.is_final:
+        if self.state is AgentState.LEAVING or self.state.is_final:
             return
         if self.workers is not None and not self.workers.all_exited:
             if self.workers.epoch == start.epoch:

@@ -13,13 +13,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.waiting import wait_for
 from tidal.controller.client import AdminClient
 from tidal.proto import admin_pb2
 
@@ -43,13 +43,7 @@ def alive(pid: int) -> bool:
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+    return wait_for(what, predicate, timeout_s=timeout, interval_s=interval)
 
 
 def _stop_process(process: subprocess.Popen[bytes], timeout: float = 15.0) -> None:

@@ -7,12 +7,11 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 
+from tests.waiting import wait_for
 from tidal.slurm import (
     CliJsonSlurmClient,
     JobState,
@@ -28,18 +27,7 @@ from tidal.slurm.models import Job
 from tidal.slurm.parse import node_state_from_names
 
 pytestmark = pytest.mark.slurm
-T = TypeVar("T")
 SLEEPER = "#!/bin/sh\nsleep 600\n"
-
-
-def wait_for(what: str, probe: Callable[[], T | None], timeout_s: float = 30, interval_s: float = 0.3) -> T:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = probe()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def running(client: CliJsonSlurmClient, job_id: int) -> Job | None:

@@ -156,3 +156,23 @@ def test_backoff_grows_with_jitter_and_is_capped() -> None:
     delays = [backoff.delay(attempt, rng) for attempt in range(8)]
     assert 0.05 <= delays[0] <= 0.1 and all(1.0 <= d <= 2.0 for d in delays[5:])
     assert len({round(d, 6) for d in delays}) == len(delays)
+
+
+def test_state_gauges_are_read_from_the_jobs_at_scrape_time() -> None:
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from tidal.controller.metrics import ControllerMetrics
+
+    jobs = [SimpleNamespace(job_id="j", job_state="running", unit_states=["active", "active", "left"],
+                            world_size=2, epoch_number=3, connected_launchers=2)]
+    metrics = ControllerMetrics()
+    metrics.read_job_states(lambda: jobs, ["pending", "running"], ["active", "left"])
+    text = generate_latest(metrics.registry).decode()
+    for line in ('tidal_jobs{state="running"} 1.0', 'tidal_jobs{state="pending"} 0.0',
+                 'tidal_units{state="active"} 2.0', 'tidal_world_size{job="j"} 2.0', 'tidal_epoch{job="j"} 3.0',
+                 "tidal_launchers_connected 2.0"):
+        assert line in text
+    jobs.clear()
+    assert 'tidal_jobs{state="running"} 0.0' in generate_latest(metrics.registry).decode()
