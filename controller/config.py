@@ -59,6 +59,9 @@ class ControllerConfig:
     failure_stop_grace_s: float = 0.5
     # No grow within this long after a world change.
     scale_up_snooze_s: float = 0.0
+    # Live mode: a world change (joiners' workers ready, every member re-formed) must
+    # complete within this long, or the units holding it up count as failed.
+    reconfigure_timeout_s: float = 120.0
     # Bounds on what a launcher may send.
     max_message_bytes: int = 1 << 20
     launcher_messages_per_s: float = 50.0
@@ -73,7 +76,7 @@ class ControllerConfig:
 
     def __post_init__(self) -> None:
         positive = ["heartbeat_interval_s", "heartbeat_timeout_s", "progress_timeout_s", "register_timeout_s",
-                    "restart_grace_s", "failure_stop_grace_s", "launcher_messages_per_s",
+                    "restart_grace_s", "failure_stop_grace_s", "reconfigure_timeout_s", "launcher_messages_per_s",
                     "readiness_check_interval_s"]
         for name in positive:
             if getattr(self, name) <= 0:

@@ -25,7 +25,7 @@ from tidal.controller.model import EpochRecord, EventRecord, JobRecord, JobState
 from tidal.controller.security import secret_matches
 from tidal.controller.sessions import LauncherSession
 from tidal.controller.store import StateStore
-from tidal.proto import admin_pb2, launcher_pb2
+from tidal.proto import admin_pb2, common_pb2, launcher_pb2
 
 log = structlog.get_logger("tidal.controller.jobs")
 
@@ -98,6 +98,36 @@ class PendingStop:
     deadline: float
 
 
+@dataclasses.dataclass
+class PendingReconfigure:
+    """Live mode: a world change in flight, from `from_epoch` to `epoch`. Joiners start
+    their workers first; the old members hear of it once every joiner is ready, so
+    training never waits for a joiner's start-up."""
+
+    epoch: int
+    from_epoch: int
+    cause: str
+    message: launcher_pb2.ControllerMessage
+    # Members of `from_epoch` to tell (leavers included: they leave after the agreed step).
+    old_members: tuple[str, ...]
+    joiners_waiting: set[str]
+    # Members of `epoch` that have not reported EPOCH_PHASE_RECONFIGURED yet.
+    waiting_for: set[str]
+    decided_at: float
+    deadline: float
+    told_old_members: bool = False
+
+
+@dataclasses.dataclass
+class Recovery:
+    """A failure whose recovery is not measured yet: from the death (or its detection)
+    to the first step the survivors complete."""
+
+    failed_at: float
+    detected_at: float
+    unit_id: str
+
+
 def _duration(seconds: float) -> duration_pb2.Duration:
     value = duration_pb2.Duration()
     value.FromNanoseconds(int(seconds * 1e9))
@@ -133,6 +163,10 @@ class JobActor:
         self.reconnect_deadline = started_at + config.reconnect_grace_s
         self.exited_ok: dict[str, set[int]] = {}
         self.failure_detected_at: float | None = None
+        self.reconfigure: PendingReconfigure | None = None
+        self.recovery: Recovery | None = None
+        self.deferred_leaves: list[tuple[str, str, str]] = []
+        self.first_step_epochs: set[int] = set()
         self.log = log.bind(job=job.job_id)
         if job.state is JobState.RECONFIGURING and epoch is not None and not epoch_stopped:
             # Killed while stopping an epoch: finish the stop with whoever comes back.
@@ -277,7 +311,10 @@ class JobActor:
         kind = message.WhichOneof("body")
         if kind == "worker_exited":
             exited = message.worker_exited
-            if self.epoch is None or exited.epoch != self.epoch.epoch or self.job.state is not JobState.RUNNING:
+            current = {self.epoch.epoch} if self.epoch is not None else set()
+            if self.reconfigure is not None:
+                current.add(self.reconfigure.from_epoch)
+            if self.epoch is None or exited.epoch not in current or self.job.state is not JobState.RUNNING:
                 self.metrics.stale_messages.inc()
                 self.log.info("stale_message_ignored", unit=unit_id, kind=kind, message_epoch=exited.epoch)
                 return
@@ -293,7 +330,8 @@ class JobActor:
                     self._on_completed()
                 return
             self._fail(unit_id, f"worker rank {rank} (pid {exited.pid}) "
-                       f"{describe_exit(exited.exit_code, exited.signal)}", "worker_exit", time.monotonic())
+                       f"{describe_exit(exited.exit_code, exited.signal)}", "worker_exit", time.monotonic(),
+                       failed_at=exited.exited_at.ToNanoseconds() / 1e9 if exited.HasField("exited_at") else None)
         elif kind == "leave_request":
             request = message.leave_request
             cause = launcher_pb2.LeaveCause.Name(request.cause).removeprefix("LEAVE_CAUSE_").lower()
@@ -304,6 +342,10 @@ class JobActor:
                 session.store_port = report.store_port
             if report.phase == launcher_pb2.EPOCH_PHASE_LEFT:
                 self._mark_left(unit_id, report.detail or "left")
+            elif report.phase == launcher_pb2.EPOCH_PHASE_FIRST_STEP:
+                self._on_first_step(unit_id, report)
+            elif self.reconfigure is not None and report.epoch == self.reconfigure.epoch:
+                self._on_reconfigure_report(unit_id, report)
             if (report.phase in (launcher_pb2.EPOCH_PHASE_STOPPED, launcher_pb2.EPOCH_PHASE_LEFT)
                     and self.stop is not None and report.epoch == self.stop.epoch):
                 self.stop.waiting_for.discard(unit_id)
@@ -344,6 +386,14 @@ class JobActor:
                 self._fail(failure.unit_id, failure.reason, failure.cause, now)
                 if self.job.state is not JobState.RUNNING:
                     return
+        if self.reconfigure is not None:
+            if now > self.reconfigure.deadline:
+                pending = self.reconfigure
+                late = sorted(pending.joiners_waiting if not pending.told_old_members else pending.waiting_for)
+                for unit_id in late:
+                    self._fail(unit_id, f"did not reach epoch {pending.epoch} within "
+                               f"{self.config.reconfigure_timeout_s:g} s", "reconfigure", now)
+            return
         self._decide(now)
 
     def _health_failures(self, now: float) -> list[Failure]:
@@ -385,16 +435,21 @@ class JobActor:
                     action = dataclasses.replace(action, reason=f"{after}; {action.reason}")
                 self._start_epoch(members, action, now)
             case planning.Grow():
-                self._begin_stop("grow", action.reason, now)
+                if self.live:
+                    self._reconfigure(action.joiners, (), "grow", action.reason, now)
+                else:
+                    self._begin_stop("grow", action.reason, now)
             case planning.Wait():
                 if not running and self.job.state is JobState.RUNNING:
                     self._set_state(JobState.DEGRADED, action.reason)
 
     # Actions.
 
-    def _fail(self, unit_id: str, reason: str, cause: str, detected_at: float) -> None:
+    def _fail(self, unit_id: str, reason: str, cause: str, detected_at: float,
+              failed_at: float | None = None) -> None:
         """The one failure path: record, tell the failed unit to kill its workers, and stop
-        the epoch everywhere else."""
+        the epoch everywhere else. `failed_at` (wall clock) is when the failure happened,
+        where known; the survivors' first step after it ends the recovery."""
         unit = self.units.get(unit_id)
         if unit is None or unit.state.is_final:
             return
@@ -420,6 +475,8 @@ class JobActor:
             self._maybe_finish_stop()
             return
         self.failure_detected_at = detected_at
+        wall_detected = time.time() - (time.monotonic() - detected_at)
+        self.recovery = Recovery(failed_at=failed_at or wall_detected, detected_at=wall_detected, unit_id=unit_id)
         self._begin_stop("failure", f"unit {unit_id} failed: {reason}", detected_at)
 
     def _stop_grace_s(self, cause: str) -> float:
@@ -443,6 +500,7 @@ class JobActor:
         deadline = max(now + self._stop_grace_s(cause) + self.config.heartbeat_timeout_s, self.reconnect_deadline)
         self.stop = PendingStop(epoch=self.epoch.epoch, cause=cause, reason=reason, detected_at=detected_at,
                                 waiting_for=waiting, deadline=deadline)
+        self.reconfigure = None
         self.job.state = JobState.RECONFIGURING
         with self.store.transaction():
             self.store.update_job(self.job)
@@ -477,11 +535,10 @@ class JobActor:
             self._set_state(JobState.DEGRADED, f"{alive} replica(s) alive, below min_replicas "
                             f"{self.job.spec.min_replicas}; waiting for more")
 
-    def _start_epoch(self, survivors: tuple[str, ...], form: planning.Form, now: float) -> None:
-        chosen = list(survivors) + list(form.joiners)
+    def _candidates(self, unit_ids: list[str]) -> list[planning.Candidate]:
         previous = self.epoch
         candidates = []
-        for unit_id in chosen:
+        for unit_id in unit_ids:
             unit = self.units[unit_id]
             session = self.sessions[unit_id]
             member = previous.member(unit_id) if previous is not None else None
@@ -489,6 +546,11 @@ class JobActor:
                 unit_id=unit_id, nodes=tuple(unit.nodes), procs_per_node=unit.procs_per_node, address=unit.address,
                 store_port=session.store_port, previous_group_rank=member.group_rank if member else None,
                 registered_at=unit.registered_at))
+        return candidates
+
+    def _start_epoch(self, survivors: tuple[str, ...], form: planning.Form, now: float) -> None:
+        chosen = list(survivors) + list(form.joiners)
+        candidates = self._candidates(chosen)
         try:
             plan = planning.plan_epoch(job_id=self.job.job_id, epoch=self.job.epoch + 1, candidates=candidates,
                                        replicas=form.replicas, reason=form.reason, now=time.time(),
@@ -522,6 +584,7 @@ class JobActor:
         self.epoch_started_at = now
         self.last_change_at = now
         self.exited_ok = {}
+        self.reconfigure = None
         message = self._start_message(plan)
         for unit_id in plan.unit_ids:
             self.sessions[unit_id].send(message)
@@ -545,6 +608,17 @@ class JobActor:
             self.events.record(self.job.job_id, "unit_leaving", unit.reason, unit_id=unit_id, epoch=epoch_number,
                                fields={"cause": cause})
         session = self.sessions.get(unit_id)
+        running = was_active and self.job.state is JobState.RUNNING and self.epoch is not None and self.stop is None
+        if running and self.live and session is not None:
+            assert self.epoch is not None
+            remaining = [m.unit_id for m in self.epoch.members if m.unit_id != unit_id]
+            if self.reconfigure is not None:
+                # One world change at a time: this one follows when the current one is done.
+                self.deferred_leaves.append((unit_id, cause, detail))
+                return
+            if len(remaining) >= self.job.spec.min_replicas and all(u in self.sessions for u in remaining):
+                self._reconfigure((), (unit_id,), "leave", f"unit {unit_id} leaves ({cause})", time.monotonic())
+                return
         if session is not None:
             session.send(launcher_pb2.ControllerMessage(leave=launcher_pb2.Leave(
                 epoch=epoch_number, at_step=0, reason=unit.reason)))
@@ -556,6 +630,129 @@ class JobActor:
             return
         if was_active and self.job.state is JobState.RUNNING and self.epoch is not None:
             self._begin_stop("leave", f"unit {unit_id} leaves ({cause})", time.monotonic())
+
+    # Live mode: world changes in-process.
+
+    @property
+    def live(self) -> bool:
+        return self.job.spec.mode == common_pb2.JOB_MODE_LIVE
+
+    def _reconfigure(self, joiners: tuple[str, ...], leaving: tuple[str, ...], cause: str, reason: str,
+                     now: float) -> None:
+        """Plan the next epoch from the running one plus `joiners` minus `leaving`, commit
+        it, and tell the joiners (or, with none, every old member) to move there."""
+        previous = self.epoch
+        assert previous is not None
+        kept = [m.unit_id for m in previous.members if m.unit_id not in leaving]
+        chosen = kept + list(joiners)
+        try:
+            plan = planning.plan_epoch(job_id=self.job.job_id, epoch=self.job.epoch + 1,
+                                       candidates=self._candidates(chosen), replicas=len(chosen), reason=reason,
+                                       now=time.time(), resume_step=self.job.step)
+        except ValueError as error:
+            self.log.warning("reconfigure_not_planned", reason=str(error))
+            return
+        old_members = tuple(m.unit_id for m in previous.members)
+        source = min(previous.members, key=lambda m: m.group_rank).unit_id
+        message = launcher_pb2.ControllerMessage(reconfigure=launcher_pb2.Reconfigure(
+            epoch=plan.epoch, from_epoch=previous.epoch, at_step=0, rank_table=plan.rank_table(),
+            rendezvous=plan.rendezvous(), state_sources=[source]))
+        self.job.epoch = plan.epoch
+        fields: dict[str, object] = {"cause": cause, "from_epoch": previous.epoch, "world_size": plan.world_size,
+                                     "replicas": len(plan.members), "members": join_ids(list(plan.unit_ids)),
+                                     "joiners": join_ids(list(joiners)), "leaving": join_ids(list(leaving)),
+                                     "state_source": source}
+        with self.store.transaction():
+            self.store.insert_epoch(plan)
+            self.store.update_job(self.job)
+            for unit_id in joiners:
+                unit = self.units[unit_id]
+                member = plan.member(unit_id)
+                unit.state = UnitState.ACTIVE
+                unit.group_rank = member.group_rank if member else -1
+                self.store.upsert_unit(unit)
+            for unit_id in kept:
+                unit = self.units[unit_id]
+                member = plan.member(unit_id)
+                unit.group_rank = member.group_rank if member else unit.group_rank
+                self.store.upsert_unit(unit)
+            self.events.record(self.job.job_id, "world_reconfiguring", reason, epoch=plan.epoch, fields=fields)
+        self.metrics.epochs_formed.labels(job=self.job.job_id).inc()
+        self.reconfigure = PendingReconfigure(
+            epoch=plan.epoch, from_epoch=previous.epoch, cause=cause, message=message, old_members=old_members,
+            joiners_waiting=set(joiners), waiting_for=set(plan.unit_ids), decided_at=now,
+            deadline=now + self.config.reconfigure_timeout_s)
+        self.epoch = plan
+        self.epoch_started_at = now
+        self.last_change_at = now
+        self.exited_ok = {}
+        if joiners:
+            for unit_id in joiners:
+                self.sessions[unit_id].send(message)
+        else:
+            self._tell_old_members()
+
+    def _tell_old_members(self) -> None:
+        pending = self.reconfigure
+        assert pending is not None
+        pending.told_old_members = True
+        for unit_id in pending.old_members:
+            session = self.sessions.get(unit_id)
+            if session is not None and not self.units[unit_id].state.is_final:
+                session.send(pending.message)
+
+    def _on_reconfigure_report(self, unit_id: str, report: launcher_pb2.EpochReport) -> None:
+        pending = self.reconfigure
+        assert pending is not None
+        now = time.monotonic()
+        if report.phase == launcher_pb2.EPOCH_PHASE_STARTED and unit_id in pending.joiners_waiting:
+            pending.joiners_waiting.discard(unit_id)
+            if not pending.joiners_waiting and not pending.told_old_members:
+                ready_s = f"{now - pending.decided_at:.3f}"
+                self.events.record(self.job.job_id, "joiners_ready", "every joiner's workers are up",
+                                   epoch=pending.epoch, fields={"decision_to_ready_s": ready_s})
+                self._tell_old_members()
+        elif report.phase == launcher_pb2.EPOCH_PHASE_RECONFIGURED:
+            pending.waiting_for.discard(unit_id)
+            if pending.waiting_for or not pending.told_old_members:
+                return
+            self.reconfigure = None
+            self.job.step = max(self.job.step, report.step)
+            with self.store.transaction():
+                self.store.update_job(self.job)
+                self.events.record(self.job.job_id, "world_reconfigured",
+                                   f"every rank moved from epoch {pending.from_epoch} in-process",
+                                   epoch=pending.epoch, fields={
+                                       "cause": pending.cause, "at_step": report.step,
+                                       "world_size": self.epoch.world_size if self.epoch else 0,
+                                       "decision_to_reconfigured_s": f"{now - pending.decided_at:.3f}"})
+            deferred, self.deferred_leaves = self.deferred_leaves, []
+            for leave_unit, cause, detail in deferred:
+                unit = self.units.get(leave_unit)
+                if unit is not None and unit.state is UnitState.LEAVING:
+                    unit.state = UnitState.ACTIVE
+                    self._leave(leave_unit, cause, detail)
+
+    def _on_first_step(self, unit_id: str, report: launcher_pb2.EpochReport) -> None:
+        """The first step of an epoch committed (every rank commits it together): the end
+        of a recovery, or of a planned change."""
+        if self.epoch is None or report.epoch != self.epoch.epoch or report.epoch in self.first_step_epochs:
+            return
+        self.first_step_epochs.add(report.epoch)
+        at = report.at.ToNanoseconds() / 1e9 if report.HasField("at") else time.time()
+        fields: dict[str, object] = {"step": report.step, "world_size": self.epoch.world_size}
+        recovery = self.recovery
+        if recovery is not None:
+            self.recovery = None
+            fields.update({"failed_unit": recovery.unit_id,
+                           "failure_to_first_step_s": f"{at - recovery.failed_at:.3f}",
+                           "detection_to_first_step_s": f"{at - recovery.detected_at:.3f}"})
+            self.events.record(self.job.job_id, "recovered",
+                               f"survivors completed step {report.step} at world size {self.epoch.world_size}",
+                               unit_id=unit_id, epoch=report.epoch, fields=fields)
+            return
+        self.events.record(self.job.job_id, "first_step", f"first step of epoch {report.epoch} completed",
+                           unit_id=unit_id, epoch=report.epoch, fields=fields)
 
     def _mark_left(self, unit_id: str, reason: str) -> None:
         unit = self.units.get(unit_id)

@@ -52,8 +52,8 @@ def normalized_spec(spec: admin_pb2.JobSpec) -> admin_pb2.JobSpec:
         problems.append("allowed_replicas: no size lies within min_replicas..max_replicas")
     if not result.command or not result.command[0]:
         problems.append("command: the training command is empty")
-    if result.mode == common_pb2.JOB_MODE_LIVE:
-        problems.append("mode: live mode needs the worker library, which is not built yet; use restart mode")
+    if result.mode not in (common_pb2.JOB_MODE_LIVE, common_pb2.JOB_MODE_RESTART):
+        problems.append(f"mode: unknown mode {result.mode}")
     if any(key.startswith("TIDAL_") for key in result.environment):
         problems.append("environment: TIDAL_* variables are Tidal's own")
     if problems:

@@ -6,7 +6,12 @@ when an epoch starts, stops them when the controller says so, and turns SIGTERM 
 preemption notice) into a request to leave. Training goes on while the controller is away.
 
 One state machine (`AgentState`) and one loop (`Agent.run`); every input, from the
-controller, the workers, signals or the clock, is an event on one queue."""
+controller, the workers, signals or the clock, is an event on one queue.
+
+In live mode (scripts using `tidal.launcher.elastic`) workers outlive epochs: a world
+change or a failure elsewhere reaches them over the control channel (`control`) and they
+re-form in-process; only a worker of a failed unit, or one that does not stop in time,
+is killed."""
 
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from typing import Any
 import structlog
 
 from tidal.controller.logs import configure_logging
+from tidal.launcher.control import LauncherChannel, WorkerSaid
 from tidal.launcher.link import ControllerLink, ControllerSaid, LinkDown, LinkEvent, LinkRefused, LinkUp
 from tidal.launcher.workers import (
     Placement,
@@ -40,7 +46,7 @@ from tidal.launcher.workers import (
     start_workers,
     worker_environment,
 )
-from tidal.proto import launcher_pb2
+from tidal.proto import common_pb2, launcher_pb2
 
 log = structlog.get_logger("tidal.launcher")
 
@@ -97,7 +103,22 @@ class Tick:
     pass
 
 
-AgentEvent = LinkEvent | WorkerExit | WorkersStopped | SignalReceived | Tick
+AgentEvent = LinkEvent | WorkerExit | WorkersStopped | SignalReceived | Tick | WorkerSaid
+
+
+@dataclasses.dataclass
+class LiveWorkers:
+    """What live-mode workers told the launcher, by local rank."""
+
+    hello: set[int] = dataclasses.field(default_factory=set)
+    idle: set[int] = dataclasses.field(default_factory=set)
+    left: set[int] = dataclasses.field(default_factory=set)
+    formed: dict[int, int] = dataclasses.field(default_factory=dict)
+    # Epochs already reported to the controller as ready / reconfigured / first step.
+    reported: set[tuple[int, int]] = dataclasses.field(default_factory=set)
+    # A joiner reports its workers ready (EPOCH_PHASE_STARTED) once all said hello.
+    ready_epoch: int = 0
+    stop_deadline: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +157,8 @@ class Agent:
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"tidal-{options.unit_id}-"))
         self.store: Any = None
         self.store_port = 0
+        self.live = LiveWorkers()
+        self.channel = LauncherChannel(self.run_dir / "control.sock", post=self.events.put_nowait)
         self.log = log.bind(job=options.job_id, unit=options.unit_id)
         self.link = ControllerLink(options.controller, register=self._register_message, post=self.events.put_nowait,
                                    tls_ca=options.tls_ca)
@@ -166,6 +189,7 @@ class Agent:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.events.put_nowait, SignalReceived(signum))
         self._new_store()
+        await self.channel.start()
         link_task = asyncio.create_task(self.link.run(), name="link")
         ticker = asyncio.create_task(self._tick_forever(), name="ticker")
         self.log.info("launcher_started", controller=self.options.controller, address=self.options.address,
@@ -177,6 +201,7 @@ class Agent:
             ticker.cancel()
             if self.workers is not None and not self.workers.all_exited:
                 await self.workers.stop(grace_s=1.0)
+            await self.channel.close()
             self.link.close()
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(link_task, timeout=2.0)
@@ -212,6 +237,19 @@ class Agent:
                 self._on_signal(signum)
             case Tick():
                 self._on_tick()
+            case WorkerSaid(local_rank, said):
+                self._on_worker_said(local_rank, said)
+
+    @property
+    def live_mode(self) -> bool:
+        return self.registered is not None and self.registered.mode == common_pb2.JOB_MODE_LIVE
+
+    @property
+    def live_workers_running(self) -> bool:
+        """Live-mode workers that can follow a world change in-process: all of them alive."""
+        group = self.workers
+        return (self.live_mode and group is not None and not group.stopping
+                and not any(w.exited.done() for w in group.workers))
 
     def _on_registered(self, registered: launcher_pb2.Registered) -> None:
         self.registered = registered
@@ -236,16 +274,25 @@ class Agent:
                 return
             self.log.info("epoch_stop_ordered", epoch=stop.epoch, reason=stop.reason)
             self.pending_start = None
+            if self.live_workers_running and not self.failed_self and self.state is not AgentState.LEAVING:
+                self._stop_live(stop.epoch)
+                return
             self._stop_workers(AgentState.STOPPING, stop.grace.ToNanoseconds() / 1e9 if stop.HasField("grace")
                                else self.options.stop_grace_s)
         elif kind == "leave":
             self.log.info("leave_ordered", epoch=message.leave.epoch, reason=message.leave.reason)
             self._stop_workers(AgentState.LEAVING, self.options.stop_grace_s)
         elif kind == "reconfigure":
-            self.log.warning("reconfigure_unsupported", reason="live mode needs the worker library")
+            self._on_reconfigure(message.reconfigure)
 
     def _on_start_epoch(self, start: launcher_pb2.StartEpoch) -> None:
         if self.state is AgentState.LEAVING or self.state.is_final:
+            return
+        if self.live_workers_running and self.state is not AgentState.STOPPING:
+            # Live mode: the workers that stopped in-process join the new world.
+            self._send_worlds(start.epoch, start.rank_table, start.rendezvous)
+            self.state = AgentState.RUNNING
+            self._report(start.epoch, launcher_pb2.EPOCH_PHASE_STARTED, step=start.resume_step)
             return
         if self.workers is not None and not self.workers.all_exited:
             if self.workers.epoch == start.epoch:
@@ -259,7 +306,7 @@ class Agent:
             return
         self._start(start)
 
-    def _start(self, start: launcher_pb2.StartEpoch) -> None:
+    def _start(self, start: launcher_pb2.StartEpoch, joining: bool = False) -> None:
         assert self.registered is not None
         mine = next((a for a in start.rank_table.assignments if a.unit_id == self.options.unit_id), None)
         if mine is None:
@@ -272,7 +319,13 @@ class Agent:
                               procs_per_node=mine.procs_per_node, world_size=start.rank_table.world_size,
                               master_addr=start.rendezvous.host, master_port=start.rendezvous.port)
         progress = [self.run_dir / f"progress-{local}" for local in range(mine.procs_per_node)]
-        environments = [worker_environment(os.environ, dict(self.registered.environment), placement=placement,
+        extra = dict(self.registered.environment)
+        if self.live_mode:
+            self.channel.reset()
+            self.live = LiveWorkers(ready_epoch=start.epoch if joining else 0)
+            extra.update({"TIDAL_MODE": "live", "TIDAL_CONTROL_SOCKET": str(self.channel.path),
+                          "TIDAL_JOINING": "1" if joining else "0"})
+        environments = [worker_environment(os.environ, extra, placement=placement,
                                            local_rank=local, job_id=self.options.job_id,
                                            unit_id=self.options.unit_id, progress_file=progress[local])
                         for local in range(mine.procs_per_node)]
@@ -291,10 +344,8 @@ class Agent:
             return
         self.epoch = epoch
         self.state = AgentState.RUNNING
-        report = launcher_pb2.EpochReport(epoch=epoch, phase=launcher_pb2.EPOCH_PHASE_STARTED,
-                                          step=start.resume_step)
-        report.at.GetCurrentTime()
-        self.link.send(launcher_pb2.LauncherMessage(epoch_report=report))
+        if not joining:
+            self._report(epoch, launcher_pb2.EPOCH_PHASE_STARTED, step=start.resume_step)
         self.log.info("epoch_started", epoch=epoch, rank=mine.first_rank, world_size=placement.world_size,
                       master=f"{placement.master_addr}:{placement.master_port}")
 
@@ -333,10 +384,8 @@ class Agent:
             self._finish(AgentState.FAILED, EXIT_UNIT_FAILED, "the controller declared this unit failed")
             return
         self._new_store()
-        report = launcher_pb2.EpochReport(epoch=self.epoch, phase=launcher_pb2.EPOCH_PHASE_STOPPED,
-                                          store_port=self.store_port)
-        report.at.GetCurrentTime()
-        self.link.send(launcher_pb2.LauncherMessage(epoch_report=report))
+        self._report(self.epoch, launcher_pb2.EPOCH_PHASE_STOPPED, store_port=self.store_port)
+        self.live.stop_deadline = None
         self.state = AgentState.WAITING
         if self.pending_start is not None:
             start, self.pending_start = self.pending_start, None
@@ -347,14 +396,24 @@ class Agent:
         if group is None or group.epoch != epoch or group.stopping:
             return
         exit_code, signum = exit_status(returncode)
+        if self.live_mode and returncode == 0 and (worker.local_rank in self.live.left
+                                                   or self.state is AgentState.LEAVING):
+            # Left the world after its last step, as the controller asked.
+            if group.all_exited and self.state is AgentState.LEAVING:
+                self.events.put_nowait(WorkersStopped(epoch))
+            return
         if self.leave_requested_at is not None and signum == signal.SIGTERM:
             # Slurm signals the whole allocation; a worker ended by that SIGTERM is leaving too.
             self.log.info("worker_terminated_with_launcher", epoch=epoch, rank=worker.rank, pid=worker.pid)
             return
         self.log.info("worker_exited", epoch=epoch, rank=worker.rank, pid=worker.pid, exit_code=exit_code,
                       signal=signum)
-        self.link.send(launcher_pb2.LauncherMessage(worker_exited=launcher_pb2.WorkerExited(
-            epoch=epoch, local_rank=worker.local_rank, pid=worker.pid, exit_code=exit_code, signal=signum)))
+        exited = launcher_pb2.WorkerExited(epoch=self.epoch, local_rank=worker.local_rank, pid=worker.pid,
+                                           exit_code=exit_code, signal=signum)
+        exited.exited_at.GetCurrentTime()
+        self.link.send(launcher_pb2.LauncherMessage(worker_exited=exited))
+        if self.live_mode and self.state is AgentState.STOPPING:
+            self._maybe_live_stopped()
 
     def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
@@ -380,6 +439,11 @@ class Agent:
             self._finish(AgentState.FAILED, EXIT_UNREACHABLE,
                          f"not registered within {self.options.connect_timeout_s:g} s")
             return
+        if self.live.stop_deadline is not None and now > self.live.stop_deadline:
+            self.log.warning("live_stop_timed_out", epoch=self.epoch, idle=sorted(self.live.idle))
+            self.live.stop_deadline = None
+            self._stop_workers(self.state if self.state is AgentState.LEAVING else AgentState.STOPPING,
+                               self.options.stop_grace_s)
         if (self.leave_requested_at is not None and self.state is not AgentState.LEAVING
                 and now - self.leave_requested_at > self.options.leave_timeout_s):
             self.log.warning("leaving_without_controller", waited_s=self.options.leave_timeout_s)
@@ -402,6 +466,92 @@ class Agent:
                     entry.progress_time.FromNanoseconds(int(progress.at * 1e9))
                 beat.workers.append(entry)
         return beat
+
+    # Live mode.
+
+    def _report(self, epoch: int, phase: launcher_pb2.EpochPhase.ValueType, step: int = 0, store_port: int = 0,
+                detail: str = "") -> None:
+        report = launcher_pb2.EpochReport(epoch=epoch, phase=phase, step=step, store_port=store_port, detail=detail)
+        report.at.GetCurrentTime()
+        self.link.send(launcher_pb2.LauncherMessage(epoch_report=report))
+
+    def _send_worlds(self, epoch: int, table: common_pb2.RankTable, rendezvous: common_pb2.Rendezvous) -> None:
+        """Name epoch `epoch`'s world to each worker (rank -1: leave after the agreed step)."""
+        assert self.workers is not None
+        mine = next((a for a in table.assignments if a.unit_id == self.options.unit_id), None)
+        self.epoch = epoch
+        for worker in self.workers.workers:
+            rank = mine.first_rank + worker.local_rank if mine is not None else -1
+            if rank >= 0:
+                worker.rank = rank
+            self.live.idle.discard(worker.local_rank)
+            self.channel.send(worker.local_rank, {
+                "op": "world", "epoch": epoch, "rank": rank, "world_size": table.world_size,
+                "master_addr": rendezvous.host, "master_port": rendezvous.port})
+        if mine is None:
+            self.state = AgentState.LEAVING
+            self.live.stop_deadline = time.monotonic() + self.options.leave_timeout_s
+        self.log.info("world_sent", epoch=epoch, in_world=mine is not None, world_size=table.world_size)
+
+    def _on_reconfigure(self, reconfigure: launcher_pb2.Reconfigure) -> None:
+        if self.state.is_final or (reconfigure.epoch <= self.epoch and self.workers is not None):
+            return
+        if self.live_workers_running:
+            self._send_worlds(reconfigure.epoch, reconfigure.rank_table, reconfigure.rendezvous)
+            return
+        if self.state in (AgentState.WAITING, AgentState.CONNECTING):
+            # A joiner: start the workers; they wait at the new world's rendezvous.
+            self._start(launcher_pb2.StartEpoch(epoch=reconfigure.epoch, rank_table=reconfigure.rank_table,
+                                                rendezvous=reconfigure.rendezvous), joining=True)
+
+    def _stop_live(self, epoch: int) -> None:
+        """Live mode: the workers abandon the step in flight and wait, in-process."""
+        assert self.workers is not None
+        self.state = AgentState.STOPPING
+        self.epoch = max(self.epoch, epoch)
+        self.live.stop_deadline = time.monotonic() + self.options.stop_grace_s
+        for worker in self.workers.workers:
+            self.channel.send(worker.local_rank, {"op": "stop", "epoch": epoch})
+        self._maybe_live_stopped()
+
+    def _maybe_live_stopped(self) -> None:
+        group = self.workers
+        if group is None or self.state is not AgentState.STOPPING or self.live.stop_deadline is None:
+            return
+        alive = {w.local_rank for w in group.workers if not w.exited.done()}
+        if alive <= self.live.idle:
+            self.live.stop_deadline = None
+            self.events.put_nowait(WorkersStopped(self.epoch))
+
+    def _on_worker_said(self, local_rank: int, said: dict[str, Any]) -> None:
+        op = said.get("op")
+        epoch = int(said.get("epoch", 0) or 0)
+        step = int(said.get("step", 0) or 0)
+        live = self.live
+        group = self.workers
+        if group is None:
+            return
+        everyone = {w.local_rank for w in group.workers}
+        if op == "hello":
+            live.hello.add(local_rank)
+            if live.ready_epoch and live.hello >= everyone and (live.ready_epoch, 1) not in live.reported:
+                live.reported.add((live.ready_epoch, 1))
+                self._report(live.ready_epoch, launcher_pb2.EPOCH_PHASE_STARTED, detail="workers ready to join")
+        elif op == "formed":
+            live.formed[local_rank] = epoch
+            live.idle.discard(local_rank)
+            if all(live.formed.get(r) == epoch for r in everyone) and (epoch, 2) not in live.reported:
+                live.reported.add((epoch, 2))
+                self._report(epoch, launcher_pb2.EPOCH_PHASE_RECONFIGURED, step=step)
+        elif op == "first_step":
+            if (epoch, 5) not in live.reported:
+                live.reported.add((epoch, 5))
+                self._report(epoch, launcher_pb2.EPOCH_PHASE_FIRST_STEP, step=step)
+        elif op == "stopped":
+            live.idle.add(local_rank)
+            self._maybe_live_stopped()
+        elif op == "left":
+            live.left.add(local_rank)
 
     def _finish(self, state: AgentState, exit_code: int, reason: str) -> None:
         self.state = state

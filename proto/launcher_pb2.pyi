@@ -26,6 +26,7 @@ class EpochPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EPOCH_PHASE_RECONFIGURED: _ClassVar[EpochPhase]
     EPOCH_PHASE_STOPPED: _ClassVar[EpochPhase]
     EPOCH_PHASE_LEFT: _ClassVar[EpochPhase]
+    EPOCH_PHASE_FIRST_STEP: _ClassVar[EpochPhase]
 LEAVE_CAUSE_UNSPECIFIED: LeaveCause
 LEAVE_CAUSE_PREEMPTED: LeaveCause
 LEAVE_CAUSE_DRAINED: LeaveCause
@@ -35,6 +36,7 @@ EPOCH_PHASE_STARTED: EpochPhase
 EPOCH_PHASE_RECONFIGURED: EpochPhase
 EPOCH_PHASE_STOPPED: EpochPhase
 EPOCH_PHASE_LEFT: EpochPhase
+EPOCH_PHASE_FIRST_STEP: EpochPhase
 
 class LauncherMessage(_message.Message):
     __slots__ = ("register", "heartbeat", "worker_exited", "leave_request", "epoch_report")
@@ -103,18 +105,20 @@ class Heartbeat(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., sequence: _Optional[int] = ..., sent_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerProgress, _Mapping]]] = ...) -> None: ...
 
 class WorkerExited(_message.Message):
-    __slots__ = ("epoch", "local_rank", "pid", "exit_code", "signal")
+    __slots__ = ("epoch", "local_rank", "pid", "exit_code", "signal", "exited_at")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    EXITED_AT_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     local_rank: int
     pid: int
     exit_code: int
     signal: int
-    def __init__(self, epoch: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ...) -> None: ...
+    exited_at: _timestamp_pb2.Timestamp
+    def __init__(self, epoch: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., exited_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("epoch", "cause", "deadline", "detail")

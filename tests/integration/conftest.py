@@ -21,7 +21,7 @@ import pytest
 
 from tests.waiting import wait_for
 from tidal.controller.client import AdminClient
-from tidal.proto import admin_pb2
+from tidal.proto import admin_pb2, common_pb2
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "restart_mode" / "train_snapshot.py"
@@ -172,11 +172,14 @@ class TidalRun:
         self.secret_path = ""
 
     def submit(self, *, min_replicas: int, max_replicas: int, steps: int = 100_000, step_time: float = 0.05,
-               name: str = "train", procs_per_node: int = 1) -> admin_pb2.Job:
-        command = [sys.executable, str(EXAMPLE), "--snapshot", str(self.directory / "snapshot.pt"),
-                   "--steps", str(steps), "--step-time", str(step_time), "--log-dir", str(self.log_dir)]
+               name: str = "train", procs_per_node: int = 1, command: list[str] | None = None,
+               mode: common_pb2.JobMode.ValueType = common_pb2.JOB_MODE_RESTART) -> admin_pb2.Job:
+        """Submit the restart-mode example, or `command`."""
+        if command is None:
+            command = [sys.executable, str(EXAMPLE), "--snapshot", str(self.directory / "snapshot.pt"),
+                       "--steps", str(steps), "--step-time", str(step_time), "--log-dir", str(self.log_dir)]
         spec = admin_pb2.JobSpec(name=name, min_replicas=min_replicas, max_replicas=max_replicas, command=command,
-                                 working_dir=str(self.directory), procs_per_node=procs_per_node)
+                                 working_dir=str(self.directory), procs_per_node=procs_per_node, mode=mode)
         with self.controller.admin() as client:
             response = client.submit(spec)
         self.job_id = response.job.job_id

@@ -1,0 +1,119 @@
+"""The fallback checkpoint: used only when every replica of a job is lost.
+
+While one replica lives, a joiner gets its state from a peer and no disk is read. A
+checkpoint is a copy of the training state taken at a step boundary (one tensor copy on
+the step path) and written by a background thread: serialized, written to a temporary
+file, fsync'ed, renamed into place and the folder fsync'ed, so a crash never leaves a torn
+file under a checkpoint's name. A worker that starts with no live peer holding state loads
+the newest checkpoint whose digest verifies and goes on at its exact step and sample."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from tidal.launcher.state import detached_copy, digest, serialize, validate
+
+log = structlog.get_logger("tidal.launcher.checkpoint")
+
+NAME = re.compile(r"^step-(\d{12})\.tidal$")
+
+
+def checkpoint_path(directory: Path, step: int) -> Path:
+    return directory / f"step-{step:012d}.tidal"
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(temporary, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
+class AsyncCheckpointer:
+    """Writes checkpoints off the step path, one at a time, keeping the newest `keep`."""
+
+    def __init__(self, directory: Path, keep: int = 2) -> None:
+        self.directory = directory
+        self.keep = max(1, keep)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._thread: threading.Thread | None = None
+        self.written: list[int] = []
+        self.skipped = 0
+        self.error: BaseException | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def save(self, state: dict[str, Any], step: int) -> bool:
+        """Start writing `state` (taken after `step` steps). Returns False, and writes
+        nothing, while the previous write is still going: the step path never waits."""
+        if self.busy:
+            self.skipped += 1
+            return False
+        snapshot = detached_copy(state)
+        self._thread = threading.Thread(target=self._write, args=(snapshot, step), name="tidal-checkpoint",
+                                        daemon=True)
+        self._thread.start()
+        return True
+
+    def _write(self, snapshot: dict[str, Any], step: int) -> None:
+        try:
+            payload = {"state_digest": digest(snapshot), "state": snapshot}
+            write_atomically(checkpoint_path(self.directory, step), serialize(payload))
+            self.written.append(step)
+            for old in self.steps()[:-self.keep]:
+                checkpoint_path(self.directory, old).unlink(missing_ok=True)
+        except BaseException as error:  # reported by the next wait(), never lost
+            self.error = error
+            log.error("checkpoint_failed", step=step, error=repr(error))
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise RuntimeError(f"writing a checkpoint failed: {error!r}") from error
+
+    def steps(self) -> list[int]:
+        found = [int(match.group(1)) for entry in os.listdir(self.directory) if (match := NAME.match(entry))]
+        return sorted(found)
+
+    def latest(self) -> dict[str, Any] | None:
+        """The newest checkpoint whose digest verifies, or None; a damaged one is skipped
+        with a warning."""
+        for step in reversed(self.steps()):
+            path = checkpoint_path(self.directory, step)
+            try:
+                payload = deserialize_payload(path.read_bytes())
+            except (OSError, ValueError, RuntimeError) as error:
+                log.warning("checkpoint_unreadable", path=str(path), error=str(error))
+                continue
+            if digest(payload["state"]) != payload["state_digest"]:
+                log.warning("checkpoint_digest_mismatch", path=str(path))
+                continue
+            return payload["state"]
+        return None
+
+
+def deserialize_payload(data: bytes) -> dict[str, Any]:
+    loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    if not isinstance(loaded, dict) or "state_digest" not in loaded:
+        raise ValueError("not a Tidal checkpoint")
+    validate(loaded.get("state"))
+    return loaded

@@ -1,0 +1,216 @@
+"""The channel between a launcher and its live-mode workers: JSON lines over a Unix socket.
+
+The launcher serves the socket in its private run folder (mode 0700, so only the job's
+user reaches it) and names it in `TIDAL_CONTROL_SOCKET`. Each worker connects once and
+says `hello`; then
+
+launcher -> worker:
+  {"op": "world", "epoch": E, "rank": r, "world_size": n, "master_addr": h, "master_port": p}
+      the world of epoch E. A running worker moves into it at the next step boundary its
+      peers agree on (rank -1: leave after that step); an idle one joins it at once.
+  {"op": "stop", "epoch": E}
+      abandon the step in flight, leave epoch E's process group, wait for the next world.
+
+worker -> launcher:
+  {"op": "hello", "local_rank": l, "pid": p}
+  {"op": "formed", "epoch": E, "step": s, "digest": d}     in epoch E's world, state verified
+  {"op": "first_step", "epoch": E, "step": s}               first step of epoch E committed
+  {"op": "stopped", "epoch": E, "step": s}                  out of the process group, idle
+  {"op": "left", "epoch": E, "step": s}                     left the job after step s; exits 0
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger("tidal.launcher.control")
+
+MAX_LINE = 64 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    """One epoch's world as a worker sees it."""
+
+    epoch: int
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def leaves(self) -> bool:
+        return self.rank < 0
+
+    @classmethod
+    def from_message(cls, message: dict[str, Any]) -> World:
+        return cls(epoch=int(message["epoch"]), rank=int(message["rank"]), world_size=int(message["world_size"]),
+                   master_addr=str(message["master_addr"]), master_port=int(message["master_port"]))
+
+    def to_message(self) -> dict[str, Any]:
+        return {"op": "world", **dataclasses.asdict(self)}
+
+
+class ChannelClosed(Exception):
+    """The launcher went away."""
+
+
+class WorkerChannel:
+    """The worker's end: a reader thread keeps the newest world and stop the launcher sent."""
+
+    def __init__(self, path: str, local_rank: int, pid: int) -> None:
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._socket.connect(path)
+        self._send_lock = threading.Lock()
+        self._changed = threading.Condition()
+        self.worlds: dict[int, World] = {}
+        self.stopped_epoch = 0
+        self.closed = False
+        self.send("hello", local_rank=local_rank, pid=pid)
+        self._reader = threading.Thread(target=self._read, name="tidal-control", daemon=True)
+        self._reader.start()
+
+    def send(self, op: str, **fields: Any) -> None:
+        line = (json.dumps({"op": op, **fields}) + "\n").encode()
+        with self._send_lock:
+            try:
+                self._socket.sendall(line)
+            except OSError as error:
+                raise ChannelClosed(f"launcher channel closed: {error}") from error
+
+    def _read(self) -> None:
+        stream = self._socket.makefile("rb")
+        try:
+            for line in stream:
+                try:
+                    message = json.loads(line)
+                    op = message["op"]
+                except (ValueError, KeyError, TypeError):
+                    log.warning("control_message_garbled", line=line[:200])
+                    continue
+                with self._changed:
+                    if op == "world":
+                        world = World.from_message(message)
+                        self.worlds[world.epoch] = world
+                    elif op == "stop":
+                        self.stopped_epoch = max(self.stopped_epoch, int(message["epoch"]))
+                    self._changed.notify_all()
+        except OSError:
+            pass
+        finally:
+            with self._changed:
+                self.closed = True
+                self._changed.notify_all()
+
+    def stop_requested(self, epoch: int) -> bool:
+        return self.stopped_epoch >= epoch or self.closed
+
+    def next_world(self, after_epoch: int) -> World | None:
+        """The newest world announced for an epoch after `after_epoch` and not stopped."""
+        with self._changed:
+            return self._next_world(after_epoch)
+
+    def _next_world(self, after_epoch: int) -> World | None:
+        epochs = [e for e in self.worlds if e > after_epoch and e > self.stopped_epoch]
+        return self.worlds[max(epochs)] if epochs else None
+
+    def wait_world(self, after_epoch: int, timeout_s: float) -> World:
+        """Block until the launcher names a world after `after_epoch`."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                world = self._next_world(after_epoch)
+                if world is not None:
+                    return world
+                if self.closed:
+                    raise ChannelClosed("the launcher closed the control channel")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"no world after epoch {after_epoch} within {timeout_s:g} s")
+                self._changed.wait(remaining)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._socket.shutdown(socket.SHUT_RDWR)
+        self._socket.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSaid:
+    """A message from one of this launcher's workers."""
+
+    local_rank: int
+    message: dict[str, Any]
+
+
+class LauncherChannel:
+    """The launcher's end: a Unix socket server; messages to a worker that has not said
+    hello yet wait for it."""
+
+    def __init__(self, path: Path, post: Callable[[WorkerSaid], None]) -> None:
+        self.path = path
+        self.post = post
+        self.writers: dict[int, asyncio.StreamWriter] = {}
+        self.pending: dict[int, list[dict[str, Any]]] = {}
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> None:
+        self.path.unlink(missing_ok=True)
+        self._server = await asyncio.start_unix_server(self._serve, path=str(self.path), limit=MAX_LINE)
+
+    def reset(self) -> None:
+        """Forget the workers of a group that is gone."""
+        for writer in self.writers.values():
+            writer.close()
+        self.writers.clear()
+        self.pending.clear()
+
+    def send(self, local_rank: int, message: dict[str, Any]) -> None:
+        writer = self.writers.get(local_rank)
+        if writer is None or writer.is_closing():
+            self.pending.setdefault(local_rank, []).append(message)
+            return
+        writer.write((json.dumps(message) + "\n").encode())
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        local_rank: int | None = None
+        try:
+            while line := await reader.readline():
+                try:
+                    message = json.loads(line)
+                    op = message["op"]
+                except (ValueError, KeyError, TypeError):
+                    log.warning("worker_message_garbled", line=line[:200])
+                    continue
+                if op == "hello":
+                    local_rank = int(message["local_rank"])
+                    self.writers[local_rank] = writer
+                    for queued in self.pending.pop(local_rank, []):
+                        writer.write((json.dumps(queued) + "\n").encode())
+                if local_rank is not None:
+                    self.post(WorkerSaid(local_rank, message))
+        except (ConnectionError, asyncio.LimitOverrunError, ValueError) as error:
+            log.warning("worker_channel_error", local_rank=local_rank, error=str(error))
+        finally:
+            if local_rank is not None and self.writers.get(local_rank) is writer:
+                del self.writers[local_rank]
+            writer.close()
+
+    async def close(self) -> None:
+        self.reset()
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+        self.path.unlink(missing_ok=True)

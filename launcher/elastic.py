@@ -1,0 +1,497 @@
+"""The elastic training API: a data-parallel PyTorch loop that survives world changes in-process.
+
+A plain script hands its model, optimizer, map-style dataset and a loss function to
+`Elastic` and iterates `train(steps)`:
+
+    job = Elastic(model, optimizer, dataset, global_batch=64, micro_batch=16,
+                  loss_fn=lambda model, batch: F.cross_entropy(model(batch[0]), batch[1], reduction="sum"),
+                  lr_scheduler=scheduler, seed=0, checkpoint_dir="ckpt", checkpoint_every=100)
+    for result in job.train(steps=1000):
+        if result.rank == 0 and result.step % 10 == 0:
+            print(result.step, result.loss)
+
+What it does for every step k (see `data` for the numbers):
+
+- the step's samples are positions [kB, (k+1)B) of one seeded global order; this rank
+  takes its share and runs `loss_fn` over it in micro-batches, summing losses (loss_fn
+  returns the SUM over the batch's samples) and accumulating gradients;
+- one small float64 all-reduce carries the sample count and index checksums (every sample
+  of the step counted once, or the step fails loudly), the summed loss and whether any
+  rank has been told of a world change; then one all-reduce sums the gradients, which are
+  divided by B. The update is the same whatever the world size;
+- the step commits only once the gradient all-reduce has completed; if a peer dies before
+  that, the step is abandoned here (no optimizer step, gradients dropped), the survivors
+  re-form and redo the step's samples. A rank whose all-reduce did complete has applied
+  the step correctly; on re-forming, every rank adopts the state of the most advanced
+  survivor, so the optimizer step counts as applied everywhere or nowhere.
+
+Under a Tidal launcher in live mode (`TIDAL_CONTROL_SOCKET` set) world changes happen in
+this process: a planned one (grow, graceful leave) after the step the ranks agree on, a
+failure as soon as the launcher says stop. Forming a world syncs the training state from
+a live peer (a joiner receives it) and checks a SHA-256 digest of it on every rank. Run
+without a launcher (or under torchrun) the same script trains in a fixed world; that is
+the reference an elastic run must reproduce."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import datetime
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import structlog
+import torch
+import torch.distributed as dist
+from torch.utils.data import default_collate
+
+from tidal.launcher.checkpoint import AsyncCheckpointer
+from tidal.launcher.control import ChannelClosed, WorkerChannel, World
+from tidal.launcher.data import GlobalOrder, micro_batches, step_samples
+from tidal.launcher.progress import report_progress
+from tidal.launcher.state import Counters, TrainingParts, capture, deserialize, digest, restore, serialize
+
+log = structlog.get_logger("tidal.launcher.elastic")
+
+# Index checksums are taken modulo this prime so that float64 sums stay exact.
+CHECKSUM_MODULUS = 2_147_483_647
+PROGRESS_INTERVAL_S = 0.2
+
+
+class WorldBroken(Exception):
+    """The step cannot complete in this world: a peer is gone or the launcher said stop."""
+
+
+class StateMismatch(RuntimeError):
+    """Replicas disagree on the training state after a world formed (a bug, never ignored)."""
+
+
+class AccountingError(RuntimeError):
+    """A step did not consume exactly its B samples (a bug, never ignored)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedBatch:
+    """The default: the global batch B is the job's, whatever the world size."""
+
+    global_batch: int
+
+    def batch_for(self, world_size: int) -> int:
+        return self.global_batch
+
+    def lr_factor(self, world_size: int) -> float:
+        return 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaledBatch:
+    """For users who want it: B follows the world size (`per_rank` samples a rank), and the
+    learning rate follows B by a rule relative to `reference_world_size`: "linear" (Goyal
+    et al.), "sqrt", or "none". An elastic run then no longer computes what a fixed-size
+    run computes."""
+
+    per_rank: int
+    lr_rule: Literal["linear", "sqrt", "none"] = "linear"
+    reference_world_size: int = 1
+
+    def batch_for(self, world_size: int) -> int:
+        return self.per_rank * world_size
+
+    def lr_factor(self, world_size: int) -> float:
+        ratio = world_size / self.reference_world_size
+        return {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[self.lr_rule]
+
+
+BatchPolicy = FixedBatch | ScaledBatch
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    # Steps completed, this one included.
+    step: int
+    # Sum of the step's per-sample losses over all ranks, divided by the global batch.
+    loss: float
+    global_batch: int
+    world_size: int
+    rank: int
+    epoch: int
+    # This rank's sample indices in the step.
+    indices: list[int]
+    seconds: float
+
+
+class Ledger:
+    """Optional JSONL record of every step attempt and commit (for audits and tests)."""
+
+    def __init__(self, directory: Path | None) -> None:
+        self._file = None
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+            self._file = open(directory / f"ledger-{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115
+
+    def write(self, kind: str, **fields: Any) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps({"kind": kind, "pid": os.getpid(), "time": time.time(), **fields}) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def _index_checksums(indices: Sequence[int]) -> tuple[float, float]:
+    return (float(sum(indices) % CHECKSUM_MODULUS), float(sum(i * i for i in indices) % CHECKSUM_MODULUS))
+
+
+class Elastic:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Any, *,
+                 loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], global_batch: int | None = None,
+                 micro_batch: int | None = None, lr_scheduler: Any = None, seed: int = 0,
+                 collate_fn: Callable[[list[Any]], Any] = default_collate, batch_policy: BatchPolicy | None = None,
+                 checkpoint_dir: str | os.PathLike[str] | None = None, checkpoint_every: int = 0,
+                 ledger_dir: str | os.PathLike[str] | None = None, timeout_s: float = 120.0) -> None:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            # Tidal reduces gradients itself (SUM / B over a process group that changes);
+            # DDP's averaging over a fixed group does not fit, so its module is used.
+            model = model.module
+        if batch_policy is None:
+            if global_batch is None:
+                raise ValueError("give global_batch (or a batch_policy)")
+            batch_policy = FixedBatch(global_batch)
+        if isinstance(batch_policy, FixedBatch) and batch_policy.global_batch <= 0:
+            raise ValueError(f"global_batch must be positive, not {batch_policy.global_batch}")
+        self.parts = TrainingParts(model=model, optimizer=optimizer, scheduler=lr_scheduler)
+        self.dataset = dataset
+        self.loss_fn = loss_fn
+        self.micro_batch = micro_batch
+        self.collate_fn = collate_fn
+        self.policy = batch_policy
+        self.order = GlobalOrder(len(dataset), seed)
+        self.counters = Counters()
+        self.timeout_s = timeout_s
+        self.checkpoint_every = checkpoint_every
+        self.checkpointer = AsyncCheckpointer(Path(checkpoint_dir)) if checkpoint_dir and checkpoint_every else None
+        self.ledger = Ledger(Path(ledger_dir) if ledger_dir else None)
+        self.base_lrs = [group["lr"] for group in optimizer.param_groups]
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.has_state = False
+        self.world: World | None = None
+        self.channel: WorkerChannel | None = None
+        self._store: Any = None
+        self._group_formed = False
+        self._first_step_pending = False
+        self._progress_at = 0.0
+        self.log = log
+
+    # What a script may read.
+
+    @property
+    def rank(self) -> int:
+        return self.world.rank if self.world else 0
+
+    @property
+    def world_size(self) -> int:
+        return self.world.world_size if self.world else 1
+
+    @property
+    def step(self) -> int:
+        return self.counters.step
+
+    @property
+    def live(self) -> bool:
+        return self.channel is not None
+
+    # The loop.
+
+    def train(self, steps: int) -> Iterator[StepResult]:
+        """Train until `steps` steps are complete, yielding after each committed step. A
+        replica told to leave returns from here by raising SystemExit(0) after its last
+        step; one that can no longer take part raises."""
+        self._open()
+        try:
+            while self.counters.step < steps:
+                try:
+                    result, change_pending = self._attempt_step()
+                except WorldBroken as broken:
+                    if not self.live:
+                        raise RuntimeError(f"training failed in a fixed world: {broken}") from broken
+                    self._recover(str(broken))
+                    continue
+                yield result
+                if change_pending and self.counters.step < steps:
+                    self._move_to_next_world()
+        finally:
+            self._close()
+
+    def _open(self) -> None:
+        env = os.environ
+        socket_path = env.get("TIDAL_CONTROL_SOCKET")
+        if socket_path:
+            self.channel = WorkerChannel(socket_path, int(env.get("LOCAL_RANK", "0")), os.getpid())
+        self.world = World(epoch=int(env.get("TIDAL_EPOCH", "0")), rank=int(env.get("RANK", "0")),
+                           world_size=int(env.get("WORLD_SIZE", "1")), master_addr=env.get("MASTER_ADDR", ""),
+                           master_port=int(env.get("MASTER_PORT", "0") or 0))
+        self.log = log.bind(pid=os.getpid())
+        if self.checkpointer is not None and env.get("TIDAL_JOINING") != "1":
+            self._load_checkpoint()
+        if not self.live:
+            if self.world.world_size > 1:
+                dist.init_process_group("gloo", init_method="env://", rank=self.world.rank,
+                                        world_size=self.world.world_size,
+                                        timeout=datetime.timedelta(seconds=self.timeout_s))
+                self._group_formed = True
+            self._sync_state()
+            self._apply_batch_policy()
+            return
+        try:
+            self._form(self.world)
+        except WorldBroken as broken:
+            self._recover(str(broken))
+
+    def _close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+        self._destroy_group()
+        self.ledger.close()
+        if self.channel is not None:
+            self.channel.close()
+
+    def _load_checkpoint(self) -> None:
+        assert self.checkpointer is not None
+        state = self.checkpointer.latest()
+        if state is None:
+            return
+        restore(self.parts, self.counters, state)
+        self.has_state = True
+        self.log.info("checkpoint_loaded", step=self.counters.step, position=self.counters.position)
+
+    # Worlds.
+
+    def _destroy_group(self) -> None:
+        if self._group_formed and dist.is_initialized():
+            dist.destroy_process_group()
+        self._group_formed = False
+
+    def _form(self, world: World) -> None:
+        """Join `world`'s process group (every member arrives first, so waiting stays
+        interruptible by a stop) and agree on the training state."""
+        assert self.channel is not None
+        started = time.monotonic()
+        self._destroy_group()
+        self.world = world
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        store = dist.TCPStore(world.master_addr, world.master_port, is_master=False, timeout=timeout,
+                              wait_for_workers=False)
+        self._store = store
+        prefix = dist.PrefixStore(f"tidal/epoch-{world.epoch}", store)
+        prefix.add("arrived", 1)
+        deadline = started + self.timeout_s
+        while prefix.add("arrived", 0) < world.world_size:
+            if self.channel.stop_requested(world.epoch):
+                raise WorldBroken(f"stopped while waiting for the peers of epoch {world.epoch}")
+            if time.monotonic() > deadline:
+                raise WorldBroken(f"peers of epoch {world.epoch} did not arrive within {self.timeout_s:g} s")
+            time.sleep(0.002)
+        try:
+            dist.init_process_group("gloo", store=dist.PrefixStore("group", prefix), rank=world.rank,
+                                    world_size=world.world_size, timeout=timeout)
+            self._group_formed = True
+            source, state_digest = self._sync_state()
+        except (RuntimeError, ValueError) as error:
+            if isinstance(error, (StateMismatch, AccountingError)):
+                raise
+            raise WorldBroken(f"forming epoch {world.epoch} failed: {error}") from error
+        self._apply_batch_policy()
+        self._first_step_pending = True
+        seconds = time.monotonic() - started
+        self.channel.send("formed", epoch=world.epoch, step=self.counters.step, digest=state_digest)
+        self.ledger.write("formed", epoch=world.epoch, rank=world.rank, world_size=world.world_size,
+                          step=self.counters.step, digest=state_digest, source=source, seconds=seconds)
+        self.log.info("world_formed", epoch=world.epoch, rank=world.rank, world_size=world.world_size,
+                      step=self.counters.step, state_source=source, seconds=round(seconds, 4))
+
+    def _sync_state(self) -> tuple[int, str]:
+        """Every rank adopts the state of the most advanced one (rank 0's fresh one when
+        none has state yet), then all check that their digests agree. Returns the source
+        rank and the digest."""
+        world_size = self.world_size
+        mine = self.counters.step if self.has_state else -1
+        steps = [mine]
+        if world_size > 1:
+            gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+            dist.all_gather(gathered, torch.tensor([mine], dtype=torch.int64))
+            steps = [int(t.item()) for t in gathered]
+        target = max(steps)
+        source = steps.index(target) if target >= 0 else 0
+        if world_size > 1 and (target < 0 or any(s != target for s in steps)):
+            self._broadcast_state(source)
+        self.has_state = True
+        state_digest = digest(capture(self.parts, self.counters))
+        if world_size > 1:
+            encoded = torch.tensor(list(bytes.fromhex(state_digest)), dtype=torch.uint8)
+            gathered_digests = [torch.zeros(32, dtype=torch.uint8) for _ in range(world_size)]
+            dist.all_gather(gathered_digests, encoded)
+            digests = {bytes(t.tolist()).hex() for t in gathered_digests}
+            if len(digests) != 1:
+                raise StateMismatch(f"replicas disagree on the training state after forming: {sorted(digests)}")
+        return source, state_digest
+
+    def _broadcast_state(self, source: int) -> None:
+        if self.rank == source:
+            payload = serialize(capture(self.parts, self.counters))
+            size = torch.tensor([len(payload)], dtype=torch.int64)
+        else:
+            payload = b""
+            size = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(size, src=source)
+        buffer = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.rank == source
+                  else torch.empty(int(size.item()), dtype=torch.uint8))
+        dist.broadcast(buffer, src=source)
+        if self.rank != source:
+            restore(self.parts, self.counters, deserialize(ctypes.string_at(buffer.data_ptr(), buffer.numel())))
+
+    def _apply_batch_policy(self) -> None:
+        self.counters.global_batch = self.policy.batch_for(self.world_size)
+        if isinstance(self.policy, ScaledBatch):
+            factor = self.policy.lr_factor(self.world_size)
+            for group, base in zip(self.parts.optimizer.param_groups, self.base_lrs, strict=True):
+                group["lr"] = base * factor
+
+    def _recover(self, reason: str) -> None:
+        """Out of the broken world; wait for the launcher to name the next one and join it."""
+        assert self.channel is not None and self.world is not None
+        while True:
+            self._destroy_group()
+            epoch = self.world.epoch
+            self.log.warning("world_broken", epoch=epoch, step=self.counters.step, reason=reason)
+            self.ledger.write("abandoned", epoch=epoch, step=self.counters.step, reason=reason)
+            try:
+                self.channel.send("stopped", epoch=epoch, step=self.counters.step)
+                world = self.channel.wait_world(after_epoch=max(epoch, self.channel.stopped_epoch),
+                                                timeout_s=self.timeout_s)
+                if world.leaves:
+                    self._leave(world)
+                self._form(world)
+                return
+            except WorldBroken as broken:
+                reason = str(broken)
+            except (ChannelClosed, TimeoutError) as error:
+                raise RuntimeError(f"no world to join after epoch {epoch}: {error}") from error
+
+    def _move_to_next_world(self) -> None:
+        """The ranks agreed to change worlds after this step: wait for this rank's copy of
+        the new world (it is on its way) and join it, or leave."""
+        assert self.channel is not None and self.world is not None
+        try:
+            world = self.channel.wait_world(after_epoch=self.world.epoch, timeout_s=self.timeout_s)
+        except (ChannelClosed, TimeoutError) as error:
+            raise RuntimeError(f"peers agreed on a world change this rank never heard of: {error}") from error
+        if world.leaves:
+            self._leave(world)
+        try:
+            self._form(world)
+        except WorldBroken as broken:
+            self._recover(str(broken))
+
+    def _leave(self, world: World) -> None:
+        assert self.channel is not None
+        self._destroy_group()
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+        self.log.info("leaving", epoch=world.epoch, step=self.counters.step)
+        self.ledger.write("left", epoch=world.epoch, step=self.counters.step)
+        self.channel.send("left", epoch=world.epoch, step=self.counters.step)
+        raise SystemExit(0)
+
+    # One step.
+
+    def _check_stop(self) -> None:
+        if self.channel is not None and self.world is not None and self.channel.stop_requested(self.world.epoch):
+            raise WorldBroken(f"the launcher stopped epoch {self.world.epoch}")
+
+    def _all_reduce(self, tensor: torch.Tensor) -> None:
+        if self.world_size == 1:
+            return
+        try:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        except RuntimeError as error:
+            raise WorldBroken(f"a collective failed: {error}") from error
+
+    def _attempt_step(self) -> tuple[StepResult, bool]:
+        assert self.world is not None
+        started = time.monotonic()
+        step = self.counters.step
+        batch_size = self.counters.global_batch
+        world = self.world
+        samples = step_samples(self.order, step=step, start=self.counters.position, global_batch=batch_size,
+                               rank=world.rank, world_size=world.world_size)
+        self.ledger.write("attempt", epoch=world.epoch, step=step, rank=world.rank, world_size=world.world_size,
+                          indices=samples.indices)
+        model = self.parts.model
+        model.train()
+        for parameter in self.params:
+            parameter.grad = None
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for chunk in micro_batches(samples.indices, self.micro_batch or max(1, len(samples.indices))):
+            if not chunk:
+                continue
+            self._check_stop()
+            loss = self.loss_fn(model, self.collate_fn([self.dataset[i] for i in chunk]))
+            loss.backward()
+            loss_sum += loss.detach().to(torch.float64).cpu()
+        self._check_stop()
+        change_wanted = self.channel is not None and self.channel.next_world(world.epoch) is not None
+        index_sum, index_square_sum = _index_checksums(samples.indices)
+        control = torch.tensor([len(samples.indices), index_sum, index_square_sum, float(change_wanted),
+                                loss_sum.item()], dtype=torch.float64)
+        self._all_reduce(control)
+        gradients = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in gradients]) if gradients else torch.zeros(0)
+        self._all_reduce(flat)
+        # Committed: every rank's contribution is in the sum.
+        expected = self.order.samples(samples.start, batch_size)
+        self._check_accounting(step, control, expected)
+        flat.div_(batch_size)
+        offset = 0
+        for parameter in self.params:
+            count = parameter.numel()
+            parameter.grad = flat[offset:offset + count].view_as(parameter).to(parameter.dtype)
+            offset += count
+        self.parts.optimizer.step()
+        if self.parts.scheduler is not None:
+            self.parts.scheduler.step()
+        self.counters.step += 1
+        self.counters.position += batch_size
+        loss = control[4].item() / batch_size
+        self._after_commit(world, samples.indices, loss)
+        result = StepResult(step=self.counters.step, loss=loss, global_batch=batch_size,
+                            world_size=world.world_size, rank=world.rank, epoch=world.epoch,
+                            indices=samples.indices, seconds=time.monotonic() - started)
+        return result, control[3].item() > 0
+
+    def _check_accounting(self, step: int, control: torch.Tensor, expected: list[int]) -> None:
+        index_sum, index_square_sum = _index_checksums(expected)
+        got = (int(control[0].item()), control[1].item() % CHECKSUM_MODULUS, control[2].item() % CHECKSUM_MODULUS)
+        if got != (len(expected), index_sum, index_square_sum):
+            raise AccountingError(f"step {step}: the ranks consumed {got[0]} samples with checksums {got[1:]}, "
+                                  f"expected {len(expected)} with {(index_sum, index_square_sum)}")
+
+    def _after_commit(self, world: World, indices: list[int], loss: float) -> None:
+        step = self.counters.step
+        self.ledger.write("commit", epoch=world.epoch, step=step - 1, rank=world.rank, world_size=world.world_size,
+                          loss=loss)
+        now = time.monotonic()
+        if self._first_step_pending:
+            self._first_step_pending = False
+            if self.channel is not None:
+                self.channel.send("first_step", epoch=world.epoch, step=step)
+        if now - self._progress_at >= PROGRESS_INTERVAL_S:
+            self._progress_at = now
+            report_progress(step)
+        if (self.checkpointer is not None and world.rank == 0 and step % self.checkpoint_every == 0):
+            self.checkpointer.save(capture(self.parts, self.counters), step)
+
