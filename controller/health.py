@@ -21,6 +21,10 @@ class UnitHealth:
     last_heartbeat_at: float | None
     # Per global rank: when the worker last made progress, if it ever reported any.
     progress_at: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    # Live mode, per global rank: the worker's last liveness beat, and whether it was
+    # blocked in a collective (waiting for its peers) at that beat.
+    beat_at: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    waiting: Mapping[int, bool] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +48,11 @@ def health_verdicts(units: Sequence[UnitHealth], *, now: float, policy: HealthPo
     - connected, but no heartbeat for longer than `heartbeat_timeout_s`: hung or cut off;
     - not connected past `reconnect_deadline` (only after a controller restart does a
       member have no session; a session that breaks is a failure at once, elsewhere);
-    - a worker that reported progress in this epoch and then none for `progress_timeout_s`.
+    - live mode: a worker that beat once and then not for `heartbeat_timeout_s`: the
+      process is frozen (its beat thread stopped with it);
+    - a worker that reported progress in this epoch and then none for `progress_timeout_s`,
+      unless it is blocked in a collective: when one rank hangs, all the others wait for
+      it and stop progressing too, and only the one not waiting is the cause.
       Workers that never report (unmodified torchrun scripts) are judged by heartbeats and
       exits only."""
     failures: list[Failure] = []
@@ -60,8 +68,15 @@ def health_verdicts(units: Sequence[UnitHealth], *, now: float, policy: HealthPo
                 failures.append(Failure(unit.unit_id, f"no heartbeat for {silent:.1f} s "
                                         f"(timeout {policy.heartbeat_timeout_s:g} s)", "heartbeat"))
                 continue
+        silent = {rank: now - at for rank, at in unit.beat_at.items() if now - at > policy.heartbeat_timeout_s}
+        if silent:
+            rank, age = max(silent.items(), key=lambda item: item[1])
+            failures.append(Failure(unit.unit_id, f"rank {rank} sent no beat for {age:.1f} s "
+                                    f"(timeout {policy.heartbeat_timeout_s:g} s): the process is frozen", "silent"))
+            continue
         stalled = {rank: now - at for rank, at in unit.progress_at.items()
-                   if at >= epoch_started_at and now - at > policy.progress_timeout_s}
+                   if at >= epoch_started_at and now - at > policy.progress_timeout_s
+                   and not unit.waiting.get(rank, False)}
         if stalled:
             rank, age = max(stalled.items(), key=lambda item: item[1])
             failures.append(Failure(unit.unit_id, f"rank {rank} made no progress for {age:.1f} s "

@@ -218,11 +218,18 @@ class JobActor:
         if beat.HasField("sent_at"):
             sent_at = beat.sent_at.ToNanoseconds() / 1e9
             self.metrics.heartbeat_latency.observe(max(0.0, time.time() - sent_at))
+            # Only the workers this heartbeat names: in live mode a worker's rank changes
+            # with the world, and an old rank must not linger as a silent one.
+            progress_at, steps, beat_at, waiting = {}, {}, {}, {}
             for worker in beat.workers:
                 if worker.HasField("progress_time"):
                     age = max(0.0, sent_at - worker.progress_time.ToNanoseconds() / 1e9)
-                    session.progress_at[worker.rank] = now - age
-                    session.steps[worker.rank] = worker.step
+                    progress_at[worker.rank] = now - age
+                    steps[worker.rank] = worker.step
+                if worker.HasField("beat_time"):
+                    beat_at[worker.rank] = now - max(0.0, sent_at - worker.beat_time.ToNanoseconds() / 1e9)
+                    waiting[worker.rank] = worker.waiting
+            session.progress_at, session.steps, session.beat_at, session.waiting = progress_at, steps, beat_at, waiting
 
     def put(self, item: JobInput) -> None:
         self.inputs.put_nowait(item)
@@ -405,7 +412,9 @@ class JobActor:
                 continue
             observed.append(UnitHealth(unit_id=member.unit_id, connected=session is not None,
                                        last_heartbeat_at=session.last_heartbeat_at if session else None,
-                                       progress_at=dict(session.progress_at) if session else {}))
+                                       progress_at=dict(session.progress_at) if session else {},
+                                       beat_at=dict(session.beat_at) if session else {},
+                                       waiting=dict(session.waiting) if session else {}))
         policy = HealthPolicy(self.config.heartbeat_timeout_s, self.config.progress_timeout_s)
         return health_verdicts(observed, now=now, policy=policy, epoch_started_at=self.epoch_started_at,
                                reconnect_deadline=self.reconnect_deadline)

@@ -132,6 +132,10 @@ class UnixSocketRelay:
             await asyncio.gather(_pipe(reader, upstream_writer), _pipe(upstream_reader, writer))
         except (OSError, asyncio.IncompleteReadError) as error:
             log.debug("admin_relay_closed", error=str(error))
+        except asyncio.CancelledError:
+            # Shutting down. asyncio's stream protocol reads this task's result when the
+            # connection closes, and a CancelledError there is logged as an error.
+            pass
         finally:
             self._uids.pop(peer_key, None)
             for closing in (writer, upstream_writer):

@@ -38,6 +38,10 @@ class LauncherSession:
         default_factory=asyncio.Queue)
     # Per global rank: when the worker last made progress (controller's monotonic clock).
     progress_at: dict[int, float] = dataclasses.field(default_factory=dict)
+    # Live mode, per global rank: the worker's last beat (monotonic) and whether it was
+    # blocked in a collective then.
+    beat_at: dict[int, float] = dataclasses.field(default_factory=dict)
+    waiting: dict[int, bool] = dataclasses.field(default_factory=dict)
     # Per global rank: last completed step.
     steps: dict[int, int] = dataclasses.field(default_factory=dict)
     closed: bool = False

@@ -119,6 +119,8 @@ class LiveWorkers:
     # A joiner reports its workers ready (EPOCH_PHASE_STARTED) once all said hello.
     ready_epoch: int = 0
     stop_deadline: float | None = None
+    # Last beat per local rank: (wall time received, blocked in a collective).
+    beats: dict[int, tuple[float, bool]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +198,12 @@ class Agent:
                       store_port=self.store_port, pid=os.getpid())
         try:
             while not self.state.is_final:
-                self._handle(await self.events.get())
+                event = await self.events.get()
+                try:
+                    self._handle(event)
+                except Exception:
+                    # A bug in one handler must not take the replica (and its workers) down.
+                    self.log.exception("launcher_event_failed", event=type(event).__name__)
         finally:
             ticker.cancel()
             if self.workers is not None and not self.workers.all_exited:
@@ -277,8 +284,12 @@ class Agent:
             if self.live_workers_running and not self.failed_self and self.state is not AgentState.LEAVING:
                 self._stop_live(stop.epoch)
                 return
-            self._stop_workers(AgentState.STOPPING, stop.grace.ToNanoseconds() / 1e9 if stop.HasField("grace")
-                               else self.options.stop_grace_s)
+            grace_s = stop.grace.ToNanoseconds() / 1e9 if stop.HasField("grace") else self.options.stop_grace_s
+            if self.failed_self and self.live_mode:
+                # Live mode: the survivors wait in a collective until this unit's workers
+                # are gone (a hung rank must become a dead one), and nothing here is kept.
+                grace_s = 0.0
+            self._stop_workers(AgentState.STOPPING, grace_s)
         elif kind == "leave":
             self.log.info("leave_ordered", epoch=message.leave.epoch, reason=message.leave.reason)
             self._stop_workers(AgentState.LEAVING, self.options.stop_grace_s)
@@ -464,6 +475,10 @@ class Agent:
                 if progress is not None:
                     entry.step = progress.step
                     entry.progress_time.FromNanoseconds(int(progress.at * 1e9))
+                last_beat = self.live.beats.get(worker.local_rank)
+                if last_beat is not None:
+                    entry.beat_time.FromNanoseconds(int(last_beat[0] * 1e9))
+                    entry.waiting = last_beat[1]
                 beat.workers.append(entry)
         return beat
 
@@ -552,6 +567,8 @@ class Agent:
             self._maybe_live_stopped()
         elif op == "left":
             live.left.add(local_rank)
+        elif op == "beat":
+            live.beats[local_rank] = (time.time(), bool(said.get("waiting")))
 
     def _finish(self, state: AgentState, exit_code: int, reason: str) -> None:
         self.state = state

@@ -17,6 +17,9 @@ worker -> launcher:
   {"op": "first_step", "epoch": E, "step": s}               first step of epoch E committed
   {"op": "stopped", "epoch": E, "step": s}                  out of the process group, idle
   {"op": "left", "epoch": E, "step": s}                     left the job after step s; exits 0
+  {"op": "beat", "step": s, "waiting": w}                   every BEAT_INTERVAL_S from a thread
+                                                            of its own: alive, and whether
+                                                            blocked in a collective
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import structlog
 log = structlog.get_logger("tidal.launcher.control")
 
 MAX_LINE = 64 * 1024
+BEAT_INTERVAL_S = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +144,24 @@ class WorkerChannel:
                     raise TimeoutError(f"no world after epoch {after_epoch} within {timeout_s:g} s")
                 self._changed.wait(remaining)
 
+    def start_beats(self, status: Callable[[], dict[str, Any]], interval_s: float = BEAT_INTERVAL_S) -> None:
+        """Send {"op": "beat", **status()} every `interval_s` from a daemon thread. It runs
+        while the training thread waits in a collective (torch releases the GIL there),
+        and stops when the process is frozen: that is what tells a hang's cause from its
+        victims."""
+
+        def beat() -> None:
+            while not self.closed:
+                try:
+                    self.send("beat", **status())
+                except ChannelClosed:
+                    return
+                time.sleep(interval_s)
+
+        threading.Thread(target=beat, name="tidal-beat", daemon=True).start()
+
     def close(self) -> None:
+        self.closed = True
         with contextlib.suppress(OSError):
             self._socket.shutdown(socket.SHUT_RDWR)
         self._socket.close()

@@ -153,7 +153,8 @@ class Elastic:
                  micro_batch: int | None = None, lr_scheduler: Any = None, seed: int = 0,
                  collate_fn: Callable[[list[Any]], Any] = default_collate, batch_policy: BatchPolicy | None = None,
                  checkpoint_dir: str | os.PathLike[str] | None = None, checkpoint_every: int = 0,
-                 ledger_dir: str | os.PathLike[str] | None = None, timeout_s: float = 120.0) -> None:
+                 ledger_dir: str | os.PathLike[str] | None = None, timeout_s: float = 120.0,
+                 backend: str | None = None) -> None:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             # Tidal reduces gradients itself (SUM / B over a process group that changes);
             # DDP's averaging over a fixed group does not fit, so its module is used.
@@ -178,6 +179,15 @@ class Elastic:
         self.ledger = Ledger(Path(ledger_dir) if ledger_dir else None)
         self.base_lrs = [group["lr"] for group in optimizer.param_groups]
         self.params = [p for p in model.parameters() if p.requires_grad]
+        on_gpu = any(p.is_cuda for p in self.params)
+        self.backend = backend or ("nccl" if on_gpu and dist.is_nccl_available() else "gloo")
+        # Collectives' tensors live where the backend wants them (NCCL: the current GPU).
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
+                       else torch.device("cpu"))
+        if self.backend == "nccl":
+            # A failed collective is Tidal's to handle (abort, re-form): NCCL's watchdog
+            # must not tear the process down first.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
         self.has_state = False
         self.world: World | None = None
         self.channel: WorkerChannel | None = None
@@ -185,6 +195,8 @@ class Elastic:
         self._group_formed = False
         self._first_step_pending = False
         self._progress_at = 0.0
+        # True while this rank is blocked in a collective (read by the beat thread).
+        self._waiting = False
         self.log = log
 
     # What a script may read.
@@ -232,6 +244,7 @@ class Elastic:
         socket_path = env.get("TIDAL_CONTROL_SOCKET")
         if socket_path:
             self.channel = WorkerChannel(socket_path, int(env.get("LOCAL_RANK", "0")), os.getpid())
+            self.channel.start_beats(lambda: {"step": self.counters.step, "waiting": self._waiting})
         self.world = World(epoch=int(env.get("TIDAL_EPOCH", "0")), rank=int(env.get("RANK", "0")),
                            world_size=int(env.get("WORLD_SIZE", "1")), master_addr=env.get("MASTER_ADDR", ""),
                            master_port=int(env.get("MASTER_PORT", "0") or 0))
@@ -240,7 +253,7 @@ class Elastic:
             self._load_checkpoint()
         if not self.live:
             if self.world.world_size > 1:
-                dist.init_process_group("gloo", init_method="env://", rank=self.world.rank,
+                dist.init_process_group(self.backend, init_method="env://", rank=self.world.rank,
                                         world_size=self.world.world_size,
                                         timeout=datetime.timedelta(seconds=self.timeout_s))
                 self._group_formed = True
@@ -271,8 +284,14 @@ class Elastic:
 
     # Worlds.
 
-    def _destroy_group(self) -> None:
+    def _destroy_group(self, broken: bool = False) -> None:
+        """Leave the process group. After a failure NCCL's communicators are aborted first,
+        since a destroy would wait on the collectives that will never finish (gloo's fail
+        at once when a peer's connection closes). CI has no GPU: the NCCL path is not
+        exercised by the tests."""
         if self._group_formed and dist.is_initialized():
+            if broken and self.backend == "nccl":
+                dist.distributed_c10d._abort_process_group()
             dist.destroy_process_group()
         self._group_formed = False
 
@@ -297,7 +316,7 @@ class Elastic:
                 raise WorldBroken(f"peers of epoch {world.epoch} did not arrive within {self.timeout_s:g} s")
             time.sleep(0.002)
         try:
-            dist.init_process_group("gloo", store=dist.PrefixStore("group", prefix), rank=world.rank,
+            dist.init_process_group(self.backend, store=dist.PrefixStore("group", prefix), rank=world.rank,
                                     world_size=world.world_size, timeout=timeout)
             self._group_formed = True
             source, state_digest = self._sync_state()
@@ -322,8 +341,8 @@ class Elastic:
         mine = self.counters.step if self.has_state else -1
         steps = [mine]
         if world_size > 1:
-            gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
-            dist.all_gather(gathered, torch.tensor([mine], dtype=torch.int64))
+            gathered = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(world_size)]
+            dist.all_gather(gathered, torch.tensor([mine], dtype=torch.int64, device=self.device))
             steps = [int(t.item()) for t in gathered]
         target = max(steps)
         source = steps.index(target) if target >= 0 else 0
@@ -332,8 +351,8 @@ class Elastic:
         self.has_state = True
         state_digest = digest(capture(self.parts, self.counters))
         if world_size > 1:
-            encoded = torch.tensor(list(bytes.fromhex(state_digest)), dtype=torch.uint8)
-            gathered_digests = [torch.zeros(32, dtype=torch.uint8) for _ in range(world_size)]
+            encoded = torch.tensor(list(bytes.fromhex(state_digest)), dtype=torch.uint8, device=self.device)
+            gathered_digests = [torch.zeros(32, dtype=torch.uint8, device=self.device) for _ in range(world_size)]
             dist.all_gather(gathered_digests, encoded)
             digests = {bytes(t.tolist()).hex() for t in gathered_digests}
             if len(digests) != 1:
@@ -343,15 +362,16 @@ class Elastic:
     def _broadcast_state(self, source: int) -> None:
         if self.rank == source:
             payload = serialize(capture(self.parts, self.counters))
-            size = torch.tensor([len(payload)], dtype=torch.int64)
+            size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
         else:
             payload = b""
-            size = torch.zeros(1, dtype=torch.int64)
+            size = torch.zeros(1, dtype=torch.int64, device=self.device)
         dist.broadcast(size, src=source)
-        buffer = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.rank == source
-                  else torch.empty(int(size.item()), dtype=torch.uint8))
+        buffer = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device) if self.rank == source
+                  else torch.empty(int(size.item()), dtype=torch.uint8, device=self.device))
         dist.broadcast(buffer, src=source)
         if self.rank != source:
+            buffer = buffer.cpu()
             restore(self.parts, self.counters, deserialize(ctypes.string_at(buffer.data_ptr(), buffer.numel())))
 
     def _apply_batch_policy(self) -> None:
@@ -365,7 +385,7 @@ class Elastic:
         """Out of the broken world; wait for the launcher to name the next one and join it."""
         assert self.channel is not None and self.world is not None
         while True:
-            self._destroy_group()
+            self._destroy_group(broken=True)
             epoch = self.world.epoch
             self.log.warning("world_broken", epoch=epoch, step=self.counters.step, reason=reason)
             self.ledger.write("abandoned", epoch=epoch, step=self.counters.step, reason=reason)
@@ -416,10 +436,13 @@ class Elastic:
     def _all_reduce(self, tensor: torch.Tensor) -> None:
         if self.world_size == 1:
             return
+        self._waiting = True
         try:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         except RuntimeError as error:
             raise WorldBroken(f"a collective failed: {error}") from error
+        finally:
+            self._waiting = False
 
     def _attempt_step(self) -> tuple[StepResult, bool]:
         assert self.world is not None
@@ -447,10 +470,10 @@ class Elastic:
         change_wanted = self.channel is not None and self.channel.next_world(world.epoch) is not None
         index_sum, index_square_sum = _index_checksums(samples.indices)
         control = torch.tensor([len(samples.indices), index_sum, index_square_sum, float(change_wanted),
-                                loss_sum.item()], dtype=torch.float64)
+                                loss_sum.item()], dtype=torch.float64, device=self.device)
         self._all_reduce(control)
         gradients = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.reshape(-1) for g in gradients]) if gradients else torch.zeros(0)
+        flat = torch.cat([g.reshape(-1) for g in gradients]) if gradients else torch.zeros(0, device=self.device)
         self._all_reduce(flat)
         # Committed: every rank's contribution is in the sum.
         expected = self.order.samples(samples.start, batch_size)

@@ -165,3 +165,65 @@ def test_live_grow_kill_leave_matches_a_fixed_run(tidal_run: TidalRun, tmp_path:
     assert float(recovered.fields["failure_to_first_step_s"]) > 0
     assert recovered.fields["world_size"] == "2"
     assert left.fields["world_size"] == "1"
+
+
+def test_a_hung_rank_is_killed_and_the_survivors_go_on_in_process(tidal_run: TidalRun, tmp_path: Path) -> None:
+    controller = tidal_run.controller
+    controller.stop()
+    controller.settings["progress_timeout_s"] = "2"
+    controller.start()
+    ledger = tmp_path / "ledger"
+    tidal_run.submit(min_replicas=1, max_replicas=3, command=example_command(tmp_path / "out.pt", ledger, 100_000),
+                     mode=common_pb2.JOB_MODE_LIVE)
+    for unit in "abc":
+        tidal_run.start_launcher(unit)
+    controller.wait_event(tidal_run.job_id, "world_formed", where=lambda e: e.fields["replicas"] == "3")
+    wait_until(lambda: len(commits(read_ledger(ledger), 3)) >= 3 * 20, 60, "20 steps at world size 3")
+    pids = {unit: worker_pid(tidal_run, unit) for unit in "abc"}
+
+    os.kill(pids["b"], signal.SIGSTOP)
+    failure = controller.wait_event(tidal_run.job_id, "failure_detected")
+    assert failure.unit_id == "b" and failure.fields["cause"] == "progress", failure
+    recovered = controller.wait_event(tidal_run.job_id, "recovered")
+    assert recovered.fields["world_size"] == "2"
+    # The launcher killed its frozen worker (a hung rank becomes a dead one) and left.
+    wait_until(lambda: not alive(pids["b"]), 10, "the hung worker to be killed")
+    wait_until(lambda: tidal_run.launchers["b"].process.poll() is not None, 10, "b's launcher to exit")
+    assert tidal_run.launchers["b"].process.returncode == 1
+    wait_until(lambda: len(commits(read_ledger(ledger), 2)) >= 2 * 20, 60, "20 steps at world size 2")
+    assert {unit: worker_pid(tidal_run, unit) for unit in "ac"} == {"a": pids["a"], "c": pids["c"]}
+    assert alive(pids["a"]) and alive(pids["c"])
+
+
+def test_every_replica_lost_falls_back_to_the_checkpoint_at_the_exact_step(tidal_run: TidalRun,
+                                                                           tmp_path: Path) -> None:
+    ledger = tmp_path / "ledger"
+    checkpoints = tmp_path / "checkpoints"
+    steps = 150
+    command = [*example_command(tmp_path / "elastic.pt", ledger, steps),
+               "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "20"]
+    tidal_run.submit(min_replicas=1, max_replicas=1, command=command, mode=common_pb2.JOB_MODE_LIVE)
+    controller = tidal_run.controller
+    tidal_run.start_launcher("a")
+    wait_until(lambda: highest_step(ledger) >= 50, 60, "50 steps")
+    os.kill(worker_pid(tidal_run, "a"), signal.SIGKILL)
+    controller.wait_event(tidal_run.job_id, "job_degraded")
+    lost_at = highest_step(ledger) + 1
+    saved = sorted(int(p.name[5:17]) for p in checkpoints.glob("step-*.tidal"))
+    assert saved and saved[-1] <= lost_at
+
+    tidal_run.start_launcher("d")
+    controller.wait_event(tidal_run.job_id, "job_completed", timeout=120)
+    records = read_ledger(ledger)
+    pid_d = worker_pid(tidal_run, "d")
+    resumed = [r for r in records if r["pid"] == pid_d and r["kind"] == "attempt"]
+    assert resumed[0]["step"] == saved[-1], "the new replica starts at the newest checkpoint's step"
+    assert resumed[0]["indices"] == GlobalOrder(SAMPLES, SEED).samples(saved[-1] * GLOBAL_BATCH, GLOBAL_BATCH)
+
+    fixed_out = tmp_path / "fixed.pt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIDAL_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    subprocess.run(example_command(fixed_out, tmp_path / "fixed-ledger", steps), check=True, env=env, timeout=300,
+                   stdout=subprocess.DEVNULL)
+    elastic_params = torch.load(tmp_path / "elastic.pt", weights_only=True)["model"]
+    for name, reference in torch.load(fixed_out, weights_only=True)["model"].items():
+        torch.testing.assert_close(elastic_params[name], reference, rtol=1e-9, atol=1e-12, msg=name)

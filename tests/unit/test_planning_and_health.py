@@ -133,6 +133,33 @@ def test_a_worker_without_progress_is_hung_but_only_if_it_ever_reported() -> Non
     assert health_verdicts([stalled], now=200.0, policy=POLICY, epoch_started_at=135.0, reconnect_deadline=0.0) == []
 
 
+def test_a_hang_blames_its_cause_not_the_ranks_waiting_for_it() -> None:
+    # Rank 1 hangs in its own code; ranks 0 and 2 wait for it in the all-reduce. None has
+    # progressed for 70 s, but only the one not waiting is the cause.
+    cause = UnitHealth("b", True, last_heartbeat_at=199.0, progress_at={1: 130.0}, beat_at={1: 199.5},
+                       waiting={1: False})
+    victims = [UnitHealth(unit, True, last_heartbeat_at=199.0, progress_at={rank: 130.0}, beat_at={rank: 199.5},
+                          waiting={rank: True}) for unit, rank in (("a", 0), ("c", 2))]
+    verdicts = health_verdicts([victims[0], cause, victims[1]], now=200.0, policy=POLICY, epoch_started_at=0.0,
+                               reconnect_deadline=0.0)
+    assert verdicts == [Failure("b", "rank 1 made no progress for 70.0 s (timeout 60 s)", "progress")]
+
+
+def test_a_frozen_worker_stops_beating_and_is_found_at_heartbeat_speed() -> None:
+    # SIGSTOP freezes a worker inside a collective: its last beat said "waiting", like its
+    # victims', but it beats no more.
+    frozen = UnitHealth("b", True, last_heartbeat_at=199.9, progress_at={1: 196.0}, beat_at={1: 196.5},
+                        waiting={1: True})
+    victim = UnitHealth("a", True, last_heartbeat_at=199.9, progress_at={0: 196.0}, beat_at={0: 199.8},
+                        waiting={0: True})
+    assert health_verdicts([victim, frozen], now=199.0, policy=POLICY, epoch_started_at=0.0,
+                           reconnect_deadline=0.0) == []
+    verdicts = health_verdicts([victim, frozen], now=200.0, policy=POLICY, epoch_started_at=0.0,
+                               reconnect_deadline=0.0)
+    assert verdicts == [Failure("b", "rank 1 sent no beat for 3.5 s (timeout 3 s): the process is frozen",
+                                "silent")]
+
+
 def test_token_bucket_allows_the_burst_then_the_rate() -> None:
     bucket = TokenBucket(rate=10.0, burst=5, now=0.0)
     assert [bucket.allow(0.0) for _ in range(6)] == [True] * 5 + [False]

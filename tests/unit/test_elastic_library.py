@@ -1,0 +1,251 @@
+"""The worker library's parts that need no process group: the global order and shares,
+the state digest and its transport, the fallback checkpoint, batch policies, the control
+channel, and whole training runs in a world of one (in this process)."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from tidal.launcher.checkpoint import AsyncCheckpointer, checkpoint_path
+from tidal.launcher.control import ChannelClosed, LauncherChannel, WorkerChannel, WorkerSaid
+from tidal.launcher.data import GlobalOrder, micro_batches, share_bounds, step_samples
+from tidal.launcher.elastic import AccountingError, Elastic, FixedBatch, ScaledBatch
+from tidal.launcher.state import Counters, TrainingParts, capture, deserialize, digest, restore, serialize
+
+
+def test_shares_cover_the_batch_without_overlap_and_differ_by_at_most_one() -> None:
+    for total in (1, 7, 24, 25):
+        for world_size in range(1, 6):
+            bounds = [share_bounds(total, r, world_size) for r in range(world_size)]
+            assert bounds[0][0] == 0 and bounds[-1][1] == total
+            assert all(bounds[r][1] == bounds[r + 1][0] for r in range(world_size - 1))
+            sizes = [end - start for start, end in bounds]
+            assert max(sizes) - min(sizes) <= 1
+    with pytest.raises(ValueError, match="outside"):
+        share_bounds(10, 3, 3)
+    assert micro_batches([1, 2, 3, 4, 5], 2) == [[1, 2], [3, 4], [5]]
+
+
+def test_global_order_is_seeded_and_each_data_epoch_is_a_permutation() -> None:
+    order = GlobalOrder(10, seed=3)
+    assert order.samples(0, 25) == GlobalOrder(10, seed=3).samples(0, 25)
+    assert order.samples(0, 10) != GlobalOrder(10, seed=4).samples(0, 10)
+    stream = order.samples(0, 30)
+    for data_epoch in range(3):
+        assert sorted(stream[10 * data_epoch:10 * (data_epoch + 1)]) == list(range(10))
+    # Any split of a step's positions gives back the same samples.
+    whole = order.samples(8, 6)
+    pieces = [step_samples(order, step=1, start=8, global_batch=6, rank=r, world_size=4).indices for r in range(4)]
+    assert [i for piece in pieces for i in piece] == whole
+    with pytest.raises(ValueError, match="empty"):
+        GlobalOrder(0, seed=0)
+
+
+def _parts(seed: int = 0) -> TrainingParts:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
+    model(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    return TrainingParts(model, optimizer, scheduler)
+
+
+def test_digest_sees_one_flipped_bit_and_survives_transport() -> None:
+    parts = _parts()
+    counters = Counters(step=5, position=40, global_batch=8)
+    state = capture(parts, counters)
+    reference = digest(state)
+    # Transport: another replica made from a different seed receives the state.
+    other = _parts(seed=1)
+    other_counters = Counters()
+    assert digest(capture(other, other_counters)) != reference
+    restore(other, other_counters, deserialize(serialize(state)))
+    assert digest(capture(other, other_counters)) == reference
+    assert other_counters == counters
+    # One bit of one parameter, one optimizer moment, a counter: each changes the digest.
+    weight = other.model[0].weight
+    with torch.no_grad():
+        weight.view(-1).view(torch.int32)[0] ^= 1
+    assert digest(capture(other, other_counters)) != reference
+    restore(other, other_counters, deserialize(serialize(state)))
+    moment = next(iter(other.optimizer.state.values()))["exp_avg"]
+    moment.view(-1)[0] += 1e-12
+    assert digest(capture(other, other_counters)) != reference
+    restore(other, other_counters, deserialize(serialize(state)))
+    other_counters.position += 1
+    assert digest(capture(other, other_counters)) != reference
+
+
+def test_garbage_is_not_a_state() -> None:
+    with pytest.raises(Exception):  # noqa: B017 - torch.load's own error for bytes that are no archive
+        deserialize(b"not a torch archive")
+    with pytest.raises(ValueError, match="not a Tidal training state"):
+        deserialize(serialize({"something": torch.zeros(1)}))
+
+
+def test_checkpoints_are_atomic_pruned_and_a_damaged_newest_is_skipped(tmp_path: Path) -> None:
+    parts = _parts()
+    checkpointer = AsyncCheckpointer(tmp_path, keep=2)
+    for step in (10, 20, 30):
+        assert checkpointer.save(capture(parts, Counters(step=step, position=8 * step, global_batch=8)), step)
+        checkpointer.wait()
+    assert checkpointer.steps() == [20, 30]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary files left behind"
+    assert checkpointer.latest()["counters"]["step"] == 30
+    # A damaged newest file (one bit of a weight, say a disk error) fails its digest and
+    # the one before is used; so is a torn one.
+    path = checkpoint_path(tmp_path, 30)
+    data = bytearray(path.read_bytes())
+    weight = parts.model[0].weight.detach()
+    where = bytes(data).find(ctypes.string_at(weight.data_ptr(), weight.numel() * weight.element_size()))
+    assert where > 0
+    data[where] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert checkpointer.latest()["counters"]["step"] == 20
+    checkpoint_path(tmp_path, 40).write_bytes(data[: len(data) // 2])
+    assert checkpointer.latest()["counters"]["step"] == 20
+
+
+def test_a_checkpoint_copy_does_not_see_later_steps(tmp_path: Path) -> None:
+    parts = _parts()
+    checkpointer = AsyncCheckpointer(tmp_path)
+    before = digest(capture(parts, Counters(step=1)))
+    gate = threading.Event()
+    original = checkpointer._write
+
+    def slow_write(snapshot: dict, step: int) -> None:
+        gate.wait(10)
+        original(snapshot, step)
+
+    checkpointer._write = slow_write  # type: ignore[method-assign]
+    assert checkpointer.save(capture(parts, Counters(step=1)), 1)
+    assert not checkpointer.save(capture(parts, Counters(step=2)), 2), "a second write while one is pending"
+    with torch.no_grad():
+        for parameter in parts.model.parameters():
+            parameter.add_(1.0)
+    gate.set()
+    checkpointer.wait()
+    assert digest(checkpointer.latest()) == before
+    assert checkpointer.skipped == 1
+
+
+def _dataset() -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(50, 3, generator=generator, dtype=torch.float64)
+    return TensorDataset(inputs, inputs.sum(dim=1, keepdim=True).sin())
+
+
+def _train(steps: int, *, micro_batch: int = 4, checkpoint_dir: Path | None = None, every: int = 0,
+           ledger_dir: Path | None = None, policy: FixedBatch | ScaledBatch | None = None) -> Elastic:
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def loss_fn(model: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(model(batch[0]), batch[1], reduction="sum")
+
+    job = Elastic(model, optimizer, _dataset(), loss_fn=loss_fn, global_batch=None if policy else 12,
+                  batch_policy=policy, micro_batch=micro_batch, seed=5, checkpoint_dir=checkpoint_dir,
+                  checkpoint_every=every, ledger_dir=ledger_dir)
+    for _ in job.train(steps):
+        pass
+    return job
+
+
+def test_micro_batching_does_not_change_the_update() -> None:
+    whole = _train(15, micro_batch=12)
+    pieces = _train(15, micro_batch=5)
+    for a, b in zip(whole.parts.model.parameters(), pieces.parts.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_a_job_restarted_from_its_checkpoint_goes_on_at_the_exact_step_and_sample(tmp_path: Path) -> None:
+    uninterrupted = _train(30)
+    # Every replica lost after 25 steps; the newest checkpoint holds step 20.
+    _train(25, checkpoint_dir=tmp_path / "ckpt", every=10)
+    resumed = _train(30, checkpoint_dir=tmp_path / "ckpt", every=10, ledger_dir=tmp_path / "ledger")
+    assert resumed.step == 30
+    assert digest(capture(resumed.parts, resumed.counters)) == digest(capture(uninterrupted.parts,
+                                                                              uninterrupted.counters))
+    records = [json.loads(line) for path in (tmp_path / "ledger").iterdir() for line in path.read_text().splitlines()]
+    attempts = [r for r in records if r["kind"] == "attempt"]
+    assert attempts[0]["step"] == 20
+    assert attempts[0]["indices"] == GlobalOrder(50, seed=5).samples(20 * 12, 12)
+
+
+def test_scaled_batch_follows_the_world_size_with_its_learning_rate_rule() -> None:
+    linear = ScaledBatch(per_rank=8, lr_rule="linear", reference_world_size=2)
+    assert linear.batch_for(4) == 32 and linear.lr_factor(4) == 2.0
+    assert ScaledBatch(per_rank=8, lr_rule="sqrt").lr_factor(4) == 2.0
+    assert ScaledBatch(per_rank=8, lr_rule="none").lr_factor(4) == 1.0
+    assert FixedBatch(64).batch_for(7) == 64
+    job = _train(3, policy=ScaledBatch(per_rank=10, lr_rule="linear", reference_world_size=2))
+    assert job.counters.global_batch == 10 and job.parts.optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+def test_a_step_that_miscounts_its_samples_fails_loudly() -> None:
+    job = _train(1)
+    expected = GlobalOrder(50, seed=5).samples(12, 12)
+    control = torch.tensor([11.0, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    with pytest.raises(AccountingError, match="consumed 11 samples"):
+        job._check_accounting(1, control, expected)
+
+
+def test_bad_arguments_are_named() -> None:
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="global_batch"):
+        Elastic(model, optimizer, _dataset(), loss_fn=lambda m, b: m(b[0]).sum())
+    with pytest.raises(ValueError, match="global_batch must be positive"):
+        Elastic(model, optimizer, _dataset(), loss_fn=lambda m, b: m(b[0]).sum(), global_batch=0)
+
+
+def test_control_channel_carries_worlds_and_stops_both_ways(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        said: asyncio.Queue[WorkerSaid] = asyncio.Queue()
+        server = LauncherChannel(tmp_path / "control.sock", post=said.put_nowait)
+        await server.start()
+        # A message to a worker that has not connected yet waits for its hello.
+        server.send(0, {"op": "world", "epoch": 2, "rank": 1, "world_size": 3, "master_addr": "127.0.0.1",
+                        "master_port": 1234})
+        worker = await asyncio.to_thread(WorkerChannel, str(server.path), 0, 4242)
+        hello = await asyncio.wait_for(said.get(), 5)
+        assert hello.local_rank == 0 and hello.message == {"op": "hello", "local_rank": 0, "pid": 4242}
+        world = await asyncio.to_thread(worker.wait_world, 1, 5.0)
+        assert (world.epoch, world.rank, world.world_size, world.master_port) == (2, 1, 3, 1234)
+        assert worker.next_world(2) is None
+        # Garbage on the wire is skipped, not fatal.
+        server.writers[0].write(b"{not json\n")
+        server.send(0, {"op": "stop", "epoch": 2})
+        await asyncio.to_thread(lambda: _wait(lambda: worker.stop_requested(2)))
+        assert worker.next_world(1) is None, "a stopped epoch's world is not joined"
+        with pytest.raises(TimeoutError):
+            await asyncio.to_thread(worker.wait_world, 2, 0.2)
+        worker.send("stopped", epoch=2, step=7)
+        stopped = await asyncio.wait_for(said.get(), 5)
+        assert stopped.message == {"op": "stopped", "epoch": 2, "step": 7}
+        await server.close()
+        with pytest.raises(ChannelClosed):
+            await asyncio.to_thread(worker.wait_world, 2, 5.0)
+        worker.close()
+
+    asyncio.run(scenario())
+
+
+def _wait(predicate: object, timeout: float = 5.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
