@@ -37,9 +37,11 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import datetime
+import faulthandler
 import json
 import math
 import os
+import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -226,13 +228,16 @@ class Elastic:
         self._open()
         try:
             while self.counters.step < steps:
-                try:
-                    result, change_pending = self._attempt_step()
-                except WorldBroken as broken:
+                # Recovery runs outside the except clause: the exception's traceback holds
+                # the failed collective, and with it the old process group, whose
+                # connections must close for the peers to see this rank leave.
+                broken = self._guarded(self._attempt_step)
+                if isinstance(broken, str):
                     if not self.live:
-                        raise RuntimeError(f"training failed in a fixed world: {broken}") from broken
-                    self._recover(str(broken))
+                        raise RuntimeError(f"training failed in a fixed world: {broken}")
+                    self._recover(broken)
                     continue
+                result, change_pending = broken
                 yield result
                 if change_pending and self.counters.step < steps:
                     self._move_to_next_world()
@@ -241,6 +246,8 @@ class Elastic:
 
     def _open(self) -> None:
         env = os.environ
+        # `kill -USR1 <pid>` prints every thread's stack to stderr: where a stuck rank is.
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
         socket_path = env.get("TIDAL_CONTROL_SOCKET")
         if socket_path:
             self.channel = WorkerChannel(socket_path, int(env.get("LOCAL_RANK", "0")), os.getpid())
@@ -260,10 +267,9 @@ class Elastic:
             self._sync_state()
             self._apply_batch_policy()
             return
-        try:
-            self._form(self.world)
-        except WorldBroken as broken:
-            self._recover(str(broken))
+        broken = self._guarded(self._form, self.world)
+        if isinstance(broken, str):
+            self._recover(broken)
 
     def _close(self) -> None:
         if self.checkpointer is not None:
@@ -395,12 +401,12 @@ class Elastic:
                                                 timeout_s=self.timeout_s)
                 if world.leaves:
                     self._leave(world)
-                self._form(world)
-                return
-            except WorldBroken as broken:
-                reason = str(broken)
             except (ChannelClosed, TimeoutError) as error:
                 raise RuntimeError(f"no world to join after epoch {epoch}: {error}") from error
+            failed = self._guarded(self._form, world)
+            if not isinstance(failed, str):
+                return
+            reason = failed
 
     def _move_to_next_world(self) -> None:
         """The ranks agreed to change worlds after this step: wait for this rank's copy of
@@ -412,10 +418,18 @@ class Elastic:
             raise RuntimeError(f"peers agreed on a world change this rank never heard of: {error}") from error
         if world.leaves:
             self._leave(world)
+        broken = self._guarded(self._form, world)
+        if isinstance(broken, str):
+            self._recover(broken)
+
+    @staticmethod
+    def _guarded(action: Callable[..., Any], *args: Any) -> Any:
+        """`action(*args)`'s result, or the reason it broke the world (as a str), with the
+        exception and everything its traceback holds already released."""
         try:
-            self._form(world)
+            return action(*args)
         except WorldBroken as broken:
-            self._recover(str(broken))
+            return str(broken) or "the world broke"
 
     def _leave(self, world: World) -> None:
         assert self.channel is not None
