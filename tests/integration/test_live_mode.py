@@ -227,3 +227,25 @@ def test_every_replica_lost_falls_back_to_the_checkpoint_at_the_exact_step(tidal
     elastic_params = torch.load(tmp_path / "elastic.pt", weights_only=True)["model"]
     for name, reference in torch.load(fixed_out, weights_only=True)["model"].items():
         torch.testing.assert_close(elastic_params[name], reference, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_units_of_two_workers_reform_in_process_and_a_failed_unit_takes_both_along(tidal_run: TidalRun,
+                                                                                    tmp_path: Path) -> None:
+    ledger = tmp_path / "ledger"
+    tidal_run.submit(min_replicas=1, max_replicas=2, procs_per_node=2, mode=common_pb2.JOB_MODE_LIVE,
+                     command=example_command(tmp_path / "out.pt", ledger, 100_000))
+    for unit in "ab":
+        tidal_run.start_launcher(unit)
+    tidal_run.controller.wait_event(tidal_run.job_id, "world_formed", where=lambda e: e.fields["world_size"] == "4")
+    wait_until(lambda: len(commits(read_ledger(ledger), 4)) >= 4 * 10, 60, "10 steps at world size 4")
+    a_pids, b_pids = (tidal_run.launchers[u].worker_pids() for u in "ab")
+    assert len(a_pids) == len(b_pids) == 2
+
+    os.kill(b_pids[1], signal.SIGKILL)
+    recovered = tidal_run.controller.wait_event(tidal_run.job_id, "recovered")
+    assert recovered.fields["world_size"] == "2"
+    wait_until(lambda: not alive(b_pids[0]), 10, "b's other worker to be killed with its unit")
+    wait_until(lambda: len(commits(read_ledger(ledger), 2)) >= 2 * 10, 60, "10 steps at world size 2")
+    assert tidal_run.launchers["a"].worker_pids() == a_pids and all(alive(pid) for pid in a_pids)
+    after = commits(read_ledger(ledger), 2)
+    assert {r["pid"] for r in after} == set(a_pids) and {r["rank"] for r in after} == {0, 1}
