@@ -54,9 +54,10 @@ cluster-down:
 cluster-status:
 	scripts/minicluster status
 
-# A real Slurm cluster and what Tidal sees of it; then the control plane on loopback: a
-# controller, three launchers and a torchrun-style script that loses a worker and a
-# launcher and goes on. (Units as Slurm jobs come with the autoscaling work.)
+# A real Slurm cluster and what Tidal sees of it; then, on loopback, a controller, three
+# launchers and the live-mode LM, which grows, loses a worker to kill -9 and a launcher
+# to SIGTERM, and goes on in the same processes. (Units as Slurm jobs come with the
+# autoscaling work.)
 demo: install
 	scripts/with-cluster bash -c '$(VENV)/bin/tidal nodes && echo && squeue && echo && sinfo'
 	@echo

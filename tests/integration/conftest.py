@@ -178,8 +178,11 @@ class TidalRun:
         if command is None:
             command = [sys.executable, str(EXAMPLE), "--snapshot", str(self.directory / "snapshot.pt"),
                        "--steps", str(steps), "--step-time", str(step_time), "--log-dir", str(self.log_dir)]
+        # Every "node" shares this machine's cores: one compute thread per worker, or
+        # OpenMP's spinning threads of one worker starve the others.
         spec = admin_pb2.JobSpec(name=name, min_replicas=min_replicas, max_replicas=max_replicas, command=command,
-                                 working_dir=str(self.directory), procs_per_node=procs_per_node, mode=mode)
+                                 working_dir=str(self.directory), procs_per_node=procs_per_node, mode=mode,
+                                 environment={"OMP_NUM_THREADS": "1"})
         with self.controller.admin() as client:
             response = client.submit(spec)
         self.job_id = response.job.job_id
