@@ -567,7 +567,6 @@ class JobActor:
         except ValueError as error:
             self.log.warning("epoch_not_formed", reason=str(error))
             return
-        members = set(plan.unit_ids)
         self.job.epoch = plan.epoch
         self.job.state = JobState.RUNNING
         fields: dict[str, object] = {"world_size": plan.world_size, "replicas": len(plan.members),
@@ -575,16 +574,7 @@ class JobActor:
                                      "rendezvous": f"{plan.rendezvous_host}:{plan.rendezvous_port}"}
         if self.failure_detected_at is not None:
             fields["detection_to_started_s"] = f"{now - self.failure_detected_at:.3f}"
-        with self.store.transaction():
-            self.store.insert_epoch(plan)
-            self.store.update_job(self.job)
-            for unit_id in chosen:
-                unit = self.units[unit_id]
-                member = plan.member(unit_id)
-                unit.state = UnitState.ACTIVE if unit_id in members else UnitState.JOINING
-                unit.group_rank = member.group_rank if member else -1
-                self.store.upsert_unit(unit)
-            self.events.record(self.job.job_id, "world_formed", form.reason, epoch=plan.epoch, fields=fields)
+        self._commit_epoch(plan, chosen, "world_formed", form.reason, fields)
         if self.failure_detected_at is not None:
             self.metrics.recovery_duration.observe(now - self.failure_detected_at)
             self.failure_detected_at = None
@@ -597,6 +587,23 @@ class JobActor:
         message = self._start_message(plan)
         for unit_id in plan.unit_ids:
             self.sessions[unit_id].send(message)
+
+    def _commit_epoch(self, plan: EpochRecord, units: list[str], kind: str, reason: str,
+                      fields: dict[str, object]) -> None:
+        """One transaction, before any message about the epoch leaves: the epoch with its
+        rank table, the job's epoch number, each of `units` in its place (a member is
+        active; a unit left out waits as a joiner) and the event `kind`."""
+        members = set(plan.unit_ids)
+        with self.store.transaction():
+            self.store.insert_epoch(plan)
+            self.store.update_job(self.job)
+            for unit_id in units:
+                unit = self.units[unit_id]
+                member = plan.member(unit_id)
+                unit.state = UnitState.ACTIVE if unit_id in members else UnitState.JOINING
+                unit.group_rank = member.group_rank if member else -1
+                self.store.upsert_unit(unit)
+            self.events.record(self.job.job_id, kind, reason, epoch=plan.epoch, fields=fields)
 
     @staticmethod
     def _start_message(epoch: EpochRecord) -> launcher_pb2.ControllerMessage:
@@ -671,21 +678,7 @@ class JobActor:
                                      "replicas": len(plan.members), "members": join_ids(list(plan.unit_ids)),
                                      "joiners": join_ids(list(joiners)), "leaving": join_ids(list(leaving)),
                                      "state_source": source}
-        with self.store.transaction():
-            self.store.insert_epoch(plan)
-            self.store.update_job(self.job)
-            for unit_id in joiners:
-                unit = self.units[unit_id]
-                member = plan.member(unit_id)
-                unit.state = UnitState.ACTIVE
-                unit.group_rank = member.group_rank if member else -1
-                self.store.upsert_unit(unit)
-            for unit_id in kept:
-                unit = self.units[unit_id]
-                member = plan.member(unit_id)
-                unit.group_rank = member.group_rank if member else unit.group_rank
-                self.store.upsert_unit(unit)
-            self.events.record(self.job.job_id, "world_reconfiguring", reason, epoch=plan.epoch, fields=fields)
+        self._commit_epoch(plan, chosen, "world_reconfiguring", reason, fields)
         self.metrics.epochs_formed.labels(job=self.job.job_id).inc()
         self.reconfigure = PendingReconfigure(
             epoch=plan.epoch, from_epoch=previous.epoch, cause=cause, message=message, old_members=old_members,

@@ -43,6 +43,22 @@ MAX_LINE = 64 * 1024
 BEAT_INTERVAL_S = 0.5
 
 
+def encode(message: dict[str, Any]) -> bytes:
+    return (json.dumps(message) + "\n").encode()
+
+
+def decode(line: bytes) -> dict[str, Any] | None:
+    """One message, or None (logged) for a line that is not one: garbage never ends a channel."""
+    try:
+        message = json.loads(line)
+        if isinstance(message, dict) and isinstance(message.get("op"), str):
+            return message
+    except ValueError:
+        pass
+    log.warning("control_message_garbled", line=line[:200])
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class World:
     """One epoch's world as a worker sees it."""
@@ -86,7 +102,7 @@ class WorkerChannel:
         self._reader.start()
 
     def send(self, op: str, **fields: Any) -> None:
-        line = (json.dumps({"op": op, **fields}) + "\n").encode()
+        line = encode({"op": op, **fields})
         with self._send_lock:
             try:
                 self._socket.sendall(line)
@@ -97,12 +113,10 @@ class WorkerChannel:
         stream = self._socket.makefile("rb")
         try:
             for line in stream:
-                try:
-                    message = json.loads(line)
-                    op = message["op"]
-                except (ValueError, KeyError, TypeError):
-                    log.warning("control_message_garbled", line=line[:200])
+                message = decode(line)
+                if message is None:
                     continue
+                op = message["op"]
                 with self._changed:
                     if op == "world":
                         world = World.from_message(message)
@@ -202,23 +216,20 @@ class LauncherChannel:
         if writer is None or writer.is_closing():
             self.pending.setdefault(local_rank, []).append(message)
             return
-        writer.write((json.dumps(message) + "\n").encode())
+        writer.write(encode(message))
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         local_rank: int | None = None
         try:
             while line := await reader.readline():
-                try:
-                    message = json.loads(line)
-                    op = message["op"]
-                except (ValueError, KeyError, TypeError):
-                    log.warning("worker_message_garbled", line=line[:200])
+                message = decode(line)
+                if message is None:
                     continue
-                if op == "hello":
+                if message["op"] == "hello":
                     local_rank = int(message["local_rank"])
                     self.writers[local_rank] = writer
                     for queued in self.pending.pop(local_rank, []):
-                        writer.write((json.dumps(queued) + "\n").encode())
+                        writer.write(encode(queued))
                 if local_rank is not None:
                     self.post(WorkerSaid(local_rank, message))
         except (ConnectionError, asyncio.LimitOverrunError, ValueError) as error:
