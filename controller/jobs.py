@@ -506,7 +506,10 @@ class JobActor:
         waiting = {m.unit_id for m in self.epoch.members
                    if self.units[m.unit_id].state in (UnitState.ACTIVE, UnitState.LEAVING)
                    and (m.unit_id in self.sessions or now < self.reconnect_deadline)}
-        deadline = max(now + self._stop_grace_s(cause) + self.config.heartbeat_timeout_s, self.reconnect_deadline)
+        # Live-mode workers stop in-process at their next check (a micro-batch boundary, or a
+        # collective failing): they get the planned-change grace, not a failure's.
+        grace_s = self.config.restart_grace_s if self.live else self._stop_grace_s(cause)
+        deadline = max(now + grace_s + self.config.heartbeat_timeout_s, self.reconnect_deadline)
         self.stop = PendingStop(epoch=self.epoch.epoch, cause=cause, reason=reason, detected_at=detected_at,
                                 waiting_for=waiting, deadline=deadline)
         self.reconfigure = None

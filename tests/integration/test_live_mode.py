@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -249,3 +250,33 @@ def test_units_of_two_workers_reform_in_process_and_a_failed_unit_takes_both_alo
     assert tidal_run.launchers["a"].worker_pids() == a_pids and all(alive(pid) for pid in a_pids)
     after = commits(read_ledger(ledger), 2)
     assert {r["pid"] for r in after} == set(a_pids) and {r["rank"] for r in after} == {0, 1}
+
+
+def test_a_controller_restart_leaves_live_training_alone_and_it_grows_afterwards(tidal_run: TidalRun,
+                                                                                 tmp_path: Path) -> None:
+    ledger = tmp_path / "ledger"
+    controller = tidal_run.controller
+    tidal_run.submit(min_replicas=2, max_replicas=3, mode=common_pb2.JOB_MODE_LIVE,
+                     command=example_command(tmp_path / "out.pt", ledger, 100_000))
+    for unit in "ab":
+        tidal_run.start_launcher(unit)
+    controller.wait_event(tidal_run.job_id, "world_formed")
+    wait_until(lambda: len(commits(read_ledger(ledger), 2)) >= 2 * 10, 60, "10 steps at world size 2")
+    pids = {unit: worker_pid(tidal_run, unit) for unit in "ab"}
+
+    controller.kill()
+    killed_at = time.time()
+    time.sleep(3.5)  # past the heartbeat timeout: the launchers keep training on their own
+    controller.start()
+    restarted_at = time.time()
+    wait_until(lambda: len([e for e in controller.events(tidal_run.job_id) if e.kind == "launcher_reattached"]) == 2,
+               10, "both launchers to reattach")
+    during = [r for r in commits(read_ledger(ledger), 2) if killed_at < r["time"] < restarted_at and r["rank"] == 0]
+    assert len(during) >= 10, f"only {len(during)} steps while the controller was down"
+
+    # The restarted controller grows the job in-process.
+    tidal_run.start_launcher("c")
+    controller.wait_event(tidal_run.job_id, "world_reconfigured", where=lambda e: e.fields["cause"] == "grow")
+    wait_until(lambda: len(commits(read_ledger(ledger), 3)) >= 3 * 10, 60, "10 steps at world size 3")
+    assert {unit: worker_pid(tidal_run, unit) for unit in "ab"} == pids
+    assert not any(e.kind in ("failure_detected", "epoch_stopping") for e in controller.events(tidal_run.job_id))
