@@ -106,6 +106,7 @@ class PendingReconfigure:
 
     epoch: int
     from_epoch: int
+    previous: EpochRecord
     cause: str
     message: launcher_pb2.ControllerMessage
     # Members of `from_epoch` to tell (leavers included: they leave after the agreed step).
@@ -333,7 +334,11 @@ class JobActor:
                 self.exited_ok.setdefault(unit_id, set()).add(exited.local_rank)
                 self.events.record(self.job.job_id, "worker_finished", f"rank {rank} (pid {exited.pid}) exited 0",
                                    unit_id=unit_id, epoch=self.epoch.epoch)
-                if all(len(self.exited_ok.get(m.unit_id, ())) >= m.world_share for m in self.epoch.members):
+                # Training may end while a live world change is in flight (the last step
+                # came first): then the old world finishing is the job finishing.
+                worlds = [self.epoch] + ([self.reconfigure.previous] if self.reconfigure is not None else [])
+                if any(all(len(self.exited_ok.get(m.unit_id, ())) >= m.world_share for m in world.members)
+                       for world in worlds):
                     self._on_completed()
                 return
             self._fail(unit_id, f"worker rank {rank} (pid {exited.pid}) "
@@ -684,7 +689,8 @@ class JobActor:
         self._commit_epoch(plan, chosen, "world_reconfiguring", reason, fields)
         self.metrics.epochs_formed.labels(job=self.job.job_id).inc()
         self.reconfigure = PendingReconfigure(
-            epoch=plan.epoch, from_epoch=previous.epoch, cause=cause, message=message, old_members=old_members,
+            epoch=plan.epoch, from_epoch=previous.epoch, previous=previous, cause=cause, message=message,
+            old_members=old_members,
             joiners_waiting=set(joiners), waiting_for=set(plan.unit_ids), decided_at=now,
             deadline=now + self.config.reconfigure_timeout_s)
         self.epoch = plan

@@ -1,0 +1,134 @@
+"""The job actor's live-mode decisions, driven message by message with real SQLite and
+session objects (no network): who hears what, and in which order."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from tidal.controller.config import ControllerConfig
+from tidal.controller.events import EventLog
+from tidal.controller.jobs import Connected, JobActor, Said, Tick
+from tidal.controller.metrics import ControllerMetrics
+from tidal.controller.model import JobRecord, JobState
+from tidal.controller.security import secret_digest
+from tidal.controller.sessions import LauncherSession
+from tidal.controller.spec import normalized_spec
+from tidal.controller.store import StateStore
+from tidal.proto import admin_pb2, common_pb2, launcher_pb2
+
+
+class Harness:
+    def __init__(self, tmp_path: Path, min_replicas: int = 1, max_replicas: int = 3) -> None:
+        self.config = ControllerConfig(state_dir=tmp_path, join_settle_s=0.0)
+        self.store = StateStore(tmp_path / "tidal.db")
+        spec = normalized_spec(admin_pb2.JobSpec(name="live", min_replicas=min_replicas, max_replicas=max_replicas,
+                                                 command=["train"], mode=common_pb2.JOB_MODE_LIVE))
+        job = JobRecord(job_id="live-1", spec=spec, state=JobState.PENDING, owner_uid=0,
+                        secret_sha256=secret_digest("s"), created_at=time.time(), updated_at=time.time())
+        self.store.insert_job(job)
+        self.actor = JobActor(job, [], None, epoch_stopped=False, config=self.config, store=self.store,
+                              events=EventLog(self.store), metrics=ControllerMetrics(), started_at=time.monotonic())
+        self.sessions: dict[str, LauncherSession] = {}
+
+    def connect(self, unit: str, port: int) -> None:
+        now = time.monotonic()
+        session = LauncherSession(job_id="live-1", unit_id=unit, opened_at=now, last_heartbeat_at=now,
+                                  store_port=port, worker_pids=())
+        self.sessions[unit] = session
+        self.actor._handle(Connected(session, launcher_pb2.Register(
+            job_id="live-1", unit_id=unit, secret="s", nodes=[f"node-{unit}"], address="127.0.0.1",
+            store_port=port)))
+
+    def tick(self) -> None:
+        self.actor._handle(Tick())
+
+    def say(self, unit: str, **body: object) -> None:
+        self.actor._handle(Said(self.sessions[unit], launcher_pb2.LauncherMessage(**body)))
+        self.actor._handle(Tick())
+
+    def report(self, unit: str, epoch: int, phase: int, step: int = 0) -> None:
+        self.say(unit, epoch_report=launcher_pb2.EpochReport(epoch=epoch, phase=phase, step=step))
+
+    def outbox(self, unit: str) -> list[str]:
+        """What the unit was sent since last asked: 'start:E', 'reconfigure:E', 'stop:E', 'leave'."""
+        said = []
+        queue = self.sessions[unit].outbox
+        while not queue.empty():
+            message = queue.get_nowait()
+            kind = message.WhichOneof("body") if isinstance(message, launcher_pb2.ControllerMessage) else "close"
+            if kind == "start_epoch":
+                said.append(f"start:{message.start_epoch.epoch}")
+            elif kind == "reconfigure":
+                table = message.reconfigure.rank_table
+                said.append(f"reconfigure:{message.reconfigure.epoch}:" +
+                            ",".join(a.unit_id for a in table.assignments))
+            elif kind == "stop_epoch":
+                said.append(f"stop:{message.stop_epoch.epoch}")
+            else:
+                said.append(kind)
+        return said
+
+    def kinds(self) -> list[str]:
+        return [e.kind for e in self.store.events("live-1")]
+
+
+@pytest.fixture
+def harness(tmp_path: Path) -> Harness:
+    h = Harness(tmp_path)
+    h.connect("a", 1001)
+    h.connect("b", 1002)
+    h.tick()
+    assert h.outbox("a") == h.outbox("b") == ["start:1"]
+    return h
+
+
+def test_a_grow_tells_the_joiner_first_and_the_old_world_once_it_is_ready(harness: Harness) -> None:
+    harness.connect("c", 1003)
+    harness.tick()
+    assert harness.outbox("c") == ["reconfigure:2:a,b,c"]
+    assert harness.outbox("a") == harness.outbox("b") == [], "the old world trains on while the joiner starts"
+    assert harness.actor.job.state is JobState.RUNNING and harness.actor.job.epoch == 2
+
+    harness.report("c", 2, launcher_pb2.EPOCH_PHASE_STARTED)
+    assert harness.outbox("a") == harness.outbox("b") == ["reconfigure:2:a,b,c"]
+    for unit in "abc":
+        harness.report(unit, 2, launcher_pb2.EPOCH_PHASE_RECONFIGURED, step=40)
+    assert harness.kinds()[-3:] == ["world_reconfiguring", "joiners_ready", "world_reconfigured"]
+    assert not any(kind.startswith("epoch_stop") for kind in harness.kinds()), "no survivor stopped"
+    assert all(harness.outbox(unit) == [] for unit in "abc")
+
+
+def test_a_leave_reconfigures_without_stopping_anyone(harness: Harness) -> None:
+    harness.say("b", leave_request=launcher_pb2.LeaveRequest(epoch=1, cause=launcher_pb2.LEAVE_CAUSE_PREEMPTED))
+    # The leaver hears the world it is not part of, and leaves after the agreed step.
+    assert harness.outbox("a") == harness.outbox("b") == ["reconfigure:2:a"]
+    harness.report("a", 2, launcher_pb2.EPOCH_PHASE_RECONFIGURED, step=10)
+    harness.report("b", 1, launcher_pb2.EPOCH_PHASE_LEFT)
+    assert "world_reconfigured" in harness.kinds() and "unit_left" in harness.kinds()
+    assert not any(kind.startswith("epoch_stop") for kind in harness.kinds())
+
+
+def test_a_failure_stops_the_survivors_and_restarts_them_in_the_next_world(harness: Harness) -> None:
+    harness.say("b", worker_exited=launcher_pb2.WorkerExited(epoch=1, local_rank=0, pid=77, signal=9))
+    assert harness.outbox("b")[:1] == ["stop:1"]
+    assert harness.outbox("a") == ["stop:1"]
+    harness.report("a", 1, launcher_pb2.EPOCH_PHASE_STOPPED)
+    assert harness.outbox("a") == ["start:2"]
+    harness.report("a", 2, launcher_pb2.EPOCH_PHASE_FIRST_STEP, step=12)
+    recovered = [e for e in harness.store.events("live-1") if e.kind == "recovered"]
+    assert len(recovered) == 1 and recovered[0].fields["failed_unit"] == "b"
+    assert float(recovered[0].fields["failure_to_first_step_s"]) >= 0
+
+
+def test_training_that_ends_while_a_grow_is_in_flight_completes_the_job(harness: Harness) -> None:
+    harness.connect("c", 1003)
+    harness.tick()
+    assert harness.outbox("c") == ["reconfigure:2:a,b,c"]
+    # The last step came before the joiner was ready: the old world's ranks exit 0.
+    for unit in "ab":
+        harness.say(unit, worker_exited=launcher_pb2.WorkerExited(epoch=1, local_rank=0, pid=1, exit_code=0))
+    assert harness.actor.job.state is JobState.COMPLETED
+    assert harness.outbox("c") == ["leave"]
