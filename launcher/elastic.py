@@ -63,6 +63,8 @@ log = structlog.get_logger("tidal.launcher.elastic")
 # Index checksums are taken modulo this prime so that float64 sums stay exact.
 CHECKSUM_MODULUS = 2_147_483_647
 PROGRESS_INTERVAL_S = 0.2
+# The epoch's store answers at once while its launcher lives; past this, its host is gone.
+STORE_TIMEOUT_S = 10.0
 
 
 class WorldBroken(Exception):
@@ -246,8 +248,10 @@ class Elastic:
 
     def _open(self) -> None:
         env = os.environ
-        # `kill -USR1 <pid>` prints every thread's stack to stderr: where a stuck rank is.
-        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+        if signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
+            # `kill -USR1 <pid>` prints every thread's stack to stderr: where a stuck rank
+            # is. A handler the script installed itself (say, for Slurm's --signal) stays.
+            faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
         socket_path = env.get("TIDAL_CONTROL_SOCKET")
         if socket_path:
             self.channel = WorkerChannel(socket_path, int(env.get("LOCAL_RANK", "0")), os.getpid())
@@ -309,19 +313,22 @@ class Elastic:
         self._destroy_group()
         self.world = world
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        store = dist.TCPStore(world.master_addr, world.master_port, is_master=False, timeout=timeout,
-                              wait_for_workers=False)
-        self._store = store
-        prefix = dist.PrefixStore(f"tidal/epoch-{world.epoch}", store)
-        prefix.add("arrived", 1)
-        deadline = started + self.timeout_s
-        while prefix.add("arrived", 0) < world.world_size:
-            if self.channel.stop_requested(world.epoch):
-                raise WorldBroken(f"stopped while waiting for the peers of epoch {world.epoch}")
-            if time.monotonic() > deadline:
-                raise WorldBroken(f"peers of epoch {world.epoch} did not arrive within {self.timeout_s:g} s")
-            time.sleep(0.002)
         try:
+            # The store is the epoch's host launcher's; it may be gone (a failure during the
+            # change), which breaks this world like any other failure.
+            store = dist.TCPStore(world.master_addr, world.master_port, is_master=False,
+                                  timeout=datetime.timedelta(seconds=min(self.timeout_s, STORE_TIMEOUT_S)),
+                                  wait_for_workers=False)
+            self._store = store
+            prefix = dist.PrefixStore(f"tidal/epoch-{world.epoch}", store)
+            prefix.add("arrived", 1)
+            deadline = started + self.timeout_s
+            while prefix.add("arrived", 0) < world.world_size:
+                if self.channel.stop_requested(world.epoch):
+                    raise WorldBroken(f"stopped while waiting for the peers of epoch {world.epoch}")
+                if time.monotonic() > deadline:
+                    raise WorldBroken(f"peers of epoch {world.epoch} did not arrive within {self.timeout_s:g} s")
+                time.sleep(0.002)
             dist.init_process_group(self.backend, store=dist.PrefixStore("group", prefix), rank=world.rank,
                                     world_size=world.world_size, timeout=timeout)
             self._group_formed = True
