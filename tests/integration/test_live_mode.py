@@ -1,8 +1,9 @@
 """Live mode end to end: a controller, three launchers and gloo workers running the MLP
 example through `tidal.launcher.elastic`, against the same script run alone.
 
-One run goes through a grow (2 -> 3), a peer killed with SIGKILL mid-step (3 -> 2) and a
-graceful leave (2 -> 1), and must end where a fixed single-replica run ends: parameters
+One run goes through a grow (2 -> 3), a peer killed with SIGKILL mid-step (3 -> 2; the
+peer at group rank 0, whose launcher hosts the rendezvous store) and a graceful leave
+(2 -> 1), and must end where a fixed single-replica run ends: parameters
 and per-step losses equal to 1e-9 in float64, the same samples in every step, no
 survivor restarted, joiners bit-identical to their peers, and the recovery recorded."""
 
@@ -76,21 +77,27 @@ def test_live_grow_kill_leave_matches_a_fixed_run(tidal_run: TidalRun, tmp_path:
     # Two replicas form epoch 1.
     tidal_run.start_launcher("a")
     tidal_run.start_launcher("b")
-    controller.wait_event(job_id, "world_formed", where=lambda e: e.fields["replicas"] == "2")
+    formed = controller.wait_event(job_id, "world_formed", where=lambda e: e.fields["replicas"] == "2")
+    # The unit at group rank 0 hosts the rendezvous store and is the state source: it is
+    # the one killed below, so that losing it is shown not to matter.
+    host, other = formed.fields["members"].split(",")
     wait_until(lambda: highest_step(ledger) >= 20, 60, "20 steps at world size 2")
-    pid_a, pid_b = worker_pid(tidal_run, "a"), worker_pid(tidal_run, "b")
+    pids = {unit: worker_pid(tidal_run, unit) for unit in (host, other)}
 
     # Grow 2 -> 3: c's worker receives the state from a live peer.
     tidal_run.start_launcher("c")
     grown = controller.wait_event(job_id, "world_reconfigured", where=lambda e: e.fields["cause"] == "grow")
     wait_until(lambda: len(commits(read_ledger(ledger), 3)) >= 3 * 15, 60, "15 steps at world size 3")
-    pid_c = worker_pid(tidal_run, "c")
+    pids["c"] = worker_pid(tidal_run, "c")
+    assert grown.fields["world_size"] == "3"
 
-    # Kill b's worker mid-step: 3 -> 2, in-process on the survivors.
-    os.kill(pid_b, signal.SIGKILL)
+    # Kill the host's worker mid-step: 3 -> 2, in-process on the survivors, on a new store.
+    os.kill(pids[host], signal.SIGKILL)
     recovered = controller.wait_event(job_id, "recovered")
-    wait_until(lambda: tidal_run.launchers["b"].process.poll() is not None, 20, "b's launcher to exit")
-    assert tidal_run.launchers["b"].process.returncode == 1
+    wait_until(lambda: tidal_run.launchers[host].process.poll() is not None, 20, "the host's launcher to exit")
+    assert tidal_run.launchers[host].process.returncode == 1
+    reformed = [e for e in controller.events(job_id) if e.kind == "world_formed"][-1]
+    assert reformed.fields["members"] == f"{other},c"
     wait_until(lambda: len(commits(read_ledger(ledger), 2)) >= 2 * 40, 60, "steps at world size 2 after the kill")
 
     # Graceful leave 2 -> 1: c finishes the agreed step and exits 0.
@@ -99,7 +106,7 @@ def test_live_grow_kill_leave_matches_a_fixed_run(tidal_run: TidalRun, tmp_path:
     wait_until(lambda: tidal_run.launchers["c"].process.poll() is not None, 30, "c's launcher to exit")
     assert tidal_run.launchers["c"].process.returncode == 0
     controller.wait_event(job_id, "job_completed", timeout=120)
-    wait_until(lambda: tidal_run.launchers["a"].process.poll() is not None, 30, "a's launcher to exit")
+    wait_until(lambda: tidal_run.launchers[other].process.poll() is not None, 30, "the last launcher to exit")
 
     # The reference: the same script alone, a fixed world of one.
     fixed_ledger = tmp_path / "fixed-ledger"
@@ -147,10 +154,10 @@ def test_live_grow_kill_leave_matches_a_fixed_run(tidal_run: TidalRun, tmp_path:
 
     # No survivor restarted: one worker PID per unit for the whole run.
     by_unit = {unit: set(tidal_run.launchers[unit].worker_pids()) for unit in "abc"}
-    assert by_unit == {"a": {pid_a}, "b": {pid_b}, "c": {pid_c}}
-    assert {r["pid"] for r in commits(records)} == {pid_a, pid_b, pid_c}
-    assert {r["pid"] for r in commits(records) if r["step"] > int(recovered.fields["step"])} <= {pid_a, pid_c}
-    assert not alive(pid_a) and not alive(pid_c)
+    assert by_unit == {unit: {pid} for unit, pid in pids.items()}
+    assert {r["pid"] for r in commits(records)} == set(pids.values())
+    assert {r["pid"] for r in commits(records) if r["step"] > int(recovered.fields["step"])} <= {pids[other], pids["c"]}
+    assert not alive(pids[other]) and not alive(pids["c"])
 
     # Joiner state: at every world formed, every rank held the same digest.
     digests: dict[int, set[str]] = defaultdict(set)
@@ -160,7 +167,7 @@ def test_live_grow_kill_leave_matches_a_fixed_run(tidal_run: TidalRun, tmp_path:
     assert all(len(found) == 1 for found in digests.values()), digests
     grow_epoch = grown.epoch
     joined = [r for r in records if r["kind"] == "formed" and r["epoch"] == grow_epoch]
-    assert {r["pid"] for r in joined} == {pid_a, pid_b, pid_c}
+    assert {r["pid"] for r in joined} == set(pids.values())
 
     # Recovery time, recorded as an event.
     assert float(recovered.fields["failure_to_first_step_s"]) > 0
