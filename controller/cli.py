@@ -1,23 +1,52 @@
 """The `tidal` command.
 
-Today it has `tidal nodes` (read straight from Slurm) and `tidal version`. The job
-commands (submit, status, events, resize, drain, cancel) go through the controller's admin
-API and arrive with the controller.
+The job commands (submit, status, events, resize, drain, cancel) talk to the controller's
+admin API: over its Unix socket by default (`--socket`, `$TIDAL_CONTROLLER_SOCKET`), where
+the controller knows the caller by uid, or over TCP with `--controller HOST:PORT` and the
+admin token. `tidal nodes` reads Slurm directly.
+
+Exit codes: 0 done; 1 the controller answered with an error; 2 usage, or a job spec the
+controller refused; 3 Slurm did not answer; 4 the controller cannot be reached; 5 no such
+job or unit; 6 not allowed (not the job's owner, or a wrong token).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
+from pathlib import Path
 
+import grpc
+from google.protobuf import json_format
+
+from tidal.controller.client import DEFAULT_SOCKET, AdminClient
+from tidal.controller.submission import SubmitUsageError, parse_submit
+from tidal.proto import admin_pb2, common_pb2
 from tidal.slurm import Node, SlurmError, default_client
 
 EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
 EXIT_SLURM_UNAVAILABLE = 3
+EXIT_UNREACHABLE = 4
+EXIT_NOT_FOUND = 5
+EXIT_DENIED = 6
+
+_EXIT_BY_STATUS = {
+    grpc.StatusCode.UNAVAILABLE: EXIT_UNREACHABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: EXIT_UNREACHABLE,
+    grpc.StatusCode.NOT_FOUND: EXIT_NOT_FOUND,
+    grpc.StatusCode.INVALID_ARGUMENT: EXIT_USAGE,
+    grpc.StatusCode.PERMISSION_DENIED: EXIT_DENIED,
+    grpc.StatusCode.UNAUTHENTICATED: EXIT_DENIED,
+}
 
 
 def _format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -69,9 +98,211 @@ def command_version(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# The job commands.
+
+
+def _client(args: argparse.Namespace) -> AdminClient:
+    if args.controller:
+        token = Path(args.token_file).read_text().strip() if args.token_file else os.environ.get("TIDAL_ADMIN_TOKEN")
+        return AdminClient(address=args.controller, token=token, tls_ca=Path(args.tls_ca) if args.tls_ca else None,
+                           timeout_s=args.timeout)
+    return AdminClient(unix_socket=Path(args.socket), timeout_s=args.timeout)
+
+
+def _where(args: argparse.Namespace) -> str:
+    return args.controller or f"unix:{args.socket}"
+
+
+def _state(value: int) -> str:
+    return admin_pb2.JobState.Name(value).removeprefix("JOB_STATE_").lower()
+
+
+def _unit_state(value: int) -> str:
+    return admin_pb2.UnitState.Name(value).removeprefix("UNIT_STATE_").lower()
+
+
+def _mode(value: int) -> str:
+    return common_pb2.JobMode.Name(value).removeprefix("JOB_MODE_").lower()
+
+
+def _age(timestamp_ns: int, now: float) -> str:
+    if not timestamp_ns:
+        return "-"
+    seconds = max(0.0, now - timestamp_ns / 1e9)
+    if seconds < 120:
+        return f"{seconds:.0f}s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m ago"
+    return f"{seconds / 3600:.0f}h ago"
+
+
+def _as_dict(message: object) -> dict[str, object]:
+    return json_format.MessageToDict(message, preserving_proto_field_name=True)  # type: ignore[arg-type]
+
+
+def command_submit(args: argparse.Namespace) -> int:
+    try:
+        submission = parse_submit(args.rest, cwd=Path.cwd())
+    except SubmitUsageError as error:
+        print(f"tidal submit: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    with _client(args) as client:
+        response = client.submit(submission.spec)
+    if args.json:
+        print(json.dumps({"job": _as_dict(response.job), "secret_path": response.secret_path}, indent=2))
+        return EXIT_OK
+    spec = response.job.spec
+    print(f"submitted {response.job.job_id} ({_mode(spec.mode)} mode, replicas {spec.min_replicas}.."
+          f"{spec.max_replicas}, {spec.procs_per_node} process(es) per node)")
+    print(f"secret: {response.secret_path} (readable by you only)")
+    return EXIT_OK
+
+
+def _job_row(job: admin_pb2.Job, now: float) -> list[str]:
+    spec = job.spec
+    last = job.last_event
+    last_text = f"{last.kind} {_age(last.time.ToNanoseconds(), now)}" if last.kind else "-"
+    return [job.job_id, _state(job.state), _mode(spec.mode), f"{job.replicas}/{spec.min_replicas}/{spec.max_replicas}",
+            str(job.world_size), str(job.epoch), str(job.step),
+            f"{job.samples_per_second:.1f}" if job.samples_per_second else "-",
+            f"{job.goodput:.0%}" if job.goodput else "-", last_text]
+
+
+def command_status(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        jobs = [client.job(args.job)] if args.job else client.jobs(include_finished=args.all)
+    if args.json:
+        print(json.dumps([_as_dict(job) for job in jobs], indent=2))
+        return EXIT_OK
+    now = time.time()
+    headers = ["JOB", "STATE", "MODE", "REPLICAS(now/min/max)", "WORLD", "EPOCH", "STEP", "SAMPLES/S", "GOODPUT",
+               "LAST EVENT"]
+    if not jobs:
+        print("no jobs" + ("" if args.all else " running (--all shows ended ones too)"))
+        return EXIT_OK
+    print(_format_table(headers, [_job_row(job, now) for job in jobs]))
+    if args.job:
+        job = jobs[0]
+        rows = [[u.unit_id, _unit_state(u.state), str(u.slurm_job_id or "-"), ",".join(u.nodes) or "-",
+                 str(u.group_rank) if u.group_rank >= 0 else "-", _age(u.last_heartbeat.ToNanoseconds(), now)]
+                for u in job.units]
+        if rows:
+            print()
+            print(_format_table(["UNIT", "STATE", "SLURM JOB", "NODES", "GROUP RANK", "LAST HEARTBEAT"], rows))
+        if job.last_event.reason:
+            print(f"\nlast event: {job.last_event.kind}: {job.last_event.reason}")
+    return EXIT_OK
+
+
+def _event_line(event: admin_pb2.Event) -> str:
+    at = datetime.datetime.fromtimestamp(event.time.ToNanoseconds() / 1e9).strftime("%H:%M:%S.%f")[:-3]
+    fields = " ".join(f"{k}={v}" for k, v in sorted(event.fields.items()))
+    return f"{at}  {event.epoch:>3}  {event.kind:<22} {event.unit_id or '-':<10} {event.reason}  {fields}".rstrip()
+
+
+def command_events(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        client.job(args.job)  # NOT_FOUND for an unknown job, even with no events
+        events = client.events(args.job, after_sequence=args.after)
+        for event in events:
+            print(json.dumps(_as_dict(event)) if args.json else _event_line(event), flush=True)
+        if args.follow:
+            last = events[-1].sequence if events else args.after
+            try:
+                for event in client.watch_events(args.job, after_sequence=last):
+                    print(json.dumps(_as_dict(event)) if args.json else _event_line(event), flush=True)
+            except KeyboardInterrupt:
+                return EXIT_OK
+    return EXIT_OK
+
+
+def command_resize(args: argparse.Namespace) -> int:
+    if not args.min and not args.max:
+        print("tidal resize: give --min and/or --max", file=sys.stderr)
+        return EXIT_USAGE
+    with _client(args) as client:
+        job = client.resize(args.job, min_replicas=args.min or 0, max_replicas=args.max or 0)
+    print(f"{job.job_id}: replicas {job.spec.min_replicas}..{job.spec.max_replicas}")
+    return EXIT_OK
+
+
+def command_drain(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        units = client.drain(args.target)
+    print(f"draining {', '.join(units)}" if units else f"{args.target}: nothing to drain")
+    return EXIT_OK
+
+
+def command_cancel(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        job = client.cancel(args.job)
+    print(f"{job.job_id}: {_state(job.state)}")
+    return EXIT_OK
+
+
+def _run_admin(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Run a job command; a gRPC error becomes a one-line message and its exit code."""
+    try:
+        return handler(args)
+    except grpc.RpcError as error:
+        code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+        details = error.details() if hasattr(error, "details") else str(error)
+        status = _EXIT_BY_STATUS.get(code, EXIT_ERROR)
+        if status == EXIT_UNREACHABLE:
+            print(f"tidal {args.command}: cannot reach the controller at {_where(args)} ({details}). "
+                  "Is tidal-controller running? (--socket or --controller)", file=sys.stderr)
+        else:
+            print(f"tidal {args.command}: {details}", file=sys.stderr)
+        return status
+    except OSError as error:
+        print(f"tidal {args.command}: {error}", file=sys.stderr)
+        return EXIT_ERROR
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tidal", description="Elastic, checkpointless PyTorch training on Slurm.")
+    env = os.environ.get
+    parser.add_argument("--socket", default=env("TIDAL_CONTROLLER_SOCKET", str(DEFAULT_SOCKET)),
+                        help="the controller's Unix socket ($TIDAL_CONTROLLER_SOCKET; default %(default)s)")
+    parser.add_argument("--controller", default=env("TIDAL_CONTROLLER_ADDRESS"),
+                        help="HOST:PORT of the controller over TCP instead ($TIDAL_CONTROLLER_ADDRESS)")
+    parser.add_argument("--token-file", default=env("TIDAL_ADMIN_TOKEN_FILE"),
+                        help="admin token for --controller ($TIDAL_ADMIN_TOKEN_FILE, or $TIDAL_ADMIN_TOKEN)")
+    parser.add_argument("--tls-ca", default=env("TIDAL_TLS_CA"), help="CA certificate for a TLS controller")
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default 10)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    submit = sub.add_parser(
+        "submit", help="submit an elastic job", usage="tidal submit [--min-replicas N] [--max-replicas M] "
+        "[--nodes-per-replica K] [--procs-per-node P] [--global-batch B] [--mode live|restart] [--name NAME] "
+        "[--env K=V] [--replica-step S | --allowed-replicas 1,2,4] [--yield-to-pending] [--json] "
+        "[sbatch options...] SCRIPT_OR_COMMAND [ARGS...]",
+        description="Options before the script or command: Tidal's own, and sbatch's (kept for every unit). "
+        "A batch script's #SBATCH and #TIDAL lines are read too; the command line wins.")
+    submit.add_argument("--json", action="store_true", help="machine-readable output")
+    submit.add_argument("rest", nargs=argparse.REMAINDER)
+    submit.set_defaults(handler=command_submit, admin=True)
+    status = sub.add_parser("status", help="jobs at a glance, or one job and its units")
+    status.add_argument("job", nargs="?")
+    status.add_argument("--all", action="store_true", help="also jobs that have ended")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(handler=command_status, admin=True)
+    events = sub.add_parser("events", help="a job's timeline")
+    events.add_argument("job")
+    events.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
+    events.add_argument("--after", type=int, default=0, help="only events after this sequence number")
+    events.add_argument("--json", action="store_true", help="one JSON object per line")
+    events.set_defaults(handler=command_events, admin=True)
+    resize = sub.add_parser("resize", help="change a job's replica bounds")
+    resize.add_argument("job")
+    resize.add_argument("--min", type=int)
+    resize.add_argument("--max", type=int)
+    resize.set_defaults(handler=command_resize, admin=True)
+    drain = sub.add_parser("drain", help="take a unit (or every unit of a job) out gracefully")
+    drain.add_argument("target", metavar="JOB|UNIT")
+    drain.set_defaults(handler=command_drain, admin=True)
+    cancel = sub.add_parser("cancel", help="end a job")
+    cancel.add_argument("job")
+    cancel.set_defaults(handler=command_cancel, admin=True)
     nodes = sub.add_parser("nodes", help="what Slurm shows of its nodes, and which Tidal could grow onto")
     nodes.add_argument("--json", action="store_true", help="machine-readable output")
     nodes.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for Slurm (default 10)")
@@ -81,8 +312,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+GLOBAL_OPTIONS_WITH_VALUE = frozenset({"--socket", "--controller", "--token-file", "--tls-ca", "--timeout"})
+
+
+def _command_index(argv: Sequence[str]) -> int | None:
+    """Where the subcommand is in `argv`, skipping the global options and their values."""
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        if token in GLOBAL_OPTIONS_WITH_VALUE:
+            index += 2
+        elif token.startswith("-"):
+            index += 1
+        else:
+            return index
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    at = _command_index(argv)
+    if at is not None and argv[at] == "submit":
+        # Everything after `submit` is Tidal's options, sbatch's and the command, which
+        # argparse cannot tell apart: parse_submit does. `--json` and `--help` come first.
+        rest = argv[at + 1:]
+        leading = []
+        while rest and rest[0] in ("--json", "-h", "--help"):
+            leading.append(rest.pop(0))
+        args = parser.parse_args([*argv[:at + 1], *leading])
+        args.rest = rest
+    else:
+        args = parser.parse_args(argv)
+    if getattr(args, "admin", False):
+        return _run_admin(args.handler, args)
     return int(args.handler(args))
 
 

@@ -83,7 +83,14 @@ class ResizeRequested:
     uid: int
 
 
-JobInput = Connected | Said | Disconnected | Tick | CancelRequested | DrainRequested | ResizeRequested
+@dataclasses.dataclass(frozen=True)
+class Barrier:
+    """Resolves `done` once every input queued before it has been handled."""
+
+    done: asyncio.Future[None]
+
+
+JobInput = Connected | Said | Disconnected | Tick | CancelRequested | DrainRequested | ResizeRequested | Barrier
 
 
 @dataclasses.dataclass
@@ -235,6 +242,14 @@ class JobActor:
     def put(self, item: JobInput) -> None:
         self.inputs.put_nowait(item)
 
+    async def put_and_wait(self, item: JobInput) -> None:
+        """Queue `item` and return once the actor has handled it, so that an admin call
+        answers with the state it asked for."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.inputs.put_nowait(item)
+        self.inputs.put_nowait(Barrier(done))
+        await done
+
     async def run(self) -> None:
         while True:
             item = await self.inputs.get()
@@ -264,6 +279,9 @@ class JobActor:
                     self._leave(unit_id, "drained", f"drained by uid {uid}")
             case ResizeRequested(min_replicas, max_replicas, uid):
                 self._on_resize(min_replicas, max_replicas, uid)
+            case Barrier(done):
+                if not done.done():
+                    done.set_result(None)
 
     def _on_connected(self, session: LauncherSession, register: launcher_pb2.Register) -> None:
         now = time.monotonic()

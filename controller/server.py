@@ -327,7 +327,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         if request.min_replicas < 0 or request.max_replicas < 0 or new_min < 1 or new_max < new_min:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"min_replicas {new_min} / max_replicas {new_max}: need 1 <= min <= max")
-        actor.put(ResizeRequested(request.min_replicas, request.max_replicas, caller.uid))
+        await actor.put_and_wait(ResizeRequested(request.min_replicas, request.max_replicas, caller.uid))
         return actor.to_proto()
 
     async def Drain(self, request: admin_pb2.DrainRequest,
@@ -342,12 +342,12 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"no job or unit {request.target!r}")
             actor = await self._actor(context, owners[0].job.job_id, caller)
             unit_ids = (request.target,)
-        actor.put(DrainRequested(unit_ids, caller.uid))
+        await actor.put_and_wait(DrainRequested(unit_ids, caller.uid))
         return admin_pb2.DrainResponse(unit_ids=list(unit_ids))
 
     async def CancelJob(self, request: admin_pb2.CancelJobRequest,
                         context: grpc.aio.ServicerContext) -> admin_pb2.Job:
         caller = await self._caller(context)
         actor = await self._actor(context, request.job_id, caller)
-        actor.put(CancelRequested(caller.uid))
+        await actor.put_and_wait(CancelRequested(caller.uid))
         return actor.to_proto()

@@ -1,0 +1,235 @@
+"""What `tidal submit` turns into a JobSpec: Tidal's own options, sbatch's options (kept
+for every unit the job submits), and `#SBATCH` / `#TIDAL` lines of a batch script, so an
+existing sbatch script becomes elastic by adding `#TIDAL --max-replicas 8`.
+
+Precedence follows sbatch: the script's lines first, the command line over them. Options
+sbatch does not know are not guessed at here: Slurm itself refuses them when a unit is
+submitted; what Tidal cannot parse at all is a usage error naming the option."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from tidal.proto import admin_pb2, common_pb2
+
+
+class SubmitUsageError(ValueError):
+    """The submit line (or a #TIDAL line) is malformed; the message names the option."""
+
+
+# sbatch's short options that take a value (`-p debug` or `-pdebug`).
+SBATCH_SHORT_WITH_VALUE = frozenset("AabcCdDeFGiJLMmnNopqStwx")
+# sbatch's long options that take no value; every other long option takes one.
+SBATCH_LONG_FLAGS = frozenset({
+    "exclusive", "hold", "requeue", "no-requeue", "wait", "parsable", "test-only", "overcommit", "oversubscribe",
+    "contiguous", "spread-job", "use-min-nodes", "ignore-pbs", "quiet", "verbose", "immediate", "no-kill",
+    "get-user-env", "reboot", "kill-on-invalid-dep", "export-file",
+})
+
+
+@dataclasses.dataclass
+class Submission:
+    spec: admin_pb2.JobSpec
+    # Where the options came from, for messages ("#TIDAL line 3", "command line").
+    script: Path | None = None
+
+
+def _positive_int(option: str, value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise SubmitUsageError(f"{option}: {value!r} is not a whole number") from None
+    return number
+
+
+def _apply_tidal_option(spec: admin_pb2.JobSpec, option: str, value: str | None) -> None:
+    def need() -> str:
+        if value is None:
+            raise SubmitUsageError(f"{option} needs a value")
+        return value
+
+    match option:
+        case "--min-replicas":
+            spec.min_replicas = _positive_int(option, need())
+        case "--max-replicas":
+            spec.max_replicas = _positive_int(option, need())
+        case "--nodes-per-replica":
+            spec.nodes_per_replica = _positive_int(option, need())
+        case "--procs-per-node":
+            spec.procs_per_node = _positive_int(option, need())
+        case "--global-batch":
+            spec.global_batch = _positive_int(option, need())
+        case "--replica-step":
+            spec.replica_step = _positive_int(option, need())
+        case "--allowed-replicas":
+            del spec.allowed_replicas[:]
+            spec.allowed_replicas.extend(_positive_int(option, part) for part in need().split(",") if part)
+        case "--mode":
+            modes = {"live": common_pb2.JOB_MODE_LIVE, "restart": common_pb2.JOB_MODE_RESTART}
+            if need() not in modes:
+                raise SubmitUsageError(f"--mode: {value!r} is not one of live, restart")
+            spec.mode = modes[need()]
+        case "--name":
+            spec.name = need()
+        case "--env":
+            key, sep, text = need().partition("=")
+            if not sep or not key:
+                raise SubmitUsageError(f"--env: {value!r} is not KEY=VALUE")
+            spec.environment[key] = text
+        case "--yield-to-pending":
+            if value is not None:
+                raise SubmitUsageError("--yield-to-pending takes no value")
+            spec.yield_to_pending = True
+        case _:
+            raise SubmitUsageError(f"{option}: not an option of tidal submit")
+
+
+TIDAL_OPTIONS = frozenset({"--min-replicas", "--max-replicas", "--nodes-per-replica", "--procs-per-node",
+                           "--global-batch", "--replica-step", "--allowed-replicas", "--mode", "--name", "--env",
+                           "--yield-to-pending"})
+TIDAL_FLAGS = frozenset({"--yield-to-pending"})
+
+
+def _split_options(tokens: Sequence[str], *, where: str,
+                   allow_command: bool) -> tuple[list[tuple[str, str | None]], list[str], list[str]]:
+    """(Tidal options, sbatch options as tokens, the command) from `tokens`: options come
+    first; the first token that is not one starts the command."""
+    tidal: list[tuple[str, str | None]] = []
+    sbatch: list[str] = []
+    index = 0
+    while index < len(tokens):
+        token = tokens[index]
+        if token == "--":
+            index += 1
+            break
+        if not token.startswith("-") or token == "-":
+            break
+        if token.startswith("--"):
+            name, sep, value = token.partition("=")
+            if name in TIDAL_FLAGS:
+                tidal.append((name, value if sep else None))
+            elif name in TIDAL_OPTIONS:
+                if not sep:
+                    if index + 1 >= len(tokens):
+                        raise SubmitUsageError(f"{name} needs a value ({where})")
+                    index += 1
+                    value = tokens[index]
+                tidal.append((name, value))
+            elif sep or name[2:] in SBATCH_LONG_FLAGS:
+                sbatch.append(token)
+            else:
+                if index + 1 >= len(tokens):
+                    raise SubmitUsageError(f"{name} needs a value ({where})")
+                index += 1
+                sbatch.append(f"{name}={tokens[index]}")
+        else:
+            letter = token[1:2]
+            if letter in SBATCH_SHORT_WITH_VALUE:
+                if len(token) > 2:
+                    sbatch += [token[:2], token[2:]]
+                else:
+                    if index + 1 >= len(tokens):
+                        raise SubmitUsageError(f"{token} needs a value ({where})")
+                    index += 1
+                    sbatch += [token, tokens[index]]
+            else:
+                sbatch.append(token)
+        index += 1
+    command = list(tokens[index:])
+    if command and not allow_command:
+        raise SubmitUsageError(f"{where}: unexpected {command[0]!r} (only options belong here)")
+    return tidal, sbatch, command
+
+
+def script_directives(text: str) -> tuple[list[list[str]], list[list[str]]]:
+    """(#SBATCH lines, #TIDAL lines), each split like a shell would, from the top of a batch
+    script: like sbatch, reading stops at the first line that is neither blank nor a
+    comment."""
+    sbatch: list[list[str]] = []
+    tidal: list[list[str]] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        stripped = line.strip()
+        if number == 1 and stripped.startswith("#!"):
+            continue
+        if not stripped:
+            continue
+        if not stripped.startswith("#"):
+            break
+        for prefix, found in (("#SBATCH", sbatch), ("#TIDAL", tidal)):
+            if stripped.startswith(prefix + " ") or stripped == prefix:
+                try:
+                    found.append(shlex.split(stripped[len(prefix):], comments=True))
+                except ValueError as error:
+                    raise SubmitUsageError(f"line {number}: {error}: {stripped}") from None
+    return sbatch, tidal
+
+
+def _sbatch_value(options: Sequence[str], short: str, long: str) -> str | None:
+    """The last value given to an sbatch option in `options` (as split above)."""
+    value = None
+    for index, token in enumerate(options):
+        if token == short and index + 1 < len(options):
+            value = options[index + 1]
+        elif token.startswith(f"--{long}="):
+            value = token.split("=", 1)[1]
+    return value
+
+
+def parse_submit(argv: Sequence[str], *, cwd: Path,
+                 read_text: Callable[[Path], str] = lambda p: p.read_text()) -> Submission:
+    """A JobSpec (not yet checked by the controller's `normalized_spec`) from `tidal
+    submit`'s arguments."""
+    tidal, sbatch, command = _split_options(argv, where="command line", allow_command=True)
+    if not command:
+        raise SubmitUsageError("no script or command to run (tidal submit [options] SCRIPT_OR_COMMAND [ARGS...])")
+    spec = admin_pb2.JobSpec(working_dir=str(cwd))
+    script: Path | None = None
+    candidate = Path(command[0]) if os.sep in command[0] or Path(cwd, command[0]).is_file() else None
+    if candidate is not None:
+        path = candidate if candidate.is_absolute() else cwd / candidate
+        try:
+            text = read_text(path)
+        except (OSError, UnicodeDecodeError):
+            text = ""
+        if text.startswith("#!") or "#SBATCH" in text or "#TIDAL" in text:
+            script = path
+            script_sbatch, script_tidal = script_directives(text)
+            for tokens in script_tidal:
+                found, extra_sbatch, _ = _split_options(tokens, where=f"#TIDAL line in {path}",
+                                                           allow_command=False)
+                if extra_sbatch:
+                    raise SubmitUsageError(f"#TIDAL line in {path}: {extra_sbatch[0]} is not a Tidal option "
+                                           "(sbatch options go on #SBATCH lines)")
+                for option, value in found:
+                    _apply_tidal_option(spec, option, value)
+            from_script: list[str] = []
+            for tokens in script_sbatch:
+                _, extra, _ = _split_options(tokens, where=f"#SBATCH line in {path}", allow_command=False)
+                from_script += extra
+            sbatch = from_script + sbatch
+            command = [str(path), *command[1:]] if os.access(path, os.X_OK) else ["bash", str(path), *command[1:]]
+    for option, value in tidal:
+        _apply_tidal_option(spec, option, value)
+    spec.command.extend(command)
+    spec.sbatch_options.extend(sbatch)
+    partition = _sbatch_value(sbatch, "-p", "partition")
+    if partition:
+        spec.partition = partition
+    directory = _sbatch_value(sbatch, "-D", "chdir")
+    if directory:
+        spec.working_dir = str(cwd / directory)
+    if not spec.name:
+        job_name = _sbatch_value(sbatch, "-J", "job-name")
+        spec.name = job_name or _default_name(script, command)
+    return Submission(spec=spec, script=script)
+
+
+def _default_name(script: Path | None, command: Sequence[str]) -> str:
+    interpreted = Path(command[0]).name.startswith(("python", "bash", "sh")) and len(command) > 1
+    base = script.stem if script is not None else Path(command[1] if interpreted else command[0]).stem
+    cleaned = "".join(c if c.isalnum() or c in "._-" else "-" for c in base).strip("-._")
+    return (cleaned or "job")[:64]

@@ -1,0 +1,77 @@
+"""`tidal submit`'s arguments and a batch script's #SBATCH / #TIDAL lines, into a JobSpec."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tidal.controller.submission import SubmitUsageError, parse_submit, script_directives
+from tidal.proto import common_pb2
+
+SCRIPT = """#!/bin/bash
+#SBATCH --partition=debug
+#SBATCH -t 10:00 --gres=gpu:1   # a comment
+#TIDAL --max-replicas 8 --mode live
+#TIDAL --env OMP_NUM_THREADS=4
+
+python train.py --epochs 3
+#SBATCH --after-the-first-command-is-not-read
+"""
+
+
+def test_an_existing_batch_script_becomes_elastic_with_a_tidal_line(tmp_path: Path) -> None:
+    (tmp_path / "train.sh").write_text(SCRIPT)
+    spec = parse_submit(["--min-replicas", "2", "-t", "5:00", "train.sh", "--lr", "3"], cwd=tmp_path).spec
+    assert (spec.min_replicas, spec.max_replicas, spec.mode) == (2, 8, common_pb2.JOB_MODE_LIVE)
+    assert dict(spec.environment) == {"OMP_NUM_THREADS": "4"}
+    # The script's #SBATCH lines first, the command line's after them (sbatch: the last wins).
+    assert list(spec.sbatch_options) == ["--partition=debug", "-t", "10:00", "--gres=gpu:1", "-t", "5:00"]
+    assert spec.partition == "debug" and spec.name == "train"
+    assert list(spec.command) == ["bash", str(tmp_path / "train.sh"), "--lr", "3"]
+    assert spec.working_dir == str(tmp_path)
+
+
+def test_the_command_line_wins_over_tidal_lines_and_an_executable_runs_itself(tmp_path: Path) -> None:
+    script = tmp_path / "job.sbatch"
+    script.write_text(SCRIPT)
+    script.chmod(0o755)
+    spec = parse_submit(["--max-replicas=3", "-J", "lm", "-D", "runs", str(script)], cwd=tmp_path).spec
+    assert spec.max_replicas == 3 and spec.name == "lm"
+    assert list(spec.command) == [str(script)]
+    assert spec.working_dir == str(tmp_path / "runs")
+
+
+def test_a_plain_command_and_its_own_options_are_left_alone(tmp_path: Path) -> None:
+    spec = parse_submit(["--procs-per-node", "4", "--exclusive", "python", "train.py", "--max-replicas", "9"],
+                        cwd=tmp_path).spec
+    assert spec.procs_per_node == 4 and spec.max_replicas == 0
+    assert list(spec.command) == ["python", "train.py", "--max-replicas", "9"]
+    assert list(spec.sbatch_options) == ["--exclusive"] and spec.name == "train"
+    assert list(parse_submit(["--", "-weird-name"], cwd=tmp_path).spec.command) == ["-weird-name"]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    ([], "no script or command"),
+    (["--max-replicas"], "--max-replicas needs a value"),
+    (["--max-replicas", "many", "x"], "--max-replicas: 'many' is not a whole number"),
+    (["--mode", "fast", "x"], "--mode: 'fast' is not one of live, restart"),
+    (["--env", "NOVALUE", "x"], "--env: 'NOVALUE' is not KEY=VALUE"),
+    (["--yield-to-pending=yes", "x"], "--yield-to-pending takes no value"),
+    (["-p"], "-p needs a value"),
+])
+def test_malformed_submit_lines_name_the_option(tmp_path: Path, argv: list[str], message: str) -> None:
+    with pytest.raises(SubmitUsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_submit(argv, cwd=tmp_path)
+
+
+def test_a_tidal_line_with_an_sbatch_option_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "bad.sh").write_text("#!/bin/bash\n#TIDAL --partition debug\nsrun python x.py\n")
+    with pytest.raises(SubmitUsageError, match="--partition=debug is not a Tidal option"):
+        parse_submit(["bad.sh"], cwd=tmp_path)
+
+
+def test_directives_stop_at_the_first_command() -> None:
+    sbatch, tidal = script_directives(SCRIPT)
+    assert sbatch == [["--partition=debug"], ["-t", "10:00", "--gres=gpu:1"]]
+    assert tidal == [["--max-replicas", "8", "--mode", "live"], ["--env", "OMP_NUM_THREADS=4"]]
