@@ -140,14 +140,47 @@ def _as_dict(message: object) -> dict[str, object]:
     return json_format.MessageToDict(message, preserving_proto_field_name=True)  # type: ignore[arg-type]
 
 
+def sbatch_arguments(argv: Sequence[str]) -> tuple[list[str], bool]:
+    """sbatch's own spellings that `tidal submit` lacks, for `tidal-sbatch`: `--wrap CMD`
+    becomes the command `bash -c CMD`, and `--parsable` asks for the bare job id."""
+    rest: list[str] = []
+    wrap: str | None = None
+    parsable = False
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        if token == "--parsable":
+            parsable = True
+        elif token == "--wrap" and index + 1 < len(argv):
+            wrap = argv[index + 1]
+            index += 1
+        elif token.startswith("--wrap="):
+            wrap = token.split("=", 1)[1]
+        else:
+            rest.append(token)
+        index += 1
+    if wrap is not None:
+        rest += ["--", "bash", "-c", wrap]
+    return rest, parsable
+
+
 def command_submit(args: argparse.Namespace) -> int:
+    parsable = False
+    if args.command == "sbatch":
+        args.rest, parsable = sbatch_arguments(args.rest)
     try:
         submission = parse_submit(args.rest, cwd=Path.cwd())
     except SubmitUsageError as error:
-        print(f"tidal submit: {error}", file=sys.stderr)
+        print(f"tidal {args.command}: {error}", file=sys.stderr)
         return EXIT_USAGE
     with _client(args) as client:
         response = client.submit(submission.spec)
+    if parsable:
+        print(response.job.job_id)
+        return EXIT_OK
+    if args.command == "sbatch" and not args.json:
+        print(f"Submitted elastic job {response.job.job_id}")
+        return EXIT_OK
     if args.json:
         print(json.dumps({"job": _as_dict(response.job), "secret_path": response.secret_path}, indent=2))
         return EXIT_OK
@@ -281,6 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--json", action="store_true", help="machine-readable output")
     submit.add_argument("rest", nargs=argparse.REMAINDER)
     submit.set_defaults(handler=command_submit, admin=True)
+    sbatch = sub.add_parser("sbatch", help="sbatch's command line, submitted through Tidal (what tidal-sbatch runs)",
+                            usage="tidal sbatch [--parsable] [--wrap CMD] [tidal and sbatch options...] "
+                            "[SCRIPT [ARGS...]]")
+    sbatch.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    sbatch.add_argument("rest", nargs=argparse.REMAINDER)
+    sbatch.set_defaults(handler=command_submit, admin=True)
     status = sub.add_parser("status", help="jobs at a glance, or one job and its units")
     status.add_argument("job", nargs="?")
     status.add_argument("--all", action="store_true", help="also jobs that have ended")
@@ -333,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     at = _command_index(argv)
-    if at is not None and argv[at] == "submit":
+    if at is not None and argv[at] in ("submit", "sbatch"):
         # Everything after `submit` is Tidal's options, sbatch's and the command, which
         # argparse cannot tell apart: parse_submit does. `--json` and `--help` come first.
         rest = argv[at + 1:]

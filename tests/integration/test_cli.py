@@ -4,6 +4,7 @@ types, what they read, and the exit codes scripts rely on."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -77,3 +78,25 @@ def test_errors_are_one_clear_line_and_an_exit_code(tidal_run: TidalRun, tmp_pat
     down = tidal(controller, "status")
     assert down.returncode == 4
     assert "cannot reach the controller" in down.stderr and str(controller.socket) in down.stderr
+
+
+def test_tidal_sbatch_is_a_drop_in_for_sbatch(tidal_run: TidalRun, tmp_path: Path) -> None:
+    controller = tidal_run.controller
+    wrapper = Path(__file__).resolve().parents[2] / "scripts" / "tidal-sbatch"
+    env_socket = {"TIDAL_CONTROLLER_SOCKET": str(controller.socket)}
+
+    def sbatch(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, str(wrapper), *args], capture_output=True, text=True, timeout=60,
+                              cwd=tmp_path, env={**os.environ, **env_socket})
+
+    parsable = sbatch("--parsable", "--max-replicas", "2", "-p", "debug", "--wrap", "python train.py --lr 3")
+    assert parsable.returncode == 0, parsable.stderr
+    job_id = parsable.stdout.strip()
+    job = json.loads(tidal(controller, "status", job_id, "--json").stdout)[0]
+    assert job["spec"]["command"] == ["bash", "-c", "python train.py --lr 3"]
+    assert job["spec"]["partition"] == "debug" and job["spec"]["max_replicas"] == 2
+    (tmp_path / "run.sbatch").write_text("#!/bin/bash\n#SBATCH -J lm\n#TIDAL --mode live\npython lm.py\n")
+    plain = sbatch("run.sbatch")
+    assert plain.returncode == 0 and plain.stdout.startswith("Submitted elastic job lm-")
+    refused = sbatch("--min-replicas", "0")
+    assert refused.returncode == 2 and "no script or command" in refused.stderr
