@@ -35,7 +35,7 @@ from typing import Any
 import structlog
 
 from tidal.controller.logs import configure_logging
-from tidal.launcher.control import LauncherChannel, WorkerSaid
+from tidal.launcher.control import LauncherChannel, WorkerSaid, World
 from tidal.launcher.link import ControllerLink, ControllerSaid, LinkDown, LinkEvent, LinkRefused, LinkUp
 from tidal.launcher.workers import (
     Placement,
@@ -500,9 +500,9 @@ class Agent:
             if rank >= 0:
                 worker.rank = rank
             self.live.idle.discard(worker.local_rank)
-            self.channel.send(worker.local_rank, {
-                "op": "world", "epoch": epoch, "rank": rank, "world_size": table.world_size,
-                "master_addr": rendezvous.host, "master_port": rendezvous.port})
+            self.channel.send(worker.local_rank, World(
+                epoch=epoch, rank=rank, world_size=table.world_size, master_addr=rendezvous.host,
+                master_port=rendezvous.port).to_message())
         if mine is None:
             self.state = AgentState.LEAVING
             self.live.stop_deadline = time.monotonic() + self.options.leave_timeout_s
