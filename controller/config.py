@@ -62,6 +62,17 @@ class ControllerConfig:
     # Live mode: a world change (joiners' workers ready, every member re-formed) must
     # complete within this long, or the units holding it up count as failed.
     reconfigure_timeout_s: float = 120.0
+    # Units as Slurm jobs: the controller submits each job's units with sbatch (at least
+    # min_replicas; more onto idle nodes, up to max_replicas) and polls Slurm.
+    slurm_units: bool = False
+    # Seconds between two cluster-wide polls of Slurm (one squeue and one sinfo each).
+    slurm_poll_interval_s: float = 30.0
+    # What a unit's launcher dials; empty: `listen` with a wildcard host replaced by this
+    # machine's name.
+    unit_controller_address: str = ""
+    # The launcher command in a unit's batch script; empty: this Python's
+    # `-m tidal.launcher.agent`.
+    unit_launcher: str = ""
     # Bounds on what a launcher may send.
     max_message_bytes: int = 1 << 20
     launcher_messages_per_s: float = 50.0
@@ -76,7 +87,8 @@ class ControllerConfig:
 
     def __post_init__(self) -> None:
         positive = ["heartbeat_interval_s", "heartbeat_timeout_s", "progress_timeout_s", "register_timeout_s",
-                    "restart_grace_s", "failure_stop_grace_s", "reconfigure_timeout_s", "launcher_messages_per_s",
+                    "restart_grace_s", "failure_stop_grace_s", "reconfigure_timeout_s", "slurm_poll_interval_s",
+                    "launcher_messages_per_s",
                     "readiness_check_interval_s"]
         for name in positive:
             if getattr(self, name) <= 0:

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -23,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
 from tidal.controller.config import ConfigError, ControllerConfig, config_as_dict, load_config, split_host_port
+from tidal.controller.jobs import SlurmUnits
 from tidal.controller.logs import configure_logging
 from tidal.controller.metrics import ControllerMetrics
 from tidal.controller.security import UnixSocketRelay, load_or_create_admin_token
@@ -30,6 +32,7 @@ from tidal.controller.server import AdminServicer, Controller, LauncherServicer
 from tidal.controller.store import StateStore, StoreError
 from tidal.proto import admin_pb2, admin_pb2_grpc, launcher_pb2, launcher_pb2_grpc
 from tidal.slurm import SlurmError, default_client
+from tidal.slurm.snapshot import ClusterPoll
 
 log = structlog.get_logger("tidal.controller")
 
@@ -94,6 +97,15 @@ async def _watch_readiness(config: ControllerConfig, store: StateStore, servicer
         await asyncio.sleep(config.readiness_check_interval_s if problem is None else 1.0)
 
 
+def unit_address(listen: str, port: int) -> str:
+    """What a unit's launcher dials: the listen address, with a wildcard host replaced by
+    this machine's name and the port actually bound."""
+    host = listen.rsplit(":", 1)[0].strip("[]")
+    if host in ("", "0.0.0.0", "::"):
+        host = socket.gethostname()
+    return f"{host}:{port}"
+
+
 async def serve(config: ControllerConfig, ready_file: Path | None = None) -> int:
     config.state_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -141,6 +153,15 @@ async def serve(config: ControllerConfig, ready_file: Path | None = None) -> int
 
     background = [asyncio.create_task(controller.tick_forever(), name="ticker"),
                   asyncio.create_task(_watch_readiness(config, store, health_servicer), name="readiness")]
+    if config.slurm_units:
+        client = default_client()
+        controller.enable_slurm_units(SlurmUnits(
+            client=client, launcher=tuple(shlex.split(config.unit_launcher)) or (
+                sys.executable, "-m", "tidal.launcher.agent"),
+            controller_address=config.unit_controller_address or unit_address(config.listen, tcp_port),
+            output_dir=config.state_dir / "units", secrets_dir=config.secrets_dir))
+        (config.state_dir / "units").mkdir(parents=True, exist_ok=True)
+        background.append(asyncio.create_task(controller.poll_slurm_forever(ClusterPoll(client)), name="slurm-poll"))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -11,12 +11,13 @@ import asyncio
 import dataclasses
 import signal
 import time
+from pathlib import Path
 
 import grpc
 import structlog
 from google.protobuf import duration_pb2
 
-from tidal.controller import planning
+from tidal.controller import planning, units
 from tidal.controller.config import ControllerConfig
 from tidal.controller.events import EventLog
 from tidal.controller.health import Failure, HealthPolicy, UnitHealth, health_verdicts
@@ -26,6 +27,10 @@ from tidal.controller.security import secret_matches
 from tidal.controller.sessions import LauncherSession
 from tidal.controller.store import StateStore
 from tidal.proto import admin_pb2, common_pb2, launcher_pb2
+from tidal.slurm.client import SlurmClient
+from tidal.slurm.errors import SlurmError
+from tidal.slurm.models import JobState as SlurmJobState
+from tidal.slurm.snapshot import ClusterView
 
 log = structlog.get_logger("tidal.controller.jobs")
 
@@ -90,7 +95,35 @@ class Barrier:
     done: asyncio.Future[None]
 
 
-JobInput = Connected | Said | Disconnected | Tick | CancelRequested | DrainRequested | ResizeRequested | Barrier
+@dataclasses.dataclass(frozen=True)
+class SlurmObserved:
+    """One cluster-wide view of Slurm, from the poller."""
+
+    view: ClusterView
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitSubmitted:
+    """sbatch answered for a unit: its Slurm job id, or why it refused."""
+
+    unit_id: str
+    slurm_job_id: int
+    error: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class SlurmUnits:
+    """How this controller runs units as Slurm jobs."""
+
+    client: SlurmClient
+    launcher: tuple[str, ...]
+    controller_address: str
+    output_dir: Path
+    secrets_dir: Path
+
+
+JobInput = (Connected | Said | Disconnected | Tick | CancelRequested | DrainRequested | ResizeRequested | Barrier
+            | SlurmObserved | UnitSubmitted)
 
 
 @dataclasses.dataclass
@@ -154,7 +187,7 @@ def describe_exit(exit_code: int, signal_number: int) -> str:
 class JobActor:
     def __init__(self, job: JobRecord, units: list[UnitRecord], epoch: EpochRecord | None, *,
                  epoch_stopped: bool, config: ControllerConfig, store: StateStore, events: EventLog,
-                 metrics: ControllerMetrics, started_at: float) -> None:
+                 metrics: ControllerMetrics, started_at: float, slurm: SlurmUnits | None = None) -> None:
         self.job = job
         self.units = {u.unit_id: u for u in units}
         self.epoch = epoch
@@ -175,6 +208,13 @@ class JobActor:
         self.recovery: Recovery | None = None
         self.deferred_leaves: list[tuple[str, str, str]] = []
         self.first_step_epochs: set[int] = set()
+        self.slurm = slurm
+        # sbatch refusals in a row, and no new submission before this (monotonic).
+        self.submit_failures = 0
+        self.next_submit_at = 0.0
+        # When sbatch accepted each unit (wall clock), so that an older view does not read
+        # as the unit's Slurm job having vanished.
+        self.submitted_at: dict[str, float] = {}
         self.log = log.bind(job=job.job_id)
         if job.state is JobState.RECONFIGURING and epoch is not None and not epoch_stopped:
             # Killed while stopping an epoch: finish the stop with whoever comes back.
@@ -282,6 +322,10 @@ class JobActor:
             case Barrier(done):
                 if not done.done():
                     done.set_result(None)
+            case SlurmObserved(view):
+                self._on_slurm(view, time.monotonic())
+            case UnitSubmitted(unit_id, slurm_job_id, error):
+                self._on_unit_submitted(unit_id, slurm_job_id, error)
 
     def _on_connected(self, session: LauncherSession, register: launcher_pb2.Register) -> None:
         now = time.monotonic()
@@ -783,6 +827,105 @@ class JobActor:
         self.events.record(self.job.job_id, "first_step", f"first step of epoch {report.epoch} completed",
                            unit_id=unit_id, epoch=report.epoch, fields=fields)
 
+    # Units as Slurm jobs.
+
+    def _on_slurm(self, view: ClusterView, now: float) -> None:
+        """Reconcile units with what Slurm shows, then submit what the job needs. A stale
+        view (Slurm did not answer) decides nothing."""
+        if self.slurm is None or self.job.state.is_final or view.stale:
+            return
+        for unit in list(self.units.values()):
+            if unit.state is not UnitState.SUBMITTED or not unit.slurm_job_id:
+                continue
+            if view.observed_at < self.submitted_at.get(unit.unit_id, 0.0) + 1.0:
+                continue  # this view may predate the submission
+            found = view.job(unit.slurm_job_id)
+            if found is None or found.state.is_finished:
+                what = found.state.value.lower() if found else "gone from squeue"
+                self._unit_lost(unit, f"Slurm job {unit.slurm_job_id} {what} before its launcher registered")
+        if now < self.next_submit_at or self.stop is not None:
+            return
+        spec = self.job.spec
+        alive = [u for u in self.units.values() if u.state in (UnitState.SUBMITTED, UnitState.JOINING,
+                                                                UnitState.ACTIVE)]
+        # Units Slurm has not placed yet will take idle nodes; running ones already hold theirs.
+        waiting = sum(1 for u in alive if u.state is UnitState.SUBMITTED
+                      and ((found := view.job(u.slurm_job_id)) is None or found.state is SlurmJobState.PENDING))
+        idle = units.idle_nodes_for(spec, view.nodes)
+        demand = units.units_to_submit(spec, alive=len(alive), idle_nodes=max(0, len(idle) - waiting), now=now,
+                                       last_change_at=self.last_change_at,
+                                       scale_up_snooze_s=self.config.scale_up_snooze_s)
+        for _ in range(demand.count):
+            self._submit_unit(demand.reason)
+
+    def _submit_unit(self, reason: str) -> None:
+        assert self.slurm is not None
+        numbers = [int(u[1:]) for u in self.units if u.startswith("u") and u[1:].isdigit()]
+        unit_id = f"u{max(numbers, default=0) + 1}"
+        unit = UnitRecord(job_id=self.job.job_id, unit_id=unit_id, state=UnitState.SUBMITTED,
+                          procs_per_node=self.job.spec.procs_per_node or 1)
+        self.units[unit_id] = unit
+        with self.store.transaction():
+            self.store.upsert_unit(unit)
+            self.events.record(self.job.job_id, "unit_submitting", reason, unit_id=unit_id, epoch=self.job.epoch)
+        slurm = self.slurm
+        submission = units.unit_submission(
+            self.job.spec, job_id=self.job.job_id, unit_id=unit_id, launcher=slurm.launcher,
+            controller=slurm.controller_address, secret_path=slurm.secrets_dir / f"{self.job.job_id}.secret",
+            output_dir=slurm.output_dir)
+
+        def submit() -> None:
+            try:
+                self.put(UnitSubmitted(unit_id, slurm.client.submit(submission)))
+            except (SlurmError, OSError) as error:
+                self.put(UnitSubmitted(unit_id, 0, str(error)))
+
+        asyncio.get_running_loop().run_in_executor(None, submit)
+
+    def _on_unit_submitted(self, unit_id: str, slurm_job_id: int, error: str) -> None:
+        unit = self.units.get(unit_id)
+        if unit is None:
+            return
+        if error:
+            self.submit_failures += 1
+            backoff = min(60.0, self.config.slurm_poll_interval_s * 2 ** self.submit_failures)
+            self.next_submit_at = time.monotonic() + backoff
+            self._unit_lost(unit, f"sbatch refused the unit: {error}", kind="unit_submit_failed",
+                            fields={"retry_in_s": f"{backoff:.0f}"})
+            return
+        self.submit_failures = 0
+        self.submitted_at[unit_id] = time.time()
+        unit.slurm_job_id = slurm_job_id
+        with self.store.transaction():
+            self.store.upsert_unit(unit)
+            self.events.record(self.job.job_id, "unit_submitted", f"Slurm job {slurm_job_id}", unit_id=unit_id,
+                               epoch=self.job.epoch, fields={"slurm_job_id": slurm_job_id})
+        if self.job.state.is_final or unit.state.is_final:
+            self._cancel_in_slurm(unit)
+
+    def _unit_lost(self, unit: UnitRecord, reason: str, kind: str = "unit_lost",
+                   fields: dict[str, object] | None = None) -> None:
+        """A unit that never registered is gone (Slurm ended it, or sbatch refused it)."""
+        unit.state = UnitState.FAILED
+        unit.reason = reason
+        with self.store.transaction():
+            self.store.upsert_unit(unit)
+            self.events.record(self.job.job_id, kind, reason, unit_id=unit.unit_id, epoch=self.job.epoch,
+                               fields=fields)
+
+    def _cancel_in_slurm(self, unit: UnitRecord) -> None:
+        if self.slurm is None or not unit.slurm_job_id:
+            return
+        client, slurm_job_id = self.slurm.client, unit.slurm_job_id
+
+        def cancel() -> None:
+            try:
+                client.cancel(slurm_job_id)
+            except SlurmError as error:
+                self.log.warning("unit_cancel_failed", unit=unit.unit_id, slurm_job_id=slurm_job_id, error=str(error))
+
+        asyncio.get_running_loop().run_in_executor(None, cancel)
+
     def _mark_left(self, unit_id: str, reason: str) -> None:
         unit = self.units.get(unit_id)
         if unit is None or unit.state.is_final:
@@ -813,6 +956,9 @@ class JobActor:
                 continue
             session = self.sessions.get(unit_id)
             if session is None:
+                if unit.state is UnitState.SUBMITTED:
+                    # Still waiting in Slurm's queue: it would start for nothing.
+                    self._cancel_in_slurm(unit)
                 self._mark_left(unit_id, reason)
                 continue
             unit.state = UnitState.LEAVING

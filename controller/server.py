@@ -27,6 +27,8 @@ from tidal.controller.jobs import (
     Refusal,
     ResizeRequested,
     Said,
+    SlurmObserved,
+    SlurmUnits,
     Tick,
     event_to_proto,
 )
@@ -38,6 +40,7 @@ from tidal.controller.spec import SpecError, normalized_spec
 from tidal.controller.store import StateStore
 from tidal.proto import admin_pb2, admin_pb2_grpc, common_pb2, launcher_pb2, launcher_pb2_grpc
 from tidal.slurm import SlurmError, default_client
+from tidal.slurm.snapshot import ClusterPoll
 
 log = structlog.get_logger("tidal.controller.server")
 
@@ -54,6 +57,7 @@ class Controller:
         self.metrics = metrics
         self.events = EventLog(store)
         self.actors: dict[str, JobActor] = {}
+        self.slurm_units: SlurmUnits | None = None
         self.shutting_down = False
         self._tasks: set[asyncio.Task[None]] = set()
         metrics.read_job_states(lambda: list(self.actors.values()), [s.value for s in JobState],
@@ -72,7 +76,27 @@ class Controller:
             if not job.state.is_final:
                 log.info("job_reloaded", job=job.job_id, state=job.state.value, epoch=job.epoch)
 
+    def enable_slurm_units(self, slurm_units: SlurmUnits) -> None:
+        """From now on every job's units are Slurm jobs this controller submits."""
+        self.slurm_units = slurm_units
+        for actor in self.actors.values():
+            actor.slurm = slurm_units
+
+    async def poll_slurm_forever(self, poll: ClusterPoll) -> None:
+        """One cluster-wide view per interval for every job; after failed polls the next
+        comes later (doubling, up to 10 intervals), and the actors see the view as stale."""
+        interval = self.config.slurm_poll_interval_s
+        while True:
+            view = await asyncio.to_thread(poll.poll)
+            if view.stale:
+                log.warning("slurm_poll_failed", failures=view.consecutive_failures, error=str(view.error))
+            for actor in self.actors.values():
+                if not actor.job.state.is_final:
+                    actor.put(SlurmObserved(view))
+            await asyncio.sleep(interval * min(10, 2 ** view.consecutive_failures))
+
     def _add(self, actor: JobActor) -> None:
+        actor.slurm = self.slurm_units
         self.actors[actor.job.job_id] = actor
         task = asyncio.get_running_loop().create_task(actor.run(), name=f"job-{actor.job.job_id}")
         self._tasks.add(task)

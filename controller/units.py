@@ -1,0 +1,74 @@
+"""Units as Slurm jobs: what to submit (a pure decision on one cluster view) and how a
+unit's batch script reads.
+
+A unit is one data-parallel replica: one Slurm batch job whose script starts a
+tidal-launcher. Slurm cannot grow a running job, so the controller grows an elastic job
+by submitting units, and keeps at least `min_replicas` by submitting replacements."""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+
+from tidal.proto import admin_pb2
+from tidal.slurm.models import Node, UnitSubmission
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitDemand:
+    count: int
+    reason: str
+
+
+def idle_nodes_for(spec: admin_pb2.JobSpec, nodes: Sequence[Node], excluded: frozenset[str] = frozenset()) -> list[str]:
+    """Idle, usable nodes in the job's partition (any partition when it names none)."""
+    return sorted(n.name for n in nodes if n.is_idle_and_usable and n.name not in excluded
+                  and (not spec.partition or spec.partition in n.partitions))
+
+
+def units_to_submit(spec: admin_pb2.JobSpec, *, alive: int, idle_nodes: int, now: float,
+                    last_change_at: float | None, scale_up_snooze_s: float) -> UnitDemand:
+    """How many units to submit now, and why. `alive` counts units that hold or are
+    waiting for a place (submitted, joining, active); `idle_nodes` the idle nodes that fit.
+
+    - below min_replicas: submit the difference (replacements), whatever is idle: Slurm
+      queues them;
+    - otherwise grow onto idle nodes, up to max_replicas, one unit per node
+      (`nodes_per_replica` nodes each), unless a world change was recent (snooze)."""
+    if alive < spec.min_replicas:
+        return UnitDemand(spec.min_replicas - alive, f"{alive} of min {spec.min_replicas} replicas")
+    room = spec.max_replicas - alive
+    fits = idle_nodes // max(1, spec.nodes_per_replica)
+    if room <= 0:
+        return UnitDemand(0, f"at max_replicas {spec.max_replicas}")
+    if fits <= 0:
+        return UnitDemand(0, "no idle node fits")
+    if last_change_at is not None and now < last_change_at + scale_up_snooze_s:
+        return UnitDemand(0, f"scale-up snoozed for {last_change_at + scale_up_snooze_s - now:.1f} s")
+    count = min(room, fits)
+    return UnitDemand(count, f"{idle_nodes} idle node(s) fit; growing toward max_replicas {spec.max_replicas}")
+
+
+def unit_script(launcher: Sequence[str], *, controller: str, job_id: str, unit_id: str) -> str:
+    """The unit's batch script: the launcher, nothing else; the job's secret reaches it
+    through the environment (a file path), never the script or argv."""
+    command = [*launcher, "--controller", controller, "--job", job_id, "--unit", unit_id]
+    return "\n".join([
+        "#!/bin/bash",
+        f"# Tidal unit {unit_id} of elastic job {job_id}: one data-parallel replica.",
+        f"exec {shlex.join(command)}",
+        "",
+    ])
+
+
+def unit_submission(spec: admin_pb2.JobSpec, *, job_id: str, unit_id: str, launcher: Sequence[str], controller: str,
+                    secret_path: Path, output_dir: Path, exclude: Sequence[str] = ()) -> UnitSubmission:
+    return UnitSubmission(
+        name=f"tidal-{job_id}-{unit_id}", script=unit_script(launcher, controller=controller, job_id=job_id,
+                                                             unit_id=unit_id),
+        partition=spec.partition, nodes=max(1, spec.nodes_per_replica), exclusive=True,
+        working_dir=spec.working_dir, output=str(output_dir / f"{job_id}-{unit_id}-%j.out"),
+        comment=f"tidal job={job_id} unit={unit_id}", requeue=False, exclude_nodes=tuple(exclude),
+        extra_options=tuple(spec.sbatch_options), environment={"TIDAL_SECRET_FILE": str(secret_path)})

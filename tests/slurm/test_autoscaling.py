@@ -1,0 +1,58 @@
+"""Units as Slurm jobs on the real mini cluster: the controller submits a live job's
+units with sbatch and grows it onto the idle nodes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import ControllerProcess
+from tests.integration.test_live_mode import LIVE_EXAMPLE, commits, read_ledger
+from tests.waiting import wait_for
+from tidal.proto import admin_pb2, common_pb2
+from tidal.slurm import CliJsonSlurmClient
+
+pytestmark = pytest.mark.slurm
+
+
+def test_a_live_job_grows_onto_every_idle_node(slurm: CliJsonSlurmClient, mini_cluster: dict,
+                                               tmp_path: Path) -> None:
+    nodes = [n for n in slurm.list_nodes() if "train" in n.partitions]
+    idle = [n for n in nodes if n.is_idle_and_usable]
+    assert len(idle) >= 2, f"the mini cluster has {len(idle)} idle nodes"
+    controller = ControllerProcess(tmp_path, {"slurm_units": "true", "slurm_poll_interval_s": "1",
+                                              "join_settle_s": "1", "reconnect_grace_s": "10"})
+    controller.start()
+    ledger = tmp_path / "ledger"
+    try:
+        spec = admin_pb2.JobSpec(
+            name="grow", min_replicas=1, max_replicas=len(idle), partition="train", mode=common_pb2.JOB_MODE_LIVE,
+            working_dir=str(tmp_path), environment={"OMP_NUM_THREADS": "1"},
+            command=[sys.executable, str(LIVE_EXAMPLE), "--steps", "100000", "--global-batch", "24",
+                     "--micro-batch", "4", "--step-time", "0.01", "--ledger-dir", str(ledger)])
+        with controller.admin() as admin:
+            job_id = admin.submit(spec).job.job_id
+
+            def at_full_size() -> admin_pb2.Job | None:
+                job = admin.job(job_id)
+                return job if job.world_size == len(idle) else None
+
+            job = wait_for(f"world size {len(idle)}", at_full_size, timeout_s=120, interval_s=0.5)
+            wait_for("steps at the full size", lambda: len(commits(read_ledger(ledger), len(idle))) >= 10 * len(idle),
+                     timeout_s=60)
+            # Every unit is a Slurm job of its own, running where `tidal status` says.
+            by_unit = {u.unit_id: u for u in job.units}
+            slurm_jobs = {j.job_id: j for j in slurm.list_jobs()}
+            for unit in by_unit.values():
+                assert unit.slurm_job_id in slurm_jobs, unit
+                assert list(slurm_jobs[unit.slurm_job_id].nodes) == list(unit.nodes)
+            kinds = [e.kind for e in admin.events(job_id)]
+            assert kinds.count("unit_submitted") == len(idle) and "world_reconfigured" in kinds
+
+            admin.cancel(job_id)
+        wait_for("the units' Slurm jobs to end", lambda: not any(
+            j.is_active for j in slurm.list_jobs() if j.name.startswith(f"tidal-{job_id}-")), timeout_s=60)
+    finally:
+        controller.stop()
