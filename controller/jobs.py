@@ -206,7 +206,8 @@ class JobActor:
         self.failure_detected_at: float | None = None
         self.reconfigure: PendingReconfigure | None = None
         self.recovery: Recovery | None = None
-        self.deferred_leaves: list[tuple[str, str, str]] = []
+        # Live mode: leaves asked for while a world change is in flight; each follows it.
+        self.deferred_leaves: dict[str, tuple[str, str]] = {}
         self.first_step_epochs: set[int] = set()
         self.slurm = slurm
         # sbatch refusals in a row, and no new submission before this (monotonic).
@@ -686,6 +687,12 @@ class JobActor:
         if unit is None or unit.state.is_final or unit.state is UnitState.LEAVING:
             return
         was_active = unit.state is UnitState.ACTIVE
+        session = self.sessions.get(unit_id)
+        running = was_active and self.job.state is JobState.RUNNING and self.epoch is not None and self.stop is None
+        if running and self.live and session is not None and self.reconfigure is not None:
+            # One world change at a time: this leave follows the one in flight.
+            self.deferred_leaves.setdefault(unit_id, (cause, detail))
+            return
         unit.state = UnitState.LEAVING
         unit.reason = f"{cause}: {detail}" if detail != cause else cause
         epoch_number = self.epoch.epoch if self.epoch is not None else 0
@@ -693,15 +700,9 @@ class JobActor:
             self.store.upsert_unit(unit)
             self.events.record(self.job.job_id, "unit_leaving", unit.reason, unit_id=unit_id, epoch=epoch_number,
                                fields={"cause": cause})
-        session = self.sessions.get(unit_id)
-        running = was_active and self.job.state is JobState.RUNNING and self.epoch is not None and self.stop is None
         if running and self.live and session is not None:
             assert self.epoch is not None
             remaining = [m.unit_id for m in self.epoch.members if m.unit_id != unit_id]
-            if self.reconfigure is not None:
-                # One world change at a time: this one follows when the current one is done.
-                self.deferred_leaves.append((unit_id, cause, detail))
-                return
             if len(remaining) >= self.job.spec.min_replicas and all(u in self.sessions for u in remaining):
                 self._reconfigure((), (unit_id,), "leave", f"unit {unit_id} leaves ({cause})", time.monotonic())
                 return
@@ -739,7 +740,8 @@ class JobActor:
             self.log.warning("reconfigure_not_planned", reason=str(error))
             return
         old_members = tuple(m.unit_id for m in previous.members)
-        source = min(previous.members, key=lambda m: m.group_rank).unit_id
+        # The state's source: the new world's rank 0, a survivor (survivors keep their order).
+        source = min(plan.members, key=lambda m: m.group_rank).unit_id
         message = launcher_pb2.ControllerMessage(reconfigure=launcher_pb2.Reconfigure(
             epoch=plan.epoch, from_epoch=previous.epoch, at_step=0, rank_table=plan.rank_table(),
             rendezvous=plan.rendezvous(), state_sources=[source]))
@@ -799,12 +801,9 @@ class JobActor:
                                        "cause": pending.cause, "at_step": report.step,
                                        "world_size": self.epoch.world_size if self.epoch else 0,
                                        "decision_to_reconfigured_s": f"{now - pending.decided_at:.3f}"})
-            deferred, self.deferred_leaves = self.deferred_leaves, []
-            for leave_unit, cause, detail in deferred:
-                unit = self.units.get(leave_unit)
-                if unit is not None and unit.state is UnitState.LEAVING:
-                    unit.state = UnitState.ACTIVE
-                    self._leave(leave_unit, cause, detail)
+            deferred, self.deferred_leaves = self.deferred_leaves, {}
+            for leave_unit, (cause, detail) in deferred.items():
+                self._leave(leave_unit, cause, detail)
 
     def _on_first_step(self, unit_id: str, report: launcher_pb2.EpochReport) -> None:
         """The first step of an epoch committed (every rank commits it together): the end
@@ -843,6 +842,13 @@ class JobActor:
             if found is None or found.state.is_finished:
                 what = found.state.value.lower() if found else "gone from squeue"
                 self._unit_lost(unit, f"Slurm job {unit.slurm_job_id} {what} before its launcher registered")
+        for unit in list(self.units.values()):
+            # Slurm chose a unit for preemption: it has until its end time (GraceTime) to go,
+            # and SIGTERM reaches the launcher only at the end of it. Leave now.
+            if unit.state is UnitState.ACTIVE and unit.slurm_job_id:
+                found = view.job(unit.slurm_job_id)
+                if found is not None and found.is_being_preempted:
+                    self._leave(unit.unit_id, "preempted", f"Slurm preempts job {unit.slurm_job_id}")
         if now < self.next_submit_at or self.stop is not None:
             return
         spec = self.job.spec
@@ -852,9 +858,13 @@ class JobActor:
         waiting = sum(1 for u in alive if u.state is UnitState.SUBMITTED
                       and ((found := view.job(u.slurm_job_id)) is None or found.state is SlurmJobState.PENDING))
         idle = units.idle_nodes_for(spec, view.nodes)
+        # Idle nodes are for others first: grow only while no other Slurm job waits for nodes.
+        others_waiting = [j for j in view.jobs if j.state is SlurmJobState.PENDING
+                          and not j.name.startswith(f"tidal-{self.job.job_id}-")]
         demand = units.units_to_submit(spec, alive=len(alive), idle_nodes=max(0, len(idle) - waiting), now=now,
                                        last_change_at=self.last_change_at,
-                                       scale_up_snooze_s=self.config.scale_up_snooze_s)
+                                       scale_up_snooze_s=self.config.scale_up_snooze_s,
+                                       others_waiting=len(others_waiting))
         for _ in range(demand.count):
             self._submit_unit(demand.reason)
 
@@ -1003,7 +1013,10 @@ class JobActor:
 
     @property
     def world_size(self) -> int:
-        return self.epoch.world_size if self.epoch is not None and self.job.state is JobState.RUNNING else 0
+        """The world training in now: while a live change is in flight, the old one."""
+        if self.epoch is None or self.job.state is not JobState.RUNNING:
+            return 0
+        return self.reconfigure.previous.world_size if self.reconfigure is not None else self.epoch.world_size
 
     @property
     def epoch_number(self) -> int:

@@ -29,14 +29,16 @@ def idle_nodes_for(spec: admin_pb2.JobSpec, nodes: Sequence[Node], excluded: fro
 
 
 def units_to_submit(spec: admin_pb2.JobSpec, *, alive: int, idle_nodes: int, now: float,
-                    last_change_at: float | None, scale_up_snooze_s: float) -> UnitDemand:
+                    last_change_at: float | None, scale_up_snooze_s: float, others_waiting: int = 0) -> UnitDemand:
     """How many units to submit now, and why. `alive` counts units that hold or are
     waiting for a place (submitted, joining, active); `idle_nodes` the idle nodes that fit.
 
     - below min_replicas: submit the difference (replacements), whatever is idle: Slurm
       queues them;
     - otherwise grow onto idle nodes, up to max_replicas, one unit per node
-      (`nodes_per_replica` nodes each), unless a world change was recent (snooze)."""
+      (`nodes_per_replica` nodes each), unless a world change was recent (snooze) or other
+      Slurm jobs wait for nodes (`others_waiting`): an elastic job takes what nobody else
+      wants, or it would be preempted again at once."""
     if alive < spec.min_replicas:
         return UnitDemand(spec.min_replicas - alive, f"{alive} of min {spec.min_replicas} replicas")
     room = spec.max_replicas - alive
@@ -45,6 +47,8 @@ def units_to_submit(spec: admin_pb2.JobSpec, *, alive: int, idle_nodes: int, now
         return UnitDemand(0, f"at max_replicas {spec.max_replicas}")
     if fits <= 0:
         return UnitDemand(0, "no idle node fits")
+    if others_waiting:
+        return UnitDemand(0, f"{others_waiting} other Slurm job(s) wait for nodes")
     if last_change_at is not None and now < last_change_at + scale_up_snooze_s:
         return UnitDemand(0, f"scale-up snoozed for {last_change_at + scale_up_snooze_s - now:.1f} s")
     count = min(room, fits)

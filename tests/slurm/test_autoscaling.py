@@ -4,6 +4,7 @@ units with sbatch and grows it onto the idle nodes."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from tests.integration.conftest import ControllerProcess
 from tests.integration.test_live_mode import LIVE_EXAMPLE, commits, read_ledger
 from tests.waiting import wait_for
 from tidal.proto import admin_pb2, common_pb2
-from tidal.slurm import CliJsonSlurmClient
+from tidal.slurm import CliJsonSlurmClient, JobState, UnitSubmission
 
 pytestmark = pytest.mark.slurm
 
@@ -51,6 +52,51 @@ def test_a_live_job_grows_onto_every_idle_node(slurm: CliJsonSlurmClient, mini_c
             kinds = [e.kind for e in admin.events(job_id)]
             assert kinds.count("unit_submitted") == len(idle) and "world_reconfigured" in kinds
 
+            admin.cancel(job_id)
+        wait_for("the units' Slurm jobs to end", lambda: not any(
+            j.is_active for j in slurm.list_jobs() if j.name.startswith(f"tidal-{job_id}-")), timeout_s=60)
+    finally:
+        controller.stop()
+
+
+def test_an_urgent_job_preempts_two_replicas_the_job_shrinks_without_losing_a_step_and_grows_back(
+        slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path) -> None:
+    idle = [n for n in slurm.list_nodes() if "train" in n.partitions and n.is_idle_and_usable]
+    assert len(idle) == 4, f"the test needs the 4 idle nodes of the mini cluster, found {len(idle)}"
+    controller = ControllerProcess(tmp_path, {"slurm_units": "true", "slurm_poll_interval_s": "1",
+                                              "join_settle_s": "1", "reconnect_grace_s": "10"})
+    controller.start()
+    ledger = tmp_path / "ledger"
+    try:
+        spec = admin_pb2.JobSpec(
+            name="preempt", min_replicas=1, max_replicas=4, partition="train", mode=common_pb2.JOB_MODE_LIVE,
+            working_dir=str(tmp_path), environment={"OMP_NUM_THREADS": "1"},
+            command=[sys.executable, str(LIVE_EXAMPLE), "--steps", "100000", "--global-batch", "24",
+                     "--micro-batch", "4", "--step-time", "0.01", "--ledger-dir", str(ledger)])
+        with controller.admin() as admin:
+            job_id = admin.submit(spec).job.job_id
+
+            def world_size(size: int) -> Callable[[], admin_pb2.Job | None]:
+                def check() -> admin_pb2.Job | None:
+                    job = admin.job(job_id)
+                    return job if job.world_size == size and job.state == admin_pb2.JOB_STATE_RUNNING else None
+                return check
+
+            wait_for("world size 4", world_size(4), timeout_s=120, interval_s=0.5)
+            urgent = slurm.submit(UnitSubmission(name="urgent", script="#!/bin/sh\nsleep 600\n", partition="urgent",
+                                                 nodes=2, exclusive=True, requeue=False,
+                                                 output=str(tmp_path / "urgent-%j.out")))
+            wait_for("world size 2", world_size(2), timeout_s=60, interval_s=0.2)
+            wait_for("the urgent job to run", lambda: slurm.get_job(urgent).state is JobState.RUNNING,
+                     timeout_s=60)
+            events = admin.events(job_id)
+            leaves = [e for e in events if e.kind == "unit_leaving"]
+            assert len(leaves) == 2 and all("Slurm preempts job" in e.reason for e in leaves)
+            assert not [e for e in events if e.kind == "failure_detected"]
+            assert not [r for r in read_ledger(ledger) if r["kind"] == "abandoned"], "a step was lost"
+
+            slurm.cancel(urgent)
+            wait_for("world size 4 again", world_size(4), timeout_s=120, interval_s=0.5)
             admin.cancel(job_id)
         wait_for("the units' Slurm jobs to end", lambda: not any(
             j.is_active for j in slurm.list_jobs() if j.name.startswith(f"tidal-{job_id}-")), timeout_s=60)

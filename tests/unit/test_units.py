@@ -33,6 +33,11 @@ def test_growth_takes_idle_nodes_up_to_max_and_respects_the_snooze() -> None:
                            scale_up_snooze_s=0).reason == "no idle node fits"
     snoozed = units_to_submit(SPEC, alive=2, idle_nodes=3, now=10.0, last_change_at=8.0, scale_up_snooze_s=5.0)
     assert snoozed.count == 0 and snoozed.reason == "scale-up snoozed for 3.0 s"
+    waiting = units_to_submit(SPEC, alive=2, idle_nodes=3, now=10.0, last_change_at=None, scale_up_snooze_s=0,
+                              others_waiting=1)
+    assert waiting.count == 0 and waiting.reason == "1 other Slurm job(s) wait for nodes"
+    assert units_to_submit(SPEC, alive=1, idle_nodes=0, now=10.0, last_change_at=None, scale_up_snooze_s=0,
+                           others_waiting=3).count == 1, "a replacement below min is never held back"
     two_node = admin_pb2.JobSpec(min_replicas=1, max_replicas=4, nodes_per_replica=2)
     assert units_to_submit(two_node, alive=1, idle_nodes=5, now=0, last_change_at=None, scale_up_snooze_s=0).count == 2
 
