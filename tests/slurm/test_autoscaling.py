@@ -18,21 +18,32 @@ from tidal.slurm import CliJsonSlurmClient, JobState, UnitSubmission
 pytestmark = pytest.mark.slurm
 
 
+def slurm_controller(directory: Path) -> ControllerProcess:
+    """A controller that runs units as Slurm jobs and polls the mini cluster every second."""
+    controller = ControllerProcess(directory, {"slurm_units": "true", "slurm_poll_interval_s": "1",
+                                               "join_settle_s": "1", "reconnect_grace_s": "10"})
+    controller.start()
+    return controller
+
+
+def live_job(name: str, max_replicas: int, directory: Path, ledger: Path) -> admin_pb2.JobSpec:
+    """The MLP example in live mode on the `train` partition, from 1 replica up to `max_replicas`."""
+    return admin_pb2.JobSpec(
+        name=name, min_replicas=1, max_replicas=max_replicas, partition="train", mode=common_pb2.JOB_MODE_LIVE,
+        working_dir=str(directory), environment={"OMP_NUM_THREADS": "1"},
+        command=[sys.executable, str(LIVE_EXAMPLE), "--steps", "100000", "--global-batch", "24", "--micro-batch",
+                 "4", "--step-time", "0.01", "--ledger-dir", str(ledger)])
+
+
 def test_a_live_job_grows_onto_every_idle_node(slurm: CliJsonSlurmClient, mini_cluster: dict,
                                                tmp_path: Path) -> None:
     nodes = [n for n in slurm.list_nodes() if "train" in n.partitions]
     idle = [n for n in nodes if n.is_idle_and_usable]
     assert len(idle) >= 2, f"the mini cluster has {len(idle)} idle nodes"
-    controller = ControllerProcess(tmp_path, {"slurm_units": "true", "slurm_poll_interval_s": "1",
-                                              "join_settle_s": "1", "reconnect_grace_s": "10"})
-    controller.start()
+    controller = slurm_controller(tmp_path)
     ledger = tmp_path / "ledger"
     try:
-        spec = admin_pb2.JobSpec(
-            name="grow", min_replicas=1, max_replicas=len(idle), partition="train", mode=common_pb2.JOB_MODE_LIVE,
-            working_dir=str(tmp_path), environment={"OMP_NUM_THREADS": "1"},
-            command=[sys.executable, str(LIVE_EXAMPLE), "--steps", "100000", "--global-batch", "24",
-                     "--micro-batch", "4", "--step-time", "0.01", "--ledger-dir", str(ledger)])
+        spec = live_job("grow", len(idle), tmp_path, ledger)
         with controller.admin() as admin:
             job_id = admin.submit(spec).job.job_id
 
@@ -63,16 +74,10 @@ def test_an_urgent_job_preempts_two_replicas_the_job_shrinks_without_losing_a_st
         slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path) -> None:
     idle = [n for n in slurm.list_nodes() if "train" in n.partitions and n.is_idle_and_usable]
     assert len(idle) == 4, f"the test needs the 4 idle nodes of the mini cluster, found {len(idle)}"
-    controller = ControllerProcess(tmp_path, {"slurm_units": "true", "slurm_poll_interval_s": "1",
-                                              "join_settle_s": "1", "reconnect_grace_s": "10"})
-    controller.start()
+    controller = slurm_controller(tmp_path)
     ledger = tmp_path / "ledger"
     try:
-        spec = admin_pb2.JobSpec(
-            name="preempt", min_replicas=1, max_replicas=4, partition="train", mode=common_pb2.JOB_MODE_LIVE,
-            working_dir=str(tmp_path), environment={"OMP_NUM_THREADS": "1"},
-            command=[sys.executable, str(LIVE_EXAMPLE), "--steps", "100000", "--global-batch", "24",
-                     "--micro-batch", "4", "--step-time", "0.01", "--ledger-dir", str(ledger)])
+        spec = live_job("preempt", 4, tmp_path, ledger)
         with controller.admin() as admin:
             job_id = admin.submit(spec).job.job_id
 
