@@ -73,6 +73,9 @@ class ControllerConfig:
     # The launcher command in a unit's batch script; empty: this Python's
     # `-m tidal.launcher.agent`.
     unit_launcher: str = ""
+    # A node where a unit failed gets no unit of the job for this long; each further
+    # failure there doubles it (up to 8 times).
+    node_cooldown_s: float = 300.0
     # Bounds on what a launcher may send.
     max_message_bytes: int = 1 << 20
     launcher_messages_per_s: float = 50.0
@@ -88,8 +91,7 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         positive = ["heartbeat_interval_s", "heartbeat_timeout_s", "progress_timeout_s", "register_timeout_s",
                     "restart_grace_s", "failure_stop_grace_s", "reconfigure_timeout_s", "slurm_poll_interval_s",
-                    "launcher_messages_per_s",
-                    "readiness_check_interval_s"]
+                    "node_cooldown_s", "launcher_messages_per_s", "readiness_check_interval_s"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")

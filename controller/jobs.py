@@ -216,6 +216,8 @@ class JobActor:
         # When sbatch accepted each unit (wall clock), so that an older view does not read
         # as the unit's Slurm job having vanished.
         self.submitted_at: dict[str, float] = {}
+        # Nodes where a unit failed: failures there, and no new unit before (monotonic).
+        self.node_cooldown: dict[str, tuple[int, float]] = {}
         self.log = log.bind(job=job.job_id)
         if job.state is JobState.RECONFIGURING and epoch is not None and not epoch_stopped:
             # Killed while stopping an epoch: finish the stop with whoever comes back.
@@ -541,6 +543,8 @@ class JobActor:
             self.events.record(self.job.job_id, "failure_detected", reason, unit_id=unit_id, epoch=epoch_number,
                                fields={"cause": cause})
         self.metrics.failures.labels(cause=cause).inc()
+        if self.slurm is not None:
+            self._cool_down(unit, detected_at)
         session = self.sessions.get(unit_id)
         if session is not None:
             session.send(self._stop_message(epoch_number, reason, "failure", failed_unit_id=unit_id))
@@ -857,7 +861,8 @@ class JobActor:
         # Units Slurm has not placed yet will take idle nodes; running ones already hold theirs.
         waiting = sum(1 for u in alive if u.state is UnitState.SUBMITTED
                       and ((found := view.job(u.slurm_job_id)) is None or found.state is SlurmJobState.PENDING))
-        idle = units.idle_nodes_for(spec, view.nodes)
+        excluded = self._excluded_nodes(now)
+        idle = units.idle_nodes_for(spec, view.nodes, frozenset(excluded))
         # Idle nodes are for others first: grow only while no other Slurm job waits for nodes.
         others_waiting = [j for j in view.jobs if j.state is SlurmJobState.PENDING
                           and not j.name.startswith(f"tidal-{self.job.job_id}-")]
@@ -866,9 +871,23 @@ class JobActor:
                                        scale_up_snooze_s=self.config.scale_up_snooze_s,
                                        others_waiting=len(others_waiting))
         for _ in range(demand.count):
-            self._submit_unit(demand.reason)
+            self._submit_unit(demand.reason, excluded)
 
-    def _submit_unit(self, reason: str) -> None:
+    def _cool_down(self, unit: UnitRecord, now: float) -> None:
+        """No unit of this job on the failed unit's nodes for a while (doubling with each
+        failure there), so a bad node does not eat every replacement."""
+        for node in unit.nodes:
+            failures = self.node_cooldown.get(node, (0, 0.0))[0] + 1
+            seconds = self.config.node_cooldown_s * min(8, 2 ** (failures - 1))
+            self.node_cooldown[node] = (failures, now + seconds)
+            self.events.record(self.job.job_id, "node_excluded", f"unit {unit.unit_id} failed there",
+                               unit_id=unit.unit_id, epoch=self.job.epoch,
+                               fields={"node": node, "failures": failures, "for_s": f"{seconds:.0f}"})
+
+    def _excluded_nodes(self, now: float) -> tuple[str, ...]:
+        return tuple(sorted(node for node, (_, until) in self.node_cooldown.items() if now < until))
+
+    def _submit_unit(self, reason: str, excluded: tuple[str, ...] = ()) -> None:
         assert self.slurm is not None
         numbers = [int(u[1:]) for u in self.units if u.startswith("u") and u[1:].isdigit()]
         unit_id = f"u{max(numbers, default=0) + 1}"
@@ -882,7 +901,7 @@ class JobActor:
         submission = units.unit_submission(
             self.job.spec, job_id=self.job.job_id, unit_id=unit_id, launcher=slurm.launcher,
             controller=slurm.controller_address, secret_path=slurm.secrets_dir / f"{self.job.job_id}.secret",
-            output_dir=slurm.output_dir)
+            output_dir=slurm.output_dir, exclude=excluded)
 
         def submit() -> None:
             try:

@@ -314,11 +314,8 @@ class Elastic:
         self.world = world
         timeout = datetime.timedelta(seconds=self.timeout_s)
         try:
-            # The store is the epoch's host launcher's; it may be gone (a failure during the
-            # change), which breaks this world like any other failure.
-            store = dist.TCPStore(world.master_addr, world.master_port, is_master=False,
-                                  timeout=datetime.timedelta(seconds=min(self.timeout_s, STORE_TIMEOUT_S)),
-                                  wait_for_workers=False)
+            store = self._connect_store(world)
+            store.set_timeout(timeout)
             self._store = store
             prefix = dist.PrefixStore(f"tidal/epoch-{world.epoch}", store)
             prefix.add("arrived", 1)
@@ -345,6 +342,24 @@ class Elastic:
                           step=self.counters.step, digest=state_digest, source=source, seconds=seconds)
         self.log.info("world_formed", epoch=world.epoch, rank=world.rank, world_size=world.world_size,
                       step=self.counters.step, state_source=source, seconds=round(seconds, 4))
+
+    def _connect_store(self, world: World) -> dist.TCPStore:
+        """The epoch's rendezvous store, on its host launcher. That host may be gone (it
+        failed during the change): attempts of one second each, a stop between any two,
+        and past STORE_TIMEOUT_S the world counts as broken."""
+        assert self.channel is not None
+        deadline = time.monotonic() + min(self.timeout_s, STORE_TIMEOUT_S)
+        while True:
+            if self.channel.stop_requested(world.epoch):
+                raise WorldBroken(f"stopped while reaching the store of epoch {world.epoch}")
+            try:
+                return dist.TCPStore(world.master_addr, world.master_port, is_master=False,
+                                     timeout=datetime.timedelta(seconds=1), wait_for_workers=False)
+            except RuntimeError as error:
+                if time.monotonic() > deadline:
+                    raise WorldBroken(f"the store of epoch {world.epoch} at {world.master_addr}:"
+                                      f"{world.master_port} does not answer: {error}") from error
+                time.sleep(0.05)
 
     def _sync_state(self) -> tuple[int, str]:
         """Every rank adopts the state of the most advanced one (rank 0's fresh one when

@@ -3,6 +3,8 @@ units with sbatch and grows it onto the idle nodes."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -102,6 +104,55 @@ def test_an_urgent_job_preempts_two_replicas_the_job_shrinks_without_losing_a_st
 
             slurm.cancel(urgent)
             wait_for("world size 4 again", world_size(4), timeout_s=120, interval_s=0.5)
+            admin.cancel(job_id)
+        wait_for("the units' Slurm jobs to end", lambda: not any(
+            j.is_active for j in slurm.list_jobs() if j.name.startswith(f"tidal-{job_id}-")), timeout_s=60)
+    finally:
+        controller.stop()
+
+
+def launcher_pid(job_id: str, unit_id: str) -> int | None:
+    """The PID of a unit's launcher, found by its command line (Slurm started it)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "tidal.launcher.agent" in argv and job_id in argv and unit_id in argv:
+            return int(entry.name)
+    return None
+
+
+def test_a_failed_unit_is_replaced_away_from_its_node(slurm: CliJsonSlurmClient, mini_cluster: dict,
+                                                      tmp_path: Path) -> None:
+    idle = [n for n in slurm.list_nodes() if "train" in n.partitions and n.is_idle_and_usable]
+    assert len(idle) == 4, f"the test needs the 4 idle nodes of the mini cluster, found {len(idle)}"
+    controller = slurm_controller(tmp_path)
+    try:
+        with controller.admin() as admin:
+            job_id = admin.submit(live_job("replace", 3, tmp_path, tmp_path / "ledger")).job.job_id
+
+            def world_of(size: int) -> Callable[[], admin_pb2.Job | None]:
+                def check() -> admin_pb2.Job | None:
+                    job = admin.job(job_id)
+                    return job if job.world_size == size and job.state == admin_pb2.JOB_STATE_RUNNING else None
+                return check
+
+            job = wait_for("world size 3", world_of(3), timeout_s=120, interval_s=0.5)
+            victim = next(u for u in job.units if u.state == admin_pb2.UNIT_STATE_ACTIVE)
+            pid = wait_for("the victim's launcher", lambda: launcher_pid(job_id, victim.unit_id), timeout_s=10)
+            os.kill(pid, signal.SIGKILL)
+
+            wait_for("the recovery at 2", lambda: any(e.kind == "recovered" for e in admin.events(job_id)),
+                     timeout_s=60)
+            excluded = [e for e in admin.events(job_id) if e.kind == "node_excluded"]
+            assert [e.fields["node"] for e in excluded] == list(victim.nodes)
+            back = wait_for("world size 3 again", world_of(3), timeout_s=120, interval_s=0.5)
+            replacement = next(u for u in back.units if u.state == admin_pb2.UNIT_STATE_ACTIVE
+                               and u.unit_id not in {x.unit_id for x in job.units})
+            assert set(replacement.nodes).isdisjoint(victim.nodes), (replacement, victim)
             admin.cancel(job_id)
         wait_for("the units' Slurm jobs to end", lambda: not any(
             j.is_active for j in slurm.list_jobs() if j.name.startswith(f"tidal-{job_id}-")), timeout_s=60)
