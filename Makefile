@@ -54,14 +54,12 @@ cluster-down:
 cluster-status:
 	scripts/minicluster status
 
-# A real Slurm cluster and what Tidal sees of it; then, on loopback, a controller, three
-# launchers and the live-mode LM, which grows, loses a worker to kill -9 and a launcher
-# to SIGTERM, and goes on in the same processes. (Units as Slurm jobs come with the
-# autoscaling work.)
+# The local Slurm cluster, what Tidal sees of it, then scripts/demo-slurm: the controller
+# runs units as Slurm jobs; the live-mode LM grows onto the idle nodes, an urgent job
+# preempts two replicas, a worker is killed, and the job grows back. (The loopback
+# scenario without Slurm: scripts/demo-control-plane.)
 demo: install
-	scripts/with-cluster bash -c '$(VENV)/bin/tidal nodes && echo && squeue && echo && sinfo'
-	@echo
-	$(PYTHON) scripts/demo-control-plane
+	scripts/with-cluster bash -c '$(VENV)/bin/tidal nodes && echo && squeue && echo && $(PYTHON) scripts/demo-slurm'
 
 bench: install
 	@echo "bench: no benchmarks yet (they come with the benchmark issue)"; exit 1
