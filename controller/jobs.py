@@ -838,21 +838,19 @@ class JobActor:
         if self.slurm is None or self.job.state.is_final or view.stale:
             return
         for unit in list(self.units.values()):
-            if unit.state is not UnitState.SUBMITTED or not unit.slurm_job_id:
+            if not unit.slurm_job_id or unit.state not in (UnitState.SUBMITTED, UnitState.ACTIVE):
                 continue
-            if view.observed_at < self.submitted_at.get(unit.unit_id, 0.0) + 1.0:
-                continue  # this view may predate the submission
             found = view.job(unit.slurm_job_id)
-            if found is None or found.state.is_finished:
-                what = found.state.value.lower() if found else "gone from squeue"
-                self._unit_lost(unit, f"Slurm job {unit.slurm_job_id} {what} before its launcher registered")
-        for unit in list(self.units.values()):
-            # Slurm chose a unit for preemption: it has until its end time (GraceTime) to go,
-            # and SIGTERM reaches the launcher only at the end of it. Leave now.
-            if unit.state is UnitState.ACTIVE and unit.slurm_job_id:
-                found = view.job(unit.slurm_job_id)
+            if unit.state is UnitState.ACTIVE:
+                # Slurm chose the unit for preemption: it has until its end time (GraceTime),
+                # and SIGTERM reaches the launcher only at the end of it. Leave now.
                 if found is not None and found.is_being_preempted:
                     self._leave(unit.unit_id, "preempted", f"Slurm preempts job {unit.slurm_job_id}")
+            elif view.observed_at >= self.submitted_at.get(unit.unit_id, 0.0) + 1.0 and (
+                    found is None or found.state.is_finished):
+                # (A view taken before the submission proves nothing.)
+                what = found.state.value.lower() if found else "gone from squeue"
+                self._unit_lost(unit, f"Slurm job {unit.slurm_job_id} {what} before its launcher registered")
         if now < self.next_submit_at or self.stop is not None:
             return
         spec = self.job.spec

@@ -114,7 +114,8 @@ class LiveWorkers:
     idle: set[int] = dataclasses.field(default_factory=set)
     left: set[int] = dataclasses.field(default_factory=set)
     formed: dict[int, int] = dataclasses.field(default_factory=dict)
-    # Epochs already reported to the controller as ready / reconfigured / first step.
+    # (epoch, EpochPhase) reports already sent: STARTED (a joiner's workers ready),
+    # RECONFIGURED, FIRST_STEP; each goes once.
     reported: set[tuple[int, int]] = dataclasses.field(default_factory=set)
     # A joiner reports its workers ready (EPOCH_PHASE_STARTED) once all said hello.
     ready_epoch: int = 0
@@ -490,6 +491,12 @@ class Agent:
         report.at.GetCurrentTime()
         self.link.send(launcher_pb2.LauncherMessage(epoch_report=report))
 
+    def _report_once(self, epoch: int, phase: launcher_pb2.EpochPhase.ValueType, step: int = 0,
+                     detail: str = "") -> None:
+        if (epoch, phase) not in self.live.reported:
+            self.live.reported.add((epoch, phase))
+            self._report(epoch, phase, step=step, detail=detail)
+
     def _send_worlds(self, epoch: int, table: common_pb2.RankTable, rendezvous: common_pb2.Rendezvous) -> None:
         """Name epoch `epoch`'s world to each worker (rank -1: leave after the agreed step)."""
         assert self.workers is not None
@@ -549,19 +556,15 @@ class Agent:
         everyone = {w.local_rank for w in group.workers}
         if op == "hello":
             live.hello.add(local_rank)
-            if live.ready_epoch and live.hello >= everyone and (live.ready_epoch, 1) not in live.reported:
-                live.reported.add((live.ready_epoch, 1))
-                self._report(live.ready_epoch, launcher_pb2.EPOCH_PHASE_STARTED, detail="workers ready to join")
+            if live.ready_epoch and live.hello >= everyone:
+                self._report_once(live.ready_epoch, launcher_pb2.EPOCH_PHASE_STARTED, detail="workers ready to join")
         elif op == "formed":
             live.formed[local_rank] = epoch
             live.idle.discard(local_rank)
-            if all(live.formed.get(r) == epoch for r in everyone) and (epoch, 2) not in live.reported:
-                live.reported.add((epoch, 2))
-                self._report(epoch, launcher_pb2.EPOCH_PHASE_RECONFIGURED, step=step)
+            if all(live.formed.get(r) == epoch for r in everyone):
+                self._report_once(epoch, launcher_pb2.EPOCH_PHASE_RECONFIGURED, step=step)
         elif op == "first_step":
-            if (epoch, 5) not in live.reported:
-                live.reported.add((epoch, 5))
-                self._report(epoch, launcher_pb2.EPOCH_PHASE_FIRST_STEP, step=step)
+            self._report_once(epoch, launcher_pb2.EPOCH_PHASE_FIRST_STEP, step=step)
         elif op == "stopped":
             live.idle.add(local_rank)
             self._maybe_live_stopped()

@@ -71,12 +71,15 @@ class StepSamples:
     # Position of the step's first sample in the global order.
     start: int
     global_batch: int
-    # This rank's sample indices (not positions).
+    # Every sample index of the step, all ranks together (what the step must consume).
+    step_indices: list[int]
+    # This rank's share of them.
     indices: list[int]
 
 
 def step_samples(order: GlobalOrder, *, step: int, start: int, global_batch: int, rank: int,
                  world_size: int) -> StepSamples:
+    step_indices = order.samples(start, global_batch)
     first, last = share_bounds(global_batch, rank, world_size)
-    return StepSamples(step=step, start=start, global_batch=global_batch,
-                       indices=order.samples(start + first, last - first))
+    return StepSamples(step=step, start=start, global_batch=global_batch, step_indices=step_indices,
+                       indices=step_indices[first:last])

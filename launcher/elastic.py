@@ -512,8 +512,7 @@ class Elastic:
         flat = torch.cat([g.reshape(-1) for g in gradients]) if gradients else torch.zeros(0, device=self.device)
         self._all_reduce(flat)
         # Committed: every rank's contribution is in the sum.
-        expected = self.order.samples(samples.start, batch_size)
-        self._check_accounting(step, control, expected)
+        self._check_accounting(step, control, samples.step_indices)
         flat.div_(batch_size)
         offset = 0
         for parameter in self.params:

@@ -6,6 +6,7 @@ stale, with the error and its age, and `require_fresh()` refuses to act on it.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,7 +36,12 @@ class ClusterView:
         return self
 
     def job(self, job_id: int) -> Job | None:
-        return next((j for j in self.jobs if j.job_id == job_id), None)
+        return self._jobs_by_id.get(job_id)
+
+    @functools.cached_property
+    def _jobs_by_id(self) -> dict[int, Job]:
+        # Built once per view: every job actor looks up each of its units in every poll.
+        return {j.job_id: j for j in self.jobs}
 
 
 class ClusterPoll:

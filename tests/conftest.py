@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -49,3 +50,8 @@ def slurm(mini_cluster: dict) -> Iterator[CliJsonSlurmClient]:
     leftovers = [j.job_id for j in client.list_jobs() if j.job_id not in before and j.is_active]
     if leftovers:
         subprocess.run(["scancel", *map(str, leftovers)], check=False, timeout=10)
+        # Gone before the next test looks for idle nodes, so one failure does not become many.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(
+                j.job_id in leftovers and j.is_active for j in client.list_jobs()):
+            time.sleep(0.5)

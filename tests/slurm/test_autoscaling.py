@@ -63,7 +63,9 @@ def test_a_live_job_grows_onto_every_idle_node(slurm: CliJsonSlurmClient, mini_c
                 assert unit.slurm_job_id in slurm_jobs, unit
                 assert list(slurm_jobs[unit.slurm_job_id].nodes) == list(unit.nodes)
             kinds = [e.kind for e in admin.events(job_id)]
-            assert kinds.count("unit_submitted") == len(idle) and "world_reconfigured" in kinds
+            # One unit per idle node (whether the world formed at 4 or grew to it in-process
+            # depends on how fast the units start).
+            assert kinds.count("unit_submitted") == len(idle)
 
             admin.cancel(job_id)
         wait_for("the units' Slurm jobs to end", lambda: not any(
