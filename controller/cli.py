@@ -307,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     submit = sub.add_parser(
         "submit", help="submit an elastic job", usage="tidal submit [--min-replicas N] [--max-replicas M] "
         "[--nodes-per-replica K] [--procs-per-node P] [--global-batch B] [--mode live|restart] [--name NAME] "
-        "[--env K=V] [--replica-step S | --allowed-replicas 1,2,4] [--yield-to-pending] [--json] "
+        "[--env K=V] [--replica-step S | --allowed-replicas 1,2,4] [--yield-to-pending] [--weight W] [--json] "
         "[sbatch options...] SCRIPT_OR_COMMAND [ARGS...]",
         description="Options before the script or command: Tidal's own, and sbatch's (kept for every unit). "
         "A batch script's #SBATCH and #TIDAL lines are read too; the command line wins.")

@@ -17,7 +17,7 @@ import grpc
 import structlog
 from google.protobuf import duration_pb2
 
-from tidal.controller import planning, units
+from tidal.controller import planning, sharing, units
 from tidal.controller.config import ControllerConfig
 from tidal.controller.events import EventLog
 from tidal.controller.health import Failure, HealthPolicy, UnitHealth, health_verdicts
@@ -97,9 +97,13 @@ class Barrier:
 
 @dataclasses.dataclass(frozen=True)
 class SlurmObserved:
-    """One cluster-wide view of Slurm, from the poller."""
+    """One cluster-wide view of Slurm, from the poller, with the cluster-wide decisions
+    taken on it: how many idle nodes this job may grow onto (None: no cap) and which of
+    its units yield to a waiting higher-priority Slurm job."""
 
     view: ClusterView
+    grow_allowance: int | None = None
+    yields: tuple[sharing.YieldOrder, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,6 +222,7 @@ class JobActor:
         self.submitted_at: dict[str, float] = {}
         # Nodes where a unit failed: failures there, and no new unit before (monotonic).
         self.node_cooldown: dict[str, tuple[int, float]] = {}
+        self.growth_held_reason = ""
         self.log = log.bind(job=job.job_id)
         if job.state is JobState.RECONFIGURING and epoch is not None and not epoch_stopped:
             # Killed while stopping an epoch: finish the stop with whoever comes back.
@@ -325,8 +330,8 @@ class JobActor:
             case Barrier(done):
                 if not done.done():
                     done.set_result(None)
-            case SlurmObserved(view):
-                self._on_slurm(view, time.monotonic())
+            case SlurmObserved(view, grow_allowance, yields):
+                self._on_slurm(view, time.monotonic(), grow_allowance, yields)
             case UnitSubmitted(unit_id, slurm_job_id, error):
                 self._on_unit_submitted(unit_id, slurm_job_id, error)
 
@@ -832,16 +837,57 @@ class JobActor:
 
     # Units as Slurm jobs.
 
-    def _on_slurm(self, view: ClusterView, now: float) -> None:
-        """Reconcile units with what Slurm shows, then submit what the job needs. A stale
-        view (Slurm did not answer) decides nothing."""
+    def _alive_units(self) -> list[UnitRecord]:
+        """Units that hold or wait for a place (submitted, joining, active)."""
+        return [u for u in self.units.values() if u.state in (UnitState.SUBMITTED, UnitState.JOINING,
+                                                              UnitState.ACTIVE)]
+
+    def growing_job(self, view: ClusterView, now: float) -> sharing.GrowingJob | None:
+        """What the idle-node share across jobs needs of this job, or None if it runs no
+        units in Slurm."""
+        if self.slurm is None or self.job.state.is_final:
+            return None
+        excluded = frozenset(self._excluded_nodes(now))
+        return sharing.GrowingJob(job_id=self.job.job_id, weight=self.job.spec.weight or 1,
+                                  replicas=len(self._alive_units()), max_replicas=self.job.spec.max_replicas,
+                                  fits=frozenset(units.idle_nodes_for(self.job.spec, view.nodes, excluded)))
+
+    def yielding_job(self, view: ClusterView) -> sharing.YieldingJob | None:
+        """This job's active units that could yield to a waiting Slurm job, if it allows
+        yielding and no world change or stop is in flight."""
+        if (self.slurm is None or not self.job.spec.yield_to_pending or self.job.state is not JobState.RUNNING
+                or self.stop is not None or self.reconfigure is not None):
+            return None
+        candidates = []
+        for unit in self.units.values():
+            found = view.job(unit.slurm_job_id) if unit.slurm_job_id else None
+            if unit.state is not UnitState.ACTIVE or found is None or found.state is not SlurmJobState.RUNNING:
+                continue
+            order = int(unit.unit_id[1:]) if unit.unit_id[1:].isdigit() else 0
+            candidates.append(sharing.YieldableUnit(unit_id=unit.unit_id, nodes=tuple(unit.nodes),
+                                                    rank=(view.priority_tier(found.partition), found.priority),
+                                                    order=order))
+        return sharing.YieldingJob(job_id=self.job.job_id, weight=self.job.spec.weight or 1,
+                                   min_replicas=self.job.spec.min_replicas, units=tuple(candidates))
+
+    def _on_slurm(self, view: ClusterView, now: float, grow_allowance: int | None = None,
+                  yields: tuple[sharing.YieldOrder, ...] = ()) -> None:
+        """Reconcile units with what Slurm shows, yield what the cluster-wide plan asks,
+        then submit what the job needs. A stale view (Slurm did not answer) decides
+        nothing."""
         if self.slurm is None or self.job.state.is_final or view.stale:
             return
         for unit in list(self.units.values()):
-            if not unit.slurm_job_id or unit.state not in (UnitState.SUBMITTED, UnitState.ACTIVE):
+            if not unit.slurm_job_id or unit.state not in (UnitState.SUBMITTED, UnitState.ACTIVE,
+                                                           UnitState.JOINING):
                 continue
             found = view.job(unit.slurm_job_id)
-            if unit.state is UnitState.ACTIVE:
+            if found is not None and found.was_requeued and found.state is SlurmJobState.PENDING:
+                # Slurm requeued the unit (an sbatch option allowed it): its processes are
+                # gone, and a copy that started later would hold a node Tidal did not ask
+                # for. Tidal places replacements itself, so the copy is cancelled.
+                self._on_requeued(unit, found.job_id)
+            elif unit.state in (UnitState.ACTIVE, UnitState.JOINING):
                 # Slurm chose the unit for preemption: it has until its end time (GraceTime),
                 # and SIGTERM reaches the launcher only at the end of it. Leave now.
                 if found is not None and found.is_being_preempted:
@@ -851,25 +897,50 @@ class JobActor:
                 # (A view taken before the submission proves nothing.)
                 what = found.state.value.lower() if found else "gone from squeue"
                 self._unit_lost(unit, f"Slurm job {unit.slurm_job_id} {what} before its launcher registered")
+        for order in yields:
+            self._leave(order.unit_id, "yielded", order.reason)
         if now < self.next_submit_at or self.stop is not None:
             return
         spec = self.job.spec
-        alive = [u for u in self.units.values() if u.state in (UnitState.SUBMITTED, UnitState.JOINING,
-                                                                UnitState.ACTIVE)]
+        alive = self._alive_units()
         # Units Slurm has not placed yet will take idle nodes; running ones already hold theirs.
         waiting = sum(1 for u in alive if u.state is UnitState.SUBMITTED
                       and ((found := view.job(u.slurm_job_id)) is None or found.state is SlurmJobState.PENDING))
         excluded = self._excluded_nodes(now)
         idle = units.idle_nodes_for(spec, view.nodes, frozenset(excluded))
-        # Idle nodes are for others first: grow only while no other Slurm job waits for nodes.
-        others_waiting = [j for j in view.jobs if j.state is SlurmJobState.PENDING
-                          and not j.name.startswith(f"tidal-{self.job.job_id}-")]
+        # Idle nodes are for others first: grow only while no other Slurm job waits for
+        # nodes this job could take.
+        others_waiting = units.others_waiting_for(view, self.job.job_id, frozenset(n.name for n in view.nodes
+                                                                                   if spec.partition in n.partitions
+                                                                                   or not spec.partition))
         demand = units.units_to_submit(spec, alive=len(alive), idle_nodes=max(0, len(idle) - waiting), now=now,
                                        last_change_at=self.last_change_at,
                                        scale_up_snooze_s=self.config.scale_up_snooze_s,
                                        others_waiting=len(others_waiting))
-        for _ in range(demand.count):
+        count = demand.count
+        if grow_allowance is not None and len(alive) >= spec.min_replicas and count > grow_allowance:
+            # Other elastic jobs share these idle nodes by weight.
+            count = grow_allowance
+            self._note_growth_held(f"{demand.count - count} of {demand.count} idle node(s) go to other elastic "
+                                   f"jobs by weight (this job's weight {spec.weight or 1})")
+        for _ in range(count):
             self._submit_unit(demand.reason, excluded)
+
+    def _note_growth_held(self, reason: str) -> None:
+        """An event when growth is held back for a new reason (not on every poll)."""
+        if reason != self.growth_held_reason:
+            self.growth_held_reason = reason
+            self.events.record(self.job.job_id, "growth_shared", reason, epoch=self.job.epoch)
+
+    def _on_requeued(self, unit: UnitRecord, slurm_job_id: int) -> None:
+        self.events.record(self.job.job_id, "unit_requeued", f"Slurm requeued job {slurm_job_id}; Tidal cancels "
+                           "the requeued copy and places replacements itself", unit_id=unit.unit_id,
+                           epoch=self.job.epoch, fields={"slurm_job_id": slurm_job_id})
+        self._cancel_in_slurm(unit)
+        if unit.state is UnitState.SUBMITTED:
+            self._unit_lost(unit, f"Slurm job {slurm_job_id} requeued before its launcher registered")
+        else:
+            self._leave(unit.unit_id, "requeued", f"Slurm requeued job {slurm_job_id}")
 
     def _cool_down(self, unit: UnitRecord, now: float) -> None:
         """No unit of this job on the failed unit's nodes for a while (doubling with each

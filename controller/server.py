@@ -15,6 +15,7 @@ import grpc
 import structlog
 from google.protobuf.message import DecodeError
 
+from tidal.controller import sharing, units
 from tidal.controller.config import ControllerConfig
 from tidal.controller.events import EventLog
 from tidal.controller.health import TokenBucket
@@ -40,7 +41,7 @@ from tidal.controller.spec import SpecError, normalized_spec
 from tidal.controller.store import StateStore
 from tidal.proto import admin_pb2, admin_pb2_grpc, common_pb2, launcher_pb2, launcher_pb2_grpc
 from tidal.slurm import SlurmError, default_client
-from tidal.slurm.snapshot import ClusterPoll
+from tidal.slurm.snapshot import ClusterPoll, ClusterView
 
 log = structlog.get_logger("tidal.controller.server")
 
@@ -58,6 +59,8 @@ class Controller:
         self.events = EventLog(store)
         self.actors: dict[str, JobActor] = {}
         self.slurm_units: SlurmUnits | None = None
+        # Waiting Slurm job id -> Slurm job ids of the units that yield to it.
+        self.yielded: dict[int, set[int]] = {}
         self.shutting_down = False
         self._tasks: set[asyncio.Task[None]] = set()
         metrics.read_job_states(lambda: list(self.actors.values()), [s.value for s in JobState],
@@ -90,10 +93,42 @@ class Controller:
             view = await asyncio.to_thread(poll.poll)
             if view.stale:
                 log.warning("slurm_poll_failed", failures=view.consecutive_failures, error=str(view.error))
-            for actor in self.actors.values():
-                if not actor.job.state.is_final:
-                    actor.put(SlurmObserved(view))
+            self.observe_slurm(view, time.monotonic())
             await asyncio.sleep(interval * min(10, 2 ** view.consecutive_failures))
+
+    def observe_slurm(self, view: ClusterView, now: float) -> None:
+        """Hand one view to every job, with the cluster-wide decisions taken on it: the
+        idle nodes shared by weight, and the units that yield to waiting Slurm jobs."""
+        actors = [a for a in self.actors.values() if not a.job.state.is_final]
+        allowances: dict[str, int] = {}
+        yields: dict[str, list[sharing.YieldOrder]] = {}
+        if not view.stale and self.slurm_units is not None:
+            growing = [g for a in actors if (g := a.growing_job(view, now)) is not None]
+            allowances = sharing.share_idle_nodes(growing)
+            for order in self._plan_yields(view, actors):
+                yields.setdefault(order.job_id, []).append(order)
+        for actor in actors:
+            actor.put(SlurmObserved(view, allowances.get(actor.job.job_id), tuple(yields.get(actor.job.job_id, ()))))
+
+    def _plan_yields(self, view: ClusterView, actors: list[JobActor]) -> list[sharing.YieldOrder]:
+        waiting = {j.job_id: j for j in units.waiting_for_nodes(view)}
+        # Forget yields for jobs that no longer wait; count units still holding a node.
+        self.yielded = {job_id: held for job_id, held in self.yielded.items() if job_id in waiting}
+        releasing = {job_id: sum(1 for slurm_job_id in held if (j := view.job(slurm_job_id)) is not None
+                                 and not j.state.is_finished)
+                     for job_id, held in self.yielded.items()}
+        jobs = [y for a in actors if (y := a.yielding_job(view)) is not None]
+        if not waiting or not jobs:
+            return []
+        idle = frozenset(n.name for n in view.nodes if n.is_idle_and_usable)
+        waiters = [sharing.WaitingJob(slurm_job_id=j.job_id, nodes_needed=max(1, j.node_count),
+                                      could_use=view.partition_nodes(j.partition),
+                                      rank=(view.priority_tier(j.partition), j.priority)) for j in waiting.values()]
+        orders = sharing.plan_yields(waiters, jobs, idle, releasing)
+        for order in orders:
+            unit = self.actors[order.job_id].units[order.unit_id]
+            self.yielded.setdefault(order.slurm_job_id, set()).add(unit.slurm_job_id)
+        return orders
 
     def _add(self, actor: JobActor) -> None:
         actor.slurm = self.slurm_units

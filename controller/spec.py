@@ -43,6 +43,8 @@ def normalized_spec(spec: admin_pb2.JobSpec) -> admin_pb2.JobSpec:
         problems.append(f"procs_per_node: must be within 1..256, got {result.procs_per_node}")
     if result.global_batch < 0:
         problems.append(f"global_batch: must be positive (or 0: the script decides), got {result.global_batch}")
+    if result.weight < 0:
+        problems.append(f"weight: must be >= 1 (or 0: 1), got {result.weight}")
     if result.replica_step < 0:
         problems.append(f"replica_step: must be >= 0, got {result.replica_step}")
     if any(n < 1 for n in result.allowed_replicas):

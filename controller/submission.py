@@ -63,6 +63,8 @@ def _apply_tidal_option(spec: admin_pb2.JobSpec, option: str, value: str | None)
             spec.procs_per_node = _positive_int(option, need())
         case "--global-batch":
             spec.global_batch = _positive_int(option, need())
+        case "--weight":
+            spec.weight = _positive_int(option, need())
         case "--replica-step":
             spec.replica_step = _positive_int(option, need())
         case "--allowed-replicas":
@@ -90,7 +92,7 @@ def _apply_tidal_option(spec: admin_pb2.JobSpec, option: str, value: str | None)
 
 TIDAL_OPTIONS = frozenset({"--min-replicas", "--max-replicas", "--nodes-per-replica", "--procs-per-node",
                            "--global-batch", "--replica-step", "--allowed-replicas", "--mode", "--name", "--env",
-                           "--yield-to-pending"})
+                           "--yield-to-pending", "--weight"})
 TIDAL_FLAGS = frozenset({"--yield-to-pending"})
 
 

@@ -13,7 +13,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tidal.proto import admin_pb2
-from tidal.slurm.models import Node, UnitSubmission
+from tidal.slurm.models import Job, JobState, Node, UnitSubmission
+from tidal.slurm.snapshot import ClusterView
+
+# Slurm's pending reasons that mean "waits for nodes" (not a dependency, a hold, a limit).
+WAITING_FOR_NODES = frozenset({"Resources", "Priority"})
+UNIT_COMMENT_PREFIX = "tidal job="
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +31,31 @@ def idle_nodes_for(spec: admin_pb2.JobSpec, nodes: Sequence[Node], excluded: fro
     """Idle, usable nodes in the job's partition (any partition when it names none)."""
     return sorted(n.name for n in nodes if n.is_idle_and_usable and n.name not in excluded
                   and (not spec.partition or spec.partition in n.partitions))
+
+
+def is_tidal_unit(job: Job, job_id: str | None = None) -> bool:
+    """Whether a Slurm job is a Tidal unit (of `job_id`, when given): by the comment Tidal
+    sets, or the name where the comment is not shown."""
+    if job.comment.startswith(UNIT_COMMENT_PREFIX):
+        return job_id is None or job.comment.split()[1] == f"job={job_id}"
+    return job.name.startswith(f"tidal-{job_id}-" if job_id else "tidal-")
+
+
+def waiting_for_nodes(view: ClusterView) -> list[Job]:
+    """Pending Slurm jobs that wait for nodes, Tidal's own units excluded."""
+    return [j for j in view.jobs if j.state is JobState.PENDING and j.reason in WAITING_FOR_NODES
+            and not is_tidal_unit(j)]
+
+
+def others_waiting_for(view: ClusterView, job_id: str, nodes: frozenset[str]) -> list[Job]:
+    """Slurm jobs other than `job_id`'s units that wait for any of `nodes` (any pending
+    job, when Slurm's partitions are not known yet). Other Tidal jobs' pending units count:
+    a replacement keeping another job at its minimum comes before growth."""
+    pending = [j for j in view.jobs if j.state is JobState.PENDING and j.reason in WAITING_FOR_NODES
+               and not is_tidal_unit(j, job_id)]
+    if not view.partitions:
+        return pending
+    return [j for j in pending if view.partition_nodes(j.partition) & nodes]
 
 
 def units_to_submit(spec: admin_pb2.JobSpec, *, alive: int, idle_nodes: int, now: float,

@@ -48,7 +48,7 @@ UNIT_STATE_LEFT: UnitState
 UNIT_STATE_FAILED: UnitState
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "min_replicas", "max_replicas", "nodes_per_replica", "procs_per_node", "global_batch", "mode", "command", "sbatch_options", "partition", "working_dir", "environment", "replica_step", "allowed_replicas", "yield_to_pending")
+    __slots__ = ("name", "min_replicas", "max_replicas", "nodes_per_replica", "procs_per_node", "global_batch", "mode", "command", "sbatch_options", "partition", "working_dir", "environment", "replica_step", "allowed_replicas", "yield_to_pending", "weight")
     class EnvironmentEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class JobSpec(_message.Message):
     REPLICA_STEP_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     YIELD_TO_PENDING_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
     name: str
     min_replicas: int
     max_replicas: int
@@ -86,7 +87,8 @@ class JobSpec(_message.Message):
     replica_step: int
     allowed_replicas: _containers.RepeatedScalarFieldContainer[int]
     yield_to_pending: bool
-    def __init__(self, name: _Optional[str] = ..., min_replicas: _Optional[int] = ..., max_replicas: _Optional[int] = ..., nodes_per_replica: _Optional[int] = ..., procs_per_node: _Optional[int] = ..., global_batch: _Optional[int] = ..., mode: _Optional[_Union[_common_pb2.JobMode, str]] = ..., command: _Optional[_Iterable[str]] = ..., sbatch_options: _Optional[_Iterable[str]] = ..., partition: _Optional[str] = ..., working_dir: _Optional[str] = ..., environment: _Optional[_Mapping[str, str]] = ..., replica_step: _Optional[int] = ..., allowed_replicas: _Optional[_Iterable[int]] = ..., yield_to_pending: _Optional[bool] = ...) -> None: ...
+    weight: int
+    def __init__(self, name: _Optional[str] = ..., min_replicas: _Optional[int] = ..., max_replicas: _Optional[int] = ..., nodes_per_replica: _Optional[int] = ..., procs_per_node: _Optional[int] = ..., global_batch: _Optional[int] = ..., mode: _Optional[_Union[_common_pb2.JobMode, str]] = ..., command: _Optional[_Iterable[str]] = ..., sbatch_options: _Optional[_Iterable[str]] = ..., partition: _Optional[str] = ..., working_dir: _Optional[str] = ..., environment: _Optional[_Mapping[str, str]] = ..., replica_step: _Optional[int] = ..., allowed_replicas: _Optional[_Iterable[int]] = ..., yield_to_pending: _Optional[bool] = ..., weight: _Optional[int] = ...) -> None: ...
 
 class Unit(_message.Message):
     __slots__ = ("unit_id", "slurm_job_id", "nodes", "state", "group_rank", "last_heartbeat")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from tidal.slurm.client import SlurmClient
 from tidal.slurm.errors import SlurmError
-from tidal.slurm.models import Job, Node
+from tidal.slurm.models import Job, Node, Partition
 
 
 class StaleClusterView(SlurmError):
@@ -29,6 +29,8 @@ class ClusterView:
     stale: bool
     error: SlurmError | None = None
     consecutive_failures: int = 0
+    # Read every `partitions_every` polls (they change with slurm.conf, not with jobs).
+    partitions: tuple[Partition, ...] = ()
 
     def require_fresh(self) -> ClusterView:
         if self.stale:
@@ -43,13 +45,30 @@ class ClusterView:
         # Built once per view: every job actor looks up each of its units in every poll.
         return {j.job_id: j for j in self.jobs}
 
+    def partition(self, name: str) -> Partition | None:
+        return next((p for p in self.partitions if p.name == name), None)
+
+    def priority_tier(self, partitions: str) -> int:
+        """The tier a job runs at: its partition's PriorityTier (the highest, for a
+        pending job that names several, comma-separated)."""
+        tiers = [p.priority_tier for name in partitions.split(",") if (p := self.partition(name)) is not None]
+        return max(tiers, default=0)
+
+    def partition_nodes(self, partitions: str) -> frozenset[str]:
+        return frozenset(n for name in partitions.split(",") if (p := self.partition(name)) is not None
+                         for n in p.nodes)
+
 
 class ClusterPoll:
-    """Reads nodes and jobs from a SlurmClient, one query each per `poll()`."""
+    """Reads nodes and jobs from a SlurmClient, one query each per `poll()`, and the
+    partitions on the first poll and every `partitions_every` polls after."""
 
-    def __init__(self, client: SlurmClient, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, client: SlurmClient, clock: Callable[[], float] = time.time, partitions_every: int = 30) -> None:
         self.client = client
         self.clock = clock
+        self.partitions_every = max(1, partitions_every)
+        self._polls = 0
+        self._partitions: tuple[Partition, ...] | None = None
         self._last = ClusterView(nodes=(), jobs=(), observed_at=0.0, stale=True)
 
     @property
@@ -58,12 +77,17 @@ class ClusterPoll:
 
     def poll(self) -> ClusterView:
         try:
+            if self._partitions is None or self._polls % self.partitions_every == 0:
+                self._partitions = tuple(self.client.list_partitions())
             nodes = tuple(self.client.list_nodes())
             jobs = tuple(self.client.list_jobs())
         except SlurmError as error:
             previous = self._last
             self._last = ClusterView(previous.nodes, previous.jobs, previous.observed_at, stale=True,
-                                     error=error, consecutive_failures=previous.consecutive_failures + 1)
+                                     error=error, consecutive_failures=previous.consecutive_failures + 1,
+                                     partitions=previous.partitions)
             return self._last
-        self._last = ClusterView(nodes, jobs, self.clock(), stale=False)
+        finally:
+            self._polls += 1
+        self._last = ClusterView(nodes, jobs, self.clock(), stale=False, partitions=self._partitions)
         return self._last

@@ -160,3 +160,49 @@ def test_a_failed_unit_is_replaced_away_from_its_node(slurm: CliJsonSlurmClient,
             j.is_active for j in slurm.list_jobs() if j.name.startswith(f"tidal-{job_id}-")), timeout_s=60)
     finally:
         controller.stop()
+
+
+def test_with_yield_enabled_a_waiting_higher_priority_job_gets_nodes_before_any_preemption(
+        slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path) -> None:
+    idle = [n for n in slurm.list_nodes() if "train" in n.partitions and n.is_idle_and_usable]
+    assert len(idle) == 4, f"the test needs the 4 idle nodes of the mini cluster, found {len(idle)}"
+    controller = slurm_controller(tmp_path)
+    ledger = tmp_path / "ledger"
+    try:
+        spec = live_job("yield", 4, tmp_path, ledger)
+        spec.yield_to_pending = True
+        with controller.admin() as admin:
+            job_id = admin.submit(spec).job.job_id
+
+            def world_size(size: int) -> Callable[[], admin_pb2.Job | None]:
+                def check() -> admin_pb2.Job | None:
+                    job = admin.job(job_id)
+                    return job if job.world_size == size and job.state == admin_pb2.JOB_STATE_RUNNING else None
+                return check
+
+            wait_for("world size 4", world_size(4), timeout_s=120, interval_s=0.5)
+            # A job of the same partition (Slurm never preempts within it) that outranks the
+            # units and needs 2 nodes: without Tidal it would wait for as long as the job runs.
+            important = slurm.submit(UnitSubmission(
+                name="important", script="#!/bin/sh\nsleep 600\n", partition="train", nodes=2, exclusive=True,
+                requeue=False, output=str(tmp_path / "important-%j.out"), extra_options=("--priority=4294967000",)))
+            wait_for("the important job to run", lambda: slurm.get_job(important).state is JobState.RUNNING,
+                     timeout_s=60, interval_s=0.2)
+            job = wait_for("world size 2", world_size(2), timeout_s=30, interval_s=0.2)
+            events = admin.events(job_id)
+            leaves = [e for e in events if e.kind == "unit_leaving"]
+            assert [e.fields["cause"] for e in leaves] == ["yielded", "yielded"], leaves
+            assert all(f"Slurm job {important}" in e.reason for e in leaves)
+            assert not [e for e in events if e.kind == "failure_detected"]
+            assert not [r for r in read_ledger(ledger) if r["kind"] == "abandoned"], "a step was lost"
+            # The important job runs where the yielding units ran; nobody was preempted.
+            left = {e.unit_id for e in leaves}
+            yielded_nodes = {n for u in job.units if u.unit_id in left for n in u.nodes}
+            assert set(slurm.get_job(important).nodes) == yielded_nodes
+            assert not any(j.preempt_time for j in slurm.list_jobs() if j.name.startswith(f"tidal-{job_id}-"))
+            admin.cancel(job_id)
+        slurm.cancel(important)
+        wait_for("the units' Slurm jobs to end", lambda: not any(
+            j.is_active for j in slurm.list_jobs() if j.name.startswith(f"tidal-{job_id}-")), timeout_s=60)
+    finally:
+        controller.stop()

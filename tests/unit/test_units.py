@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable
 from pathlib import Path
 
+from tidal.controller.config import ControllerConfig
+from tidal.controller.events import EventLog
+from tidal.controller.jobs import JobActor, SlurmObserved, SlurmUnits
+from tidal.controller.metrics import ControllerMetrics
+from tidal.controller.model import JobRecord, JobState, UnitState
+from tidal.controller.security import secret_digest
+from tidal.controller.spec import normalized_spec
+from tidal.controller.store import StateStore
 from tidal.controller.units import idle_nodes_for, unit_submission, units_to_submit
-from tidal.proto import admin_pb2
+from tidal.proto import admin_pb2, common_pb2
+from tidal.slurm.fake import FakeSlurmClient
+from tidal.slurm.models import JobState as SlurmJobState
 from tidal.slurm.models import Node, NodeFlag, NodeState
+from tidal.slurm.snapshot import ClusterPoll
 
 
 def node(name: str, state: NodeState = NodeState.IDLE, partitions: tuple[str, ...] = ("train",),
@@ -60,3 +74,66 @@ def test_a_units_batch_script_starts_the_launcher_and_carries_no_secret(tmp_path
     assert submission.environment == {"TIDAL_SECRET_FILE": str(tmp_path / "lm-1a2b3c.secret")}
     assert submission.name == "tidal-lm-1a2b3c-u7" and submission.exclusive and not submission.requeue
     assert submission.extra_options == ("--time=10:00", "-A", "ml") and submission.partition == "train"
+
+
+def slurm_actor(tmp_path: Path, fake: FakeSlurmClient, **spec_fields: object) -> JobActor:
+    """A job actor whose units are jobs of `fake`, as the controller builds it."""
+    store = StateStore(tmp_path / "tidal.db")
+    spec = normalized_spec(admin_pb2.JobSpec(name="lm", command=["train"], partition="train",
+                                             mode=common_pb2.JOB_MODE_LIVE, **spec_fields))
+    job = JobRecord(job_id="lm-1", spec=spec, state=JobState.PENDING, owner_uid=0, secret_sha256=secret_digest("s"),
+                    created_at=time.time(), updated_at=time.time())
+    store.insert_job(job)
+    units = SlurmUnits(client=fake, launcher=("tidal-launcher",), controller_address="127.0.0.1:1",
+                       output_dir=tmp_path, secrets_dir=tmp_path)
+    return JobActor(job, [], None, epoch_stopped=False, config=ControllerConfig(state_dir=tmp_path), store=store,
+                    events=EventLog(store), metrics=ControllerMetrics(), started_at=time.monotonic(), slurm=units)
+
+
+async def settle(check: Callable[[], object], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "the actor did not get there"
+        await asyncio.sleep(0.01)
+
+
+def test_a_requeued_unit_is_cancelled_and_replaced_by_a_new_unit(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        fake = FakeSlurmClient.with_nodes(2)
+        actor = slurm_actor(tmp_path, fake, min_replicas=1, max_replicas=1)
+        task = asyncio.create_task(actor.run())
+        poll = ClusterPoll(fake)
+        actor.put(SlurmObserved(poll.poll()))
+        await settle(lambda: "u1" in actor.units and actor.units["u1"].slurm_job_id)
+        first = actor.units["u1"].slurm_job_id
+        assert fake.get_job(first).state is SlurmJobState.RUNNING
+        fake.requeue(first)
+        actor.put(SlurmObserved(poll.poll()))
+        await settle(lambda: "u2" in actor.units and actor.units["u2"].slurm_job_id)
+        kinds = [e.kind for e in actor.store.events("lm-1")]
+        assert "unit_requeued" in kinds
+        assert fake.get_job(first).state is SlurmJobState.CANCELLED, "the requeued copy would start again"
+        assert actor.units["u1"].state is UnitState.FAILED
+        task.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_growth_takes_only_the_nodes_the_weighted_share_allows(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        fake = FakeSlurmClient.with_nodes(4)
+        actor = slurm_actor(tmp_path, fake, min_replicas=1, max_replicas=4)
+        task = asyncio.create_task(actor.run())
+        poll = ClusterPoll(fake)
+        actor.put(SlurmObserved(poll.poll(), grow_allowance=0))
+        await settle(lambda: "u1" in actor.units and actor.units["u1"].slurm_job_id)
+        # At min: growth onto the 3 idle nodes is capped by the share.
+        actor.put(SlurmObserved(poll.poll(), grow_allowance=1))
+        await settle(lambda: "u2" in actor.units and actor.units["u2"].slurm_job_id)
+        await asyncio.sleep(0.05)
+        assert sorted(actor.units) == ["u1", "u2"]
+        shared = [e for e in actor.store.events("lm-1") if e.kind == "growth_shared"]
+        assert len(shared) == 1 and "2 of 3 idle node(s) go to other elastic jobs" in shared[0].reason
+        task.cancel()
+
+    asyncio.run(scenario())
