@@ -550,6 +550,9 @@ class JobActor:
         self.metrics.failures.labels(cause=cause).inc()
         if self.slurm is not None:
             self._cool_down(unit, detected_at)
+            # A failed unit never comes back: whatever is left of it (a hung launcher, a
+            # node whose slurmd died) gives its allocation back.
+            self._cancel_in_slurm(unit)
         session = self.sessions.get(unit_id)
         if session is not None:
             session.send(self._stop_message(epoch_number, reason, "failure", failed_unit_id=unit_id))

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import REPO_ROOT
 from tests.integration.conftest import ControllerProcess
 from tests.integration.test_live_mode import LIVE_EXAMPLE, commits, read_ledger
 from tests.waiting import wait_for
@@ -127,11 +129,39 @@ def launcher_pid(job_id: str, unit_id: str) -> int | None:
     return None
 
 
-def test_a_failed_unit_is_replaced_away_from_its_node(slurm: CliJsonSlurmClient, mini_cluster: dict,
-                                                      tmp_path: Path) -> None:
+def unit_processes(launcher: int) -> list[int]:
+    """The launcher, its workers, and the slurmstepd that runs it: what a node failure
+    takes with it."""
+    def parent(pid: int) -> int:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[1])
+
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if parent(int(entry.name)) == launcher:
+                    children.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    stepd = parent(launcher)
+    found = [launcher, *children]
+    if Path(f"/proc/{stepd}/comm").read_text().startswith("slurmstepd"):
+        found.append(stepd)
+    return found
+
+
+def minicluster(*args: str) -> None:
+    subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "minicluster"), *args], check=True, timeout=120,
+                   capture_output=True)
+
+
+def test_a_node_failure_the_job_recovers_and_the_replacement_avoids_the_node(
+        slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path) -> None:
     idle = [n for n in slurm.list_nodes() if "train" in n.partitions and n.is_idle_and_usable]
     assert len(idle) == 4, f"the test needs the 4 idle nodes of the mini cluster, found {len(idle)}"
     controller = slurm_controller(tmp_path)
+    failed_node = ""
     try:
         with controller.admin() as admin:
             job_id = admin.submit(live_job("replace", 3, tmp_path, tmp_path / "ledger")).job.job_id
@@ -144,22 +174,35 @@ def test_a_failed_unit_is_replaced_away_from_its_node(slurm: CliJsonSlurmClient,
 
             job = wait_for("world size 3", world_of(3), timeout_s=120, interval_s=0.5)
             victim = next(u for u in job.units if u.state == admin_pb2.UNIT_STATE_ACTIVE)
+            (failed_node,) = victim.nodes
             pid = wait_for("the victim's launcher", lambda: launcher_pid(job_id, victim.unit_id), timeout_s=10)
-            os.kill(pid, signal.SIGKILL)
+            # The node dies: its slurmd, then everything the unit ran there.
+            minicluster("kill-node", failed_node)
+            for process in unit_processes(pid):
+                os.kill(process, signal.SIGKILL)
 
-            wait_for("the recovery at 2", lambda: any(e.kind == "recovered" for e in admin.events(job_id)),
-                     timeout_s=60)
+            recovered = wait_for("the recovery at 2", lambda: [e for e in admin.events(job_id)
+                                                             if e.kind == "recovered"], timeout_s=60)
+            assert recovered[0].fields["world_size"] == "2", recovered[0]
             excluded = [e for e in admin.events(job_id) if e.kind == "node_excluded"]
-            assert [e.fields["node"] for e in excluded] == list(victim.nodes)
+            assert [e.fields["node"] for e in excluded] == [failed_node]
             back = wait_for("world size 3 again", world_of(3), timeout_s=120, interval_s=0.5)
             replacement = next(u for u in back.units if u.state == admin_pb2.UNIT_STATE_ACTIVE
                                and u.unit_id not in {x.unit_id for x in job.units})
-            assert set(replacement.nodes).isdisjoint(victim.nodes), (replacement, victim)
+            assert failed_node not in replacement.nodes, (replacement, victim)
+            # Submitted with the node excluded (squeue shows what sbatch was given).
+            shown = subprocess.run(["squeue", "--noheader", "-j", str(replacement.slurm_job_id), "--format=%x"],
+                                   capture_output=True, text=True, check=True).stdout.strip()
+            assert failed_node in shown, shown
             admin.cancel(job_id)
         wait_for("the units' Slurm jobs to end", lambda: not any(
             j.is_active for j in slurm.list_jobs() if j.name.startswith(f"tidal-{job_id}-")), timeout_s=60)
     finally:
         controller.stop()
+        if failed_node:
+            minicluster("start-node", failed_node)
+            wait_for("every node idle again", lambda: all(n.is_idle_and_usable for n in slurm.list_nodes()),
+                     timeout_s=90, interval_s=0.5)
 
 
 def test_with_yield_enabled_a_waiting_higher_priority_job_gets_nodes_before_any_preemption(
