@@ -3,10 +3,12 @@ units with sbatch and grows it onto the idle nodes."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -245,6 +247,60 @@ def test_with_yield_enabled_a_waiting_higher_priority_job_gets_nodes_before_any_
             assert not any(j.preempt_time for j in slurm.list_jobs() if j.name.startswith(f"tidal-{job_id}-"))
             admin.cancel(job_id)
         slurm.cancel(important)
+        wait_for("the units' Slurm jobs to end", lambda: not any(
+            j.is_active for j in slurm.list_jobs() if j.name.startswith(f"tidal-{job_id}-")), timeout_s=60)
+    finally:
+        controller.stop()
+
+
+def test_a_controller_restart_while_the_job_grows_stops_no_training_and_tidal_agrees_with_squeue(
+        slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path) -> None:
+    idle = [n for n in slurm.list_nodes() if "train" in n.partitions and n.is_idle_and_usable]
+    assert len(idle) == 4, f"the test needs the 4 idle nodes of the mini cluster, found {len(idle)}"
+    controller = slurm_controller(tmp_path)
+    ledger = tmp_path / "ledger"
+    try:
+        with controller.admin() as admin:
+            job_id = admin.submit(live_job("restart", 4, tmp_path, ledger)).job.job_id
+            wait_for("the first steps", lambda: len(commits(read_ledger(ledger))) >= 20, timeout_s=120)
+        # Mid-growth: the first unit trains, the others are submitted or joining.
+        controller.kill()
+        down_at = time.time()
+        time.sleep(2.0)
+        controller.start()
+        up_at = time.time()
+        with controller.admin() as admin:
+            def at_four() -> admin_pb2.Job | None:
+                job = admin.job(job_id)
+                return job if job.world_size == 4 and job.state == admin_pb2.JOB_STATE_RUNNING else None
+
+            wait_for("world size 4 after the restart", at_four, timeout_s=120, interval_s=0.5)
+            wait_for("steps at size 4", lambda: len(commits(read_ledger(ledger), 4)) >= 40, timeout_s=60)
+            events = admin.events(job_id)
+        records = read_ledger(ledger)
+        assert not [r for r in records if r["kind"] == "abandoned"], "a step was lost"
+        assert not [e for e in events if e.kind == "failure_detected"], [e.reason for e in events]
+        # Training went on while no controller ran, and no step was taken twice.
+        assert [r for r in commits(records) if down_at < r["time"] < up_at], "training paused with the controller"
+        steps = [r["step"] for r in commits(records) if r["rank"] == 0]
+        assert steps == list(range(steps[0], steps[0] + len(steps))), "a step was repeated or skipped"
+
+        # `tidal status --json` and `tidal events` say what squeue says of the units.
+        status = subprocess.run([sys.executable, "-m", "tidal.controller.cli", "--socket", str(controller.socket),
+                                 "status", job_id, "--json"], capture_output=True, text=True, check=True)
+        (shown,) = json.loads(status.stdout)
+        active = {int(u["slurm_job_id"]): u["nodes"] for u in shown["units"] if u["state"] == "UNIT_STATE_ACTIVE"}
+        queue = subprocess.run(["squeue", "--noheader", "--format=%i %T %N %j"], capture_output=True, text=True,
+                               check=True).stdout.split("\n")
+        running = {int(i): [node] for i, state, node, name in (line.split() for line in queue if line)
+                   if name.startswith(f"tidal-{job_id}-") and state == "RUNNING"}
+        assert active == running and len(active) == 4, (active, running)
+        timeline = subprocess.run([sys.executable, "-m", "tidal.controller.cli", "--socket", str(controller.socket),
+                                   "events", job_id], capture_output=True, text=True, check=True).stdout
+        for slurm_job_id in running:
+            assert f"slurm_job_id={slurm_job_id}" in timeline, timeline
+        with controller.admin() as admin:
+            admin.cancel(job_id)
         wait_for("the units' Slurm jobs to end", lambda: not any(
             j.is_active for j in slurm.list_jobs() if j.name.startswith(f"tidal-{job_id}-")), timeout_s=60)
     finally:
