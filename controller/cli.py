@@ -46,6 +46,8 @@ _EXIT_BY_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: EXIT_USAGE,
     grpc.StatusCode.PERMISSION_DENIED: EXIT_DENIED,
     grpc.StatusCode.UNAUTHENTICATED: EXIT_DENIED,
+    # The controller answers FAILED_PRECONDITION when Slurm did not answer it.
+    grpc.StatusCode.FAILED_PRECONDITION: EXIT_SLURM_UNAVAILABLE,
 }
 
 

@@ -41,6 +41,7 @@ from tidal.controller.spec import SpecError, normalized_spec
 from tidal.controller.store import StateStore
 from tidal.proto import admin_pb2, admin_pb2_grpc, common_pb2, launcher_pb2, launcher_pb2_grpc
 from tidal.slurm import SlurmError, default_client
+from tidal.slurm.errors import SlurmCommandFailed
 from tidal.slurm.snapshot import ClusterPoll, ClusterView
 
 log = structlog.get_logger("tidal.controller.server")
@@ -143,6 +144,29 @@ class Controller:
             for actor in self.actors.values():
                 if not actor.job.state.is_final:
                     actor.put(Tick())
+
+    def check_with_slurm(self, spec: admin_pb2.JobSpec) -> None:
+        """Before a job is accepted, ask Slurm whether it would take the job's units (runs
+        sbatch, so off the event loop): SpecError naming the field if not, SlurmError if
+        Slurm does not answer. Nothing is submitted."""
+        if self.slurm_units is None:
+            return
+        client = self.slurm_units.client
+        if spec.partition:
+            known = sorted(p.name for p in client.list_partitions())
+            if spec.partition not in known:
+                raise SpecError(f"partition: {spec.partition!r} is not a partition of this cluster "
+                                f"(known: {', '.join(known)})")
+        probe = units.unit_submission(spec, job_id=f"{spec.name}-check", unit_id="u0",
+                                      launcher=self.slurm_units.launcher,
+                                      controller=self.slurm_units.controller_address,
+                                      secret_path=self.config.secrets_dir / "check.secret",
+                                      output_dir=self.slurm_units.output_dir)
+        try:
+            client.check(probe)
+        except SlurmCommandFailed as error:
+            said = "; ".join(line.strip() for line in error.stderr.splitlines() if line.strip())
+            raise SpecError(f"sbatch_options: Slurm would refuse the job's units: {said}") from None
 
     def submit(self, spec: admin_pb2.JobSpec, owner_uid: int) -> tuple[JobActor, Path]:
         """Persist a new job and write its secret for the owner; SpecError if invalid."""
@@ -309,9 +333,16 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                         context: grpc.aio.ServicerContext) -> admin_pb2.SubmitJobResponse:
         caller = await self._caller(context)
         try:
-            actor, secret_path = self.controller.submit(request.spec, caller.uid)
+            spec = normalized_spec(request.spec)
+            await asyncio.to_thread(self.controller.check_with_slurm, spec)
+            actor, secret_path = self.controller.submit(spec, caller.uid)
         except SpecError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid job spec: {error}")
+            raise
+        except SlurmError as error:
+            # Not UNAVAILABLE: the controller answered; Slurm did not.
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"Slurm did not answer the check of the job's units, nothing was submitted: {error}")
             raise
         return admin_pb2.SubmitJobResponse(job=actor.to_proto(), secret_path=str(secret_path))
 

@@ -43,6 +43,8 @@ def _positive_int(option: str, value: str) -> int:
         number = int(value)
     except ValueError:
         raise SubmitUsageError(f"{option}: {value!r} is not a whole number") from None
+    if number < 1:
+        raise SubmitUsageError(f"{option}: must be positive, got {number}")
     return number
 
 

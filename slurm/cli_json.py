@@ -104,8 +104,21 @@ class CliJsonSlurmClient:
     # ------------------------------------------------------------------ writes
 
     def submit(self, unit: UnitSubmission) -> int:
-        argv = ["sbatch", "--parsable", *unit.extra_options, f"--job-name={unit.name}",
-                f"--nodes={unit.nodes}"]
+        # The unit's environment (the job secret among it) travels in sbatch's own
+        # environment, which --export=ALL hands to the job; it never appears in argv.
+        output = self._run(["sbatch", "--parsable", *self._sbatch_options(unit)], stdin=unit.script,
+                           env=self._environment(unit.environment))
+        return parse.parse_sbatch_parsable(output)
+
+    def check(self, unit: UnitSubmission) -> None:
+        # `sbatch --test-only` validates everything sbatch and slurmctld check at submission
+        # (partition, nodes, GRES, constraint, limits) and answers when the job would
+        # start; it creates no job.
+        self._run(["sbatch", "--test-only", *self._sbatch_options(unit)], stdin=unit.script)
+
+    @staticmethod
+    def _sbatch_options(unit: UnitSubmission) -> list[str]:
+        argv = [*unit.extra_options, f"--job-name={unit.name}", f"--nodes={unit.nodes}"]
         if unit.partition:
             argv.append(f"--partition={unit.partition}")
         if unit.exclusive:
@@ -117,11 +130,8 @@ class CliJsonSlurmClient:
         argv += [f"{option}={value}" for option, value in optional.items() if value]
         if unit.exclude_nodes:
             argv.append(f"--exclude={compress(unit.exclude_nodes)}")
-        # The unit's environment (the job secret among it) travels in sbatch's own
-        # environment, which --export=ALL hands to the job; it never appears in argv.
         argv.append("--export=ALL")
-        output = self._run(argv, stdin=unit.script, env=self._environment(unit.environment))
-        return parse.parse_sbatch_parsable(output)
+        return argv
 
     def cancel(self, job_id: int, signal: str | None = None, *, batch_only: bool = False) -> None:
         argv = ["scancel"]

@@ -35,6 +35,11 @@ class SlurmClient(Protocol):
         """Submit one unit as a batch job; returns Slurm's job id."""
         ...
 
+    def check(self, unit: UnitSubmission) -> None:
+        """Ask Slurm whether it would accept `unit`, creating no job; raises
+        SlurmCommandFailed with Slurm's words if not."""
+        ...
+
     def cancel(self, job_id: int, signal: str | None = None, *, batch_only: bool = False) -> None:
         """Cancel a job, or only send `signal` (e.g. "TERM") to all its steps (or, with
         batch_only, to the batch script alone). A job that already ended is not an error."""

@@ -112,6 +112,11 @@ class FakeSlurmClient:
         self.schedule()
         return job_id
 
+    def check(self, unit: UnitSubmission) -> None:
+        self._enter("check")
+        if unit.partition and unit.partition not in self.partitions:
+            raise SlurmCommandFailed(["sbatch", "--test-only"], 1, "sbatch: error: invalid partition specified")
+
     def cancel(self, job_id: int, signal: str | None = None, *, batch_only: bool = False) -> None:
         self._enter("cancel")
         if job_id not in self.jobs:

@@ -156,6 +156,12 @@ class PyslurmSlurmClient:
             description.load_sbatch_options(list(unit.extra_options))
         return int(self._call("JobSubmitDescription.submit", description.submit))
 
+    def check(self, unit: UnitSubmission) -> None:
+        # pyslurm has no test-only submission; the partition is what can be checked here.
+        # (The CLI backend runs `sbatch --test-only`, which checks every option.)
+        if unit.partition and unit.partition not in {p.name for p in self.list_partitions()}:
+            raise SlurmCommandFailed(["pyslurm"], 1, f"invalid partition specified: {unit.partition}")
+
     def cancel(self, job_id: int, signal: str | None = None, *, batch_only: bool = False) -> None:
         job = self._pyslurm.Job(job_id)
         if signal is None:

@@ -305,3 +305,39 @@ def test_a_controller_restart_while_the_job_grows_stops_no_training_and_tidal_ag
             j.is_active for j in slurm.list_jobs() if j.name.startswith(f"tidal-{job_id}-")), timeout_s=60)
     finally:
         controller.stop()
+
+
+def test_an_invalid_spec_is_refused_at_submit_naming_the_field_and_leaves_nothing_in_slurm(
+        slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path) -> None:
+    controller = slurm_controller(tmp_path)
+    try:
+        before = {j.job_id for j in slurm.list_jobs()}
+        command = [sys.executable, "-c", "pass"]
+
+        def submit(*options: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([sys.executable, "-m", "tidal.controller.cli", "--socket", str(controller.socket),
+                                   "submit", "--json", *options, *command], capture_output=True, text=True,
+                                  timeout=60)
+
+        refusals = {
+            ("--partition", "nope"): "partition: 'nope' is not a partition of this cluster (known: train, urgent)",
+            ("--min-replicas", "4", "--max-replicas", "2"): "max_replicas: 2 is below min_replicas 4",
+            ("--global-batch", "0"): "--global-batch",
+            ("--global-batch", "-8"): "--global-batch",
+            # Only Slurm knows that no node has 9 GPUs: sbatch --test-only says so.
+            ("--gres=gpu:9",): "sbatch_options: Slurm would refuse the job's units",
+        }
+        for options, named in refusals.items():
+            result = submit(*options)
+            assert result.returncode == 2, (options, result.stdout, result.stderr)
+            assert named in result.stderr, (options, result.stderr)
+        with controller.admin() as admin:
+            assert list(admin.jobs(include_finished=True)) == []
+        assert {j.job_id for j in slurm.list_jobs()} == before, "a refused job left something in Slurm"
+        # The controller is still up and takes a valid job.
+        accepted = submit("--partition", "train")
+        assert accepted.returncode == 0, accepted.stderr
+        with controller.admin() as admin:
+            admin.cancel(json.loads(accepted.stdout)["job"]["job_id"])
+    finally:
+        controller.stop()
