@@ -58,20 +58,33 @@ def _format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-def _node_row(node: Node) -> list[str]:
+def _node_row(node: Node, tidal: str) -> list[str]:
     flags = ",".join(sorted(f.value for f in node.flags)) or "-"
     gres = ",".join(f"{g.name}{':' + g.type if g.type else ''}:{g.count}" for g in node.gres) or "-"
     usable = "yes" if node.is_idle_and_usable else "no"
     return [node.name, node.state.value, flags, ",".join(node.partitions), str(node.cpus), gres,
-            usable, node.reason or "-"]
+            usable, tidal or "-", node.reason or "-"]
 
 
-def _node_dict(node: Node) -> dict[str, object]:
+def _node_dict(node: Node, tidal: tuple[str, str] | None) -> dict[str, object]:
     return {"name": node.name, "state": node.state.value, "flags": sorted(f.value for f in node.flags),
             "partitions": list(node.partitions), "cpus": node.cpus,
             "gres": [{"name": g.name, "type": g.type, "count": g.count} for g in node.gres],
             "features": list(node.features), "idle_and_usable": node.is_idle_and_usable,
-            "reason": node.reason}
+            "reason": node.reason,
+            "tidal": {"job_id": tidal[0], "unit_id": tidal[1]} if tidal else None}
+
+
+def _tidal_units_by_node(args: argparse.Namespace) -> tuple[dict[str, tuple[str, str]], str]:
+    """Which Tidal job and unit runs on each node, as the controller says; with a note
+    instead when the controller does not answer (Slurm's view is shown all the same)."""
+    try:
+        with _client(args) as client:
+            nodes = client.nodes().nodes
+    except (grpc.RpcError, OSError) as error:
+        details = error.details() if isinstance(error, grpc.RpcError) and hasattr(error, "details") else str(error)
+        return {}, f"the controller at {_where(args)} did not answer ({details}): Tidal's units are not shown"
+    return {n.name: (n.job_id, n.unit_id) for n in nodes if n.job_id}, ""
 
 
 def command_nodes(args: argparse.Namespace) -> int:
@@ -82,13 +95,18 @@ def command_nodes(args: argparse.Namespace) -> int:
     except SlurmError as error:
         print(f"tidal nodes: Slurm did not answer: {error}", file=sys.stderr)
         return EXIT_SLURM_UNAVAILABLE
+    used, note = _tidal_units_by_node(args)
     if args.json:
-        print(json.dumps({"slurm_version": str(version), "nodes": [_node_dict(n) for n in nodes]}, indent=2))
+        print(json.dumps({"slurm_version": str(version), "tidal_units_known": not note,
+                          "nodes": [_node_dict(n, used.get(n.name)) for n in nodes]}, indent=2))
         return EXIT_OK
-    headers = ["NODE", "STATE", "FLAGS", "PARTITIONS", "CPUS", "GRES", "GROW-ONTO", "REASON"]
-    print(_format_table(headers, [_node_row(n) for n in nodes]))
+    headers = ["NODE", "STATE", "FLAGS", "PARTITIONS", "CPUS", "GRES", "GROW-ONTO", "TIDAL (JOB/UNIT)", "REASON"]
+    rows = [_node_row(n, "/".join(used[n.name]) if n.name in used else "") for n in nodes]
+    print(_format_table(headers, rows))
     usable = sum(n.is_idle_and_usable for n in nodes)
-    print(f"\n{len(nodes)} nodes, {usable} idle and usable (Slurm {version})")
+    print(f"\n{len(nodes)} nodes, {usable} idle and usable, {len(used)} running Tidal units (Slurm {version})")
+    if note:
+        print(note, file=sys.stderr)
     return EXIT_OK
 
 

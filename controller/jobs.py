@@ -8,6 +8,7 @@ come from the pure functions in `planning` and `health`; this module only applie
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import signal
 import time
@@ -130,6 +131,46 @@ JobInput = (Connected | Said | Disconnected | Tick | CancelRequested | DrainRequ
             | SlurmObserved | UnitSubmitted)
 
 
+class Throughput:
+    """Steps and samples per second over the last `window_s`, and goodput: the share of
+    node-seconds held by the job's launchers that went to a running world's members."""
+
+    def __init__(self, window_s: float = 30.0) -> None:
+        self.window_s = window_s
+        self.points: collections.deque[tuple[float, int, int]] = collections.deque()
+        self.last_at: float | None = None
+        self.held_node_seconds = 0.0
+        self.training_node_seconds = 0.0
+
+    def observe(self, now: float, step: int, samples: int, held_nodes: int, training_nodes: int) -> None:
+        if self.last_at is not None:
+            elapsed = now - self.last_at
+            self.held_node_seconds += held_nodes * elapsed
+            self.training_node_seconds += min(training_nodes, held_nodes) * elapsed
+        self.last_at = now
+        if not self.points or self.points[-1][1:] != (step, samples):
+            self.points.append((now, step, samples))
+        while len(self.points) > 2 and self.points[1][0] < now - self.window_s:
+            self.points.popleft()
+
+    def rates(self, now: float, global_batch: int) -> tuple[float, float]:
+        """(steps/s, samples/s) over the window; samples/s from the workers' own count
+        where they report it (live mode), else steps/s x the spec's global batch."""
+        if len(self.points) < 2 or now - self.points[-1][0] > self.window_s:
+            return 0.0, 0.0
+        (t0, step0, samples0), (t1, step1, samples1) = self.points[0], self.points[-1]
+        elapsed = now - t0 if now > t1 else t1 - t0
+        if elapsed <= 0:
+            return 0.0, 0.0
+        steps = max(0, step1 - step0) / elapsed
+        samples = max(0, samples1 - samples0) / elapsed if samples1 else steps * global_batch
+        return steps, samples
+
+    @property
+    def goodput(self) -> float:
+        return self.training_node_seconds / self.held_node_seconds if self.held_node_seconds > 0 else 0.0
+
+
 @dataclasses.dataclass
 class PendingStop:
     """An epoch being stopped: who must still confirm, and what comes next."""
@@ -223,6 +264,8 @@ class JobActor:
         # Nodes where a unit failed: failures there, and no new unit before (monotonic).
         self.node_cooldown: dict[str, tuple[int, float]] = {}
         self.growth_held_reason = ""
+        # In memory: a controller restart starts the rates and goodput afresh.
+        self.throughput = Throughput()
         self.log = log.bind(job=job.job_id)
         if job.state is JobState.RECONFIGURING and epoch is not None and not epoch_stopped:
             # Killed while stopping an epoch: finish the stop with whoever comes back.
@@ -286,6 +329,7 @@ class JobActor:
                     beat_at[worker.rank] = now - max(0.0, sent_at - worker.beat_time.ToNanoseconds() / 1e9)
                     waiting[worker.rank] = worker.waiting
             session.progress_at, session.steps, session.beat_at, session.waiting = progress_at, steps, beat_at, waiting
+            session.samples = max((w.samples for w in beat.workers), default=0)
 
     def put(self, item: JobInput) -> None:
         self.inputs.put_nowait(item)
@@ -456,6 +500,7 @@ class JobActor:
     def _on_tick(self, now: float) -> None:
         if self.job.state.is_final:
             return
+        self._observe_throughput(now)
         if self.stop is not None:
             if now > self.stop.deadline:
                 for unit_id in sorted(self.stop.waiting_for):
@@ -477,6 +522,15 @@ class JobActor:
                                f"{self.config.reconfigure_timeout_s:g} s", "reconfigure", now)
             return
         self._decide(now)
+
+    def _observe_throughput(self, now: float) -> None:
+        steps = [step for s in self.sessions.values() for step in s.steps.values()]
+        samples = max((s.samples for s in self.sessions.values()), default=0)
+        training = 0
+        if self.epoch is not None and self.job.state is JobState.RUNNING and self.stop is None:
+            training = sum(len(m.nodes) for m in self.epoch.members if m.unit_id in self.sessions)
+        held = sum(len(self.units[u].nodes) or 1 for u in self.sessions if u in self.units)
+        self.throughput.observe(now, min(steps) if steps else self.job.step, samples, held, training)
 
     def _health_failures(self, now: float) -> list[Failure]:
         assert self.epoch is not None
@@ -1138,6 +1192,8 @@ class JobActor:
                                 world_size=self.world_size,
                                 replicas=len(epoch.members) if running and epoch else 0,
                                 step=min(steps) if steps else job.step, units=units)
+        _, message.samples_per_second = self.throughput.rates(time.monotonic(), job.spec.global_batch)
+        message.goodput = self.throughput.goodput
         message.created_at.FromNanoseconds(int(job.created_at * 1e9))
         last = self.store.last_event(job.job_id)
         if last is not None:

@@ -44,6 +44,8 @@ class LauncherSession:
     waiting: dict[int, bool] = dataclasses.field(default_factory=dict)
     # Per global rank: last completed step.
     steps: dict[int, int] = dataclasses.field(default_factory=dict)
+    # Live mode: samples the job had trained on, as this unit's workers last said.
+    samples: int = 0
     closed: bool = False
 
     def send(self, message: launcher_pb2.ControllerMessage) -> None:

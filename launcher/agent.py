@@ -121,7 +121,8 @@ class LiveWorkers:
     ready_epoch: int = 0
     stop_deadline: float | None = None
     # Last beat per local rank: (wall time received, blocked in a collective).
-    beats: dict[int, tuple[float, bool]] = dataclasses.field(default_factory=dict)
+    # Each worker's last beat: (when, waiting in a collective, samples trained so far).
+    beats: dict[int, tuple[float, bool, int]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -480,6 +481,7 @@ class Agent:
                 if last_beat is not None:
                     entry.beat_time.FromNanoseconds(int(last_beat[0] * 1e9))
                     entry.waiting = last_beat[1]
+                    entry.samples = last_beat[2]
                 beat.workers.append(entry)
         return beat
 
@@ -571,7 +573,9 @@ class Agent:
         elif op == "left":
             live.left.add(local_rank)
         elif op == "beat":
-            live.beats[local_rank] = (time.time(), bool(said.get("waiting")))
+            samples = said.get("samples")
+            live.beats[local_rank] = (time.time(), bool(said.get("waiting")),
+                                      samples if isinstance(samples, int) and samples >= 0 else 0)
 
     def _finish(self, state: AgentState, exit_code: int, reason: str) -> None:
         self.state = state

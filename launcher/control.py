@@ -17,9 +17,10 @@ worker -> launcher:
   {"op": "first_step", "epoch": E, "step": s}               first step of epoch E committed
   {"op": "stopped", "epoch": E, "step": s}                  out of the process group, idle
   {"op": "left", "epoch": E, "step": s}                     left the job after step s; exits 0
-  {"op": "beat", "step": s, "waiting": w}                   every BEAT_INTERVAL_S from a thread
-                                                            of its own: alive, and whether
-                                                            blocked in a collective
+  {"op": "beat", "step": s, "samples": n, "waiting": w}    every BEAT_INTERVAL_S from a thread
+                                                            of its own: alive, samples trained
+                                                            so far, and whether blocked in a
+                                                            collective
 """
 
 from __future__ import annotations

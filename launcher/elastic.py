@@ -255,7 +255,8 @@ class Elastic:
         socket_path = env.get("TIDAL_CONTROL_SOCKET")
         if socket_path:
             self.channel = WorkerChannel(socket_path, int(env.get("LOCAL_RANK", "0")), os.getpid())
-            self.channel.start_beats(lambda: {"step": self.counters.step, "waiting": self._waiting})
+            self.channel.start_beats(lambda: {"step": self.counters.step, "samples": self.counters.samples,
+                                                "waiting": self._waiting})
         self.world = World(epoch=int(env.get("TIDAL_EPOCH", "0")), rank=int(env.get("RANK", "0")),
                            world_size=int(env.get("WORLD_SIZE", "1")), master_addr=env.get("MASTER_ADDR", ""),
                            master_port=int(env.get("MASTER_PORT", "0") or 0))
@@ -524,6 +525,7 @@ class Elastic:
             self.parts.scheduler.step()
         self.counters.step += 1
         self.counters.position += batch_size
+        self.counters.samples += batch_size
         loss = control[4].item() / batch_size
         self._after_commit(world, samples.indices, loss)
         result = StepResult(step=self.counters.step, loss=loss, global_batch=batch_size,

@@ -29,6 +29,8 @@ class Counters:
     step: int = 0
     position: int = 0
     global_batch: int = 0
+    # Samples trained on since the job began (every committed step's B).
+    samples: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -79,6 +81,8 @@ def restore(parts: TrainingParts, counters: Counters, state: Mapping[str, Any]) 
     counters.step = int(loaded["step"])
     counters.position = int(loaded["position"])
     counters.global_batch = int(loaded["global_batch"])
+    # (Absent from checkpoints written before the count existed.)
+    counters.samples = int(loaded.get("samples", counters.step * counters.global_batch))
     rng = state.get("rng", {})
     if "torch" in rng:
         torch.set_rng_state(rng["torch"])

@@ -299,6 +299,15 @@ def test_a_controller_restart_while_the_job_grows_stops_no_training_and_tidal_ag
                                    "events", job_id], capture_output=True, text=True, check=True).stdout
         for slurm_job_id in running:
             assert f"slurm_job_id={slurm_job_id}" in timeline, timeline
+        nodes = subprocess.run([sys.executable, "-m", "tidal.controller.cli", "--socket", str(controller.socket),
+                                "nodes", "--json"], capture_output=True, text=True, check=True).stdout
+        used = {n["name"]: n["tidal"]["unit_id"] for n in json.loads(nodes)["nodes"] if n["tidal"]}
+        assert used == {u["nodes"][0]: u["unit_id"] for u in shown["units"] if u["state"] == "UNIT_STATE_ACTIVE"}
+        # The table shows samples/s and goodput once the job has trained a while.
+        table = subprocess.run([sys.executable, "-m", "tidal.controller.cli", "--socket", str(controller.socket),
+                                "status"], capture_output=True, text=True, check=True).stdout
+        row = next(line for line in table.splitlines() if line.startswith(job_id)).split()
+        assert float(row[7]) > 0 and row[8].endswith("%"), table
         with controller.admin() as admin:
             admin.cancel(job_id)
         wait_for("the units' Slurm jobs to end", lambda: not any(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tidal.controller.config import ControllerConfig
 from tidal.controller.events import EventLog
-from tidal.controller.jobs import JobActor, SlurmObserved, SlurmUnits
+from tidal.controller.jobs import JobActor, SlurmObserved, SlurmUnits, Throughput
 from tidal.controller.metrics import ControllerMetrics
 from tidal.controller.model import JobRecord, JobState, UnitState
 from tidal.controller.security import secret_digest
@@ -137,3 +137,22 @@ def test_growth_takes_only_the_nodes_the_weighted_share_allows(tmp_path: Path) -
         task.cancel()
 
     asyncio.run(scenario())
+
+
+def test_throughput_and_goodput_from_what_the_heartbeats_say() -> None:
+    throughput = Throughput(window_s=10.0)
+    # 2 nodes held for 10 s, both training; then 4 held for 10 s while 2 train (2 join).
+    for second in range(0, 11):
+        throughput.observe(float(second), step=second * 5, samples=second * 5 * 32, held_nodes=2, training_nodes=2)
+    assert throughput.rates(10.0, global_batch=0) == (5.0, 160.0)
+    for second in range(11, 21):
+        throughput.observe(float(second), step=50 + (second - 10) * 5, samples=(50 + (second - 10) * 5) * 32,
+                           held_nodes=4, training_nodes=2)
+    assert throughput.goodput == (2 * 10 + 2 * 10) / (2 * 10 + 4 * 10)
+    # Restart mode reports no samples: steps/s x the spec's global batch.
+    steps_only = Throughput()
+    steps_only.observe(0.0, 0, 0, 1, 1)
+    steps_only.observe(4.0, 8, 0, 1, 1)
+    assert steps_only.rates(4.0, global_batch=64) == (2.0, 128.0)
+    # No progress for longer than the window: no rate at all.
+    assert steps_only.rates(40.0, global_batch=64) == (0.0, 0.0)
