@@ -228,11 +228,13 @@ def test_with_yield_enabled_a_waiting_higher_priority_job_gets_nodes_before_any_
             wait_for("world size 4", world_size(4), timeout_s=120, interval_s=0.5)
             # A job of the same partition (Slurm never preempts within it) that outranks the
             # units and needs 2 nodes: without Tidal it would wait for as long as the job runs.
+            submitted_at = time.monotonic()
             important = slurm.submit(UnitSubmission(
                 name="important", script="#!/bin/sh\nsleep 600\n", partition="train", nodes=2, exclusive=True,
                 requeue=False, output=str(tmp_path / "important-%j.out"), extra_options=("--priority=4294967000",)))
             wait_for("the important job to run", lambda: slurm.get_job(important).state is JobState.RUNNING,
                      timeout_s=60, interval_s=0.2)
+            print(f"yield: the waiting job ran {time.monotonic() - submitted_at:.1f} s after its submission")
             job = wait_for("world size 2", world_size(2), timeout_s=30, interval_s=0.2)
             events = admin.events(job_id)
             leaves = [e for e in events if e.kind == "unit_leaving"]
