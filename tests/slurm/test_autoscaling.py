@@ -18,6 +18,7 @@ from tests.conftest import REPO_ROOT
 from tests.integration.conftest import ControllerProcess
 from tests.integration.test_live_mode import LIVE_EXAMPLE, commits, read_ledger
 from tests.waiting import wait_for
+from tidal.controller.client import AdminClient
 from tidal.proto import admin_pb2, common_pb2
 from tidal.slurm import CliJsonSlurmClient, JobState, UnitSubmission
 
@@ -39,6 +40,24 @@ def live_job(name: str, max_replicas: int, directory: Path, ledger: Path) -> adm
         working_dir=str(directory), environment={"OMP_NUM_THREADS": "1"},
         command=[sys.executable, str(LIVE_EXAMPLE), "--steps", "100000", "--global-batch", "24", "--micro-batch",
                  "4", "--step-time", "0.01", "--ledger-dir", str(ledger)])
+
+
+def require_four_idle_nodes(slurm: CliJsonSlurmClient) -> None:
+    idle = [n for n in slurm.list_nodes() if "train" in n.partitions and n.is_idle_and_usable]
+    assert len(idle) == 4, f"the test needs the 4 idle nodes of the mini cluster, found {len(idle)}"
+
+
+def running_at(admin: AdminClient, job_id: str, size: int) -> Callable[[], admin_pb2.Job | None]:
+    """For wait_for: the job, once it runs at world size `size`."""
+    def check() -> admin_pb2.Job | None:
+        job = admin.job(job_id)
+        return job if job.world_size == size and job.state == admin_pb2.JOB_STATE_RUNNING else None
+    return check
+
+
+def wait_for_units_to_end(slurm: CliJsonSlurmClient, job_id: str) -> None:
+    wait_for("the units' Slurm jobs to end", lambda: not any(
+        j.is_active for j in slurm.list_jobs() if j.name.startswith(f"tidal-{job_id}-")), timeout_s=60)
 
 
 def test_a_live_job_grows_onto_every_idle_node(slurm: CliJsonSlurmClient, mini_cluster: dict,
@@ -72,16 +91,14 @@ def test_a_live_job_grows_onto_every_idle_node(slurm: CliJsonSlurmClient, mini_c
             assert kinds.count("unit_submitted") == len(idle)
 
             admin.cancel(job_id)
-        wait_for("the units' Slurm jobs to end", lambda: not any(
-            j.is_active for j in slurm.list_jobs() if j.name.startswith(f"tidal-{job_id}-")), timeout_s=60)
+        wait_for_units_to_end(slurm, job_id)
     finally:
         controller.stop()
 
 
 def test_an_urgent_job_preempts_two_replicas_the_job_shrinks_without_losing_a_step_and_grows_back(
         slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path) -> None:
-    idle = [n for n in slurm.list_nodes() if "train" in n.partitions and n.is_idle_and_usable]
-    assert len(idle) == 4, f"the test needs the 4 idle nodes of the mini cluster, found {len(idle)}"
+    require_four_idle_nodes(slurm)
     controller = slurm_controller(tmp_path)
     ledger = tmp_path / "ledger"
     try:
@@ -89,17 +106,11 @@ def test_an_urgent_job_preempts_two_replicas_the_job_shrinks_without_losing_a_st
         with controller.admin() as admin:
             job_id = admin.submit(spec).job.job_id
 
-            def world_size(size: int) -> Callable[[], admin_pb2.Job | None]:
-                def check() -> admin_pb2.Job | None:
-                    job = admin.job(job_id)
-                    return job if job.world_size == size and job.state == admin_pb2.JOB_STATE_RUNNING else None
-                return check
-
-            wait_for("world size 4", world_size(4), timeout_s=120, interval_s=0.5)
+            wait_for("world size 4", running_at(admin, job_id, 4), timeout_s=120, interval_s=0.5)
             urgent = slurm.submit(UnitSubmission(name="urgent", script="#!/bin/sh\nsleep 600\n", partition="urgent",
                                                  nodes=2, exclusive=True, requeue=False,
                                                  output=str(tmp_path / "urgent-%j.out")))
-            wait_for("world size 2", world_size(2), timeout_s=60, interval_s=0.2)
+            wait_for("world size 2", running_at(admin, job_id, 2), timeout_s=60, interval_s=0.2)
             wait_for("the urgent job to run", lambda: slurm.get_job(urgent).state is JobState.RUNNING,
                      timeout_s=60)
             events = admin.events(job_id)
@@ -109,10 +120,9 @@ def test_an_urgent_job_preempts_two_replicas_the_job_shrinks_without_losing_a_st
             assert not [r for r in read_ledger(ledger) if r["kind"] == "abandoned"], "a step was lost"
 
             slurm.cancel(urgent)
-            wait_for("world size 4 again", world_size(4), timeout_s=120, interval_s=0.5)
+            wait_for("world size 4 again", running_at(admin, job_id, 4), timeout_s=120, interval_s=0.5)
             admin.cancel(job_id)
-        wait_for("the units' Slurm jobs to end", lambda: not any(
-            j.is_active for j in slurm.list_jobs() if j.name.startswith(f"tidal-{job_id}-")), timeout_s=60)
+        wait_for_units_to_end(slurm, job_id)
     finally:
         controller.stop()
 
@@ -160,21 +170,14 @@ def minicluster(*args: str) -> None:
 
 def test_a_node_failure_the_job_recovers_and_the_replacement_avoids_the_node(
         slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path) -> None:
-    idle = [n for n in slurm.list_nodes() if "train" in n.partitions and n.is_idle_and_usable]
-    assert len(idle) == 4, f"the test needs the 4 idle nodes of the mini cluster, found {len(idle)}"
+    require_four_idle_nodes(slurm)
     controller = slurm_controller(tmp_path)
     failed_node = ""
     try:
         with controller.admin() as admin:
             job_id = admin.submit(live_job("replace", 3, tmp_path, tmp_path / "ledger")).job.job_id
 
-            def world_of(size: int) -> Callable[[], admin_pb2.Job | None]:
-                def check() -> admin_pb2.Job | None:
-                    job = admin.job(job_id)
-                    return job if job.world_size == size and job.state == admin_pb2.JOB_STATE_RUNNING else None
-                return check
-
-            job = wait_for("world size 3", world_of(3), timeout_s=120, interval_s=0.5)
+            job = wait_for("world size 3", running_at(admin, job_id, 3), timeout_s=120, interval_s=0.5)
             victim = next(u for u in job.units if u.state == admin_pb2.UNIT_STATE_ACTIVE)
             (failed_node,) = victim.nodes
             pid = wait_for("the victim's launcher", lambda: launcher_pid(job_id, victim.unit_id), timeout_s=10)
@@ -188,7 +191,7 @@ def test_a_node_failure_the_job_recovers_and_the_replacement_avoids_the_node(
             assert recovered[0].fields["world_size"] == "2", recovered[0]
             excluded = [e for e in admin.events(job_id) if e.kind == "node_excluded"]
             assert [e.fields["node"] for e in excluded] == [failed_node]
-            back = wait_for("world size 3 again", world_of(3), timeout_s=120, interval_s=0.5)
+            back = wait_for("world size 3 again", running_at(admin, job_id, 3), timeout_s=120, interval_s=0.5)
             replacement = next(u for u in back.units if u.state == admin_pb2.UNIT_STATE_ACTIVE
                                and u.unit_id not in {x.unit_id for x in job.units})
             assert failed_node not in replacement.nodes, (replacement, victim)
@@ -197,8 +200,7 @@ def test_a_node_failure_the_job_recovers_and_the_replacement_avoids_the_node(
                                    capture_output=True, text=True, check=True).stdout.strip()
             assert failed_node in shown, shown
             admin.cancel(job_id)
-        wait_for("the units' Slurm jobs to end", lambda: not any(
-            j.is_active for j in slurm.list_jobs() if j.name.startswith(f"tidal-{job_id}-")), timeout_s=60)
+        wait_for_units_to_end(slurm, job_id)
     finally:
         controller.stop()
         if failed_node:
@@ -209,8 +211,7 @@ def test_a_node_failure_the_job_recovers_and_the_replacement_avoids_the_node(
 
 def test_with_yield_enabled_a_waiting_higher_priority_job_gets_nodes_before_any_preemption(
         slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path) -> None:
-    idle = [n for n in slurm.list_nodes() if "train" in n.partitions and n.is_idle_and_usable]
-    assert len(idle) == 4, f"the test needs the 4 idle nodes of the mini cluster, found {len(idle)}"
+    require_four_idle_nodes(slurm)
     controller = slurm_controller(tmp_path)
     ledger = tmp_path / "ledger"
     try:
@@ -219,13 +220,7 @@ def test_with_yield_enabled_a_waiting_higher_priority_job_gets_nodes_before_any_
         with controller.admin() as admin:
             job_id = admin.submit(spec).job.job_id
 
-            def world_size(size: int) -> Callable[[], admin_pb2.Job | None]:
-                def check() -> admin_pb2.Job | None:
-                    job = admin.job(job_id)
-                    return job if job.world_size == size and job.state == admin_pb2.JOB_STATE_RUNNING else None
-                return check
-
-            wait_for("world size 4", world_size(4), timeout_s=120, interval_s=0.5)
+            wait_for("world size 4", running_at(admin, job_id, 4), timeout_s=120, interval_s=0.5)
             # A job of the same partition (Slurm never preempts within it) that outranks the
             # units and needs 2 nodes: without Tidal it would wait for as long as the job runs.
             submitted_at = time.monotonic()
@@ -235,7 +230,7 @@ def test_with_yield_enabled_a_waiting_higher_priority_job_gets_nodes_before_any_
             wait_for("the important job to run", lambda: slurm.get_job(important).state is JobState.RUNNING,
                      timeout_s=60, interval_s=0.2)
             print(f"yield: the waiting job ran {time.monotonic() - submitted_at:.1f} s after its submission")
-            job = wait_for("world size 2", world_size(2), timeout_s=30, interval_s=0.2)
+            job = wait_for("world size 2", running_at(admin, job_id, 2), timeout_s=30, interval_s=0.2)
             events = admin.events(job_id)
             leaves = [e for e in events if e.kind == "unit_leaving"]
             assert [e.fields["cause"] for e in leaves] == ["yielded", "yielded"], leaves
@@ -249,16 +244,14 @@ def test_with_yield_enabled_a_waiting_higher_priority_job_gets_nodes_before_any_
             assert not any(j.preempt_time for j in slurm.list_jobs() if j.name.startswith(f"tidal-{job_id}-"))
             admin.cancel(job_id)
         slurm.cancel(important)
-        wait_for("the units' Slurm jobs to end", lambda: not any(
-            j.is_active for j in slurm.list_jobs() if j.name.startswith(f"tidal-{job_id}-")), timeout_s=60)
+        wait_for_units_to_end(slurm, job_id)
     finally:
         controller.stop()
 
 
 def test_a_controller_restart_while_the_job_grows_stops_no_training_and_tidal_agrees_with_squeue(
         slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path) -> None:
-    idle = [n for n in slurm.list_nodes() if "train" in n.partitions and n.is_idle_and_usable]
-    assert len(idle) == 4, f"the test needs the 4 idle nodes of the mini cluster, found {len(idle)}"
+    require_four_idle_nodes(slurm)
     controller = slurm_controller(tmp_path)
     ledger = tmp_path / "ledger"
     try:
@@ -272,11 +265,7 @@ def test_a_controller_restart_while_the_job_grows_stops_no_training_and_tidal_ag
         controller.start()
         up_at = time.time()
         with controller.admin() as admin:
-            def at_four() -> admin_pb2.Job | None:
-                job = admin.job(job_id)
-                return job if job.world_size == 4 and job.state == admin_pb2.JOB_STATE_RUNNING else None
-
-            wait_for("world size 4 after the restart", at_four, timeout_s=120, interval_s=0.5)
+            wait_for("world size 4 after the restart", running_at(admin, job_id, 4), timeout_s=120, interval_s=0.5)
             wait_for("steps at size 4", lambda: len(commits(read_ledger(ledger), 4)) >= 40, timeout_s=60)
             events = admin.events(job_id)
         records = read_ledger(ledger)
@@ -312,8 +301,7 @@ def test_a_controller_restart_while_the_job_grows_stops_no_training_and_tidal_ag
         assert float(row[7]) > 0 and row[8].endswith("%"), table
         with controller.admin() as admin:
             admin.cancel(job_id)
-        wait_for("the units' Slurm jobs to end", lambda: not any(
-            j.is_active for j in slurm.list_jobs() if j.name.startswith(f"tidal-{job_id}-")), timeout_s=60)
+        wait_for_units_to_end(slurm, job_id)
     finally:
         controller.stop()
 
