@@ -455,8 +455,10 @@ class JobActor:
                        for world in worlds):
                     self._on_completed()
                 return
+            detail = f" ({exited.detail})" if exited.detail else ""
             self._fail(unit_id, f"worker rank {rank} (pid {exited.pid}) "
-                       f"{describe_exit(exited.exit_code, exited.signal)}", "worker_exit", time.monotonic(),
+                       f"{describe_exit(exited.exit_code, exited.signal)}{detail}",
+                       "silent" if exited.detail else "worker_exit", time.monotonic(),
                        failed_at=exited.exited_at.ToNanoseconds() / 1e9 if exited.HasField("exited_at") else None)
         elif kind == "leave_request":
             request = message.leave_request

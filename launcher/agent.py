@@ -55,6 +55,8 @@ EXIT_UNIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_REFUSED = 3
 EXIT_UNREACHABLE = 4
+# How often the launcher looks at its workers (heartbeats go every heartbeat_interval).
+TICK_INTERVAL_S = 0.25
 
 
 class AgentState(enum.StrEnum):
@@ -120,9 +122,10 @@ class LiveWorkers:
     # A joiner reports its workers ready (EPOCH_PHASE_STARTED) once all said hello.
     ready_epoch: int = 0
     stop_deadline: float | None = None
-    # Last beat per local rank: (wall time received, blocked in a collective).
     # Each worker's last beat: (when, waiting in a collective, samples trained so far).
     beats: dict[int, tuple[float, bool, int]] = dataclasses.field(default_factory=dict)
+    # Workers the launcher killed for falling silent: local rank -> why.
+    silenced: dict[int, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +144,10 @@ class LauncherOptions:
     connect_timeout_s: float = 600.0
     # SIGTERM-to-SIGKILL grace when the launcher itself ends its workers.
     stop_grace_s: float = 10.0
+    # Live mode: a worker whose beats (every 0.5 s, from a thread of its own) stop for
+    # this long is frozen; the launcher kills it, and the failure is reported at once
+    # instead of after the controller's heartbeat timeout. 0 disables.
+    worker_silence_timeout_s: float = 1.5
 
 
 class Agent:
@@ -158,6 +165,7 @@ class Agent:
         self.leave_requested_at: float | None = None
         self.started_at = time.monotonic()
         self.heartbeat_sequence = 0
+        self.last_heartbeat_at = 0.0
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"tidal-{options.unit_id}-"))
         self.store: Any = None
         self.store_port = 0
@@ -219,10 +227,10 @@ class Agent:
         return self.exit_code
 
     async def _tick_forever(self) -> None:
+        # Ticks come faster than heartbeats, so that a silent worker is found within a
+        # quarter second of its timeout.
         while True:
-            interval = (self.registered.heartbeat_interval.ToNanoseconds() / 1e9
-                        if self.registered is not None else 1.0)
-            await asyncio.sleep(max(0.05, interval))
+            await asyncio.sleep(TICK_INTERVAL_S)
             self.events.put_nowait(Tick())
 
     # The one place transitions happen.
@@ -422,7 +430,8 @@ class Agent:
         self.log.info("worker_exited", epoch=epoch, rank=worker.rank, pid=worker.pid, exit_code=exit_code,
                       signal=signum)
         exited = launcher_pb2.WorkerExited(epoch=self.epoch, local_rank=worker.local_rank, pid=worker.pid,
-                                           exit_code=exit_code, signal=signum)
+                                           exit_code=exit_code, signal=signum,
+                                           detail=self.live.silenced.get(worker.local_rank, ""))
         exited.exited_at.GetCurrentTime()
         self.link.send(launcher_pb2.LauncherMessage(worker_exited=exited))
         if self.live_mode and self.state is AgentState.STOPPING:
@@ -461,8 +470,31 @@ class Agent:
                 and now - self.leave_requested_at > self.options.leave_timeout_s):
             self.log.warning("leaving_without_controller", waited_s=self.options.leave_timeout_s)
             self._stop_workers(AgentState.LEAVING, self.options.stop_grace_s)
-        if self.link.connected:
+        self._kill_silent_workers()
+        interval = (self.registered.heartbeat_interval.ToNanoseconds() / 1e9 if self.registered is not None else 1.0)
+        if self.link.connected and now - self.last_heartbeat_at >= max(0.05, interval) - TICK_INTERVAL_S / 2:
+            self.last_heartbeat_at = now
             self.link.send(launcher_pb2.LauncherMessage(heartbeat=self._heartbeat()), reliable=False)
+
+    def _kill_silent_workers(self) -> None:
+        """Live mode: SIGKILL a worker whose beats stopped; its exit then goes the usual
+        way (WorkerExited, the controller stops the epoch), with the reason attached."""
+        timeout = self.options.worker_silence_timeout_s
+        group = self.workers
+        if not self.live_mode or timeout <= 0 or group is None or group.stopping:
+            return
+        now = time.time()
+        for worker in group.workers:
+            last = self.live.beats.get(worker.local_rank)
+            if worker.exited.done() or last is None or worker.local_rank in self.live.silenced:
+                continue
+            silent_s = now - last[0]
+            if silent_s > timeout:
+                detail = f"no beat for {silent_s:.1f} s (frozen?); killed by its launcher"
+                self.live.silenced[worker.local_rank] = detail
+                self.log.warning("worker_silent", rank=worker.rank, pid=worker.pid, silent_s=round(silent_s, 3))
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.pid, signal.SIGKILL)
 
     def _heartbeat(self) -> launcher_pb2.Heartbeat:
         self.heartbeat_sequence += 1
@@ -617,6 +649,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--connect-timeout", type=float, default=600.0,
                         help="give up when not registered after this many seconds")
     parser.add_argument("--stop-grace", type=float, default=10.0, help="SIGTERM-to-SIGKILL grace for workers")
+    parser.add_argument("--worker-silence-timeout", type=float, default=1.5,
+                        help="live mode: kill a worker whose beats stopped this many seconds ago (0: never)")
     return parser
 
 
@@ -643,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
         controller=args.controller, job_id=args.job, unit_id=args.unit or f"{nodename}-{slurm_job_id or os.getpid()}",
         secret=secret, address=args.address or host, nodes=(nodename,), slurm_job_id=slurm_job_id,
         tls_ca=args.tls_ca, leave_timeout_s=args.leave_timeout, connect_timeout_s=args.connect_timeout,
-        stop_grace_s=args.stop_grace)
+        stop_grace_s=args.stop_grace, worker_silence_timeout_s=args.worker_silence_timeout)
     return asyncio.run(Agent(options).run())
 
 

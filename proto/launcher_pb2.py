@@ -27,7 +27,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from tidal.proto import common_pb2 as tidal_dot_proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atidal/proto/launcher.proto\x12\x08tidal.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x18tidal/proto/common.proto\"\xfc\x01\n\x0fLauncherMessage\x12&\n\x08register\x18\x01 \x01(\x0b\x32\x12.tidal.v1.RegisterH\x00\x12(\n\theartbeat\x18\x02 \x01(\x0b\x32\x13.tidal.v1.HeartbeatH\x00\x12/\n\rworker_exited\x18\x03 \x01(\x0b\x32\x16.tidal.v1.WorkerExitedH\x00\x12/\n\rleave_request\x18\x04 \x01(\x0b\x32\x16.tidal.v1.LeaveRequestH\x00\x12-\n\x0c\x65poch_report\x18\x05 \x01(\x0b\x32\x15.tidal.v1.EpochReportH\x00\x42\x06\n\x04\x62ody\"\xe0\x01\n\x08Register\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07unit_id\x18\x02 \x01(\t\x12\x0e\n\x06secret\x18\x03 \x01(\t\x12\r\n\x05nodes\x18\x04 \x03(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12\x16\n\x0eprocs_per_node\x18\x06 \x01(\x05\x12\x14\n\x0cslurm_job_id\x18\x07 \x01(\x03\x12\x12\n\nlast_epoch\x18\x08 \x01(\x03\x12\x13\n\x0bworker_pids\x18\t \x03(\x05\x12\x18\n\x10launcher_version\x18\n \x01(\t\x12\x12\n\nstore_port\x18\x0b \x01(\x05\"\xd1\x01\n\x0eWorkerProgress\x12\x12\n\nlocal_rank\x18\x01 \x01(\x05\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x31\n\rprogress_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07waiting\x18\x06 \x01(\x08\x12-\n\tbeat_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07samples\x18\x08 \x01(\x03\"\x84\x01\n\tHeartbeat\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12+\n\x07sent_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x07workers\x18\x04 \x03(\x0b\x32\x18.tidal.v1.WorkerProgress\"\x90\x01\n\x0cWorkerExited\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x12\n\nlocal_rank\x18\x02 \x01(\x05\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x11\n\texit_code\x18\x04 \x01(\x05\x12\x0e\n\x06signal\x18\x05 \x01(\x05\x12-\n\texited_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x80\x01\n\x0cLeaveRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12#\n\x05\x63\x61use\x18\x02 \x01(\x0e\x32\x14.tidal.v1.LeaveCause\x12,\n\x08\x64\x65\x61\x64line\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"\x9b\x01\n\x0b\x45pochReport\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12#\n\x05phase\x18\x02 \x01(\x0e\x32\x14.tidal.v1.EpochPhase\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12&\n\x02\x61t\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\x12\x12\n\nstore_port\x18\x06 \x01(\x05\"\xa0\x02\n\x11\x43ontrollerMessage\x12*\n\nregistered\x18\x01 \x01(\x0b\x32\x14.tidal.v1.RegisteredH\x00\x12+\n\x0bstart_epoch\x18\x02 \x01(\x0b\x32\x14.tidal.v1.StartEpochH\x00\x12,\n\x0breconfigure\x18\x03 \x01(\x0b\x32\x15.tidal.v1.ReconfigureH\x00\x12)\n\nstop_epoch\x18\x04 \x01(\x0b\x32\x13.tidal.v1.StopEpochH\x00\x12 \n\x05leave\x18\x05 \x01(\x0b\x32\x0f.tidal.v1.LeaveH\x00\x12/\n\rheartbeat_ack\x18\x06 \x01(\x0b\x32\x16.tidal.v1.HeartbeatAckH\x00\x42\x06\n\x04\x62ody\"\xa6\x03\n\nRegistered\x12\x15\n\rcurrent_epoch\x18\x01 \x01(\x03\x12\x35\n\x12heartbeat_interval\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x34\n\x11heartbeat_timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1f\n\x04mode\x18\x04 \x01(\x0e\x32\x11.tidal.v1.JobMode\x12\x33\n\x10progress_timeout\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x0f\n\x07\x63ommand\x18\x06 \x03(\t\x12:\n\x0b\x65nvironment\x18\x07 \x03(\x0b\x32%.tidal.v1.Registered.EnvironmentEntry\x12\x13\n\x0bworking_dir\x18\x08 \x01(\t\x12\x16\n\x0eprocs_per_node\x18\t \x01(\x05\x12\x10\n\x08job_name\x18\n \x01(\t\x1a\x32\n\x10\x45nvironmentEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x83\x01\n\nStartEpoch\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\'\n\nrank_table\x18\x02 \x01(\x0b\x32\x13.tidal.v1.RankTable\x12(\n\nrendezvous\x18\x03 \x01(\x0b\x32\x14.tidal.v1.Rendezvous\x12\x13\n\x0bresume_step\x18\x04 \x01(\x03\"\xab\x01\n\x0bReconfigure\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x12\n\nfrom_epoch\x18\x02 \x01(\x03\x12\x0f\n\x07\x61t_step\x18\x03 \x01(\x03\x12\'\n\nrank_table\x18\x04 \x01(\x0b\x32\x13.tidal.v1.RankTable\x12(\n\nrendezvous\x18\x05 \x01(\x0b\x32\x14.tidal.v1.Rendezvous\x12\x15\n\rstate_sources\x18\x06 \x03(\t\"l\n\tStopEpoch\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x16\n\x0e\x66\x61iled_unit_id\x18\x03 \x01(\t\x12(\n\x05grace\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\"7\n\x05Leave\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0f\n\x07\x61t_step\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\" \n\x0cHeartbeatAck\x12\x10\n\x08sequence\x18\x01 \x01(\x04*w\n\nLeaveCause\x12\x1b\n\x17LEAVE_CAUSE_UNSPECIFIED\x10\x00\x12\x19\n\x15LEAVE_CAUSE_PREEMPTED\x10\x01\x12\x17\n\x13LEAVE_CAUSE_DRAINED\x10\x02\x12\x18\n\x14LEAVE_CAUSE_SHUTDOWN\x10\x03*\xab\x01\n\nEpochPhase\x12\x1b\n\x17\x45POCH_PHASE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45POCH_PHASE_STARTED\x10\x01\x12\x1c\n\x18\x45POCH_PHASE_RECONFIGURED\x10\x02\x12\x17\n\x13\x45POCH_PHASE_STOPPED\x10\x03\x12\x14\n\x10\x45POCH_PHASE_LEFT\x10\x04\x12\x1a\n\x16\x45POCH_PHASE_FIRST_STEP\x10\x05\x32X\n\x0fLauncherService\x12\x45\n\x07Session\x12\x19.tidal.v1.LauncherMessage\x1a\x1b.tidal.v1.ControllerMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atidal/proto/launcher.proto\x12\x08tidal.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x18tidal/proto/common.proto\"\xfc\x01\n\x0fLauncherMessage\x12&\n\x08register\x18\x01 \x01(\x0b\x32\x12.tidal.v1.RegisterH\x00\x12(\n\theartbeat\x18\x02 \x01(\x0b\x32\x13.tidal.v1.HeartbeatH\x00\x12/\n\rworker_exited\x18\x03 \x01(\x0b\x32\x16.tidal.v1.WorkerExitedH\x00\x12/\n\rleave_request\x18\x04 \x01(\x0b\x32\x16.tidal.v1.LeaveRequestH\x00\x12-\n\x0c\x65poch_report\x18\x05 \x01(\x0b\x32\x15.tidal.v1.EpochReportH\x00\x42\x06\n\x04\x62ody\"\xe0\x01\n\x08Register\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07unit_id\x18\x02 \x01(\t\x12\x0e\n\x06secret\x18\x03 \x01(\t\x12\r\n\x05nodes\x18\x04 \x03(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12\x16\n\x0eprocs_per_node\x18\x06 \x01(\x05\x12\x14\n\x0cslurm_job_id\x18\x07 \x01(\x03\x12\x12\n\nlast_epoch\x18\x08 \x01(\x03\x12\x13\n\x0bworker_pids\x18\t \x03(\x05\x12\x18\n\x10launcher_version\x18\n \x01(\t\x12\x12\n\nstore_port\x18\x0b \x01(\x05\"\xd1\x01\n\x0eWorkerProgress\x12\x12\n\nlocal_rank\x18\x01 \x01(\x05\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x31\n\rprogress_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07waiting\x18\x06 \x01(\x08\x12-\n\tbeat_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07samples\x18\x08 \x01(\x03\"\x84\x01\n\tHeartbeat\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12+\n\x07sent_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x07workers\x18\x04 \x03(\x0b\x32\x18.tidal.v1.WorkerProgress\"\xa0\x01\n\x0cWorkerExited\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x12\n\nlocal_rank\x18\x02 \x01(\x05\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x11\n\texit_code\x18\x04 \x01(\x05\x12\x0e\n\x06signal\x18\x05 \x01(\x05\x12-\n\texited_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06\x64\x65tail\x18\x07 \x01(\t\"\x80\x01\n\x0cLeaveRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12#\n\x05\x63\x61use\x18\x02 \x01(\x0e\x32\x14.tidal.v1.LeaveCause\x12,\n\x08\x64\x65\x61\x64line\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"\x9b\x01\n\x0b\x45pochReport\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12#\n\x05phase\x18\x02 \x01(\x0e\x32\x14.tidal.v1.EpochPhase\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12&\n\x02\x61t\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\x12\x12\n\nstore_port\x18\x06 \x01(\x05\"\xa0\x02\n\x11\x43ontrollerMessage\x12*\n\nregistered\x18\x01 \x01(\x0b\x32\x14.tidal.v1.RegisteredH\x00\x12+\n\x0bstart_epoch\x18\x02 \x01(\x0b\x32\x14.tidal.v1.StartEpochH\x00\x12,\n\x0breconfigure\x18\x03 \x01(\x0b\x32\x15.tidal.v1.ReconfigureH\x00\x12)\n\nstop_epoch\x18\x04 \x01(\x0b\x32\x13.tidal.v1.StopEpochH\x00\x12 \n\x05leave\x18\x05 \x01(\x0b\x32\x0f.tidal.v1.LeaveH\x00\x12/\n\rheartbeat_ack\x18\x06 \x01(\x0b\x32\x16.tidal.v1.HeartbeatAckH\x00\x42\x06\n\x04\x62ody\"\xa6\x03\n\nRegistered\x12\x15\n\rcurrent_epoch\x18\x01 \x01(\x03\x12\x35\n\x12heartbeat_interval\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x34\n\x11heartbeat_timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1f\n\x04mode\x18\x04 \x01(\x0e\x32\x11.tidal.v1.JobMode\x12\x33\n\x10progress_timeout\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x0f\n\x07\x63ommand\x18\x06 \x03(\t\x12:\n\x0b\x65nvironment\x18\x07 \x03(\x0b\x32%.tidal.v1.Registered.EnvironmentEntry\x12\x13\n\x0bworking_dir\x18\x08 \x01(\t\x12\x16\n\x0eprocs_per_node\x18\t \x01(\x05\x12\x10\n\x08job_name\x18\n \x01(\t\x1a\x32\n\x10\x45nvironmentEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x83\x01\n\nStartEpoch\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\'\n\nrank_table\x18\x02 \x01(\x0b\x32\x13.tidal.v1.RankTable\x12(\n\nrendezvous\x18\x03 \x01(\x0b\x32\x14.tidal.v1.Rendezvous\x12\x13\n\x0bresume_step\x18\x04 \x01(\x03\"\xab\x01\n\x0bReconfigure\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x12\n\nfrom_epoch\x18\x02 \x01(\x03\x12\x0f\n\x07\x61t_step\x18\x03 \x01(\x03\x12\'\n\nrank_table\x18\x04 \x01(\x0b\x32\x13.tidal.v1.RankTable\x12(\n\nrendezvous\x18\x05 \x01(\x0b\x32\x14.tidal.v1.Rendezvous\x12\x15\n\rstate_sources\x18\x06 \x03(\t\"l\n\tStopEpoch\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x16\n\x0e\x66\x61iled_unit_id\x18\x03 \x01(\t\x12(\n\x05grace\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\"7\n\x05Leave\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0f\n\x07\x61t_step\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\" \n\x0cHeartbeatAck\x12\x10\n\x08sequence\x18\x01 \x01(\x04*w\n\nLeaveCause\x12\x1b\n\x17LEAVE_CAUSE_UNSPECIFIED\x10\x00\x12\x19\n\x15LEAVE_CAUSE_PREEMPTED\x10\x01\x12\x17\n\x13LEAVE_CAUSE_DRAINED\x10\x02\x12\x18\n\x14LEAVE_CAUSE_SHUTDOWN\x10\x03*\xab\x01\n\nEpochPhase\x12\x1b\n\x17\x45POCH_PHASE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45POCH_PHASE_STARTED\x10\x01\x12\x1c\n\x18\x45POCH_PHASE_RECONFIGURED\x10\x02\x12\x17\n\x13\x45POCH_PHASE_STOPPED\x10\x03\x12\x14\n\x10\x45POCH_PHASE_LEFT\x10\x04\x12\x1a\n\x16\x45POCH_PHASE_FIRST_STEP\x10\x05\x32X\n\x0fLauncherService\x12\x45\n\x07Session\x12\x19.tidal.v1.LauncherMessage\x1a\x1b.tidal.v1.ControllerMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,10 +36,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REGISTERED_ENVIRONMENTENTRY']._loaded_options = None
   _globals['_REGISTERED_ENVIRONMENTENTRY']._serialized_options = b'8\001'
-  _globals['_LEAVECAUSE']._serialized_start=2621
-  _globals['_LEAVECAUSE']._serialized_end=2740
-  _globals['_EPOCHPHASE']._serialized_start=2743
-  _globals['_EPOCHPHASE']._serialized_end=2914
+  _globals['_LEAVECAUSE']._serialized_start=2637
+  _globals['_LEAVECAUSE']._serialized_end=2756
+  _globals['_EPOCHPHASE']._serialized_start=2759
+  _globals['_EPOCHPHASE']._serialized_end=2930
   _globals['_LAUNCHERMESSAGE']._serialized_start=132
   _globals['_LAUNCHERMESSAGE']._serialized_end=384
   _globals['_REGISTER']._serialized_start=387
@@ -49,27 +49,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEAT']._serialized_start=826
   _globals['_HEARTBEAT']._serialized_end=958
   _globals['_WORKEREXITED']._serialized_start=961
-  _globals['_WORKEREXITED']._serialized_end=1105
-  _globals['_LEAVEREQUEST']._serialized_start=1108
-  _globals['_LEAVEREQUEST']._serialized_end=1236
-  _globals['_EPOCHREPORT']._serialized_start=1239
-  _globals['_EPOCHREPORT']._serialized_end=1394
-  _globals['_CONTROLLERMESSAGE']._serialized_start=1397
-  _globals['_CONTROLLERMESSAGE']._serialized_end=1685
-  _globals['_REGISTERED']._serialized_start=1688
-  _globals['_REGISTERED']._serialized_end=2110
-  _globals['_REGISTERED_ENVIRONMENTENTRY']._serialized_start=2060
-  _globals['_REGISTERED_ENVIRONMENTENTRY']._serialized_end=2110
-  _globals['_STARTEPOCH']._serialized_start=2113
-  _globals['_STARTEPOCH']._serialized_end=2244
-  _globals['_RECONFIGURE']._serialized_start=2247
-  _globals['_RECONFIGURE']._serialized_end=2418
-  _globals['_STOPEPOCH']._serialized_start=2420
-  _globals['_STOPEPOCH']._serialized_end=2528
-  _globals['_LEAVE']._serialized_start=2530
-  _globals['_LEAVE']._serialized_end=2585
-  _globals['_HEARTBEATACK']._serialized_start=2587
-  _globals['_HEARTBEATACK']._serialized_end=2619
-  _globals['_LAUNCHERSERVICE']._serialized_start=2916
-  _globals['_LAUNCHERSERVICE']._serialized_end=3004
+  _globals['_WORKEREXITED']._serialized_end=1121
+  _globals['_LEAVEREQUEST']._serialized_start=1124
+  _globals['_LEAVEREQUEST']._serialized_end=1252
+  _globals['_EPOCHREPORT']._serialized_start=1255
+  _globals['_EPOCHREPORT']._serialized_end=1410
+  _globals['_CONTROLLERMESSAGE']._serialized_start=1413
+  _globals['_CONTROLLERMESSAGE']._serialized_end=1701
+  _globals['_REGISTERED']._serialized_start=1704
+  _globals['_REGISTERED']._serialized_end=2126
+  _globals['_REGISTERED_ENVIRONMENTENTRY']._serialized_start=2076
+  _globals['_REGISTERED_ENVIRONMENTENTRY']._serialized_end=2126
+  _globals['_STARTEPOCH']._serialized_start=2129
+  _globals['_STARTEPOCH']._serialized_end=2260
+  _globals['_RECONFIGURE']._serialized_start=2263
+  _globals['_RECONFIGURE']._serialized_end=2434
+  _globals['_STOPEPOCH']._serialized_start=2436
+  _globals['_STOPEPOCH']._serialized_end=2544
+  _globals['_LEAVE']._serialized_start=2546
+  _globals['_LEAVE']._serialized_end=2601
+  _globals['_HEARTBEATACK']._serialized_start=2603
+  _globals['_HEARTBEATACK']._serialized_end=2635
+  _globals['_LAUNCHERSERVICE']._serialized_start=2932
+  _globals['_LAUNCHERSERVICE']._serialized_end=3020
 # @@protoc_insertion_point(module_scope)

@@ -111,20 +111,22 @@ class Heartbeat(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., sequence: _Optional[int] = ..., sent_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerProgress, _Mapping]]] = ...) -> None: ...
 
 class WorkerExited(_message.Message):
-    __slots__ = ("epoch", "local_rank", "pid", "exit_code", "signal", "exited_at")
+    __slots__ = ("epoch", "local_rank", "pid", "exit_code", "signal", "exited_at", "detail")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_FIELD_NUMBER: _ClassVar[int]
     EXITED_AT_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     local_rank: int
     pid: int
     exit_code: int
     signal: int
     exited_at: _timestamp_pb2.Timestamp
-    def __init__(self, epoch: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., exited_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    detail: str
+    def __init__(self, epoch: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., exited_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("epoch", "cause", "deadline", "detail")
