@@ -1,0 +1,140 @@
+"""What every benchmark shares: the machine, the result files, medians and ratios.
+
+Each benchmark is a module run from the repository root (`python -m bench.overhead`),
+writes `bench/results/<name>.json` (its rows, the command, the machine, the date), and
+`python -m bench.report` turns every result file into bench/RESULTS.md. `--quick` runs a
+smoke version (`make test` runs those and checks they run, never their timing)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO / "bench" / "results"
+LM_EXAMPLE = REPO / "examples" / "live_mode" / "train_lm.py"
+MLP_EXAMPLE = REPO / "examples" / "live_mode" / "train_mlp.py"
+DDP_BASELINE = REPO / "bench" / "baselines" / "ddp_lm.py"
+
+
+@dataclass
+class Row:
+    """One line of RESULTS.md: Tidal's figure beside its baseline, from the same run."""
+
+    benchmark: str
+    metric: str
+    unit: str
+    tidal: float
+    goal: str
+    met: bool
+    baseline: float | None = None
+    baseline_name: str = ""
+    # Every repetition, so a reader sees the spread behind the median.
+    tidal_samples: list[float] = field(default_factory=list)
+    baseline_samples: list[float] = field(default_factory=list)
+    # The comparison in the same run, and what it means ("baseline / Tidal: Tidal is N×
+    # faster", "Tidal / baseline steps/s").
+    ratio: float | None = None
+    ratio_meaning: str = ""
+    note: str = ""
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def percentile(values: Sequence[float], fraction: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    index = min(len(ordered) - 1, max(0, round(fraction * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def machine() -> dict[str, Any]:
+    model = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    memory_gib = 0.0
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                memory_gib = int(line.split()[1]) / 2**20
+    slurm = ""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        slurm = subprocess.run(["slurmd", "-V"], capture_output=True, text=True, timeout=10).stdout.strip()
+    import torch
+
+    return {"cores": os.cpu_count(), "cpu": model, "memory_gib": round(memory_gib, 1),
+            "kernel": platform.release(), "python": platform.python_version(), "torch": torch.__version__,
+            "slurm": slurm, "backend": "gloo on CPU"}
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    result = argparse.ArgumentParser(description=description)
+    result.add_argument("--quick", action="store_true", help="a smoke run: fewer, shorter repetitions")
+    result.add_argument("--repeat", type=int, default=0, help="repetitions (default: the benchmark's own)")
+    result.add_argument("--keep", type=Path, default=None, help="keep logs and state in this folder")
+    return result
+
+
+@contextlib.contextmanager
+def workspace(keep: Path | None, name: str) -> Iterator[Path]:
+    if keep is not None:
+        folder = keep / name
+        folder.mkdir(parents=True, exist_ok=True)
+        yield folder
+        return
+    with tempfile.TemporaryDirectory(prefix=f"tidal-bench-{name}-") as folder:
+        os.chmod(folder, 0o755)
+        yield Path(folder)
+
+
+def write_result(name: str, rows: list[Row], *, quick: bool, settings: dict[str, Any]) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}{'.quick' if quick else ''}.json"
+    command = "python -m bench." + name + "".join(f" {shlex.quote(a)}" for a in sys.argv[1:])
+    document = {"benchmark": name, "command": command, "quick": quick, "machine": machine(),
+                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                "settings": settings, "rows": [asdict(r) for r in rows]}
+    path.write_text(json.dumps(document, indent=2) + "\n")
+    for row in rows:
+        baseline = f", baseline {row.baseline_name} {row.baseline:.4g} {row.unit}" if row.baseline is not None else ""
+        ratio = f" ({row.ratio_meaning} = {row.ratio:.3g})" if row.ratio is not None else ""
+        print(f"{name}: {row.metric}: Tidal {row.tidal:.4g} {row.unit}{baseline}{ratio}; goal {row.goal}: "
+              f"{'met' if row.met else 'NOT met'}", flush=True)
+    print(f"{name}: wrote {path.relative_to(REPO)}")
+    return path
+
+
+def read_jsonl(paths: Sequence[Path]) -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = []
+    for path in paths:
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                records.append(json.loads(line))
+    return sorted(records, key=lambda r: r["time"])
+
+
+def steady_rate(times: Sequence[float], skip: int) -> float:
+    """Steps per second between the `skip`-th and the last of consecutive step times."""
+    kept = sorted(times)[skip:]
+    if len(kept) < 2:
+        return float("nan")
+    return (len(kept) - 1) / (kept[-1] - kept[0])

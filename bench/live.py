@@ -1,0 +1,102 @@
+"""A live-mode job on loopback (a controller, one launcher per unit, the worker library)
+that a benchmark can hurt and watch: kill or freeze a replica, add one back, read the
+controller's events with their times."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from tests.integration.conftest import TidalRun, alive, wait_until
+from tidal.proto import admin_pb2, common_pb2
+
+
+class LiveJob:
+    def __init__(self, folder: Path, command: Sequence[str], replicas: int,
+                 mode: common_pb2.JobMode.ValueType = common_pb2.JOB_MODE_LIVE) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.run = TidalRun(folder)
+        self.replicas = replicas
+        self.mode = mode
+        self.command = list(command)
+        self.next_unit = 0
+        self.units: list[str] = []
+
+    def __enter__(self) -> LiveJob:
+        self.run.controller.start()
+        self.run.submit(min_replicas=1, max_replicas=self.replicas, mode=self.mode, name="bench",
+                        command=self.command)
+        for _ in range(self.replicas):
+            self.add_unit()
+        self.wait_world(self.replicas)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        leftovers = self.run.close()
+        assert not leftovers, f"workers outlived the run: {leftovers}"
+
+    def add_unit(self) -> str:
+        self.next_unit += 1
+        unit = f"u{self.next_unit}"
+        self.run.start_launcher(unit)
+        self.units.append(unit)
+        return unit
+
+    def wait_world(self, replicas: int, timeout_s: float = 180.0) -> admin_pb2.Job:
+        def formed() -> admin_pb2.Job | None:
+            job = self.run.job()
+            running = job.state == admin_pb2.JOB_STATE_RUNNING and job.replicas == replicas
+            return job if running and self.run.controller.events(self.run.job_id)[-1].kind != "world_reconfiguring" \
+                else None
+        job = wait_until(formed, timeout_s, f"a running world of {replicas} replicas", interval=0.2)
+        # Hurt a world only once it trains: a failure while ranks still build their
+        # process group is a different case (they wait out gloo's connection attempts).
+        wait_until(lambda: any(e.kind in ("first_step", "recovered") and e.epoch == job.epoch for e in self.events()),
+                   60, f"the first step of epoch {job.epoch}", interval=0.1)
+        time.sleep(0.5)
+        return job
+
+    def events(self) -> list[admin_pb2.Event]:
+        return self.run.controller.events(self.run.job_id)
+
+    def event_after(self, kind: str, after: float, timeout_s: float = 120.0) -> admin_pb2.Event:
+        def found() -> admin_pb2.Event | None:
+            return next((e for e in self.events() if e.kind == kind and event_time(e) >= after), None)
+        return wait_until(found, timeout_s, f"event {kind}", interval=0.02)
+
+    def worker_pid(self, unit: str) -> int:
+        pids = [p for p in self.run.launchers[unit].worker_pids() if alive(p)]
+        assert len(pids) == 1, f"{unit}: workers {pids}"
+        return pids[0]
+
+    def hurt(self, unit: str, how: str) -> float:
+        """Hurt `unit` and return when (wall clock): "kill" SIGKILLs its worker, "freeze"
+        SIGSTOPs it, "replica" SIGKILLs its launcher and worker together."""
+        worker = self.worker_pid(unit)
+        launcher = self.run.launchers[unit].pid
+        at = time.time()
+        if how == "kill":
+            os.kill(worker, signal.SIGKILL)
+        elif how == "freeze":
+            os.kill(worker, signal.SIGSTOP)
+        elif how == "replica":
+            os.kill(launcher, signal.SIGKILL)
+            os.kill(worker, signal.SIGKILL)
+        else:
+            raise ValueError(how)
+        self.units.remove(unit)
+        return at
+
+
+def event_time(event: admin_pb2.Event) -> float:
+    return event.time.ToNanoseconds() / 1e9
+
+
+def mlp_command(ledger: Path, step_time: float = 0.01) -> list[str]:
+    from bench.common import MLP_EXAMPLE
+    return [sys.executable, str(MLP_EXAMPLE), "--steps", "1000000", "--global-batch", "24", "--micro-batch", "4",
+            "--step-time", str(step_time), "--ledger-dir", str(ledger)]

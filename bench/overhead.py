@@ -1,0 +1,79 @@
+"""Overhead: steps/s of the example language model trained by Tidal's live mode (a
+controller, two launchers, the worker library, world fixed at 2) against the same model
+in a plain torch.distributed script (DDP under torchrun, 2 ranks), in the same run,
+alternating. Goal: Tidal within 2%."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.common import DDP_BASELINE, LM_EXAMPLE, Row, median, parser, read_jsonl, steady_rate, workspace, \
+    write_result
+from tests.integration.conftest import TidalRun, wait_until
+from tidal.proto import common_pb2
+
+WORLD = 2
+MODEL = ["--global-batch", "32", "--micro-batch", "16", "--context", "64", "--width", "64", "--layers", "2"]
+
+
+def tidal_steps_per_second(folder: Path, steps: int, skip: int) -> float:
+    folder.mkdir(parents=True, exist_ok=True)
+    run = TidalRun(folder)
+    run.controller.start()
+    ledger = folder / "ledger"
+    try:
+        run.submit(min_replicas=WORLD, max_replicas=WORLD, mode=common_pb2.JOB_MODE_LIVE, name="overhead",
+                   command=[sys.executable, str(LM_EXAMPLE), "--steps", str(steps), "--log-every", "1000",
+                            "--ledger-dir", str(ledger), *MODEL])
+        for unit in ("a", "b"):
+            run.start_launcher(unit)
+
+        def finished() -> bool:
+            return run.job().state == 5  # JOB_STATE_COMPLETED
+
+        wait_until(finished, 600, "the Tidal run to finish", interval=0.5)
+        commits = [r["time"] for r in read_jsonl(sorted(ledger.glob("ledger-*.jsonl")))
+                   if r["kind"] == "commit" and r["rank"] == 0 and r["world_size"] == WORLD]
+        assert len(commits) >= steps - 1, f"only {len(commits)} steps committed at world size {WORLD}"
+        return steady_rate(commits, skip)
+    finally:
+        run.close()
+
+
+def baseline_steps_per_second(folder: Path, steps: int, skip: int) -> float:
+    logs = folder / "ddp-log"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
+                    str(DDP_BASELINE), "--steps", str(steps), "--log-dir", str(logs), *MODEL],
+                   check=True, capture_output=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    times = [r["time"] for r in read_jsonl(sorted(logs.glob("*.jsonl"))) if r["rank"] == 0]
+    return steady_rate(times, skip)
+
+
+def main() -> None:
+    args = parser(__doc__.split("\n\n")[0]).parse_args()
+    repeat = args.repeat or (1 if args.quick else 5)
+    steps, skip = (40, 10) if args.quick else (400, 50)
+    tidal, baseline = [], []
+    with workspace(args.keep, "overhead") as folder:
+        for index in range(repeat):
+            baseline.append(baseline_steps_per_second(folder / f"baseline-{index}", steps, skip))
+            tidal.append(tidal_steps_per_second(folder / f"tidal-{index}", steps, skip))
+            print(f"overhead: repetition {index + 1}: Tidal {tidal[-1]:.2f} steps/s, plain DDP {baseline[-1]:.2f}",
+                  flush=True)
+    # Per-pair ratios cancel slow drifts of this shared machine; the row reports their median.
+    ratios = [t / b for t, b in zip(tidal, baseline, strict=True)]
+    slowdown = 1 - median(ratios)
+    row = Row(benchmark="overhead", metric=f"steps/s, LM, world {WORLD}, live mode vs plain DDP", unit="steps/s",
+              tidal=median(tidal), baseline=median(baseline), baseline_name="plain DDP under torchrun",
+              goal="Tidal ≤ 2% slower", met=slowdown <= 0.02, tidal_samples=tidal, baseline_samples=baseline,
+              ratio=median(ratios), ratio_meaning="Tidal / plain steps/s (median of pairs)",
+              note=f"{slowdown:+.1%} slower; {steps} steps a run, rate over steps {skip}..{steps}")
+    write_result("overhead", [row], quick=args.quick,
+                 settings={"steps": steps, "skip": skip, "repeat": repeat, "world": WORLD, "model": " ".join(MODEL)})
+
+
+if __name__ == "__main__":
+    main()
