@@ -10,8 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.common import DDP_BASELINE, LM_EXAMPLE, Row, median, parser, read_jsonl, steady_rate, workspace, \
-    write_result
+from bench.common import DDP_BASELINE, LM_EXAMPLE, Row, median, parser, read_jsonl, steady_rate, workspace, write_result
 from tests.integration.conftest import TidalRun, wait_until
 from tidal.proto import common_pb2
 

@@ -22,7 +22,7 @@ from torch.nn import functional
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "live_mode"))
-from train_lm import CharWindows, TinyTransformer, generate_text  # noqa: E402
+from train_lm import CharWindows, TinyTransformer, generate_text
 
 
 def main() -> None:

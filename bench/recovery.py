@@ -1,0 +1,168 @@
+"""Recovery: the example language model on 4 replicas (one process each, loopback); one
+replica (its launcher or agent and its worker) is killed with SIGKILL, and the time is
+measured from the kill to the survivors' first completed step. Tidal live mode
+(in-process, no checkpoint) and Tidal restart mode (the plain DDP script, restarted from
+its own checkpoint) against torchrun `--nnodes 3:4 --max-restarts 3` with the c10d
+rendezvous on the same DDP script, resuming from its checkpoint (every 20 steps), same
+fault. Goal: live mode ≥ 10× faster than torchrun."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.common import DDP_BASELINE, LM_EXAMPLE, Row, median, parser, read_jsonl, workspace, write_result
+from bench.live import LiveJob, event_time
+from tests.integration.conftest import free_port, wait_until
+from tidal.proto import common_pb2
+
+REPLICAS = 4
+MODEL = ["--global-batch", "32", "--micro-batch", "16", "--context", "64", "--width", "64", "--layers", "2"]
+CHECKPOINT_EVERY = 20
+
+
+def ddp_command(folder: Path) -> list[str]:
+    return [str(DDP_BASELINE), "--steps", "1000000", "--checkpoint", str(folder / "checkpoint.pt"),
+            "--checkpoint-every", str(CHECKPOINT_EVERY), "--log-dir", str(folder / "ddp-log"), *MODEL]
+
+
+def steps_after(folder: Path, since: float, world_size: int | None = None) -> list[dict]:
+    return [r for r in read_jsonl(sorted((folder / "ddp-log").glob("*.jsonl")))
+            if r["time"] > since and (world_size is None or r["world_size"] == world_size)]
+
+
+def tidal_live(folder: Path, repeat: int) -> list[float]:
+    times = []
+    command = [sys.executable, str(LM_EXAMPLE), "--steps", "1000000", "--log-every", "100000",
+               "--ledger-dir", str(folder / "ledger"), *MODEL]
+    with LiveJob(folder, command, REPLICAS) as job:
+        for index in range(repeat):
+            at = job.hurt(job.units[-1], "replica")
+            recovered = event_time(job.event_after("recovered", at))
+            times.append(recovered - at)
+            print(f"recovery: live {index + 1}: {times[-1]:.3f} s", flush=True)
+            job.add_unit()
+            job.wait_world(REPLICAS)
+    return times
+
+
+def tidal_restart(folder: Path, repeat: int) -> list[float]:
+    times = []
+    folder.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, *ddp_command(folder)]
+    job = LiveJob(folder, command, REPLICAS, mode=common_pb2.JOB_MODE_RESTART)
+    job.run.controller.start()
+    try:
+        job.run.submit(min_replicas=1, max_replicas=REPLICAS, mode=common_pb2.JOB_MODE_RESTART, name="bench",
+                       command=command)
+        for _ in range(REPLICAS):
+            job.add_unit()
+        for index in range(repeat):
+            wait_until(lambda: len(steps_after(folder, time.time() - 1.0, REPLICAS)) > 0, 180,
+                       f"steps at world size {REPLICAS}", interval=0.2)
+            time.sleep(1.0)
+            at = job.hurt(job.units[-1], "replica")
+            first = wait_until(lambda at=at: steps_after(folder, at, REPLICAS - 1), 180, "a step after the kill",
+                               interval=0.05)
+            times.append(first[0]["time"] - at)
+            print(f"recovery: restart mode {index + 1}: {times[-1]:.3f} s", flush=True)
+            job.add_unit()
+    finally:
+        job.__exit__()
+    return times
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(parent, []).append(int(entry.name))
+    found, queue = [], [pid]
+    while queue:
+        for child in children.get(queue.pop(), []):
+            found.append(child)
+            queue.append(child)
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    for process in [pid, *descendants(pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process, signal.SIGKILL)
+
+
+def torchrun(folder: Path, repeat: int) -> tuple[list[float], list[int]]:
+    """torchrun's elastic agents, one per "node", on the same DDP script."""
+    times, redone = [], []
+    for index in range(repeat):
+        run = folder / f"torchrun-{index}"
+        run.mkdir(parents=True)
+        port = free_port()
+        agents: list[subprocess.Popen[bytes]] = []
+        try:
+            for node in range(REPLICAS):
+                log = open(run / f"agent-{node}.log", "wb")  # noqa: SIM115
+                agents.append(subprocess.Popen(
+                    [sys.executable, "-m", "torch.distributed.run", "--nnodes", f"{REPLICAS - 1}:{REPLICAS}",
+                     "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                     "--rdzv-id", f"bench-{index}", "--max-restarts", "3", *ddp_command(run)],
+                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                    env={**os.environ, "OMP_NUM_THREADS": "1"}))
+                log.close()
+                # The first agent hosts the rendezvous store: start it first, never kill it.
+                time.sleep(1.0 if node == 0 else 0.1)
+            wait_until(lambda run=run: len(steps_after(run, time.time() - 1.0, REPLICAS)) > 0, 300,
+                       f"torchrun at world size {REPLICAS}", interval=0.2)
+            time.sleep(1.0)
+            before = max(r["step"] for r in steps_after(run, 0))
+            at = time.time()
+            kill_tree(agents[-1].pid)
+            first = wait_until(lambda run=run, at=at: steps_after(run, at, REPLICAS - 1), 300,
+                               "torchrun's first step after the kill", interval=0.05)
+            times.append(first[0]["time"] - at)
+            redone.append(before - (first[0]["step"] - 1))
+            print(f"recovery: torchrun {index + 1}: {times[-1]:.3f} s, {redone[-1]} steps redone", flush=True)
+        finally:
+            for agent in agents:
+                kill_tree(agent.pid)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    agent.wait(10)
+    return times, redone
+
+
+def main() -> None:
+    args = parser(__doc__.split("\n\n")[0]).parse_args()
+    repeat = args.repeat or (1 if args.quick else 3)
+    with workspace(args.keep, "recovery") as folder:
+        baseline, redone = torchrun(folder / "torchrun", repeat)
+        live = tidal_live(folder / "live", repeat)
+        restart = tidal_restart(folder / "restart", repeat)
+    speedup = median(baseline) / median(live)
+    rows = [
+        Row(benchmark="recovery", metric=f"kill 1 of {REPLICAS} replicas → survivors' first step, live mode",
+            unit="s", tidal=median(live), baseline=median(baseline),
+            baseline_name="torchrun --nnodes 3:4 --max-restarts 3, c10d, resume from checkpoint",
+            goal="live mode ≥ 10× faster than torchrun", met=speedup >= 10, tidal_samples=live,
+            baseline_samples=baseline, ratio=speedup, ratio_meaning="torchrun / Tidal live",
+            note=f"torchrun redid {median(redone):g} steps (median; checkpoint every {CHECKPOINT_EVERY}); "
+                 "live mode redoes at most the step in flight"),
+        Row(benchmark="recovery", metric=f"kill 1 of {REPLICAS} replicas → survivors' first step, restart mode",
+            unit="s", tidal=median(restart), baseline=median(baseline), baseline_name="torchrun (as above)",
+            goal="reported (no goal)", met=True, tidal_samples=restart, baseline_samples=baseline,
+            ratio=median(baseline) / median(restart), ratio_meaning="torchrun / Tidal restart mode",
+            note="the unmodified DDP script, restarted by Tidal, resuming from its own checkpoint"),
+    ]
+    write_result("recovery", rows, quick=args.quick,
+                 settings={"repeat": repeat, "replicas": REPLICAS, "model": " ".join(MODEL),
+                           "checkpoint_every": CHECKPOINT_EVERY})
+
+
+if __name__ == "__main__":
+    main()
