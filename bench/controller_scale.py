@@ -1,0 +1,216 @@
+"""Controller scale: simulated launchers (asyncio gRPC clients on loopback, each with a
+connection and a session stream of its own, heartbeating at 1 Hz) register as the units
+of one job, which forms a world of all of them. Measured on the real controller process:
+its CPU per 1,000 launchers over a steady window, its memory (RSS), and the STOP
+broadcast's fan-out when one launcher reports a failed worker: the delay from that
+report to each other launcher's receipt of StopEpoch, p50 and p99, at 100, 1,000 and
+2,000 launchers. Goals: 2,000 launchers ≤ 50% of one core; fan-out p99 ≤ 500 ms.
+
+The simulated launchers share this machine's 2 cores with the controller, in client
+processes of their own; their CPU is not counted."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from bench.common import Row, parser, percentile, workspace, write_result
+from tests.integration.conftest import ControllerProcess, wait_until
+from tidal.proto import admin_pb2, common_pb2, launcher_pb2, launcher_pb2_grpc
+
+LAUNCHERS_PER_CLIENT = 250
+
+
+async def simulated_launcher(target: str, job_id: str, secret: str, unit: str, out: list[dict],
+                             victim_trigger: Path | None) -> None:
+    channel = grpc.aio.insecure_channel(target)
+    stub = launcher_pb2_grpc.LauncherServiceStub(channel)
+    outbox: asyncio.Queue[launcher_pb2.LauncherMessage] = asyncio.Queue()
+    epoch = 0
+
+    async def messages():
+        yield launcher_pb2.LauncherMessage(register=launcher_pb2.Register(
+            job_id=job_id, unit_id=unit, secret=secret, nodes=[f"sim-{unit}"], address="127.0.0.1",
+            procs_per_node=1, store_port=1))
+        while True:
+            yield await outbox.get()
+
+    async def heartbeats() -> None:
+        await asyncio.sleep(random.random())
+        sequence = 0
+        while True:
+            sequence += 1
+            beat = launcher_pb2.Heartbeat(epoch=epoch, sequence=sequence)
+            beat.sent_at.GetCurrentTime()
+            beat.workers.append(launcher_pb2.WorkerProgress(local_rank=0, rank=0, pid=1))
+            outbox.put_nowait(launcher_pb2.LauncherMessage(heartbeat=beat))
+            await asyncio.sleep(1.0)
+
+    async def fail_when_told() -> None:
+        assert victim_trigger is not None
+        while not victim_trigger.exists():
+            await asyncio.sleep(0.01)
+        exited = launcher_pb2.WorkerExited(epoch=epoch, local_rank=0, pid=1, exit_code=1)
+        exited.exited_at.GetCurrentTime()
+        out.append({"unit": unit, "failed_at": time.time()})
+        outbox.put_nowait(launcher_pb2.LauncherMessage(worker_exited=exited))
+
+    tasks = [asyncio.ensure_future(heartbeats())]
+    if victim_trigger is not None:
+        tasks.append(asyncio.ensure_future(fail_when_told()))
+    try:
+        async for message in stub.Session(messages()):
+            kind = message.WhichOneof("body")
+            if kind == "start_epoch":
+                epoch = message.start_epoch.epoch
+                outbox.put_nowait(launcher_pb2.LauncherMessage(epoch_report=launcher_pb2.EpochReport(
+                    epoch=epoch, phase=launcher_pb2.EPOCH_PHASE_STARTED)))
+            elif kind == "stop_epoch":
+                out.append({"unit": unit, "stop_received_at": time.time(), "epoch": message.stop_epoch.epoch})
+                outbox.put_nowait(launcher_pb2.LauncherMessage(epoch_report=launcher_pb2.EpochReport(
+                    epoch=message.stop_epoch.epoch, phase=launcher_pb2.EPOCH_PHASE_STOPPED)))
+    except grpc.aio.AioRpcError:
+        pass
+    finally:
+        for task in tasks:
+            task.cancel()
+        await channel.close()
+
+
+async def client_main(args: argparse.Namespace) -> None:
+    out: list[dict] = []
+    trigger = Path(args.trigger)
+    launchers = [simulated_launcher(args.target, args.job, args.secret, f"s{args.first + i}", out,
+                                    trigger if args.victim and i == 0 else None) for i in range(args.count)]
+    runner = asyncio.gather(*launchers)
+    done = Path(args.done)
+    while not done.exists():
+        await asyncio.sleep(0.2)
+    Path(args.out).write_text("\n".join(json.dumps(r) for r in out) + "\n")
+    runner.cancel()
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def measure(folder: Path, launchers: int, window_s: float) -> dict[str, float]:
+    folder.mkdir(parents=True, exist_ok=True)
+    controller = ControllerProcess(folder, {"join_settle_s": "3", "register_timeout_s": "60",
+                                            "launcher_messages_per_s": "50", "metrics_listen": ""})
+    controller.start()
+    clients: list[subprocess.Popen[bytes]] = []
+    trigger, done = folder / "fail-now", folder / "done"
+    try:
+        spec = admin_pb2.JobSpec(name="scale", min_replicas=1, max_replicas=launchers, command=["true"],
+                                 mode=common_pb2.JOB_MODE_RESTART)
+        with controller.admin() as admin:
+            submitted = admin.submit(spec)
+        job_id = submitted.job.job_id
+        secret = Path(submitted.secret_path).read_text().strip()
+        for first in range(0, launchers, LAUNCHERS_PER_CLIENT):
+            count = min(LAUNCHERS_PER_CLIENT, launchers - first)
+            log = open(folder / f"client-{first}.log", "wb")  # noqa: SIM115
+            clients.append(subprocess.Popen(
+                [sys.executable, "-m", "bench.controller_scale", "--client", "--target", controller.address,
+                 "--job", job_id, "--secret", secret, "--first", str(first), "--count", str(count),
+                 "--trigger", str(trigger), "--done", str(done), "--out", str(folder / f"client-{first}.jsonl"),
+                 *(["--victim"] if first == 0 else [])], stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True))
+            log.close()
+
+        def formed() -> bool:
+            with controller.admin() as admin:
+                job = admin.job(job_id)
+            return job.state == admin_pb2.JOB_STATE_RUNNING and job.replicas == launchers
+
+        wait_until(formed, 300, f"a world of {launchers} simulated launchers", interval=1.0)
+        time.sleep(3.0)
+        pid = controller.process.pid
+        cpu0, wall0 = cpu_seconds(pid), time.monotonic()
+        time.sleep(window_s)
+        cpu = (cpu_seconds(pid) - cpu0) / (time.monotonic() - wall0)
+        memory = rss_mib(pid)
+        trigger.touch()
+
+        def stopped() -> bool:
+            with controller.admin() as admin:
+                return any(e.kind == "epoch_stopped" for e in admin.events(job_id))
+
+        wait_until(stopped, 120, "every simulated launcher to stop the epoch", interval=0.2)
+        done.touch()
+        for client in clients:
+            client.wait(60)
+        records = [json.loads(line) for path in folder.glob("client-*.jsonl")
+                   for line in path.read_text().splitlines() if line.strip()]
+        failed_at = next(r["failed_at"] for r in records if "failed_at" in r)
+        delays = [r["stop_received_at"] - failed_at for r in records if "stop_received_at" in r]
+        assert len(delays) >= launchers - 1, f"{len(delays)} of {launchers - 1} launchers got the stop"
+        return {"cpu_fraction": cpu, "rss_mib": memory, "p50": percentile(delays, 0.5),
+                "p99": percentile(delays, 0.99), "receipts": len(delays)}
+    finally:
+        done.touch()
+        for client in clients:
+            if client.poll() is None:
+                os.killpg(client.pid, signal.SIGKILL)
+                client.wait(10)
+        controller.stop()
+
+
+def main() -> None:
+    command = parser(__doc__.split("\n\n")[0])
+    command.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+    for name in ("--target", "--job", "--secret", "--trigger", "--done", "--out"):
+        command.add_argument(name, help=argparse.SUPPRESS)
+    command.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
+    command.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
+    command.add_argument("--victim", action="store_true", help=argparse.SUPPRESS)
+    args = command.parse_args()
+    if args.client:
+        asyncio.run(client_main(args))
+        return
+    sizes = [50] if args.quick else [100, 1000, 2000]
+    window_s = 5.0 if args.quick else 20.0
+    results = {}
+    with workspace(args.keep, "controller_scale") as folder:
+        for size in sizes:
+            results[size] = measure(folder / f"n{size}", size, window_s)
+            r = results[size]
+            print(f"controller_scale: {size} launchers: controller CPU {r['cpu_fraction']:.1%} of a core, "
+                  f"RSS {r['rss_mib']:.0f} MiB, fan-out p50 {r['p50'] * 1000:.0f} ms p99 {r['p99'] * 1000:.0f} ms",
+                  flush=True)
+    largest = max(sizes)
+    rows = [Row(benchmark="controller_scale", metric=f"controller CPU at {largest} launchers, 1 Hz heartbeats",
+                unit="% of a core", tidal=100 * results[largest]["cpu_fraction"], goal="≤ 50% at 2,000",
+                met=largest < 2000 or results[largest]["cpu_fraction"] <= 0.5,
+                note="; ".join(f"{n}: {100 * r['cpu_fraction']:.1f}% ({100000 * r['cpu_fraction'] / n:.1f}% per "
+                               f"1,000), RSS {r['rss_mib']:.0f} MiB" for n, r in results.items()))]
+    for size in sizes:
+        r = results[size]
+        rows.append(Row(benchmark="controller_scale", metric=f"STOP fan-out at {size} launchers, p99",
+                        unit="ms", tidal=1000 * r["p99"], goal="p99 ≤ 500 ms", met=r["p99"] <= 0.5,
+                        note=f"p50 {1000 * r['p50']:.0f} ms; {r['receipts']} receipts, from the failure report"))
+    write_result("controller_scale", rows, quick=args.quick,
+                 settings={"sizes": sizes, "window_s": window_s, "launchers_per_client": LAUNCHERS_PER_CLIENT})
+
+
+if __name__ == "__main__":
+    main()
