@@ -114,7 +114,8 @@ def rss_mib(pid: int) -> float:
 
 def measure(folder: Path, launchers: int, window_s: float) -> dict[str, float]:
     folder.mkdir(parents=True, exist_ok=True)
-    controller = ControllerProcess(folder, {"join_settle_s": "3", "register_timeout_s": "60",
+    # Registrations of 2,000 launchers spread over seconds: one world, not a world and regrowth.
+    controller = ControllerProcess(folder, {"join_settle_s": "10", "register_timeout_s": "60",
                                             "launcher_messages_per_s": "50", "metrics_listen": ""})
     controller.start()
     clients: list[subprocess.Popen[bytes]] = []

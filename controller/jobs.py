@@ -423,7 +423,7 @@ class JobActor:
                                f"still running epoch {self.epoch.epoch}; workers untouched", unit_id=unit_id,
                                epoch=self.epoch.epoch, fields=fields)
         elif self.job.state is JobState.RUNNING:
-            session.send(self._start_message(self.epoch))
+            session.send(self._start_message(self.epoch, unit_id))
             self.events.record(self.job.job_id, "epoch_start_resent",
                                f"reconnected without workers of epoch {self.epoch.epoch}", unit_id=unit_id,
                                epoch=self.epoch.epoch, fields=fields)
@@ -723,9 +723,8 @@ class JobActor:
         self.last_change_at = now
         self.exited_ok = {}
         self.reconfigure = None
-        message = self._start_message(plan)
         for unit_id in plan.unit_ids:
-            self.sessions[unit_id].send(message)
+            self.sessions[unit_id].send(self._start_message(plan, unit_id))
 
     def _commit_epoch(self, plan: EpochRecord, units: list[str], kind: str, reason: str,
                       fields: dict[str, object]) -> None:
@@ -745,9 +744,9 @@ class JobActor:
             self.events.record(self.job.job_id, kind, reason, epoch=plan.epoch, fields=fields)
 
     @staticmethod
-    def _start_message(epoch: EpochRecord) -> launcher_pb2.ControllerMessage:
+    def _start_message(epoch: EpochRecord, unit_id: str) -> launcher_pb2.ControllerMessage:
         return launcher_pb2.ControllerMessage(start_epoch=launcher_pb2.StartEpoch(
-            epoch=epoch.epoch, rank_table=epoch.rank_table(), rendezvous=epoch.rendezvous(),
+            epoch=epoch.epoch, rank_table=epoch.rank_table(only_unit=unit_id), rendezvous=epoch.rendezvous(),
             resume_step=epoch.resume_step))
 
     def _leave(self, unit_id: str, cause: str, detail: str) -> None:

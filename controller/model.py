@@ -120,12 +120,13 @@ class EpochRecord:
     def member(self, unit_id: str) -> Member | None:
         return next((m for m in self.members if m.unit_id == unit_id), None)
 
-    def rank_table(self) -> common_pb2.RankTable:
+    def rank_table(self, only_unit: str | None = None) -> common_pb2.RankTable:
+        """Every member's assignment, or only `only_unit`'s (what that unit's launcher needs)."""
         return common_pb2.RankTable(
-            world_size=self.world_size,
+            world_size=self.world_size, groups=len(self.members),
             assignments=[common_pb2.RankAssignment(unit_id=m.unit_id, nodes=list(m.nodes), group_rank=m.group_rank,
                                                    first_rank=m.first_rank, procs_per_node=m.procs_per_node)
-                         for m in self.members])
+                         for m in self.members if only_unit is None or m.unit_id == only_unit])
 
     def rendezvous(self) -> common_pb2.Rendezvous:
         return common_pb2.Rendezvous(host=self.rendezvous_host, port=self.rendezvous_port,

@@ -336,7 +336,7 @@ class Agent:
         if start.rendezvous.host_unit_id == self.options.unit_id and start.rendezvous.port != self.store_port:
             self.log.warning("rendezvous_port_mismatch", named=start.rendezvous.port, serving=self.store_port)
         placement = Placement(epoch=start.epoch, first_rank=mine.first_rank, group_rank=mine.group_rank,
-                              group_world_size=len(start.rank_table.assignments),
+                              group_world_size=start.rank_table.groups or len(start.rank_table.assignments),
                               procs_per_node=mine.procs_per_node, world_size=start.rank_table.world_size,
                               master_addr=start.rendezvous.host, master_port=start.rendezvous.port)
         progress = [self.run_dir / f"progress-{local}" for local in range(mine.procs_per_node)]

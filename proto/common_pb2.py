@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tidal/proto/common.proto\x12\x08tidal.v1\"p\n\x0eRankAssignment\x12\x0f\n\x07unit_id\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x03(\t\x12\x12\n\ngroup_rank\x18\x03 \x01(\x05\x12\x12\n\nfirst_rank\x18\x04 \x01(\x05\x12\x16\n\x0eprocs_per_node\x18\x05 \x01(\x05\"N\n\tRankTable\x12-\n\x0b\x61ssignments\x18\x01 \x03(\x0b\x32\x18.tidal.v1.RankAssignment\x12\x12\n\nworld_size\x18\x02 \x01(\x05\">\n\nRendezvous\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12\x14\n\x0chost_unit_id\x18\x03 \x01(\t*L\n\x07JobMode\x12\x18\n\x14JOB_MODE_UNSPECIFIED\x10\x00\x12\x11\n\rJOB_MODE_LIVE\x10\x01\x12\x14\n\x10JOB_MODE_RESTART\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tidal/proto/common.proto\x12\x08tidal.v1\"p\n\x0eRankAssignment\x12\x0f\n\x07unit_id\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x03(\t\x12\x12\n\ngroup_rank\x18\x03 \x01(\x05\x12\x12\n\nfirst_rank\x18\x04 \x01(\x05\x12\x16\n\x0eprocs_per_node\x18\x05 \x01(\x05\"^\n\tRankTable\x12-\n\x0b\x61ssignments\x18\x01 \x03(\x0b\x32\x18.tidal.v1.RankAssignment\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x0e\n\x06groups\x18\x03 \x01(\x05\">\n\nRendezvous\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12\x14\n\x0chost_unit_id\x18\x03 \x01(\t*L\n\x07JobMode\x12\x18\n\x14JOB_MODE_UNSPECIFIED\x10\x00\x12\x11\n\rJOB_MODE_LIVE\x10\x01\x12\x14\n\x10JOB_MODE_RESTART\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tidal.proto.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOBMODE']._serialized_start=296
-  _globals['_JOBMODE']._serialized_end=372
+  _globals['_JOBMODE']._serialized_start=312
+  _globals['_JOBMODE']._serialized_end=388
   _globals['_RANKASSIGNMENT']._serialized_start=38
   _globals['_RANKASSIGNMENT']._serialized_end=150
   _globals['_RANKTABLE']._serialized_start=152
-  _globals['_RANKTABLE']._serialized_end=230
-  _globals['_RENDEZVOUS']._serialized_start=232
-  _globals['_RENDEZVOUS']._serialized_end=294
+  _globals['_RANKTABLE']._serialized_end=246
+  _globals['_RENDEZVOUS']._serialized_start=248
+  _globals['_RENDEZVOUS']._serialized_end=310
 # @@protoc_insertion_point(module_scope)

@@ -31,12 +31,14 @@ class RankAssignment(_message.Message):
     def __init__(self, unit_id: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., group_rank: _Optional[int] = ..., first_rank: _Optional[int] = ..., procs_per_node: _Optional[int] = ...) -> None: ...
 
 class RankTable(_message.Message):
-    __slots__ = ("assignments", "world_size")
+    __slots__ = ("assignments", "world_size", "groups")
     ASSIGNMENTS_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     assignments: _containers.RepeatedCompositeFieldContainer[RankAssignment]
     world_size: int
-    def __init__(self, assignments: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., world_size: _Optional[int] = ...) -> None: ...
+    groups: int
+    def __init__(self, assignments: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., world_size: _Optional[int] = ..., groups: _Optional[int] = ...) -> None: ...
 
 class Rendezvous(_message.Message):
     __slots__ = ("host", "port", "host_unit_id")
