@@ -6,7 +6,7 @@ PYTEST := $(PYTHON) -m pytest
 CONSTRAINTS := ci/constraints.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: install proto proto-check lint test test-unit test-slurm cluster-up cluster-down cluster-status demo bench clean
+.PHONY: install proto proto-check lint test test-unit test-slurm cluster-up cluster-down cluster-status demo bench bench-quick clean
 
 install: $(STAMP)
 
@@ -61,8 +61,15 @@ cluster-status:
 demo: install
 	scripts/with-cluster bash -c '$(VENV)/bin/tidal nodes && echo && squeue && echo && $(PYTHON) scripts/demo-slurm'
 
+# Every benchmark in full (about 45 minutes on 2 cores: goodput alone plays a 10-minute
+# trace twice), on the mini cluster where Slurm is involved, then bench/RESULTS.md.
+BENCHMARKS := detection recovery overhead controller_scale grow preemption goodput
 bench: install
-	@echo "bench: no benchmarks yet (they come with the benchmark issue)"; exit 1
+	scripts/with-cluster bash -c 'set -e; for b in $(BENCHMARKS); do $(PYTHON) -m bench.$$b; done; $(PYTHON) -m bench.report'
+
+# One quick run of each (what tests/integration/test_bench_quick.py does in `make test`).
+bench-quick: install
+	scripts/with-cluster bash -c 'set -e; for b in $(BENCHMARKS); do $(PYTHON) -m bench.$$b --quick; done'
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

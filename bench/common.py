@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS_DIR = REPO / "bench" / "results"
+# Where result files go ($TIDAL_BENCH_RESULTS: the quick runs in `make test` write elsewhere).
+RESULTS_DIR = Path(os.environ.get("TIDAL_BENCH_RESULTS", REPO / "bench" / "results"))
 LM_EXAMPLE = REPO / "examples" / "live_mode" / "train_lm.py"
 MLP_EXAMPLE = REPO / "examples" / "live_mode" / "train_mlp.py"
 DDP_BASELINE = REPO / "bench" / "baselines" / "ddp_lm.py"
@@ -119,7 +120,7 @@ def write_result(name: str, rows: list[Row], *, quick: bool, settings: dict[str,
         ratio = f" ({row.ratio_meaning} = {row.ratio:.3g})" if row.ratio is not None else ""
         print(f"{name}: {row.metric}: Tidal {row.tidal:.4g} {row.unit}{baseline}{ratio}; goal {row.goal}: "
               f"{'met' if row.met else 'NOT met'}", flush=True)
-    print(f"{name}: wrote {path.relative_to(REPO)}")
+    print(f"{name}: wrote {path}")
     return path
 
 

@@ -1,0 +1,68 @@
+"""bench/RESULTS.md from the result files the benchmarks wrote (bench/results/*.json,
+the full runs; quick runs are left out)."""
+
+from __future__ import annotations
+
+import json
+
+from bench.common import REPO, RESULTS_DIR
+
+ORDER = ["detection", "recovery", "grow", "preemption", "overhead", "controller_scale", "goodput"]
+
+
+def number(value: float | None, unit: str) -> str:
+    if value is None:
+        return "—"
+    if unit == "fraction":
+        return f"{value:.1%}"
+    if unit == "s":
+        return f"{value:.3f} s" if value < 10 else f"{value:.1f} s"
+    if unit == "ms":
+        return f"{value:.0f} ms"
+    return f"{value:.3g} {unit}"
+
+
+def main() -> None:
+    documents = {}
+    for path in sorted(RESULTS_DIR.glob("*.json")):
+        if path.name.endswith(".quick.json"):
+            continue
+        document = json.loads(path.read_text())
+        documents[document["benchmark"]] = document
+    missing = [name for name in ORDER if name not in documents]
+    lines = ["# Benchmark results", "",
+             "Written by `python -m bench.report` from `bench/results/*.json` (`make bench` runs every benchmark, "
+             "then this). Each figure is the median of the repetitions, with its baseline measured in the same run "
+             "where the benchmark has one. Re-run one row with its command below.", ""]
+    if missing:
+        lines += [f"**Not measured yet:** {', '.join(missing)}.", ""]
+    lines += ["| benchmark | metric | Tidal | baseline | ratio | goal | met |", "|---|---|---|---|---|---|---|"]
+    for name in [n for n in ORDER if n in documents] + sorted(set(documents) - set(ORDER)):
+        for row in documents[name]["rows"]:
+            ratio = f"{row['ratio']:.3g} ({row['ratio_meaning']})" if row.get("ratio") is not None else "—"
+            baseline = (f"{number(row['baseline'], row['unit'])} ({row['baseline_name']})"
+                        if row.get("baseline") is not None else "—")
+            lines.append(f"| {name} | {row['metric']} | {number(row['tidal'], row['unit'])} | {baseline} | {ratio} | "
+                         f"{row['goal']} | {'yes' if row['met'] else '**no**'} |")
+    lines += ["", "## Details", ""]
+    for name in [n for n in ORDER if n in documents] + sorted(set(documents) - set(ORDER)):
+        document = documents[name]
+        machine = document["machine"]
+        lines += [f"### {name}", "", f"- command: `{document['command']}`", f"- date: {document['date']}",
+                  f"- machine: {machine['cores']} cores ({machine['cpu']}), {machine['memory_gib']} GiB, "
+                  f"kernel {machine['kernel']}, Python {machine['python']}, torch {machine['torch']}, "
+                  f"{machine['slurm'] or 'no Slurm'}, {machine['backend']}",
+                  f"- settings: {json.dumps(document['settings'])}"]
+        for row in document["rows"]:
+            samples = ", ".join(f"{v:.4g}" for v in row["tidal_samples"])
+            base = ", ".join(f"{v:.4g}" for v in row["baseline_samples"])
+            lines.append(f"- {row['metric']}: Tidal [{samples}]" + (f"; baseline [{base}]" if base else "")
+                         + (f". {row['note']}" if row["note"] else ""))
+        lines.append("")
+    (REPO / "bench" / "RESULTS.md").write_text("\n".join(lines))
+    absent = f", missing {', '.join(missing)}" if missing else ""
+    print(f"report: wrote bench/RESULTS.md ({len(documents)} benchmarks{absent})")
+
+
+if __name__ == "__main__":
+    main()
