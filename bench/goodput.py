@@ -4,7 +4,7 @@ checkpoint every 20 steps) and once against the baseline, a static Slurm job of 
 nodes (srun + torchrun --max-restarts 3 running the plain DDP script, checkpoint every 20
 steps, `--requeue` so that a preemption restarts it from its checkpoint).
 
-The trace, as fractions of the duration D (600 s; --quick: 90 s):
+The trace, as fractions of the duration D (600 s; --quick: 60 s):
   [0, 0.40)    background work holds 1 node (partition urgent: never preempted)
   [0.20, 0.35) an urgent job needs 1 node     (preempts when nothing is idle)
   [0.55, 0.70) an urgent job needs 2 nodes
@@ -191,7 +191,7 @@ def wait_for_idle_cluster(slurm: CliJsonSlurmClient) -> None:
 
 def main() -> None:
     args = parser(__doc__.split("\n\n")[0]).parse_args()
-    duration = 90.0 if args.quick else 600.0
+    duration = 60.0 if args.quick else 600.0
     slurm = CliJsonSlurmClient(timeout_s=10)
     with workspace(args.keep, "goodput") as folder:
         wait_for_idle_cluster(slurm)

@@ -567,7 +567,9 @@ class JobActor:
             sizes=tuple(planning.allowed_sizes(spec.min_replicas, spec.max_replicas, spec.replica_step,
                                                list(spec.allowed_replicas))),
             last_change_at=self.last_change_at, join_settle_s=self.config.join_settle_s,
-            scale_up_snooze_s=self.config.scale_up_snooze_s)
+            scale_up_snooze_s=self.config.scale_up_snooze_s,
+            expected=(sum(1 for u in self.units.values() if u.state is UnitState.SUBMITTED)
+                      if self.slurm is not None else None))
         action = planning.decide_world(snapshot, now)
         match action:
             case planning.Form():

@@ -91,6 +91,9 @@ class WorldSnapshot:
     last_change_at: float | None
     join_settle_s: float
     scale_up_snooze_s: float
+    # Units submitted to Slurm that have not registered yet, or None when unknown
+    # (launchers started by hand): with none coming, there is nothing to settle for.
+    expected: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +128,8 @@ def decide_world(snapshot: WorldSnapshot, now: float) -> WorldAction:
     joiners = sorted(snapshot.joiners, key=lambda u: (snapshot.joiners[u], u))
     available = len(snapshot.members) + len(joiners)
     size = choose_world_size(min(available, snapshot.max_replicas), snapshot.sizes)
-    settling_until = max(snapshot.joiners.values(), default=float("-inf")) + snapshot.join_settle_s
+    settle_s = 0.0 if snapshot.expected == 0 else snapshot.join_settle_s
+    settling_until = max(snapshot.joiners.values(), default=float("-inf")) + settle_s
     if not snapshot.running:
         if size is None:
             return Wait(f"{available} of min {snapshot.min_replicas} replicas ready")

@@ -148,6 +148,10 @@ class LauncherOptions:
     # this long is frozen; the launcher kills it, and the failure is reported at once
     # instead of after the controller's heartbeat timeout. 0 disables.
     worker_silence_timeout_s: float = 1.5
+    # Live mode: start the workers as soon as the launcher registers, before any world
+    # names it (they import torch, build the model and wait), so that joining a running
+    # world costs the rendezvous and the state transfer, not the workers' start.
+    prestart_workers: bool = True
 
 
 class Agent:
@@ -166,6 +170,8 @@ class Agent:
         self.started_at = time.monotonic()
         self.heartbeat_sequence = 0
         self.last_heartbeat_at = 0.0
+        # Live mode: workers started ahead of any world, waiting to be named in one.
+        self.standby = False
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"tidal-{options.unit_id}-"))
         self.store: Any = None
         self.store_port = 0
@@ -276,6 +282,20 @@ class Agent:
                       state=self.state.value)
         if self.leave_requested_at is not None and self.state is not AgentState.LEAVING:
             self._request_leave()
+        elif (self.options.prestart_workers and self.live_mode and self.state is AgentState.WAITING
+              and self.workers is None):
+            self._start_standby()
+
+    def _start_standby(self) -> None:
+        """Live mode: start the workers before any world names this unit; the library
+        waits for the first world on the control channel (TIDAL_STANDBY=1)."""
+        assert self.registered is not None
+        procs = self.registered.procs_per_node or 1
+        placeholder = launcher_pb2.StartEpoch(epoch=0, rank_table=common_pb2.RankTable(
+            world_size=procs, groups=1, assignments=[common_pb2.RankAssignment(
+                unit_id=self.options.unit_id, nodes=list(self.options.nodes), group_rank=0, first_rank=0,
+                procs_per_node=procs)]))
+        self._start(placeholder, joining=True, standby=True)
 
     def _on_command(self, message: launcher_pb2.ControllerMessage) -> None:
         kind = message.WhichOneof("body")
@@ -310,7 +330,10 @@ class Agent:
         if self.state is AgentState.LEAVING or self.state.is_final:
             return
         if self.live_workers_running and self.state is not AgentState.STOPPING:
-            # Live mode: the workers that stopped in-process join the new world.
+            # Live mode: the workers that stopped in-process (or wait on standby) join the
+            # new world.
+            self.standby = False
+            self.epoch = max(self.epoch, start.epoch)
             self._send_worlds(start.epoch, start.rank_table, start.rendezvous)
             self.state = AgentState.RUNNING
             self._report(start.epoch, launcher_pb2.EPOCH_PHASE_STARTED, step=start.resume_step)
@@ -327,7 +350,7 @@ class Agent:
             return
         self._start(start)
 
-    def _start(self, start: launcher_pb2.StartEpoch, joining: bool = False) -> None:
+    def _start(self, start: launcher_pb2.StartEpoch, joining: bool = False, standby: bool = False) -> None:
         assert self.registered is not None
         mine = next((a for a in start.rank_table.assignments if a.unit_id == self.options.unit_id), None)
         if mine is None:
@@ -345,7 +368,7 @@ class Agent:
             self.channel.reset()
             self.live = LiveWorkers(ready_epoch=start.epoch if joining else 0)
             extra.update({"TIDAL_MODE": "live", "TIDAL_CONTROL_SOCKET": str(self.channel.path),
-                          "TIDAL_JOINING": "1" if joining else "0"})
+                          "TIDAL_JOINING": "1" if joining else "0", "TIDAL_STANDBY": "1" if standby else "0"})
         environments = [worker_environment(os.environ, extra, placement=placement,
                                            local_rank=local, job_id=self.options.job_id,
                                            unit_id=self.options.unit_id, progress_file=progress[local])
@@ -362,6 +385,10 @@ class Agent:
             self.link.send(launcher_pb2.LauncherMessage(worker_exited=launcher_pb2.WorkerExited(
                 epoch=epoch, local_rank=0, pid=0, exit_code=127)))
             self.state = AgentState.WAITING
+            return
+        if standby:
+            self.standby = True
+            self.log.info("workers_on_standby", pids=[w.pid for w in self.workers.workers])
             return
         self.epoch = epoch
         self.state = AgentState.RUNNING
@@ -531,7 +558,8 @@ class Agent:
             self.live.reported.add((epoch, phase))
             self._report(epoch, phase, step=step, detail=detail)
 
-    def _send_worlds(self, epoch: int, table: common_pb2.RankTable, rendezvous: common_pb2.Rendezvous) -> None:
+    def _send_worlds(self, epoch: int, table: common_pb2.RankTable, rendezvous: common_pb2.Rendezvous,
+                     joining: bool = False) -> None:
         """Name epoch `epoch`'s world to each worker (rank -1: leave after the agreed step)."""
         assert self.workers is not None
         mine = next((a for a in table.assignments if a.unit_id == self.options.unit_id), None)
@@ -543,7 +571,7 @@ class Agent:
             self.live.idle.discard(worker.local_rank)
             self.channel.send(worker.local_rank, World(
                 epoch=epoch, rank=rank, world_size=table.world_size, master_addr=rendezvous.host,
-                master_port=rendezvous.port).to_message())
+                master_port=rendezvous.port, joining=joining).to_message())
         if mine is None:
             self.state = AgentState.LEAVING
             self.live.stop_deadline = time.monotonic() + self.options.leave_timeout_s
@@ -551,6 +579,17 @@ class Agent:
 
     def _on_reconfigure(self, reconfigure: launcher_pb2.Reconfigure) -> None:
         if self.state.is_final or (reconfigure.epoch <= self.epoch and self.workers is not None):
+            return
+        if self.live_workers_running and self.standby:
+            # A joiner whose workers wait on standby: ready as soon as all said hello.
+            self.standby = False
+            self.epoch = reconfigure.epoch
+            self.state = AgentState.RUNNING
+            self.live.ready_epoch = reconfigure.epoch
+            self._send_worlds(reconfigure.epoch, reconfigure.rank_table, reconfigure.rendezvous, joining=True)
+            if self.workers is not None and self.live.hello >= {w.local_rank for w in self.workers.workers}:
+                self._report_once(reconfigure.epoch, launcher_pb2.EPOCH_PHASE_STARTED,
+                                  detail="workers ready to join (started ahead)")
             return
         if self.live_workers_running:
             self._send_worlds(reconfigure.epoch, reconfigure.rank_table, reconfigure.rendezvous)
@@ -649,6 +688,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--connect-timeout", type=float, default=600.0,
                         help="give up when not registered after this many seconds")
     parser.add_argument("--stop-grace", type=float, default=10.0, help="SIGTERM-to-SIGKILL grace for workers")
+    parser.add_argument("--no-prestart", action="store_true",
+                        help="live mode: start workers only once a world names this unit")
     parser.add_argument("--worker-silence-timeout", type=float, default=1.5,
                         help="live mode: kill a worker whose beats stopped this many seconds ago (0: never)")
     return parser
@@ -677,7 +718,8 @@ def main(argv: list[str] | None = None) -> int:
         controller=args.controller, job_id=args.job, unit_id=args.unit or f"{nodename}-{slurm_job_id or os.getpid()}",
         secret=secret, address=args.address or host, nodes=(nodename,), slurm_job_id=slurm_job_id,
         tls_ca=args.tls_ca, leave_timeout_s=args.leave_timeout, connect_timeout_s=args.connect_timeout,
-        stop_grace_s=args.stop_grace, worker_silence_timeout_s=args.worker_silence_timeout)
+        stop_grace_s=args.stop_grace, worker_silence_timeout_s=args.worker_silence_timeout,
+        prestart_workers=not args.no_prestart)
     return asyncio.run(Agent(options).run())
 
 

@@ -69,6 +69,9 @@ class World:
     world_size: int
     master_addr: str
     master_port: int
+    # Joining a running world (its state comes from the members), as opposed to a world
+    # formed afresh (a replica without state loads the newest checkpoint first).
+    joining: bool = False
 
     @property
     def leaves(self) -> bool:
@@ -77,7 +80,8 @@ class World:
     @classmethod
     def from_message(cls, message: dict[str, Any]) -> World:
         return cls(epoch=int(message["epoch"]), rank=int(message["rank"]), world_size=int(message["world_size"]),
-                   master_addr=str(message["master_addr"]), master_port=int(message["master_port"]))
+                   master_addr=str(message["master_addr"]), master_port=int(message["master_port"]),
+                   joining=bool(message.get("joining", False)))
 
     def to_message(self) -> dict[str, Any]:
         return {"op": "world", **dataclasses.asdict(self)}

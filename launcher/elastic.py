@@ -65,6 +65,9 @@ CHECKSUM_MODULUS = 2_147_483_647
 PROGRESS_INTERVAL_S = 0.2
 # The epoch's store answers at once while its launcher lives; past this, its host is gone.
 STORE_TIMEOUT_S = 10.0
+# A worker started ahead (standby) waits this long for a world; its launcher ends it
+# sooner if the unit leaves.
+STANDBY_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 class WorldBroken(Exception):
@@ -261,7 +264,13 @@ class Elastic:
                            world_size=int(env.get("WORLD_SIZE", "1")), master_addr=env.get("MASTER_ADDR", ""),
                            master_port=int(env.get("MASTER_PORT", "0") or 0))
         self.log = log.bind(pid=os.getpid())
-        if self.checkpointer is not None and env.get("TIDAL_JOINING") != "1":
+        joining = env.get("TIDAL_JOINING") == "1"
+        if self.channel is not None and env.get("TIDAL_STANDBY") == "1":
+            # Started ahead of any world: wait until the launcher names one, and whether it
+            # joins a running world.
+            self.world = self.channel.wait_world(after_epoch=0, timeout_s=STANDBY_TIMEOUT_S)
+            joining = self.world.joining
+        if self.checkpointer is not None and not joining:
             self._load_checkpoint()
         if not self.live:
             if self.world.world_size > 1:

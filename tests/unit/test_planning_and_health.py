@@ -166,3 +166,15 @@ def test_token_bucket_allows_the_burst_then_the_rate() -> None:
     assert bucket.allow(0.05) is False
     assert bucket.allow(0.1) is True
     assert bucket.allow(10.0) and bucket.tokens == pytest.approx(4.0)
+
+
+def test_no_settling_when_every_submitted_unit_has_registered() -> None:
+    def snapshot(expected: int | None) -> WorldSnapshot:
+        return WorldSnapshot(running=True, members=("a", "b"), joiners={"c": 10.0}, min_replicas=1, max_replicas=4,
+                             sizes=(1, 2, 3, 4), last_change_at=None, join_settle_s=2.0, scale_up_snooze_s=0.0,
+                             expected=expected)
+
+    assert isinstance(decide_world(snapshot(1), now=10.5), Wait)
+    assert isinstance(decide_world(snapshot(None), now=10.5), Wait)
+    grow = decide_world(snapshot(0), now=10.5)
+    assert isinstance(grow, Grow) and grow.joiners == ("c",)
