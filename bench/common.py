@@ -29,6 +29,12 @@ RESULTS_DIR = Path(os.environ.get("TIDAL_BENCH_RESULTS", REPO / "bench" / "resul
 LM_EXAMPLE = REPO / "examples" / "live_mode" / "train_lm.py"
 MLP_EXAMPLE = REPO / "examples" / "live_mode" / "train_mlp.py"
 DDP_BASELINE = REPO / "bench" / "baselines" / "ddp_lm.py"
+# The environment of a torchrun baseline. torch 2.13's c10d rendezvous shares the agent's
+# TCPStore with the workers by default and does not scope it per restart, so workers
+# restarted by --max-restarts read the previous round's gloo addresses and fail to connect
+# again and again (pytorch/pytorch#135712). The documented opt-out gives torchrun its
+# working restarts, so the baseline is what a torchrun user who knows the issue gets.
+TORCHRUN_ENV = {"OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 @dataclass

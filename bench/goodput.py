@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.common import DDP_BASELINE, LM_EXAMPLE, Row, parser, read_jsonl, workspace, write_result
+from bench.common import DDP_BASELINE, LM_EXAMPLE, TORCHRUN_ENV, Row, parser, read_jsonl, workspace, write_result
 from tests.integration.conftest import ControllerProcess, free_port
 from tidal.proto import admin_pb2, common_pb2
 from tidal.slurm import CliJsonSlurmClient, UnitSubmission
@@ -150,6 +150,7 @@ def run_baseline(folder: Path, slurm: CliJsonSlurmClient, duration: float) -> tu
     port = free_port()
     script = "\n".join([
         "#!/bin/bash",
+        "export " + " ".join(f"{name}={value}" for name, value in TORCHRUN_ENV.items()),
         f"exec srun --nodes {MIN} --ntasks-per-node 1 {sys.executable} -m torch.distributed.run --nnodes {MIN} "
         f"--nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{port} --rdzv-id goodput "
         f"--max-restarts 3 {DDP_BASELINE} --steps 1000000 --checkpoint {folder / 'checkpoint.pt'} "
@@ -157,7 +158,6 @@ def run_baseline(folder: Path, slurm: CliJsonSlurmClient, duration: float) -> tu
     trace = Trace(slurm, folder, duration, lambda: kill_one_worker(logs, "ddp-*.jsonl"))
     trace.submit("background", 1)
     time.sleep(2.0)
-    os.environ["OMP_NUM_THREADS"] = "1"
     job = slurm.submit(UnitSubmission(name="goodput-static", script=script, partition="train", nodes=MIN,
                                       exclusive=True, requeue=True, working_dir=str(folder),
                                       output=str(folder / "static-%j.out")))

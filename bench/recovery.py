@@ -16,7 +16,17 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import DDP_BASELINE, LM_EXAMPLE, Row, median, parser, read_jsonl, workspace, write_result
+from bench.common import (
+    DDP_BASELINE,
+    LM_EXAMPLE,
+    TORCHRUN_ENV,
+    Row,
+    median,
+    parser,
+    read_jsonl,
+    workspace,
+    write_result,
+)
 from bench.live import LiveJob, event_time
 from tests.integration.conftest import free_port, wait_until
 from tidal.proto import common_pb2
@@ -114,7 +124,7 @@ def torchrun(folder: Path, repeat: int) -> tuple[list[float], list[int]]:
                      "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                      "--rdzv-id", f"bench-{index}", "--max-restarts", "3", *ddp_command(run)],
                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                    env={**os.environ, "OMP_NUM_THREADS": "1"}))
+                    env={**os.environ, **TORCHRUN_ENV}))
                 log.close()
                 # The first agent hosts the rendezvous store: start it first, never kill it.
                 time.sleep(1.0 if node == 0 else 0.1)
