@@ -8,12 +8,14 @@ by submitting units, and keeps at least `min_replicas` by submitting replacement
 from __future__ import annotations
 
 import dataclasses
+import re
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
+from tidal.controller.planning import allowed_sizes
 from tidal.proto import admin_pb2
-from tidal.slurm.models import Job, JobState, Node, UnitSubmission
+from tidal.slurm.models import Gres, Job, JobState, Node, UnitSubmission
 from tidal.slurm.snapshot import ClusterView
 
 # Slurm's pending reasons that mean "waits for nodes" (not a dependency, a hold, a limit).
@@ -27,10 +29,114 @@ class UnitDemand:
     reason: str
 
 
+@dataclasses.dataclass(frozen=True)
+class NodeNeeds:
+    """What one node must offer a unit of the job, read from the job's sbatch options:
+    `--constraint`/`-C` (node features: names joined by `&` and `|`, with parentheses) and
+    `--gres`/`--gpus-per-node` (counts per GRES name, and type where given). A constraint
+    in syntax Tidal does not evaluate (counts `*N`, brackets) is left to Slurm: every node
+    passes it, and the unit waits in Slurm's queue if none really fits.
+
+    Account and QOS are not properties of a node: `sbatch --test-only` checks them when the
+    job is submitted (`SlurmClient.check`), and Slurm enforces them on every unit."""
+
+    constraint: str | None = None
+    gres: tuple[Gres, ...] = ()
+
+    def fits(self, node: Node) -> bool:
+        return self._constraint_holds(set(node.features)) and all(
+            sum(g.count for g in node.gres if g.name == need.name and (need.type is None or g.type == need.type))
+            >= need.count for need in self.gres)
+
+    def _constraint_holds(self, features: set[str]) -> bool:
+        if not self.constraint or any(c in self.constraint for c in "*[]"):
+            return True
+        tokens = [t for t in re.split(r"([&|()])", self.constraint.replace(" ", "")) if t]
+        position = 0
+
+        def either() -> bool:  # a | b | …  (`&` binds tighter)
+            nonlocal position
+            value = both()
+            while position < len(tokens) and tokens[position] == "|":
+                position += 1
+                value = both() | value
+            return value
+
+        def both() -> bool:
+            nonlocal position
+            value = term()
+            while position < len(tokens) and tokens[position] == "&":
+                position += 1
+                value = term() & value
+            return value
+
+        def term() -> bool:
+            nonlocal position
+            if position >= len(tokens):
+                raise ValueError("constraint ends early")
+            token = tokens[position]
+            position += 1
+            if token == "(":
+                value = either()
+                if position >= len(tokens) or tokens[position] != ")":
+                    raise ValueError("unbalanced parentheses")
+                position += 1
+                return value
+            if token in "&|)":
+                raise ValueError(f"unexpected {token!r}")
+            return token in features
+
+        try:
+            result = either()
+        except ValueError:
+            return True  # Slurm refuses a malformed constraint itself (at submit, by --test-only)
+        return result if position == len(tokens) else True
+
+
+def node_needs(spec: admin_pb2.JobSpec) -> NodeNeeds:
+    """The node requirements in `spec.sbatch_options` (the last value of each option wins,
+    as in sbatch)."""
+    options = list(spec.sbatch_options)
+    values: dict[str, str] = {}
+    for index, token in enumerate(options):
+        following = options[index + 1] if index + 1 < len(options) else None
+        name, sep, value = token.partition("=")
+        if name in ("--constraint", "--gres", "--gpus-per-node") and (sep or following is not None):
+            values[name] = value if sep else str(following)
+        elif token == "-C" and following is not None:
+            values["--constraint"] = following
+        elif token.startswith("-C") and len(token) > 2:
+            values["--constraint"] = token[2:]
+    gres: list[Gres] = []
+    for item in values.get("--gres", "").split(","):
+        parsed = _gres(item)
+        if parsed is not None:
+            gres.append(parsed)
+    gpus = values.get("--gpus-per-node")
+    if gpus:
+        parsed = _gres(f"gpu:{gpus}")
+        if parsed is not None:
+            gres.append(parsed)
+    return NodeNeeds(constraint=values.get("--constraint") or None, gres=tuple(gres))
+
+
+def _gres(item: str) -> Gres | None:
+    """`gpu`, `gpu:2`, `gpu:a100:2` (or `gres/gpu:…`) as a Gres; None for what is not one."""
+    parts = item.strip().removeprefix("gres/").split(":")
+    if not parts[0] or parts[0] == "none":
+        return None
+    count = 1
+    if parts[-1].isdigit() and len(parts) > 1:
+        count = int(parts.pop())
+    return Gres(name=parts[0], type=parts[1] if len(parts) > 1 else None, count=count)
+
+
 def idle_nodes_for(spec: admin_pb2.JobSpec, nodes: Sequence[Node], excluded: frozenset[str] = frozenset()) -> list[str]:
-    """Idle, usable nodes in the job's partition (any partition when it names none)."""
+    """Idle, usable nodes in the job's partition (any partition when it names none) that
+    offer what the job's sbatch options ask of a node (features, GRES)."""
+    needs = node_needs(spec)
     return sorted(n.name for n in nodes if n.is_idle_and_usable and n.name not in excluded
-                  and (not spec.partition or spec.partition in n.partitions))
+                  and (not spec.partition or spec.partition in n.partitions) and needs.fits(n))
 
 
 def is_tidal_unit(job: Job, job_id: str | None = None) -> bool:
@@ -81,7 +187,15 @@ def units_to_submit(spec: admin_pb2.JobSpec, *, alive: int, idle_nodes: int, now
         return UnitDemand(0, f"{others_waiting} other Slurm job(s) wait for nodes")
     if last_change_at is not None and now < last_change_at + scale_up_snooze_s:
         return UnitDemand(0, f"scale-up snoozed for {last_change_at + scale_up_snooze_s - now:.1f} s")
-    count = min(room, fits)
+    # Grow only to a world size the job allows (replica_step, allowed_replicas): a unit that
+    # could not join would hold a node for nothing.
+    sizes = allowed_sizes(spec.min_replicas, spec.max_replicas, spec.replica_step, spec.allowed_replicas)
+    reachable = [n for n in sizes if alive < n <= alive + min(room, fits)]
+    if not reachable:
+        following = next((n for n in sizes if n > alive), None)
+        return UnitDemand(0, f"{idle_nodes} idle node(s) fit, too few for the next allowed size {following}"
+                          if following is not None else f"no allowed size above {alive} replicas")
+    count = max(reachable) - alive
     return UnitDemand(count, f"{idle_nodes} idle node(s) fit; growing toward max_replicas {spec.max_replicas}")
 
 

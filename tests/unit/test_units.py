@@ -15,11 +15,11 @@ from tidal.controller.model import JobRecord, JobState, UnitState
 from tidal.controller.security import secret_digest
 from tidal.controller.spec import normalized_spec
 from tidal.controller.store import StateStore
-from tidal.controller.units import idle_nodes_for, unit_submission, units_to_submit
+from tidal.controller.units import NodeNeeds, idle_nodes_for, node_needs, unit_submission, units_to_submit
 from tidal.proto import admin_pb2, common_pb2
 from tidal.slurm.fake import FakeSlurmClient
+from tidal.slurm.models import Gres, Node, NodeFlag, NodeState
 from tidal.slurm.models import JobState as SlurmJobState
-from tidal.slurm.models import Node, NodeFlag, NodeState
 from tidal.slurm.snapshot import ClusterPoll
 
 
@@ -61,6 +61,47 @@ def test_only_idle_usable_nodes_of_the_jobs_partition_count() -> None:
              node("n4", partitions=("urgent",)), node("n5", partitions=("train", "urgent"))]
     assert idle_nodes_for(SPEC, nodes) == ["n1", "n5"]
     assert idle_nodes_for(admin_pb2.JobSpec(), nodes) == ["n1", "n4", "n5"]
+
+
+def test_growth_reaches_only_world_sizes_the_job_allows() -> None:
+    stepped = admin_pb2.JobSpec(min_replicas=2, max_replicas=8, replica_step=2, nodes_per_replica=1)
+    one_short = units_to_submit(stepped, alive=2, idle_nodes=1, now=0, last_change_at=None, scale_up_snooze_s=0)
+    assert (one_short.count, one_short.reason) == (0, "1 idle node(s) fit, too few for the next allowed size 4")
+    assert units_to_submit(stepped, alive=2, idle_nodes=3, now=0, last_change_at=None, scale_up_snooze_s=0).count == 2
+    assert units_to_submit(stepped, alive=2, idle_nodes=5, now=0, last_change_at=None, scale_up_snooze_s=0).count == 4
+    listed = admin_pb2.JobSpec(min_replicas=1, max_replicas=8, allowed_replicas=[1, 4, 8], nodes_per_replica=1)
+    assert units_to_submit(listed, alive=1, idle_nodes=6, now=0, last_change_at=None, scale_up_snooze_s=0).count == 3
+    assert units_to_submit(listed, alive=4, idle_nodes=3, now=0, last_change_at=None, scale_up_snooze_s=0).count == 0
+
+
+def gpu_node(name: str, features: tuple[str, ...], gres: tuple[Gres, ...]) -> Node:
+    return Node(name=name, state=NodeState.IDLE, flags=frozenset(), partitions=("train",), cpus=2, gres=gres,
+                features=features, reason="")
+
+
+def test_idle_nodes_must_offer_the_features_and_gres_the_units_ask_for() -> None:
+    nodes = [gpu_node("a", ("a100", "ib"), (Gres("gpu", "a100", 4),)),
+             gpu_node("h", ("h100", "ib"), (Gres("gpu", "h100", 8),)),
+             gpu_node("c", ("cpu",), ())]
+
+    def fitting(*options: str) -> list[str]:
+        return idle_nodes_for(admin_pb2.JobSpec(partition="train", sbatch_options=list(options)), nodes)
+
+    assert fitting() == ["a", "c", "h"]
+    assert fitting("-C", "a100") == ["a"]
+    assert fitting("--constraint=a100|h100") == ["a", "h"]
+    assert fitting("--constraint=ib&(a100|h100)") == ["a", "h"]
+    assert fitting("--constraint=cpu&ib") == []
+    assert fitting("--gres=gpu:8") == ["h"]
+    assert fitting("--gres=gpu:a100:2") == ["a"]
+    assert fitting("--gres=gpu") == ["a", "h"]
+    assert fitting("--gpus-per-node=h100:4") == ["h"]
+    assert fitting("--gres=gpu:2", "--constraint", "h100") == ["h"]
+    # Syntax Tidal does not evaluate (counts, brackets) or cannot parse is left to Slurm.
+    assert fitting("--constraint=[a100*2&h100*2]") == ["a", "c", "h"]
+    assert fitting("--constraint=a100&(h100") == ["a", "c", "h"]
+    assert node_needs(admin_pb2.JobSpec(sbatch_options=["-Ca100", "--gres=gpu:a100:2,nic:1"])) == NodeNeeds(
+        constraint="a100", gres=(Gres("gpu", "a100", 2), Gres("nic", None, 1)))
 
 
 def test_a_units_batch_script_starts_the_launcher_and_carries_no_secret(tmp_path: Path) -> None:
