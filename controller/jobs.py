@@ -244,6 +244,9 @@ class JobActor:
         self.sessions: dict[str, LauncherSession] = {}
         self.stop: PendingStop | None = None
         self.registered_at: dict[str, float] = {}
+        # When each unit was asked to leave (monotonic): one that is still there past the
+        # grace a stop gets is cancelled in Slurm (`_cancel_overdue_leavers`).
+        self.leaving_since: dict[str, float] = {}
         self.last_change_at: float | None = None
         self.epoch_started_at = started_at
         self.reconnect_deadline = started_at + config.reconnect_grace_s
@@ -395,7 +398,8 @@ class JobActor:
             unit.nodes = list(register.nodes) or [register.address]
             unit.address = register.address
             unit.procs_per_node = self.job.spec.procs_per_node or 1
-            unit.slurm_job_id = register.slurm_job_id
+            # The id Tidal submitted stays known when a launcher does not report one.
+            unit.slurm_job_id = register.slurm_job_id or unit.slurm_job_id
             unit.registered_at = time.time()
             self.units[unit_id] = unit
             with self.store.transaction():
@@ -500,6 +504,7 @@ class JobActor:
                            epoch=self.job.epoch)
 
     def _on_tick(self, now: float) -> None:
+        self._cancel_overdue_leavers(now)
         if self.job.state.is_final:
             return
         self._observe_throughput(now)
@@ -763,6 +768,7 @@ class JobActor:
             self.deferred_leaves.setdefault(unit_id, (cause, detail))
             return
         unit.state = UnitState.LEAVING
+        self.leaving_since[unit_id] = time.monotonic()
         unit.reason = f"{cause}: {detail}" if detail != cause else cause
         epoch_number = self.epoch.epoch if self.epoch is not None else 0
         with self.store.transaction():
@@ -1071,6 +1077,24 @@ class JobActor:
             self.events.record(self.job.job_id, kind, reason, unit_id=unit.unit_id, epoch=self.job.epoch,
                                fields=fields)
 
+    def _cancel_overdue_leavers(self, now: float) -> None:
+        """A unit asked to leave that is still there after the grace a stop gets
+        (`restart_grace_s` + `heartbeat_timeout_s`: its launcher or workers hung) has its
+        Slurm job cancelled, so that it never holds a node for nothing; Slurm then signals
+        and kills what runs there, and the closed session marks the unit left."""
+        overdue_s = self.config.restart_grace_s + self.config.heartbeat_timeout_s
+        for unit_id, since in list(self.leaving_since.items()):
+            unit = self.units.get(unit_id)
+            if unit is None or unit.state is not UnitState.LEAVING:
+                del self.leaving_since[unit_id]
+            elif now - since > overdue_s:
+                del self.leaving_since[unit_id]
+                self.events.record(self.job.job_id, "unit_leave_overdue",
+                                   f"still there {now - since:.0f} s after it was asked to leave"
+                                   + (f"; Slurm job {unit.slurm_job_id} cancelled" if self.slurm and unit.slurm_job_id
+                                      else ""), unit_id=unit_id, epoch=self.job.epoch)
+                self._cancel_in_slurm(unit)
+
     def _cancel_in_slurm(self, unit: UnitRecord) -> None:
         if self.slurm is None or not unit.slurm_job_id:
             return
@@ -1114,12 +1138,13 @@ class JobActor:
                 continue
             session = self.sessions.get(unit_id)
             if session is None:
-                if unit.state is UnitState.SUBMITTED:
-                    # Still waiting in Slurm's queue: it would start for nothing.
-                    self._cancel_in_slurm(unit)
+                # Waiting in Slurm's queue (it would start for nothing), or running with its
+                # launcher out of touch: the job is over, so its Slurm job goes too.
+                self._cancel_in_slurm(unit)
                 self._mark_left(unit_id, reason)
                 continue
             unit.state = UnitState.LEAVING
+            self.leaving_since[unit_id] = time.monotonic()
             self.store.upsert_unit(unit)
             session.send(launcher_pb2.ControllerMessage(leave=launcher_pb2.Leave(
                 epoch=epoch_number, at_step=0, reason=reason)))

@@ -9,14 +9,15 @@ from pathlib import Path
 
 from tidal.controller.config import ControllerConfig
 from tidal.controller.events import EventLog
-from tidal.controller.jobs import JobActor, SlurmObserved, SlurmUnits, Throughput
+from tidal.controller.jobs import CancelRequested, Connected, JobActor, SlurmObserved, SlurmUnits, Throughput, Tick
 from tidal.controller.metrics import ControllerMetrics
 from tidal.controller.model import JobRecord, JobState, UnitState
 from tidal.controller.security import secret_digest
+from tidal.controller.sessions import LauncherSession
 from tidal.controller.spec import normalized_spec
 from tidal.controller.store import StateStore
 from tidal.controller.units import NodeNeeds, idle_nodes_for, node_needs, unit_submission, units_to_submit
-from tidal.proto import admin_pb2, common_pb2
+from tidal.proto import admin_pb2, common_pb2, launcher_pb2
 from tidal.slurm.fake import FakeSlurmClient
 from tidal.slurm.models import Gres, Node, NodeFlag, NodeState
 from tidal.slurm.models import JobState as SlurmJobState
@@ -197,3 +198,33 @@ def test_throughput_and_goodput_from_what_the_heartbeats_say() -> None:
     assert steps_only.rates(4.0, global_batch=64) == (2.0, 128.0)
     # No progress for longer than the window: no rate at all.
     assert steps_only.rates(40.0, global_batch=64) == (0.0, 0.0)
+
+
+def test_a_unit_that_does_not_leave_in_time_is_cancelled_in_slurm(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        fake = FakeSlurmClient.with_nodes(2)
+        actor = slurm_actor(tmp_path, fake, min_replicas=1, max_replicas=1)
+        task = asyncio.create_task(actor.run())
+        actor.put(SlurmObserved(ClusterPoll(fake).poll()))
+        await settle(lambda: "u1" in actor.units and actor.units["u1"].slurm_job_id)
+        slurm_job = actor.units["u1"].slurm_job_id
+        now = time.monotonic()
+        session = LauncherSession(job_id="lm-1", unit_id="u1", opened_at=now, last_heartbeat_at=now, store_port=1,
+                                  worker_pids=())
+        actor.put(Connected(session, launcher_pb2.Register(job_id="lm-1", unit_id="u1", secret="s", nodes=["n1"],
+                                                           address="127.0.0.1", store_port=1)))
+        actor.put(CancelRequested(0))
+        await settle(lambda: actor.units["u1"].state is UnitState.LEAVING)
+        # The launcher was told to leave and hangs: within the grace nothing happens ...
+        actor.put(Tick())
+        await asyncio.sleep(0.05)
+        assert fake.get_job(slurm_job).state is SlurmJobState.RUNNING
+        # ... past restart_grace_s + heartbeat_timeout_s its Slurm job is cancelled.
+        actor.leaving_since["u1"] -= actor.config.restart_grace_s + actor.config.heartbeat_timeout_s + 1
+        actor.put(Tick())
+        await settle(lambda: fake.get_job(slurm_job).state is SlurmJobState.CANCELLED)
+        overdue = [e for e in actor.store.events("lm-1") if e.kind == "unit_leave_overdue"]
+        assert len(overdue) == 1 and f"Slurm job {slurm_job} cancelled" in overdue[0].reason
+        task.cancel()
+
+    asyncio.run(scenario())
