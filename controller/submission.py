@@ -172,14 +172,20 @@ def script_directives(text: str) -> tuple[list[list[str]], list[list[str]]]:
     return sbatch, tidal
 
 
-def _sbatch_value(options: Sequence[str], short: str, long: str) -> str | None:
-    """The last value given to an sbatch option in `options` (as split above)."""
+def sbatch_value(options: Sequence[str], short: str | None, long: str) -> str | None:
+    """The last value given to an sbatch option in `options` (a list of tokens: `-C x`,
+    `-Cx`, `--constraint=x` or `--constraint x`), as sbatch takes the last one."""
     value = None
     for index, token in enumerate(options):
-        if token == short and index + 1 < len(options):
-            value = options[index + 1]
+        following = options[index + 1] if index + 1 < len(options) else None
+        if short is not None and token == short and following is not None:
+            value = following
+        elif short is not None and token.startswith(short) and len(token) > len(short) and token[1] != "-":
+            value = token[len(short):]
         elif token.startswith(f"--{long}="):
             value = token.split("=", 1)[1]
+        elif token == f"--{long}" and following is not None:
+            value = following
     return value
 
 
@@ -220,14 +226,14 @@ def parse_submit(argv: Sequence[str], *, cwd: Path,
         _apply_tidal_option(spec, option, value)
     spec.command.extend(command)
     spec.sbatch_options.extend(sbatch)
-    partition = _sbatch_value(sbatch, "-p", "partition")
+    partition = sbatch_value(sbatch, "-p", "partition")
     if partition:
         spec.partition = partition
-    directory = _sbatch_value(sbatch, "-D", "chdir")
+    directory = sbatch_value(sbatch, "-D", "chdir")
     if directory:
         spec.working_dir = str(cwd / directory)
     if not spec.name:
-        job_name = _sbatch_value(sbatch, "-J", "job-name")
+        job_name = sbatch_value(sbatch, "-J", "job-name")
         spec.name = job_name or _default_name(script, command)
     return Submission(spec=spec, script=script)
 

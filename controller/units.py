@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tidal.controller.planning import allowed_sizes
+from tidal.controller.submission import sbatch_value
 from tidal.proto import admin_pb2
 from tidal.slurm.models import Gres, Job, JobState, Node, UnitSubmission
 from tidal.slurm.snapshot import ClusterView
@@ -97,27 +98,11 @@ def node_needs(spec: admin_pb2.JobSpec) -> NodeNeeds:
     """The node requirements in `spec.sbatch_options` (the last value of each option wins,
     as in sbatch)."""
     options = list(spec.sbatch_options)
-    values: dict[str, str] = {}
-    for index, token in enumerate(options):
-        following = options[index + 1] if index + 1 < len(options) else None
-        name, sep, value = token.partition("=")
-        if name in ("--constraint", "--gres", "--gpus-per-node") and (sep or following is not None):
-            values[name] = value if sep else str(following)
-        elif token == "-C" and following is not None:
-            values["--constraint"] = following
-        elif token.startswith("-C") and len(token) > 2:
-            values["--constraint"] = token[2:]
-    gres: list[Gres] = []
-    for item in values.get("--gres", "").split(","):
-        parsed = _gres(item)
-        if parsed is not None:
-            gres.append(parsed)
-    gpus = values.get("--gpus-per-node")
-    if gpus:
-        parsed = _gres(f"gpu:{gpus}")
-        if parsed is not None:
-            gres.append(parsed)
-    return NodeNeeds(constraint=values.get("--constraint") or None, gres=tuple(gres))
+    values = {name: sbatch_value(options, short, name) or "" for short, name in
+              (("-C", "constraint"), (None, "gres"), (None, "gpus-per-node"))}
+    items = values["gres"].split(",") + ([f"gpu:{values['gpus-per-node']}"] if values["gpus-per-node"] else [])
+    gres = tuple(parsed for parsed in map(_gres, items) if parsed is not None)
+    return NodeNeeds(constraint=values["constraint"] or None, gres=gres)
 
 
 def _gres(item: str) -> Gres | None:
