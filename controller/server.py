@@ -115,9 +115,7 @@ class Controller:
         waiting = {j.job_id: j for j in units.waiting_for_nodes(view)}
         # Forget yields for jobs that no longer wait; count units still holding a node.
         self.yielded = {job_id: held for job_id, held in self.yielded.items() if job_id in waiting}
-        releasing = {job_id: sum(1 for slurm_job_id in held if (j := view.job(slurm_job_id)) is not None
-                                 and not j.state.is_finished)
-                     for job_id, held in self.yielded.items()}
+        releasing = units.releasing(view, self.yielded)
         jobs = [y for a in actors if (y := a.yielding_job(view)) is not None]
         if not waiting or not jobs:
             return []

@@ -10,13 +10,13 @@ from __future__ import annotations
 import dataclasses
 import re
 import shlex
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from tidal.controller.planning import allowed_sizes
 from tidal.controller.submission import sbatch_value
 from tidal.proto import admin_pb2
-from tidal.slurm.models import Gres, Job, JobState, Node, UnitSubmission
+from tidal.slurm.models import Gres, Job, JobState, Node, NodeFlag, UnitSubmission
 from tidal.slurm.snapshot import ClusterView
 
 # Slurm's pending reasons that mean "waits for nodes" (not a dependency, a hold, a limit).
@@ -147,6 +147,17 @@ def others_waiting_for(view: ClusterView, job_id: str, nodes: frozenset[str]) ->
     if not view.partitions:
         return pending
     return [j for j in pending if view.partition_nodes(j.partition) & nodes]
+
+
+def releasing(view: ClusterView, yielded: Mapping[int, Iterable[int]]) -> dict[int, int]:
+    """For each waiting Slurm job, how many of the units that yielded to it still hold
+    their node. A unit's node counts until it is idle: its Slurm job may have ended while
+    the node still shows COMPLETING, neither idle nor released (counting it as gone then
+    made one unit too many yield)."""
+    completing = {n.name for n in view.nodes if NodeFlag.COMPLETING in n.flags}
+    return {waiting: sum(1 for slurm_job_id in held if (j := view.job(slurm_job_id)) is not None
+                         and (not j.state.is_finished or completing & set(j.nodes)))
+            for waiting, held in yielded.items()}
 
 
 def units_to_submit(spec: admin_pb2.JobSpec, *, alive: int, idle_nodes: int, now: float,

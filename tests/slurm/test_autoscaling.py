@@ -178,6 +178,8 @@ def test_a_node_failure_the_job_recovers_and_the_replacement_avoids_the_node(
             job_id = admin.submit(live_job("replace", 3, tmp_path, tmp_path / "ledger")).job.job_id
 
             job = wait_for("world size 3", running_at(admin, job_id, 3), timeout_s=120, interval_s=0.5)
+            # Hurt the world once it trains: a failure while workers still start is another case.
+            wait_for("steps at size 3", lambda: commits(read_ledger(tmp_path / "ledger"), 3), timeout_s=60)
             victim = next(u for u in job.units if u.state == admin_pb2.UNIT_STATE_ACTIVE)
             (failed_node,) = victim.nodes
             pid = wait_for("the victim's launcher", lambda: launcher_pid(job_id, victim.unit_id), timeout_s=10)
@@ -221,6 +223,7 @@ def test_with_yield_enabled_a_waiting_higher_priority_job_gets_nodes_before_any_
             job_id = admin.submit(spec).job.job_id
 
             wait_for("world size 4", running_at(admin, job_id, 4), timeout_s=120, interval_s=0.5)
+            wait_for("steps at size 4", lambda: commits(read_ledger(ledger), 4), timeout_s=60)
             # A job of the same partition (Slurm never preempts within it) that outranks the
             # units and needs 2 nodes: without Tidal it would wait for as long as the job runs.
             submitted_at = time.monotonic()

@@ -16,7 +16,14 @@ from tidal.controller.security import secret_digest
 from tidal.controller.sessions import LauncherSession
 from tidal.controller.spec import normalized_spec
 from tidal.controller.store import StateStore
-from tidal.controller.units import NodeNeeds, idle_nodes_for, node_needs, unit_submission, units_to_submit
+from tidal.controller.units import (
+    NodeNeeds,
+    idle_nodes_for,
+    node_needs,
+    releasing,
+    unit_submission,
+    units_to_submit,
+)
 from tidal.proto import admin_pb2, common_pb2, launcher_pb2
 from tidal.slurm.fake import FakeSlurmClient
 from tidal.slurm.models import Gres, Node, NodeFlag, NodeState
@@ -228,3 +235,20 @@ def test_a_unit_that_does_not_leave_in_time_is_cancelled_in_slurm(tmp_path: Path
         task.cancel()
 
     asyncio.run(scenario())
+
+
+def test_a_yielded_units_node_counts_as_being_released_until_it_is_idle() -> None:
+    fake = FakeSlurmClient.with_nodes(3)
+    running, ended, gone = (fake.submit(unit_submission(SPEC, job_id="lm", unit_id=u, launcher=("l",), controller="c",
+                                                        secret_path=Path("/s"), output_dir=Path("/o")))
+                            for u in ("u1", "u2", "u3"))
+    poll = ClusterPoll(fake)
+    assert releasing(poll.poll(), {99: {running, ended, gone}}) == {99: 3}
+    # u2's job ended but its node still completes; u3's job ended and its node is idle.
+    ended_node = fake.get_job(ended).nodes[0]
+    fake.finish(ended)
+    fake.finish(gone)
+    fake.set_node(ended_node, NodeState.IDLE, frozenset({NodeFlag.COMPLETING}))
+    assert releasing(poll.poll(), {99: {running, ended, gone}}) == {99: 2}
+    fake.set_node(ended_node, NodeState.IDLE)
+    assert releasing(poll.poll(), {99: {running, ended, gone}}) == {99: 1}
