@@ -783,7 +783,7 @@ class JobActor:
                 return
         if session is not None:
             session.send(launcher_pb2.ControllerMessage(leave=launcher_pb2.Leave(
-                epoch=epoch_number, at_step=0, reason=unit.reason)))
+                epoch=epoch_number, reason=unit.reason)))
         else:
             self._mark_left(unit_id, "not connected when asked to leave")
         if self.stop is not None:
@@ -818,7 +818,7 @@ class JobActor:
         # The state's source: the new world's rank 0, a survivor (survivors keep their order).
         source = min(plan.members, key=lambda m: m.group_rank).unit_id
         message = launcher_pb2.ControllerMessage(reconfigure=launcher_pb2.Reconfigure(
-            epoch=plan.epoch, from_epoch=previous.epoch, at_step=0, rank_table=plan.rank_table(),
+            epoch=plan.epoch, from_epoch=previous.epoch, rank_table=plan.rank_table(),
             rendezvous=plan.rendezvous(), state_sources=[source]))
         self.job.epoch = plan.epoch
         fields: dict[str, object] = {"cause": cause, "from_epoch": previous.epoch, "world_size": plan.world_size,
@@ -1147,7 +1147,7 @@ class JobActor:
             self.leaving_since[unit_id] = time.monotonic()
             self.store.upsert_unit(unit)
             session.send(launcher_pb2.ControllerMessage(leave=launcher_pb2.Leave(
-                epoch=epoch_number, at_step=0, reason=reason)))
+                epoch=epoch_number, reason=reason)))
 
     def _on_resize(self, min_replicas: int, max_replicas: int, uid: int) -> None:
         spec = self.job.spec

@@ -16,7 +16,9 @@ class JobState(enum.Enum):
     PENDING until `min_replicas` units have registered and epoch 1 forms; RUNNING while
     an epoch's workers run; RECONFIGURING while an epoch is being stopped (failure, grow,
     leave) and the next one planned; DEGRADED when fewer than `min_replicas` units are
-    alive, waiting for more; COMPLETED, FAILED and CANCELLED are final."""
+    alive, waiting for more; FINISHING once a rank committed the job's last step (no
+    generation forms any more; exits and silence are not failures); COMPLETED, FAILED and
+    CANCELLED are final."""
 
     PENDING = "pending"
     RUNNING = "running"
@@ -25,6 +27,7 @@ class JobState(enum.Enum):
     COMPLETED = "completed"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    FINISHING = "finishing"
 
     @property
     def is_final(self) -> bool:

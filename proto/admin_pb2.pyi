@@ -21,6 +21,7 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_STATE_COMPLETED: _ClassVar[JobState]
     JOB_STATE_FAILED: _ClassVar[JobState]
     JOB_STATE_CANCELLED: _ClassVar[JobState]
+    JOB_STATE_FINISHING: _ClassVar[JobState]
 
 class UnitState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -39,6 +40,7 @@ JOB_STATE_DEGRADED: JobState
 JOB_STATE_COMPLETED: JobState
 JOB_STATE_FAILED: JobState
 JOB_STATE_CANCELLED: JobState
+JOB_STATE_FINISHING: JobState
 UNIT_STATE_UNSPECIFIED: UnitState
 UNIT_STATE_SUBMITTED: UnitState
 UNIT_STATE_JOINING: UnitState

@@ -27,6 +27,9 @@ class EpochPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EPOCH_PHASE_STOPPED: _ClassVar[EpochPhase]
     EPOCH_PHASE_LEFT: _ClassVar[EpochPhase]
     EPOCH_PHASE_FIRST_STEP: _ClassVar[EpochPhase]
+    EPOCH_PHASE_FINISHED: _ClassVar[EpochPhase]
+    EPOCH_PHASE_RESUMED_FROM_CHECKPOINT: _ClassVar[EpochPhase]
+    EPOCH_PHASE_STATE_LOST: _ClassVar[EpochPhase]
 LEAVE_CAUSE_UNSPECIFIED: LeaveCause
 LEAVE_CAUSE_PREEMPTED: LeaveCause
 LEAVE_CAUSE_DRAINED: LeaveCause
@@ -37,6 +40,9 @@ EPOCH_PHASE_RECONFIGURED: EpochPhase
 EPOCH_PHASE_STOPPED: EpochPhase
 EPOCH_PHASE_LEFT: EpochPhase
 EPOCH_PHASE_FIRST_STEP: EpochPhase
+EPOCH_PHASE_FINISHED: EpochPhase
+EPOCH_PHASE_RESUMED_FROM_CHECKPOINT: EpochPhase
+EPOCH_PHASE_STATE_LOST: EpochPhase
 
 class LauncherMessage(_message.Message):
     __slots__ = ("register", "heartbeat", "worker_exited", "leave_request", "epoch_report")
@@ -157,23 +163,21 @@ class EpochReport(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., phase: _Optional[_Union[EpochPhase, str]] = ..., step: _Optional[int] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., detail: _Optional[str] = ..., store_port: _Optional[int] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
-    __slots__ = ("registered", "start_epoch", "reconfigure", "stop_epoch", "leave", "heartbeat_ack")
+    __slots__ = ("registered", "start_epoch", "reconfigure", "stop_epoch", "leave")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     START_EPOCH_FIELD_NUMBER: _ClassVar[int]
     RECONFIGURE_FIELD_NUMBER: _ClassVar[int]
     STOP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEAVE_FIELD_NUMBER: _ClassVar[int]
-    HEARTBEAT_ACK_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
     start_epoch: StartEpoch
     reconfigure: Reconfigure
     stop_epoch: StopEpoch
     leave: Leave
-    heartbeat_ack: HeartbeatAck
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., start_epoch: _Optional[_Union[StartEpoch, _Mapping]] = ..., reconfigure: _Optional[_Union[Reconfigure, _Mapping]] = ..., stop_epoch: _Optional[_Union[StopEpoch, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ...) -> None: ...
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., start_epoch: _Optional[_Union[StartEpoch, _Mapping]] = ..., reconfigure: _Optional[_Union[Reconfigure, _Mapping]] = ..., stop_epoch: _Optional[_Union[StopEpoch, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ...) -> None: ...
 
 class Registered(_message.Message):
-    __slots__ = ("current_epoch", "heartbeat_interval", "heartbeat_timeout", "mode", "progress_timeout", "command", "environment", "working_dir", "procs_per_node", "job_name")
+    __slots__ = ("current_epoch", "heartbeat_interval", "heartbeat_timeout", "mode", "progress_timeout", "command", "environment", "working_dir", "procs_per_node", "job_name", "worker_silence_timeout")
     class EnvironmentEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +195,7 @@ class Registered(_message.Message):
     WORKING_DIR_FIELD_NUMBER: _ClassVar[int]
     PROCS_PER_NODE_FIELD_NUMBER: _ClassVar[int]
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
+    WORKER_SILENCE_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     current_epoch: int
     heartbeat_interval: _duration_pb2.Duration
     heartbeat_timeout: _duration_pb2.Duration
@@ -201,35 +206,38 @@ class Registered(_message.Message):
     working_dir: str
     procs_per_node: int
     job_name: str
-    def __init__(self, current_epoch: _Optional[int] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., heartbeat_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., mode: _Optional[_Union[_common_pb2.JobMode, str]] = ..., progress_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., command: _Optional[_Iterable[str]] = ..., environment: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., procs_per_node: _Optional[int] = ..., job_name: _Optional[str] = ...) -> None: ...
+    worker_silence_timeout: _duration_pb2.Duration
+    def __init__(self, current_epoch: _Optional[int] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., heartbeat_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., mode: _Optional[_Union[_common_pb2.JobMode, str]] = ..., progress_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., command: _Optional[_Iterable[str]] = ..., environment: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., procs_per_node: _Optional[int] = ..., job_name: _Optional[str] = ..., worker_silence_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class StartEpoch(_message.Message):
-    __slots__ = ("epoch", "rank_table", "rendezvous", "resume_step")
+    __slots__ = ("epoch", "rank_table", "rendezvous", "resume_step", "state_holders")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RANK_TABLE_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
+    STATE_HOLDERS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     rank_table: _common_pb2.RankTable
     rendezvous: _common_pb2.Rendezvous
     resume_step: int
-    def __init__(self, epoch: _Optional[int] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., rendezvous: _Optional[_Union[_common_pb2.Rendezvous, _Mapping]] = ..., resume_step: _Optional[int] = ...) -> None: ...
+    state_holders: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, epoch: _Optional[int] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., rendezvous: _Optional[_Union[_common_pb2.Rendezvous, _Mapping]] = ..., resume_step: _Optional[int] = ..., state_holders: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Reconfigure(_message.Message):
-    __slots__ = ("epoch", "from_epoch", "at_step", "rank_table", "rendezvous", "state_sources")
+    __slots__ = ("epoch", "from_epoch", "rank_table", "rendezvous", "state_sources", "target_step")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     FROM_EPOCH_FIELD_NUMBER: _ClassVar[int]
-    AT_STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_TABLE_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     STATE_SOURCES_FIELD_NUMBER: _ClassVar[int]
+    TARGET_STEP_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     from_epoch: int
-    at_step: int
     rank_table: _common_pb2.RankTable
     rendezvous: _common_pb2.Rendezvous
     state_sources: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, epoch: _Optional[int] = ..., from_epoch: _Optional[int] = ..., at_step: _Optional[int] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., rendezvous: _Optional[_Union[_common_pb2.Rendezvous, _Mapping]] = ..., state_sources: _Optional[_Iterable[str]] = ...) -> None: ...
+    target_step: int
+    def __init__(self, epoch: _Optional[int] = ..., from_epoch: _Optional[int] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., rendezvous: _Optional[_Union[_common_pb2.Rendezvous, _Mapping]] = ..., state_sources: _Optional[_Iterable[str]] = ..., target_step: _Optional[int] = ...) -> None: ...
 
 class StopEpoch(_message.Message):
     __slots__ = ("epoch", "reason", "failed_unit_id", "grace")
@@ -244,17 +252,9 @@ class StopEpoch(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., reason: _Optional[str] = ..., failed_unit_id: _Optional[str] = ..., grace: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Leave(_message.Message):
-    __slots__ = ("epoch", "at_step", "reason")
+    __slots__ = ("epoch", "reason")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
-    AT_STEP_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     epoch: int
-    at_step: int
     reason: str
-    def __init__(self, epoch: _Optional[int] = ..., at_step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
-
-class HeartbeatAck(_message.Message):
-    __slots__ = ("sequence",)
-    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
-    sequence: int
-    def __init__(self, sequence: _Optional[int] = ...) -> None: ...
+    def __init__(self, epoch: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
