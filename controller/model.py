@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Sequence
+from typing import cast
 
 from tidal.proto import admin_pb2, common_pb2
 
@@ -33,8 +34,9 @@ class JobState(enum.Enum):
     def is_final(self) -> bool:
         return self in (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED)
 
-    def to_proto(self) -> admin_pb2.JobState.ValueType:
-        return admin_pb2.JobState.Value("JOB_STATE_" + self.name)
+    def to_proto(self) -> admin_pb2.JobState:
+        # protoc's .pyi types an enum's values as the enum, and its Value() as int.
+        return cast(admin_pb2.JobState, admin_pb2.JobState.Value("JOB_STATE_" + self.name))
 
 
 class UnitState(enum.Enum):
@@ -53,8 +55,8 @@ class UnitState(enum.Enum):
     def is_final(self) -> bool:
         return self in (UnitState.LEFT, UnitState.FAILED)
 
-    def to_proto(self) -> admin_pb2.UnitState.ValueType:
-        return admin_pb2.UnitState.Value("UNIT_STATE_" + self.name)
+    def to_proto(self) -> admin_pb2.UnitState:
+        return cast(admin_pb2.UnitState, admin_pb2.UnitState.Value("UNIT_STATE_" + self.name))
 
 
 @dataclasses.dataclass

@@ -120,7 +120,7 @@ class UnixSocketRelay:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._tasks.add(task)  # type: ignore[arg-type]
+        self._tasks.add(task)
         peer_key = ""
         upstream_writer: asyncio.StreamWriter | None = None
         try:
@@ -141,7 +141,7 @@ class UnixSocketRelay:
             for closing in (writer, upstream_writer):
                 if closing is not None:
                     closing.close()
-            self._tasks.discard(task)  # type: ignore[arg-type]
+            self._tasks.discard(task)
 
 
 async def _pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:

@@ -193,7 +193,7 @@ class LauncherServicer(launcher_pb2_grpc.LauncherServiceServicer):
     def __init__(self, controller: Controller) -> None:
         self.controller = controller
 
-    async def Session(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]
+    async def Session(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         config = self.controller.config
         try:
             first = await asyncio.wait_for(context.read(), timeout=config.register_timeout_s)
@@ -366,7 +366,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         return admin_pb2.ListEventsResponse(events=[event_to_proto(e) for e in events])
 
     async def WatchEvents(self, request: admin_pb2.ListEventsRequest,
-                          context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]
+                          context: grpc.aio.ServicerContext) -> None:
         caller = await self._caller(context)
         if request.job_id:
             await self._actor(context, request.job_id, caller)

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from tidal.controller.model import (
     EpochRecord,
@@ -203,7 +204,7 @@ class StateStore:
     _EVENT_COLUMNS = "sequence, time, job_id, unit_id, epoch, kind, reason, fields"
 
     @staticmethod
-    def _event(row: tuple) -> EventRecord:  # type: ignore[type-arg]
+    def _event(row: tuple[Any, ...]) -> EventRecord:
         return EventRecord(sequence=row[0], time=row[1], job_id=row[2], unit_id=row[3], epoch=row[4], kind=row[5],
                            reason=row[6], fields=json.loads(row[7]))
 

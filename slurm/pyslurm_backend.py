@@ -99,7 +99,7 @@ class PyslurmSlurmClient:
     def __init__(self, module: Any | None = None) -> None:
         if module is None:
             import pyslurm as module  # type: ignore[import-not-found, no-redef]
-        self._pyslurm = module
+        self._pyslurm: Any = module
 
     def _call(self, what: str, function: Any, *args: Any) -> Any:
         try:
