@@ -108,9 +108,9 @@ def workspace(keep: Path | None, name: str) -> Iterator[Path]:
         folder.mkdir(parents=True, exist_ok=True)
         yield folder
         return
-    with tempfile.TemporaryDirectory(prefix=f"tidal-bench-{name}-") as folder:
-        os.chmod(folder, 0o755)
-        yield Path(folder)
+    with tempfile.TemporaryDirectory(prefix=f"tidal-bench-{name}-") as scratch:
+        os.chmod(scratch, 0o755)
+        yield Path(scratch)
 
 
 def write_result(name: str, rows: list[Row], *, quick: bool, settings: dict[str, Any]) -> Path:

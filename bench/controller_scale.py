@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +162,7 @@ def measure(folder: Path, launchers: int, window_s: float, windows: int, broadca
         formed = wait_until(lambda: running(launchers), 300, f"a world of {launchers} simulated launchers",
                             interval=1.0)
         time.sleep(3.0)
+        assert controller.process is not None  # started above
         pid = controller.process.pid
         cpu: list[float] = []
         for _ in range(windows):
@@ -173,7 +175,7 @@ def measure(folder: Path, launchers: int, window_s: float, windows: int, broadca
             stopped_epochs.append(formed.epoch)
             Path(f"{trigger}-{index}").touch()
             # Every launcher confirmed the stop once the world re-forms without the victim.
-            formed = wait_until(lambda index=index: running(launchers - index - 1), 120,
+            formed = wait_until(partial(running, launchers - index - 1), 120,
                                 f"the world re-formed without victim {index}", interval=0.2)
             time.sleep(1.0)
         done.touch()

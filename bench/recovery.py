@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 from bench.common import (
@@ -46,6 +47,11 @@ def steps_after(folder: Path, since: float, world_size: int | None = None) -> li
             if r["time"] > since and (world_size is None or r["world_size"] == world_size)]
 
 
+def stepping(folder: Path, world_size: int) -> bool:
+    """Whether the DDP script logged a step at `world_size` in the last second."""
+    return len(steps_after(folder, time.time() - 1.0, world_size)) > 0
+
+
 def tidal_live(folder: Path, repeat: int) -> list[float]:
     times = []
     command = [sys.executable, str(LM_EXAMPLE), "--steps", "1000000", "--log-every", "100000",
@@ -73,11 +79,11 @@ def tidal_restart(folder: Path, repeat: int) -> list[float]:
         for _ in range(REPLICAS):
             job.add_unit()
         for index in range(repeat):
-            wait_until(lambda: len(steps_after(folder, time.time() - 1.0, REPLICAS)) > 0, 180,
+            wait_until(partial(stepping, folder, REPLICAS), 180,
                        f"steps at world size {REPLICAS}", interval=0.2)
             time.sleep(1.0)
             at = job.hurt(job.units[-1], "replica")
-            first = wait_until(lambda at=at: steps_after(folder, at, REPLICAS - 1), 180, "a step after the kill",
+            first = wait_until(partial(steps_after, folder, at, REPLICAS - 1), 180, "a step after the kill",
                                interval=0.05)
             times.append(first[0]["time"] - at)
             print(f"recovery: restart mode {index + 1}: {times[-1]:.3f} s", flush=True)
@@ -128,13 +134,13 @@ def torchrun(folder: Path, repeat: int) -> tuple[list[float], list[int]]:
                 log.close()
                 # The first agent hosts the rendezvous store: start it first, never kill it.
                 time.sleep(1.0 if node == 0 else 0.1)
-            wait_until(lambda run=run: len(steps_after(run, time.time() - 1.0, REPLICAS)) > 0, 300,
+            wait_until(partial(stepping, run, REPLICAS), 300,
                        f"torchrun at world size {REPLICAS}", interval=0.2)
             time.sleep(1.0)
             before = max(r["step"] for r in steps_after(run, 0))
             at = time.time()
             kill_tree(agents[-1].pid)
-            first = wait_until(lambda run=run, at=at: steps_after(run, at, REPLICAS - 1), 300,
+            first = wait_until(partial(steps_after, run, at, REPLICAS - 1), 300,
                                "torchrun's first step after the kill", interval=0.05)
             times.append(first[0]["time"] - at)
             redone.append(before - (first[0]["step"] - 1))

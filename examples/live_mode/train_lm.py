@@ -54,6 +54,8 @@ class CharWindows(torch.utils.data.Dataset[torch.Tensor]):
 
 
 class TinyTransformer(nn.Module):
+    causal: torch.Tensor  # a buffer (register_buffer below)
+
     def __init__(self, vocabulary: int, context: int, width: int, heads: int, layers: int) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocabulary, width)

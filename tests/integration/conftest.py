@@ -89,11 +89,12 @@ class ControllerProcess:
         log = open(self.directory / f"controller-{self.starts}.log", "wb")  # noqa: SIM115
         # Only the settings above: no TIDAL_* variable of the test run leaks into the config.
         env = {k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")}
-        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                        env={**env, "TIDAL_LOG_FORMAT": "json", **self.extra_env})
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env={**env, "TIDAL_LOG_FORMAT": "json", **self.extra_env})
+        self.process = process
         log.close()
-        wait_until(lambda: ready_file.exists() or self.process.poll() is not None, 30, "the controller to serve")
-        assert self.process.poll() is None, (self.directory / f"controller-{self.starts}.log").read_text()
+        wait_until(lambda: ready_file.exists() or process.poll() is not None, 30, "the controller to serve")
+        assert process.poll() is None, (self.directory / f"controller-{self.starts}.log").read_text()
         self.ready = json.loads(ready_file.read_text())
 
     def kill(self) -> None:
@@ -173,7 +174,7 @@ class TidalRun:
 
     def submit(self, *, min_replicas: int, max_replicas: int, steps: int = 100_000, step_time: float = 0.05,
                name: str = "train", procs_per_node: int = 1, command: list[str] | None = None,
-               mode: common_pb2.JobMode.ValueType = common_pb2.JOB_MODE_RESTART) -> admin_pb2.Job:
+               mode: common_pb2.JobMode = common_pb2.JOB_MODE_RESTART) -> admin_pb2.Job:
         """Submit the restart-mode example, or `command`."""
         if command is None:
             command = [sys.executable, str(EXAMPLE), "--snapshot", str(self.directory / "snapshot.pt"),
