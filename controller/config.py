@@ -46,6 +46,11 @@ class ControllerConfig:
     heartbeat_timeout_s: float = 3.0
     # A worker that reported progress once and then none for this long is hung.
     progress_timeout_s: float = 300.0
+    # Live mode: sent to launchers (Registered.worker_silence_timeout). A worker whose
+    # beats stopped this long is judged by its own launcher, which kills it only if it is
+    # frozen (stopped, or no CPU time through the silence); a busy one is left to
+    # progress_timeout_s. The controller judges no beat silence of its own.
+    worker_silence_timeout_s: float = 2.0
     # A launcher must send Register within this long after opening its session.
     register_timeout_s: float = 10.0
     # After a controller (re)start, launchers of running epochs get this long to reconnect.
@@ -89,9 +94,10 @@ class ControllerConfig:
     log_format: str = ""
 
     def __post_init__(self) -> None:
-        positive = ["heartbeat_interval_s", "heartbeat_timeout_s", "progress_timeout_s", "register_timeout_s",
-                    "restart_grace_s", "failure_stop_grace_s", "reconfigure_timeout_s", "slurm_poll_interval_s",
-                    "node_cooldown_s", "launcher_messages_per_s", "readiness_check_interval_s"]
+        positive = ["heartbeat_interval_s", "heartbeat_timeout_s", "progress_timeout_s", "worker_silence_timeout_s",
+                    "register_timeout_s", "restart_grace_s", "failure_stop_grace_s", "reconfigure_timeout_s",
+                    "slurm_poll_interval_s", "node_cooldown_s", "launcher_messages_per_s",
+                    "readiness_check_interval_s"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")

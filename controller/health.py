@@ -3,7 +3,13 @@
 A broken stream and a worker's exit are failures the moment they are seen (the job actor
 acts on them directly); what needs a clock is judged here: heartbeats that stopped, a
 worker that stopped making progress, a launcher that did not come back after a controller
-restart. The reasons go into the event log as they are."""
+restart. The reasons go into the event log as they are.
+
+A live-mode worker whose liveness beats stop is not judged here: its own launcher judges
+that silence, once, with the limit this controller sends it
+(`Registered.worker_silence_timeout`), and kills the worker only if it is frozen (stopped,
+or using no CPU); the kill comes back as a worker exit (cause `silent`). A silent worker
+that is busy is left to the progress timeout below."""
 
 from __future__ import annotations
 
@@ -22,7 +28,8 @@ class UnitHealth:
     # Per global rank: when the worker last made progress, if it ever reported any.
     progress_at: Mapping[int, float] = dataclasses.field(default_factory=dict)
     # Live mode, per global rank: the worker's last liveness beat, and whether it was
-    # blocked in a collective (waiting for its peers) at that beat.
+    # blocked in a collective (waiting for its peers) at that beat. Only what the progress
+    # verdict needs: silence itself is the launcher's to judge.
     beat_at: Mapping[int, float] = dataclasses.field(default_factory=dict)
     waiting: Mapping[int, bool] = dataclasses.field(default_factory=dict)
 
@@ -48,13 +55,16 @@ def health_verdicts(units: Sequence[UnitHealth], *, now: float, policy: HealthPo
     - connected, but no heartbeat for longer than `heartbeat_timeout_s`: hung or cut off;
     - not connected past `reconnect_deadline` (only after a controller restart does a
       member have no session; a session that breaks is a failure at once, elsewhere);
-    - live mode: a worker that beat once and then not for `heartbeat_timeout_s`: the
-      process is frozen (its beat thread stopped with it);
     - a worker that reported progress in this epoch and then none for `progress_timeout_s`,
       unless it is blocked in a collective: when one rank hangs, all the others wait for
-      it and stop progressing too, and only the one not waiting is the cause.
+      it and stop progressing too, and only the one not waiting is the cause. A rank's
+      "waiting" counts only while its beats are fresh (its last within
+      `heartbeat_timeout_s`): one that stopped beating is not known to wait, so a hung,
+      silent worker its launcher left alone (busy, not frozen) still meets this timeout.
       Workers that never report (unmodified torchrun scripts) are judged by heartbeats and
-      exits only."""
+      exits only.
+
+    Beat silence is not judged here (the launcher judges it; see the module's docstring)."""
     failures: list[Failure] = []
     for unit in units:
         if not unit.connected:
@@ -68,15 +78,10 @@ def health_verdicts(units: Sequence[UnitHealth], *, now: float, policy: HealthPo
                 failures.append(Failure(unit.unit_id, f"no heartbeat for {silent:.1f} s "
                                         f"(timeout {policy.heartbeat_timeout_s:g} s)", "heartbeat"))
                 continue
-        silent = {rank: now - at for rank, at in unit.beat_at.items() if now - at > policy.heartbeat_timeout_s}
-        if silent:
-            rank, age = max(silent.items(), key=lambda item: item[1])
-            failures.append(Failure(unit.unit_id, f"rank {rank} sent no beat for {age:.1f} s "
-                                    f"(timeout {policy.heartbeat_timeout_s:g} s): the process is frozen", "silent"))
-            continue
+        waiting = {rank for rank, waits in unit.waiting.items()
+                   if waits and now - unit.beat_at.get(rank, now) <= policy.heartbeat_timeout_s}
         stalled = {rank: now - at for rank, at in unit.progress_at.items()
-                   if at >= epoch_started_at and now - at > policy.progress_timeout_s
-                   and not unit.waiting.get(rank, False)}
+                   if at >= epoch_started_at and now - at > policy.progress_timeout_s and rank not in waiting}
         if stalled:
             rank, age = max(stalled.items(), key=lambda item: item[1])
             failures.append(Failure(unit.unit_id, f"rank {rank} made no progress for {age:.1f} s "

@@ -310,7 +310,8 @@ class JobActor:
             heartbeat_timeout=_duration(self.config.heartbeat_timeout_s), mode=spec.mode,
             progress_timeout=_duration(self.config.progress_timeout_s), command=list(spec.command),
             environment=dict(spec.environment), working_dir=spec.working_dir,
-            procs_per_node=spec.procs_per_node or 1, job_name=spec.name)
+            procs_per_node=spec.procs_per_node or 1, job_name=spec.name,
+            worker_silence_timeout=_duration(self.config.worker_silence_timeout_s))
 
     def heartbeat(self, session: LauncherSession, beat: launcher_pb2.Heartbeat) -> None:
         """Record a heartbeat; it needs no decision, so it skips the queue, and no reply

@@ -37,6 +37,7 @@ import structlog
 from tidal.controller.logs import configure_logging
 from tidal.launcher.control import LauncherChannel, WorkerSaid, World
 from tidal.launcher.link import ControllerLink, ControllerSaid, LinkDown, LinkEvent, LinkRefused, LinkUp
+from tidal.launcher.liveness import ProcessSample, Silence, read_process_sample, silence_verdict
 from tidal.launcher.workers import (
     Placement,
     Worker,
@@ -124,8 +125,16 @@ class LiveWorkers:
     stop_deadline: float | None = None
     # Each worker's last beat: (when, waiting in a collective, samples trained so far).
     beats: dict[int, tuple[float, bool, int]] = dataclasses.field(default_factory=dict)
+    # Each worker's process (state, CPU time) when its last beat arrived, or at the first
+    # look once it fell silent: a silent worker that used CPU since is slow, not frozen.
+    beat_samples: dict[int, ProcessSample] = dataclasses.field(default_factory=dict)
+    # Workers found silent but busy in their current silent spell (logged once a spell).
+    slow: set[int] = dataclasses.field(default_factory=set)
     # Workers the launcher killed for falling silent: local rank -> why.
     silenced: dict[int, str] = dataclasses.field(default_factory=dict)
+    # Workers that committed the job's last step (said "finished"): training is over for
+    # them, and their exit or silence is no failure.
+    finished: set[int] = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,9 +154,11 @@ class LauncherOptions:
     # SIGTERM-to-SIGKILL grace when the launcher itself ends its workers.
     stop_grace_s: float = 10.0
     # Live mode: a worker whose beats (every 0.5 s, from a thread of its own) stop for
-    # this long is frozen; the launcher kills it, and the failure is reported at once
-    # instead of after the controller's heartbeat timeout. 0 disables.
-    worker_silence_timeout_s: float = 1.5
+    # this long is judged (`liveness.silence_verdict`): killed only if frozen (stopped, or
+    # no CPU time through the silence), so that the failure is reported at once; a slow,
+    # busy worker is left alone. The controller's Registered.worker_silence_timeout, when
+    # set, wins. 0 disables (unless the controller sends a limit).
+    worker_silence_timeout_s: float = 2.0
     # Live mode: start the workers as soon as the launcher registers, before any world
     # names it (they import torch, build the model and wait), so that joining a running
     # world costs the rendezvous and the state transfer, not the workers' start.
@@ -504,24 +515,48 @@ class Agent:
             self.link.send(launcher_pb2.LauncherMessage(heartbeat=self._heartbeat()), reliable=False)
 
     def _kill_silent_workers(self) -> None:
-        """Live mode: SIGKILL a worker whose beats stopped; its exit then goes the usual
-        way (WorkerExited, the controller stops the epoch), with the reason attached."""
-        timeout = self.options.worker_silence_timeout_s
+        """Live mode: judge each worker whose beats stopped for longer than the silence
+        limit (the controller's, else this launcher's option) and SIGKILL it only if it is
+        frozen: stopped, or no CPU time through the silence (`liveness.silence_verdict`).
+        Its exit then goes the usual way (WorkerExited, the controller stops the epoch),
+        with the reason attached. A slow worker (busy, or starved of CPU) is logged once
+        per silent spell and left to the controller's progress timeout; a worker that said
+        `finished` is never judged."""
+        limit_s = self.options.worker_silence_timeout_s
+        if self.registered is not None and self.registered.worker_silence_timeout.ToNanoseconds() > 0:
+            limit_s = self.registered.worker_silence_timeout.ToNanoseconds() / 1e9
         group = self.workers
-        if not self.live_mode or timeout <= 0 or group is None or group.stopping:
+        if not self.live_mode or limit_s <= 0 or group is None or group.stopping:
             return
         now = time.time()
+        live = self.live
         for worker in group.workers:
-            last = self.live.beats.get(worker.local_rank)
-            if worker.exited.done() or last is None or worker.local_rank in self.live.silenced:
+            local_rank = worker.local_rank
+            last = live.beats.get(local_rank)
+            if (worker.exited.done() or last is None or local_rank in live.silenced
+                    or local_rank in live.finished):
                 continue
             silent_s = now - last[0]
-            if silent_s > timeout:
-                detail = f"no beat for {silent_s:.1f} s (frozen?); killed by its launcher"
-                self.live.silenced[worker.local_rank] = detail
-                self.log.warning("worker_silent", rank=worker.rank, pid=worker.pid, silent_s=round(silent_s, 3))
+            if silent_s <= limit_s:
+                continue
+            sample = read_process_sample(worker.pid)
+            reference = live.beat_samples.get(local_rank)
+            if reference is None and sample is not None:
+                # No sample from its last beat: this first silent look is the reference.
+                live.beat_samples[local_rank] = sample
+            verdict = silence_verdict(silent_s=silent_s, limit_s=limit_s, sample_at_last_beat=reference,
+                                      sample_now=sample)
+            if verdict.silence is Silence.FROZEN:
+                detail = f"{verdict.reason}; killed by its launcher"
+                live.silenced[local_rank] = detail
+                self.log.warning("worker_frozen", rank=worker.rank, pid=worker.pid, silent_s=round(silent_s, 3),
+                                 reason=verdict.reason)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(worker.pid, signal.SIGKILL)
+            elif verdict.silence is Silence.SLOW and local_rank not in live.slow:
+                live.slow.add(local_rank)
+                self.log.warning("worker_slow", rank=worker.rank, pid=worker.pid, silent_s=round(silent_s, 3),
+                                 reason=verdict.reason)
 
     def _heartbeat(self) -> launcher_pb2.Heartbeat:
         self.heartbeat_sequence += 1
@@ -647,6 +682,13 @@ class Agent:
             samples = said.get("samples")
             live.beats[local_rank] = (time.time(), bool(said.get("waiting")),
                                       samples if isinstance(samples, int) and samples >= 0 else 0)
+            live.slow.discard(local_rank)
+            beating = next((w for w in group.workers if w.local_rank == local_rank), None)
+            sample = read_process_sample(beating.pid) if beating is not None else None
+            if sample is not None:
+                live.beat_samples[local_rank] = sample
+            else:
+                live.beat_samples.pop(local_rank, None)
 
     def _finish(self, state: AgentState, exit_code: int, reason: str) -> None:
         self.state = state
@@ -690,8 +732,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stop-grace", type=float, default=10.0, help="SIGTERM-to-SIGKILL grace for workers")
     parser.add_argument("--no-prestart", action="store_true",
                         help="live mode: start workers only once a world names this unit")
-    parser.add_argument("--worker-silence-timeout", type=float, default=1.5,
-                        help="live mode: kill a worker whose beats stopped this many seconds ago (0: never)")
+    parser.add_argument("--worker-silence-timeout", type=float, default=2.0,
+                        help="live mode: a worker whose beats stopped this many seconds ago is killed if it is "
+                        "frozen (stopped, or no CPU time since), never if it is busy; a limit the controller "
+                        "sends wins (0: never, unless the controller sends one)")
     return parser
 
 

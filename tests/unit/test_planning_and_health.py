@@ -145,19 +145,25 @@ def test_a_hang_blames_its_cause_not_the_ranks_waiting_for_it() -> None:
     assert verdicts == [Failure("b", "rank 1 made no progress for 70.0 s (timeout 60 s)", "progress")]
 
 
-def test_a_frozen_worker_stops_beating_and_is_found_at_heartbeat_speed() -> None:
-    # SIGSTOP freezes a worker inside a collective: its last beat said "waiting", like its
-    # victims', but it beats no more.
-    frozen = UnitHealth("b", True, last_heartbeat_at=199.9, progress_at={1: 196.0}, beat_at={1: 196.5},
-                        waiting={1: True})
-    victim = UnitHealth("a", True, last_heartbeat_at=199.9, progress_at={0: 196.0}, beat_at={0: 199.8},
-                        waiting={0: True})
-    assert health_verdicts([victim, frozen], now=199.0, policy=POLICY, epoch_started_at=0.0,
-                           reconnect_deadline=0.0) == []
-    verdicts = health_verdicts([victim, frozen], now=200.0, policy=POLICY, epoch_started_at=0.0,
-                               reconnect_deadline=0.0)
-    assert verdicts == [Failure("b", "rank 1 sent no beat for 3.5 s (timeout 3 s): the process is frozen",
-                                "silent")]
+def test_beat_silence_is_the_launchers_to_judge_and_a_silent_hang_meets_the_progress_timeout() -> None:
+    # A worker stops beating inside a collective: its last beat said "waiting", like its
+    # victims'. Whether it is frozen (killed) or busy (left alone) is its launcher's verdict;
+    # the controller judges no beat silence, whatever its heartbeat timeout.
+    def units(now: float) -> list[UnitHealth]:
+        # Both launchers heartbeat; the victim beats, the silent worker last beat at 196.5.
+        victim = UnitHealth("a", True, last_heartbeat_at=now - 0.1, progress_at={0: 196.0}, beat_at={0: now - 0.2},
+                            waiting={0: True})
+        silent = UnitHealth("b", True, last_heartbeat_at=now - 0.1, progress_at={1: 196.0}, beat_at={1: 196.5},
+                            waiting={1: True})
+        return [victim, silent]
+
+    for now in (199.0, 200.0, 250.0, 256.0):
+        assert health_verdicts(units(now), now=now, policy=POLICY, epoch_started_at=0.0, reconnect_deadline=0.0) == []
+    # Left alone by its launcher and still silent, it is hung once the progress timeout
+    # passes: its stale "waiting" does not shield it. The victim, beating and waiting for
+    # it, is not blamed.
+    verdicts = health_verdicts(units(257.0), now=257.0, policy=POLICY, epoch_started_at=0.0, reconnect_deadline=0.0)
+    assert verdicts == [Failure("b", "rank 1 made no progress for 61.0 s (timeout 60 s)", "progress")]
 
 
 def test_token_bucket_allows_the_burst_then_the_rate() -> None:

@@ -1,0 +1,138 @@
+"""Is a silent worker frozen, or only slow? A live-mode worker beats every 0.5 s from a
+thread of its own; when the beats stop for longer than the silence limit, its launcher
+looks at the process itself (`/proc/<pid>/stat` and its threads') before it acts:
+
+- stopped (SIGSTOP) or stopped by a tracer: frozen;
+- CPU time advanced since the last beat, or a thread runnable but given no CPU: slow
+  (busy, or starved on a loaded node), never killed for its silence; a true hang is the
+  controller's progress timeout's;
+- no CPU time through the whole silence, no thread runnable: frozen;
+- a zombie, or gone: its exit is reported on the usual path, not here.
+
+`read_process_sample` reads; `silence_verdict` decides, a pure function of two samples
+and the silence (no clock read), with a reason for the log and the failure event."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import time
+from collections.abc import Iterable
+
+# /proc/<pid>/stat fields after the ")" that ends the command name (field 2): field 3 is
+# the state, fields 14 and 15 the user and system time in clock ticks (proc(5)).
+_STATE_FIELD = 0
+_UTIME_FIELD = 11
+_STIME_FIELD = 12
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessSample:
+    """One look at a process: its state letter (R, S, D, T, t, Z, ...), the CPU time all
+    its threads used so far, in seconds, when it was taken (time.monotonic), and how many
+    of its threads were runnable (R: running, or ready and waiting for a CPU)."""
+
+    state: str
+    cpu_s: float
+    taken_at: float
+    runnable_threads: int = 0
+
+
+def parse_process_stat(text: str, *, taken_at: float, ticks_per_s: int,
+                       thread_stats: Iterable[str] = ()) -> ProcessSample:
+    """Parse a `/proc/<pid>/stat` line, and its threads' (`/proc/<pid>/task/<tid>/stat`)
+    for their states. The command name (in parentheses) may hold spaces and parentheses
+    itself, so the fields are what follows the last ")". ValueError if a line is not one."""
+    fields = _stat_fields(text)
+    cpu_ticks = int(fields[_UTIME_FIELD]) + int(fields[_STIME_FIELD])
+    runnable = sum(1 for line in thread_stats if _stat_fields(line)[_STATE_FIELD] == "R")
+    return ProcessSample(state=fields[_STATE_FIELD], cpu_s=cpu_ticks / ticks_per_s, taken_at=taken_at,
+                         runnable_threads=runnable)
+
+
+def _stat_fields(text: str) -> list[str]:
+    _, paren, rest = text.rpartition(")")
+    fields = rest.split()
+    if not paren or len(fields) <= _STIME_FIELD:
+        raise ValueError(f"not a /proc/<pid>/stat line: {text[:200]!r}")
+    return fields
+
+
+def read_process_sample(pid: int) -> ProcessSample | None:
+    """The process's state and CPU time now (summed over its threads, as the kernel gives
+    it) and how many of its threads are runnable, or None when there is no such process
+    (or /proc cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            text = stat.read()
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:  # gone (ENOENT, ESRCH), or no /proc
+        return None
+    thread_stats = []
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+                thread_stats.append(stat.read())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return parse_process_stat(text, taken_at=time.monotonic(), ticks_per_s=os.sysconf("SC_CLK_TCK"),
+                              thread_stats=thread_stats)
+
+
+class Silence(enum.Enum):
+    """What a worker's silence means, and so what its launcher does."""
+
+    # Beating, or silent for no longer than the limit: nothing to do.
+    ALIVE = "alive"
+    # Silent past the limit but using CPU: left alone (logged), the progress timeout's.
+    SLOW = "slow"
+    # Stopped, or silent with no CPU time through the silence: killed.
+    FROZEN = "frozen"
+    # Silent past the limit with no CPU time yet, but watched for less than the limit
+    # (no sample from its last beat to compare with): judged at a later look.
+    WATCHING = "watching"
+    # Exited (a zombie) or gone: its exit is reported elsewhere.
+    GONE = "gone"
+
+
+@dataclasses.dataclass(frozen=True)
+class SilenceVerdict:
+    silence: Silence
+    reason: str
+
+
+def silence_verdict(*, silent_s: float, limit_s: float, sample_at_last_beat: ProcessSample | None,
+                    sample_now: ProcessSample | None) -> SilenceVerdict:
+    """Judge a worker that last beat `silent_s` ago. `sample_at_last_beat` is the sample
+    taken when its last beat arrived (or, without one, at the first look once it fell
+    silent); `sample_now` the current one, None if the process is gone.
+
+    FROZEN only for a process that is stopped, or with no runnable thread and whose CPU
+    time stood still for the whole silence, watched for at least `limit_s`; a process
+    that used any CPU since its last beat, or with a thread runnable (R) but given none,
+    is SLOW, never FROZEN."""
+    if silent_s <= limit_s:
+        return SilenceVerdict(Silence.ALIVE, f"beat {silent_s:.1f} s ago (limit {limit_s:g} s)")
+    if sample_now is None or sample_now.state in ("Z", "X"):
+        return SilenceVerdict(Silence.GONE, "exited; its exit is reported on its own")
+    if sample_now.state == "T":
+        return SilenceVerdict(Silence.FROZEN, f"no beat for {silent_s:.1f} s: stopped (SIGSTOP)")
+    if sample_now.state == "t":
+        return SilenceVerdict(Silence.FROZEN, f"no beat for {silent_s:.1f} s: stopped by a tracer")
+    if sample_at_last_beat is None:
+        return SilenceVerdict(Silence.WATCHING, f"no beat for {silent_s:.1f} s; no CPU sample to compare with yet")
+    cpu_s = sample_now.cpu_s - sample_at_last_beat.cpu_s
+    watched_s = sample_now.taken_at - sample_at_last_beat.taken_at
+    if cpu_s > 0:
+        return SilenceVerdict(Silence.SLOW, f"no beat for {silent_s:.1f} s but busy: {cpu_s:.2f} s of CPU in the "
+                              f"last {watched_s:.1f} s; left to the progress timeout")
+    if sample_now.state == "R" or sample_now.runnable_threads:
+        # A thread ready to run (its beat thread, say) yet given no CPU: starved on a
+        # loaded node, not frozen.
+        return SilenceVerdict(Silence.SLOW, f"no beat for {silent_s:.1f} s and runnable, but given no CPU in "
+                              f"{watched_s:.1f} s (a loaded node); left to the progress timeout")
+    if watched_s < limit_s:
+        return SilenceVerdict(Silence.WATCHING, f"no beat for {silent_s:.1f} s and no CPU time in the "
+                              f"{watched_s:.1f} s watched so far")
+    return SilenceVerdict(Silence.FROZEN, f"no beat and no CPU time for {min(silent_s, watched_s):.1f} s")
