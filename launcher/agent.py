@@ -195,8 +195,10 @@ class Agent:
     # Setup and teardown.
 
     def _new_store(self) -> None:
-        """A fresh rendezvous store: one serves one epoch only, as under torchrun, since
-        torch's env:// rendezvous reuses the same keys in every epoch."""
+        """A fresh rendezvous store. Live mode serves one for the launcher's life: its workers
+        meet under a prefix per generation (`gen/<n>`). Restart mode needs a fresh one per
+        generation, as under torchrun: an unmodified script's env:// rendezvous writes the
+        same keys in every generation and cannot be given a prefix."""
         from torch.distributed import TCPStore
 
         self.store = None
@@ -340,12 +342,16 @@ class Agent:
     def _on_start_epoch(self, start: launcher_pb2.StartEpoch) -> None:
         if self.state is AgentState.LEAVING or self.state.is_final:
             return
+        if self.live.finished:
+            # Training is over here: no worker of this unit starts again.
+            self.log.warning("start_after_finish_ignored", epoch=start.epoch)
+            return
         if self.live_workers_running and self.state is not AgentState.STOPPING:
             # Live mode: the workers that stopped in-process (or wait on standby) join the
             # new world.
             self.standby = False
             self.epoch = max(self.epoch, start.epoch)
-            self._send_worlds(start.epoch, start.rank_table, start.rendezvous)
+            self._send_worlds(start.epoch, start.rank_table, start.rendezvous, target_step=start.resume_step)
             self.state = AgentState.RUNNING
             self._report(start.epoch, launcher_pb2.EPOCH_PHASE_STARTED, step=start.resume_step)
             return
@@ -372,7 +378,8 @@ class Agent:
         placement = Placement(epoch=start.epoch, first_rank=mine.first_rank, group_rank=mine.group_rank,
                               group_world_size=start.rank_table.groups or len(start.rank_table.assignments),
                               procs_per_node=mine.procs_per_node, world_size=start.rank_table.world_size,
-                              master_addr=start.rendezvous.host, master_port=start.rendezvous.port)
+                              master_addr=start.rendezvous.host, master_port=start.rendezvous.port,
+                              target_step=start.resume_step)
         progress = [self.run_dir / f"progress-{local}" for local in range(mine.procs_per_node)]
         extra = dict(self.registered.environment)
         if self.live_mode:
@@ -442,7 +449,8 @@ class Agent:
         if self.failed_self:
             self._finish(AgentState.FAILED, EXIT_UNIT_FAILED, "the controller declared this unit failed")
             return
-        self._new_store()
+        if not self.live_mode:
+            self._new_store()
         self._report(self.epoch, launcher_pb2.EPOCH_PHASE_STOPPED, store_port=self.store_port)
         self.live.stop_deadline = None
         self.state = AgentState.WAITING
@@ -581,20 +589,20 @@ class Agent:
 
     # Live mode.
 
-    def _report(self, epoch: int, phase: launcher_pb2.EpochPhase.ValueType, step: int = 0, store_port: int = 0,
+    def _report(self, epoch: int, phase: launcher_pb2.EpochPhase, step: int = 0, store_port: int = 0,
                 detail: str = "") -> None:
         report = launcher_pb2.EpochReport(epoch=epoch, phase=phase, step=step, store_port=store_port, detail=detail)
         report.at.GetCurrentTime()
         self.link.send(launcher_pb2.LauncherMessage(epoch_report=report))
 
-    def _report_once(self, epoch: int, phase: launcher_pb2.EpochPhase.ValueType, step: int = 0,
+    def _report_once(self, epoch: int, phase: launcher_pb2.EpochPhase, step: int = 0,
                      detail: str = "") -> None:
         if (epoch, phase) not in self.live.reported:
             self.live.reported.add((epoch, phase))
             self._report(epoch, phase, step=step, detail=detail)
 
     def _send_worlds(self, epoch: int, table: common_pb2.RankTable, rendezvous: common_pb2.Rendezvous,
-                     joining: bool = False) -> None:
+                     joining: bool = False, target_step: int = 0) -> None:
         """Name epoch `epoch`'s world to each worker (rank -1: leave after the agreed step)."""
         assert self.workers is not None
         mine = next((a for a in table.assignments if a.unit_id == self.options.unit_id), None)
@@ -606,7 +614,7 @@ class Agent:
             self.live.idle.discard(worker.local_rank)
             self.channel.send(worker.local_rank, World(
                 epoch=epoch, rank=rank, world_size=table.world_size, master_addr=rendezvous.host,
-                master_port=rendezvous.port, joining=joining).to_message())
+                master_port=rendezvous.port, joining=joining, target_step=target_step).to_message())
         if mine is None:
             self.state = AgentState.LEAVING
             self.live.stop_deadline = time.monotonic() + self.options.leave_timeout_s
@@ -615,24 +623,30 @@ class Agent:
     def _on_reconfigure(self, reconfigure: launcher_pb2.Reconfigure) -> None:
         if self.state.is_final or (reconfigure.epoch <= self.epoch and self.workers is not None):
             return
+        if self.live.finished:
+            self.log.warning("reconfigure_after_finish_ignored", epoch=reconfigure.epoch)
+            return
         if self.live_workers_running and self.standby:
             # A joiner whose workers wait on standby: ready as soon as all said hello.
             self.standby = False
             self.epoch = reconfigure.epoch
             self.state = AgentState.RUNNING
             self.live.ready_epoch = reconfigure.epoch
-            self._send_worlds(reconfigure.epoch, reconfigure.rank_table, reconfigure.rendezvous, joining=True)
+            self._send_worlds(reconfigure.epoch, reconfigure.rank_table, reconfigure.rendezvous, joining=True,
+                              target_step=reconfigure.target_step)
             if self.workers is not None and self.live.hello >= {w.local_rank for w in self.workers.workers}:
                 self._report_once(reconfigure.epoch, launcher_pb2.EPOCH_PHASE_STARTED,
                                   detail="workers ready to join (started ahead)")
             return
         if self.live_workers_running:
-            self._send_worlds(reconfigure.epoch, reconfigure.rank_table, reconfigure.rendezvous)
+            self._send_worlds(reconfigure.epoch, reconfigure.rank_table, reconfigure.rendezvous,
+                              target_step=reconfigure.target_step)
             return
         if self.state in (AgentState.WAITING, AgentState.CONNECTING):
             # A joiner: start the workers; they wait at the new world's rendezvous.
             self._start(launcher_pb2.StartEpoch(epoch=reconfigure.epoch, rank_table=reconfigure.rank_table,
-                                                rendezvous=reconfigure.rendezvous), joining=True)
+                                                rendezvous=reconfigure.rendezvous,
+                                                resume_step=reconfigure.target_step), joining=True)
 
     def _stop_live(self, epoch: int) -> None:
         """Live mode: the workers abandon the step in flight and wait, in-process."""
@@ -678,6 +692,15 @@ class Agent:
             self._maybe_live_stopped()
         elif op == "left":
             live.left.add(local_rank)
+        elif op == "finished":
+            live.finished.add(local_rank)
+            self._report_once(epoch, launcher_pb2.EPOCH_PHASE_FINISHED, step=step, detail="committed the last step")
+        elif op == "resumed":
+            self._report_once(epoch, launcher_pb2.EPOCH_PHASE_RESUMED_FROM_CHECKPOINT, step=step,
+                              detail=str(said.get("detail", ""))[:2000])
+        elif op == "state_lost":
+            self._report_once(epoch, launcher_pb2.EPOCH_PHASE_STATE_LOST, step=int(said.get("target_step", 0) or 0),
+                              detail=str(said.get("detail", ""))[:2000])
         elif op == "beat":
             samples = said.get("samples")
             live.beats[local_rank] = (time.time(), bool(said.get("waiting")),

@@ -5,9 +5,12 @@ user reaches it) and names it in `TIDAL_CONTROL_SOCKET`. Each worker connects on
 says `hello`; then
 
 launcher -> worker:
-  {"op": "world", "epoch": E, "rank": r, "world_size": n, "master_addr": h, "master_port": p}
-      the world of epoch E. A running worker moves into it at the next step boundary its
-      peers agree on (rank -1: leave after that step); an idle one joins it at once.
+  {"op": "world", "epoch": E, "rank": r, "world_size": n, "master_addr": h, "master_port": p,
+   "joining": j, "target_step": t}
+      the world of generation E. A running worker moves into it at the next step boundary
+      its peers agree on (rank -1: leave after that step); an idle one joins it at once.
+      The world's state must be at step t (the job's committed step) or later: when no
+      rank holds it, each loads its newest checkpoint, or they refuse to train.
   {"op": "stop", "epoch": E}
       abandon the step in flight, leave epoch E's process group, wait for the next world.
 
@@ -17,6 +20,15 @@ worker -> launcher:
   {"op": "first_step", "epoch": E, "step": s}               first step of epoch E committed
   {"op": "stopped", "epoch": E, "step": s}                  out of the process group, idle
   {"op": "left", "epoch": E, "step": s}                     left the job after step s; exits 0
+  {"op": "finished", "epoch": E, "step": s}                 committed the job's last step s;
+                                                            sent before tearing down and before
+                                                            the script's code after train()
+  {"op": "resumed", "epoch": E, "step": s, "target_step": t, "detail": d}
+                                                            no rank held step t: resumed from a
+                                                            checkpoint at step s (s..t-1 redone)
+  {"op": "state_lost", "epoch": E, "target_step": t, "detail": d}
+                                                            no rank held step t and there is no
+                                                            checkpoint: refuses to train, exits
   {"op": "beat", "step": s, "samples": n, "waiting": w}    every BEAT_INTERVAL_S from a thread
                                                             of its own: alive, samples trained
                                                             so far, and whether blocked in a
@@ -72,6 +84,8 @@ class World:
     # Joining a running world (its state comes from the members), as opposed to a world
     # formed afresh (a replica without state loads the newest checkpoint first).
     joining: bool = False
+    # The job's committed step (its progress watermark) when the generation was decided.
+    target_step: int = 0
 
     @property
     def leaves(self) -> bool:
@@ -81,7 +95,8 @@ class World:
     def from_message(cls, message: dict[str, Any]) -> World:
         return cls(epoch=int(message["epoch"]), rank=int(message["rank"]), world_size=int(message["world_size"]),
                    master_addr=str(message["master_addr"]), master_port=int(message["master_port"]),
-                   joining=bool(message.get("joining", False)))
+                   joining=bool(message.get("joining", False)),
+                   target_step=int(message.get("target_step", 0) or 0))
 
     def to_message(self) -> dict[str, Any]:
         return {"op": "world", **dataclasses.asdict(self)}

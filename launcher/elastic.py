@@ -82,6 +82,16 @@ class AccountingError(RuntimeError):
     """A step did not consume exactly its B samples (a bug, never ignored)."""
 
 
+class StateLost(RuntimeError):
+    """No rank of a world holds the training state at the job's committed step, and there
+    is no checkpoint to resume from: training refuses to start again from scratch."""
+
+
+# A worker that refuses to train because the state is lost exits with this code (after
+# telling its launcher why), so that nothing mistakes it for a crash to recover from.
+EXIT_STATE_LOST = 75
+
+
 @dataclasses.dataclass(frozen=True)
 class FixedBatch:
     """The default: the global batch B is the job's, whatever the world size."""
@@ -229,9 +239,11 @@ class Elastic:
     def train(self, steps: int) -> Iterator[StepResult]:
         """Train until `steps` steps are complete, yielding after each committed step. A
         replica told to leave returns from here by raising SystemExit(0) after its last
-        step; one that can no longer take part raises."""
-        self._open()
+        step; one that can no longer take part raises. When the job's state is lost (no
+        live rank holds it and there is no checkpoint) it exits with EXIT_STATE_LOST rather
+        than train from step 0."""
         try:
+            self._open()
             while self.counters.step < steps:
                 # Recovery runs outside the except clause: the exception's traceback holds
                 # the failed collective, and with it the old process group, whose
@@ -243,9 +255,18 @@ class Elastic:
                     self._recover(broken)
                     continue
                 result, change_pending = broken
+                if self.counters.step >= steps and self.channel is not None:
+                    # Training is over: say so before the script's own code after train()
+                    # runs and before anything is torn down, so that from here on an exit or
+                    # a silence is not a failure and no new world forms.
+                    self.channel.send("finished", epoch=result.epoch, step=self.counters.step)
+                    self.ledger.write("finished", epoch=result.epoch, step=self.counters.step)
                 yield result
                 if change_pending and self.counters.step < steps:
                     self._move_to_next_world()
+        except StateLost as lost:
+            self.log.error("state_lost", reason=str(lost))
+            raise SystemExit(EXIT_STATE_LOST) from lost
         finally:
             self._close()
 
@@ -262,7 +283,8 @@ class Elastic:
                                                 "waiting": self._waiting})
         self.world = World(epoch=int(env.get("TIDAL_EPOCH", "0")), rank=int(env.get("RANK", "0")),
                            world_size=int(env.get("WORLD_SIZE", "1")), master_addr=env.get("MASTER_ADDR", ""),
-                           master_port=int(env.get("MASTER_PORT", "0") or 0))
+                           master_port=int(env.get("MASTER_PORT", "0") or 0),
+                           target_step=int(env.get("TIDAL_TARGET_STEP", "0") or 0))
         self.log = log.bind(pid=os.getpid())
         joining = env.get("TIDAL_JOINING") == "1"
         if self.channel is not None and env.get("TIDAL_STANDBY") == "1":
@@ -327,7 +349,8 @@ class Elastic:
             store = self._connect_store(world)
             store.set_timeout(timeout)
             self._store = store
-            prefix = dist.PrefixStore(f"tidal/epoch-{world.epoch}", store)
+            # One store serves the launcher's life; each generation meets under its own prefix.
+            prefix = dist.PrefixStore(f"gen/{world.epoch}", store)
             prefix.add("arrived", 1)
             deadline = started + self.timeout_s
             while prefix.add("arrived", 0) < world.world_size:
@@ -341,7 +364,7 @@ class Elastic:
             self._group_formed = True
             source, state_digest = self._sync_state()
         except (RuntimeError, ValueError) as error:
-            if isinstance(error, (StateMismatch, AccountingError)):
+            if isinstance(error, (StateMismatch, AccountingError, StateLost)):
                 raise
             raise WorldBroken(f"forming epoch {world.epoch} failed: {error}") from error
         self._apply_batch_policy()
@@ -384,6 +407,7 @@ class Elastic:
             steps = [int(t.item()) for t in gathered]
         target = max(steps)
         source = steps.index(target) if target >= 0 else 0
+        self._check_target_step(target)
         if world_size > 1 and (target < 0 or any(s != target for s in steps)):
             self._broadcast_state(source)
         self.has_state = True
@@ -396,6 +420,32 @@ class Elastic:
             if len(digests) != 1:
                 raise StateMismatch(f"replicas disagree on the training state after forming: {sorted(digests)}")
         return source, state_digest
+
+    def _check_target_step(self, held: int) -> None:
+        """The world's state must be at the job's committed step (the generation's target)
+        or later. `held` is the most advanced step any rank holds (-1: none holds any
+        state, not even a checkpoint). Below the target, a checkpoint the ranks loaded is
+        resumed from, loudly; with no state at all, training refuses to start over."""
+        assert self.world is not None
+        target_step = self.world.target_step
+        if held >= target_step or (held < 0 and target_step == 0):
+            return
+        if held < 0:
+            detail = (f"no rank of generation {self.world.epoch} holds the training state at step {target_step} "
+                      "(every replica that held it is gone) and "
+                      + ("no checkpoint was found in the checkpoint folder" if self.checkpointer is not None
+                         else "the script keeps no checkpoint (checkpoint_dir/checkpoint_every)")
+                      + ": refusing to train from step 0")
+            if self.channel is not None and self.rank == 0:
+                self.channel.send("state_lost", epoch=self.world.epoch, target_step=target_step, detail=detail)
+            self.ledger.write("state_lost", epoch=self.world.epoch, target_step=target_step)
+            raise StateLost(detail)
+        detail = (f"no rank of generation {self.world.epoch} holds step {target_step}; resumed from the checkpoint "
+                  f"at step {held}: steps {held}..{target_step - 1} are redone")
+        self.log.warning("resumed_from_checkpoint", step=held, target_step=target_step)
+        self.ledger.write("resumed", epoch=self.world.epoch, step=held, target_step=target_step)
+        if self.channel is not None and self.rank == 0:
+            self.channel.send("resumed", epoch=self.world.epoch, step=held, target_step=target_step, detail=detail)
 
     def _broadcast_state(self, source: int) -> None:
         if self.rank == source:
@@ -535,9 +585,9 @@ class Elastic:
         self.counters.step += 1
         self.counters.position += batch_size
         self.counters.samples += batch_size
-        loss = control[4].item() / batch_size
-        self._after_commit(world, samples.indices, loss)
-        result = StepResult(step=self.counters.step, loss=loss, global_batch=batch_size,
+        step_loss = control[4].item() / batch_size
+        self._after_commit(world, samples.indices, step_loss)
+        result = StepResult(step=self.counters.step, loss=step_loss, global_batch=batch_size,
                             world_size=world.world_size, rank=world.rank, epoch=world.epoch,
                             indices=samples.indices, seconds=time.monotonic() - started)
         return result, control[3].item() > 0

@@ -36,6 +36,8 @@ class Placement:
     world_size: int
     master_addr: str
     master_port: int
+    # The generation's target step (the job's committed step when it was decided).
+    target_step: int = 0
 
 
 def worker_environment(base: Mapping[str, str], extra: Mapping[str, str], *, placement: Placement, local_rank: int,
@@ -66,6 +68,7 @@ def worker_environment(base: Mapping[str, str], extra: Mapping[str, str], *, pla
         "TIDAL_JOB_ID": job_id,
         "TIDAL_UNIT_ID": unit_id,
         "TIDAL_EPOCH": str(placement.epoch),
+        "TIDAL_TARGET_STEP": str(placement.target_step),
         "TIDAL_PROGRESS_FILE": str(progress_file),
     })
     if placement.procs_per_node > 1:

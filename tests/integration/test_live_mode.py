@@ -24,7 +24,7 @@ import torch
 
 from tests.integration.conftest import REPO, TidalRun, alive, wait_until
 from tidal.launcher.data import GlobalOrder
-from tidal.proto import common_pb2
+from tidal.proto import admin_pb2, common_pb2
 
 pytestmark = pytest.mark.integration
 
@@ -211,18 +211,33 @@ def test_every_replica_lost_falls_back_to_the_checkpoint_at_the_exact_step(tidal
     checkpoints = tmp_path / "checkpoints"
     steps = 150
     command = [*example_command(tmp_path / "elastic.pt", ledger, steps),
-               "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "20"]
+               "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "40"]
     tidal_run.submit(min_replicas=1, max_replicas=1, command=command, mode=common_pb2.JOB_MODE_LIVE)
     controller = tidal_run.controller
     tidal_run.start_launcher("a")
-    wait_until(lambda: highest_step(ledger) >= 50, 60, "50 steps")
+
+    def saved_steps() -> list[int]:
+        return sorted(int(p.name[5:17]) for p in checkpoints.glob("step-*.tidal"))
+
+    # The controller's committed step is past the newest checkpoint, so some steps are redone.
+    def past_a_checkpoint() -> bool:
+        committed = tidal_run.job().step
+        return committed >= 45 and 3 <= committed % 40 <= 30 and saved_steps()[-1:] == [committed // 40 * 40]
+
+    wait_until(past_a_checkpoint, 60, "the committed step a few steps past a checkpoint")
     os.kill(worker_pid(tidal_run, "a"), signal.SIGKILL)
     controller.wait_event(tidal_run.job_id, "job_degraded")
     lost_at = highest_step(ledger) + 1
-    saved = sorted(int(p.name[5:17]) for p in checkpoints.glob("step-*.tidal"))
+    saved = saved_steps()
     assert saved and saved[-1] <= lost_at
 
     tidal_run.start_launcher("d")
+    resumed = controller.wait_event(tidal_run.job_id, "resumed_from_checkpoint", timeout=60)
+    assert int(resumed.fields["checkpoint_step"]) == saved[-1]
+    target = int(resumed.fields["target_step"])
+    assert saved[-1] < target <= lost_at
+    assert int(resumed.fields["steps_redone"]) == target - saved[-1]
+    assert f"steps {saved[-1]}..{target - 1} are redone" in resumed.reason
     controller.wait_event(tidal_run.job_id, "job_completed", timeout=120)
     records = read_ledger(ledger)
     pid_d = worker_pid(tidal_run, "d")
@@ -237,6 +252,31 @@ def test_every_replica_lost_falls_back_to_the_checkpoint_at_the_exact_step(tidal
     elastic_params = torch.load(tmp_path / "elastic.pt", weights_only=True)["model"]
     for name, reference in torch.load(fixed_out, weights_only=True)["model"].items():
         torch.testing.assert_close(elastic_params[name], reference, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_with_every_replica_lost_and_no_checkpoint_the_job_fails_loudly_instead_of_restarting_at_step_0(
+        tidal_run: TidalRun, tmp_path: Path) -> None:
+    ledger = tmp_path / "ledger"
+    tidal_run.submit(min_replicas=1, max_replicas=1, command=example_command(tmp_path / "elastic.pt", ledger, 400),
+                     mode=common_pb2.JOB_MODE_LIVE)
+    controller = tidal_run.controller
+    tidal_run.start_launcher("a")
+    wait_until(lambda: tidal_run.job().step >= 30, 60, "30 steps committed")
+    os.kill(worker_pid(tidal_run, "a"), signal.SIGKILL)
+    controller.wait_event(tidal_run.job_id, "job_degraded")
+
+    tidal_run.start_launcher("d")
+    not_held = controller.wait_event(tidal_run.job_id, "state_not_held", timeout=60)
+    target = int(not_held.fields["target_step"])
+    assert target >= 30
+    lost = controller.wait_event(tidal_run.job_id, "state_lost", timeout=60)
+    assert f"holds the training state at step {target}" in lost.reason
+    assert "refusing to train from step 0" in lost.reason
+    assert tidal_run.job().state == admin_pb2.JOB_STATE_FAILED
+    pid_d = worker_pid(tidal_run, "d")
+    assert not [r for r in read_ledger(ledger) if r["pid"] == pid_d and r["kind"] in ("attempt", "commit")], \
+        "the new replica trained nothing"
+    wait_until(lambda: not alive(pid_d), 30, "the refusing worker to exit")
 
 
 def test_units_of_two_workers_reform_in_process_and_a_failed_unit_takes_both_along(tidal_run: TidalRun,
