@@ -18,7 +18,7 @@ import grpc
 import structlog
 from google.protobuf import duration_pb2
 
-from tidal.controller import planning, sharing, units
+from tidal.controller import core, planning, sharing, units
 from tidal.controller.config import ControllerConfig
 from tidal.controller.events import EventLog
 from tidal.controller.health import Failure, HealthPolicy, UnitHealth, health_verdicts
@@ -251,6 +251,16 @@ class JobActor:
         self.epoch_started_at = started_at
         self.reconnect_deadline = started_at + config.reconnect_grace_s
         self.exited_ok: dict[str, set[int]] = {}
+        # While FINISHING: workers that exited non-zero after the last step, by unit.
+        self.exited_failed: dict[str, dict[int, str]] = {}
+        # Live mode: the units that held the running generation's state when it formed.
+        self.state_holders: tuple[str, ...] = ()
+        # When the watermark (job.step) was last written to SQLite (monotonic).
+        self.step_persisted_at = 0.0
+        # While FINISHING: the units of the world that trained the last step (what the
+        # job's completion waits for; after a controller restart, the last generation's).
+        self.finishing_members: dict[str, int] = ({m.unit_id: m.world_share for m in epoch.members}
+                                                  if epoch is not None else {})
         self.failure_detected_at: float | None = None
         self.reconfigure: PendingReconfigure | None = None
         self.recovery: Recovery | None = None
@@ -267,6 +277,7 @@ class JobActor:
         # Nodes where a unit failed: failures there, and no new unit before (monotonic).
         self.node_cooldown: dict[str, tuple[int, float]] = {}
         self.growth_held_reason = ""
+        self._load_pending(started_at)
         # In memory: a controller restart starts the rates and goodput afresh.
         self.throughput = Throughput()
         self.log = log.bind(job=job.job_id)
@@ -318,6 +329,10 @@ class JobActor:
         (the stream and gRPC keepalive tell the launcher the controller is there)."""
         now = time.monotonic()
         session.last_heartbeat_at = now
+        if beat.sequence and beat.sequence <= session.heartbeat_sequence:
+            # Older than one already taken (the stream keeps order; a resent copy does not).
+            return
+        session.heartbeat_sequence = beat.sequence
         if beat.HasField("sent_at"):
             sent_at = beat.sent_at.ToNanoseconds() / 1e9
             self.metrics.heartbeat_latency.observe(max(0.0, time.time() - sent_at))
@@ -350,14 +365,14 @@ class JobActor:
         while True:
             item = await self.inputs.get()
             try:
-                self._handle(item)
+                self.handle(item)
             except Exception:
                 # One bad input must not take the job (or the daemon) down.
                 self.log.exception("job_input_failed", input=type(item).__name__)
 
     # The one place transitions happen.
 
-    def _handle(self, item: JobInput) -> None:
+    def handle(self, item: JobInput) -> None:
         match item:
             case Tick():
                 self._on_tick(time.monotonic())
@@ -408,8 +423,16 @@ class JobActor:
                 self.events.record(self.job.job_id, "unit_registered", "launcher registered", unit_id=unit_id,
                                    epoch=self.job.epoch, fields=fields)
             self.registered_at[unit_id] = now
+            if self.job.state is JobState.FINISHING:
+                self._leave(unit_id, "finished", "training finished before this unit joined")
             return
         unit.address = register.address or unit.address
+        if self.job.state is JobState.FINISHING:
+            if unit.state is UnitState.JOINING or not register.worker_pids:
+                # Not part of the finished world, or its workers are gone (they exited while
+                # the controller was away): nothing more to wait for here.
+                self._leave(unit_id, "finished", "reconnected after the last step")
+            return
         member = self.epoch.member(unit_id) if self.epoch is not None else None
         if unit.state is UnitState.JOINING:
             self.registered_at[unit_id] = now
@@ -438,6 +461,9 @@ class JobActor:
         kind = message.WhichOneof("body")
         if kind == "worker_exited":
             exited = message.worker_exited
+            if self.job.state is JobState.FINISHING:
+                self._on_exit_after_finish(unit_id, exited)
+                return
             current = {self.epoch.epoch} if self.epoch is not None else set()
             if self.reconfigure is not None:
                 current.add(self.reconfigure.from_epoch)
@@ -450,15 +476,10 @@ class JobActor:
                 return
             rank = member.first_rank + exited.local_rank
             if exited.exit_code == 0 and exited.signal == 0:
-                self.exited_ok.setdefault(unit_id, set()).add(exited.local_rank)
-                self.events.record(self.job.job_id, "worker_finished", f"rank {rank} (pid {exited.pid}) exited 0",
-                                   unit_id=unit_id, epoch=self.epoch.epoch)
-                # Training may end while a live world change is in flight (the last step
-                # came first): then the old world finishing is the job finishing.
-                worlds = [self.epoch] + ([self.reconfigure.previous] if self.reconfigure is not None else [])
-                if any(all(len(self.exited_ok.get(m.unit_id, ())) >= m.world_share for m in world.members)
-                       for world in worlds):
-                    self._on_completed()
+                # A rank that exits 0 is done training (restart mode's only sign of the end;
+                # live mode says "finished" first): the job finishes, nothing re-forms.
+                self._begin_finishing(unit_id, exited.epoch, self.job.step, f"rank {rank} (pid {exited.pid}) exited 0")
+                self._on_exit_after_finish(unit_id, exited)
                 return
             detail = f" ({exited.detail})" if exited.detail else ""
             self._fail(unit_id, f"worker rank {rank} (pid {exited.pid}) "
@@ -475,6 +496,17 @@ class JobActor:
                 session.store_port = report.store_port
             if report.phase == launcher_pb2.EPOCH_PHASE_LEFT:
                 self._mark_left(unit_id, report.detail or "left")
+                if self.job.state is JobState.FINISHING:
+                    self._maybe_complete()
+            elif report.phase == launcher_pb2.EPOCH_PHASE_FINISHED:
+                self._begin_finishing(unit_id, report.epoch, report.step,
+                                      f"unit {unit_id} committed the last step, {report.step}")
+            elif report.phase == launcher_pb2.EPOCH_PHASE_RESUMED_FROM_CHECKPOINT:
+                self._on_resumed_from_checkpoint(unit_id, report)
+            elif report.phase == launcher_pb2.EPOCH_PHASE_STATE_LOST:
+                if not self.job.state.is_final:
+                    self._end(JobState.FAILED, "state_lost", report.detail or
+                              f"no member of generation {report.epoch} holds step {report.step} and no checkpoint")
             elif report.phase == launcher_pb2.EPOCH_PHASE_FIRST_STEP:
                 self._on_first_step(unit_id, report)
             elif self.reconfigure is not None and report.epoch == self.reconfigure.epoch:
@@ -490,6 +522,10 @@ class JobActor:
         del self.sessions[session.unit_id]
         unit = self.units.get(session.unit_id)
         if unit is None or unit.state.is_final:
+            return
+        if self.job.state is JobState.FINISHING:
+            self._mark_left(unit.unit_id, f"session closed after the last step ({reason})")
+            self._maybe_complete()
             return
         if unit.state is UnitState.LEAVING or self.job.state.is_final:
             self._mark_left(unit.unit_id, f"session closed ({reason})")
@@ -509,6 +545,14 @@ class JobActor:
         if self.job.state.is_final:
             return
         self._observe_throughput(now)
+        if self.job.state is JobState.FINISHING:
+            if now > self.reconnect_deadline:
+                for unit_id, unit in self.units.items():
+                    if not unit.state.is_final and unit_id not in self.sessions:
+                        self._mark_left(unit_id, "launcher out of touch after the last step")
+                self._maybe_complete()
+            return
+        self._observe_progress(now)
         if self.stop is not None:
             if now > self.stop.deadline:
                 for unit_id in sorted(self.stop.waiting_for):
@@ -528,6 +572,13 @@ class JobActor:
                 for unit_id in late:
                     self._fail(unit_id, f"did not reach epoch {pending.epoch} within "
                                f"{self.config.reconfigure_timeout_s:g} s", "reconfigure", now)
+            return
+        if self.deferred_leaves and self.job.state is JobState.RUNNING:
+            # Deferred behind a world change that a controller restart cut short.
+            deferred, self.deferred_leaves = self.deferred_leaves, {}
+            self._save_pending()
+            for leave_unit, (cause, detail) in deferred.items():
+                self._leave(leave_unit, cause, detail)
             return
         self._decide(now)
 
@@ -600,6 +651,11 @@ class JobActor:
         where known; the survivors' first step after it ends the recovery."""
         unit = self.units.get(unit_id)
         if unit is None or unit.state.is_final:
+            return
+        if self.job.state is JobState.FINISHING:
+            # Training is over: nothing to recover; the unit is just gone.
+            self._mark_left(unit_id, f"after the last step: {reason}")
+            self._maybe_complete()
             return
         epoch_number = self.epoch.epoch if self.epoch is not None else 0
         was_member = (self.epoch is not None and self.epoch.member(unit_id) is not None
@@ -721,6 +777,7 @@ class JobActor:
                                      "rendezvous": f"{plan.rendezvous_host}:{plan.rendezvous_port}"}
         if self.failure_detected_at is not None:
             fields["detection_to_started_s"] = f"{now - self.failure_detected_at:.3f}"
+        fields.update(self._state_fields(plan))
         self._commit_epoch(plan, chosen, "world_formed", form.reason, fields)
         if self.failure_detected_at is not None:
             self.metrics.recovery_duration.observe(now - self.failure_detected_at)
@@ -751,11 +808,22 @@ class JobActor:
                 self.store.upsert_unit(unit)
             self.events.record(self.job.job_id, kind, reason, epoch=plan.epoch, fields=fields)
 
-    @staticmethod
-    def _start_message(epoch: EpochRecord, unit_id: str) -> launcher_pb2.ControllerMessage:
+    def _start_message(self, epoch: EpochRecord, unit_id: str) -> launcher_pb2.ControllerMessage:
         return launcher_pb2.ControllerMessage(start_epoch=launcher_pb2.StartEpoch(
             epoch=epoch.epoch, rank_table=epoch.rank_table(only_unit=unit_id), rendezvous=epoch.rendezvous(),
-            resume_step=epoch.resume_step))
+            resume_step=epoch.resume_step, state_holders=list(self.state_holders)))
+
+    def _state_fields(self, plan: EpochRecord) -> dict[str, object]:
+        """Decide and describe the state a new generation must be at: its target step (the
+        watermark) and its holders. With none holding it past step 0 (live mode), the event
+        says so: the workers load a checkpoint at or before it, or refuse to train."""
+        self.state_holders = self._holders(plan.unit_ids)
+        if self.live and plan.resume_step > 0 and not self.state_holders:
+            self.events.record(self.job.job_id, "state_not_held",
+                               f"no member of generation {plan.epoch} holds the training state at step "
+                               f"{plan.resume_step}: its workers resume from a checkpoint at or before it, or "
+                               "refuse to train", epoch=plan.epoch, fields={"target_step": plan.resume_step})
+        return {"target_step": plan.resume_step, "state_holders": join_ids(list(self.state_holders))}
 
     def _leave(self, unit_id: str, cause: str, detail: str) -> None:
         unit = self.units.get(unit_id)
@@ -767,6 +835,7 @@ class JobActor:
         if running and self.live and session is not None and self.reconfigure is not None:
             # One world change at a time: this leave follows the one in flight.
             self.deferred_leaves.setdefault(unit_id, (cause, detail))
+            self._save_pending()
             return
         unit.state = UnitState.LEAVING
         self.leaving_since[unit_id] = time.monotonic()
@@ -818,14 +887,16 @@ class JobActor:
         old_members = tuple(m.unit_id for m in previous.members)
         # The state's source: the new world's rank 0, a survivor (survivors keep their order).
         source = min(plan.members, key=lambda m: m.group_rank).unit_id
+        state = self._state_fields(plan)
         message = launcher_pb2.ControllerMessage(reconfigure=launcher_pb2.Reconfigure(
             epoch=plan.epoch, from_epoch=previous.epoch, rank_table=plan.rank_table(),
-            rendezvous=plan.rendezvous(), state_sources=[source]))
+            rendezvous=plan.rendezvous(), state_sources=list(self.state_holders) or [source],
+            target_step=plan.resume_step))
         self.job.epoch = plan.epoch
         fields: dict[str, object] = {"cause": cause, "from_epoch": previous.epoch, "world_size": plan.world_size,
                                      "replicas": len(plan.members), "members": join_ids(list(plan.unit_ids)),
                                      "joiners": join_ids(list(joiners)), "leaving": join_ids(list(leaving)),
-                                     "state_source": source}
+                                     "state_source": source, **state}
         self._commit_epoch(plan, chosen, "world_reconfiguring", reason, fields)
         self.metrics.epochs_formed.labels(job=self.job.job_id).inc()
         self.reconfigure = PendingReconfigure(
@@ -878,6 +949,7 @@ class JobActor:
                                        "world_size": self.epoch.world_size if self.epoch else 0,
                                        "decision_to_reconfigured_s": f"{now - pending.decided_at:.3f}"})
             deferred, self.deferred_leaves = self.deferred_leaves, {}
+            self._save_pending()
             for leave_unit, (cause, detail) in deferred.items():
                 self._leave(leave_unit, cause, detail)
 
@@ -966,7 +1038,7 @@ class JobActor:
                 self._unit_lost(unit, f"Slurm job {unit.slurm_job_id} {what} before its launcher registered")
         for order in yields:
             self._leave(order.unit_id, "yielded", order.reason)
-        if now < self.next_submit_at or self.stop is not None:
+        if now < self.next_submit_at or self.stop is not None or self.job.state is JobState.FINISHING:
             return
         spec = self.job.spec
         alive = self._alive_units()
@@ -1016,9 +1088,33 @@ class JobActor:
             failures = self.node_cooldown.get(node, (0, 0.0))[0] + 1
             seconds = self.config.node_cooldown_s * min(8, 2 ** (failures - 1))
             self.node_cooldown[node] = (failures, now + seconds)
+            self._save_pending()
             self.events.record(self.job.job_id, "node_excluded", f"unit {unit.unit_id} failed there",
                                unit_id=unit.unit_id, epoch=self.job.epoch,
                                fields={"node": node, "failures": failures, "for_s": f"{seconds:.0f}"})
+
+    def _save_pending(self) -> None:
+        """Write what is in flight besides the job's state (node cool-downs, with their ends
+        on the wall clock; deferred leaves), so that a restarted controller resumes it."""
+        offset = time.time() - time.monotonic()
+        self.store.save_pending(self.job.job_id, "node_cooldown",
+                                {node: [failures, until + offset] for node, (failures, until)
+                                 in self.node_cooldown.items()})
+        self.store.save_pending(self.job.job_id, "deferred_leaves",
+                                {unit_id: list(leave) for unit_id, leave in self.deferred_leaves.items()})
+
+    def _load_pending(self, now: float) -> None:
+        pending = self.store.pending(self.job.job_id)
+        offset = time.time() - now
+        for node, (failures, until) in pending.get("node_cooldown", {}).items():
+            self.node_cooldown[node] = (int(failures), float(until) - offset)
+        for unit_id, (cause, detail) in pending.get("deferred_leaves", {}).items():
+            if unit_id in self.units and not self.units[unit_id].state.is_final:
+                self.deferred_leaves[unit_id] = (str(cause), str(detail))
+        # A unit that was asked to leave before the restart: its grace starts again now.
+        for unit_id, unit in self.units.items():
+            if unit.state is UnitState.LEAVING:
+                self.leaving_since[unit_id] = now
 
     def _excluded_nodes(self, now: float) -> tuple[str, ...]:
         return tuple(sorted(node for node, (_, until) in self.node_cooldown.items() if now < until))
@@ -1118,8 +1214,111 @@ class JobActor:
             self.store.upsert_unit(unit)
             self.events.record(self.job.job_id, "unit_left", reason, unit_id=unit_id, epoch=self.job.epoch)
 
-    def _on_completed(self) -> None:
-        self._end(JobState.COMPLETED, "job_completed", "every rank exited 0")
+    # The end of training: FINISHING, then COMPLETED once.
+
+    def _begin_finishing(self, unit_id: str, epoch: int, step: int, reason: str) -> None:
+        """A rank committed the job's last step (or, in restart mode, exited 0): training is
+        over. No generation forms from here; a world change or stop in flight is dropped;
+        units that are not in the finished world leave; exits and silences are no longer
+        failures. Persisted before anything is sent."""
+        if self.job.state.is_final or self.job.state is JobState.FINISHING:
+            return
+        self.job.state = JobState.FINISHING
+        self.job.step = max(self.job.step, step)
+        finished_world = self._world_of(epoch)
+        self.stop = None
+        self.reconfigure = None
+        self.deferred_leaves = {}
+        self._save_pending()
+        with self.store.transaction():
+            self.store.update_job(self.job)
+            self.events.record(self.job.job_id, "job_finishing", reason, unit_id=unit_id, epoch=epoch,
+                               fields={"step": self.job.step})
+        self.finishing_members = ({m.unit_id: m.world_share for m in finished_world.members}
+                                  if finished_world is not None else {})
+        members = set(self.finishing_members)
+        for other_id, unit in list(self.units.items()):
+            if unit.state.is_final or other_id in members:
+                continue
+            if unit.state is UnitState.SUBMITTED:
+                self._cancel_in_slurm(unit)
+                self._mark_left(other_id, "training finished before it registered")
+            else:
+                self._leave(other_id, "finished", "training finished")
+        self._maybe_complete()
+
+    def _world_of(self, epoch: int) -> EpochRecord | None:
+        """The generation numbered `epoch`, if it is the current one or the one a live change
+        in flight leaves; else the current one."""
+        if self.reconfigure is not None and self.reconfigure.previous.epoch == epoch:
+            return self.reconfigure.previous
+        return self.epoch
+
+    def _on_exit_after_finish(self, unit_id: str, exited: launcher_pb2.WorkerExited) -> None:
+        if exited.exit_code == 0 and exited.signal == 0:
+            self.exited_ok.setdefault(unit_id, set()).add(exited.local_rank)
+            self.events.record(self.job.job_id, "worker_finished", f"local rank {exited.local_rank} "
+                               f"(pid {exited.pid}) exited 0", unit_id=unit_id, epoch=self.job.epoch)
+        else:
+            how = describe_exit(exited.exit_code, exited.signal) + (f" ({exited.detail})" if exited.detail else "")
+            self.exited_failed.setdefault(unit_id, {})[exited.local_rank] = how
+            self.events.record(self.job.job_id, "worker_failed_after_training",
+                               f"local rank {exited.local_rank} (pid {exited.pid}) {how} after the last step; "
+                               "training is complete, so nothing re-forms", unit_id=unit_id, epoch=self.job.epoch)
+        self._maybe_complete()
+
+    def _maybe_complete(self) -> None:
+        if self.job.state is not JobState.FINISHING:
+            return
+        members = []
+        for unit_id, workers in self.finishing_members.items():
+            unit = self.units[unit_id]
+            members.append(core.FinishingMember(
+                unit_id=unit_id, workers=workers,
+                exited_ok=frozenset(self.exited_ok.get(unit_id, ())),
+                exited_failed=dict(self.exited_failed.get(unit_id, {})), gone=unit.state.is_final))
+        verdict = core.completion_verdict(self.job.step, members)
+        if verdict is not None:
+            self._end(JobState.COMPLETED, "job_completed", verdict.reason)
+
+    def _on_resumed_from_checkpoint(self, unit_id: str, report: launcher_pb2.EpochReport) -> None:
+        """No member of a generation held the state at its target step; the workers loaded a
+        checkpoint at `report.step`. The watermark goes back to it, loudly."""
+        target = self.job.step
+        self.job.step = report.step
+        with self.store.transaction():
+            self.store.update_job(self.job)
+            self.events.record(self.job.job_id, "resumed_from_checkpoint",
+                               report.detail or f"resumed from the checkpoint at step {report.step}",
+                               unit_id=unit_id, epoch=report.epoch,
+                               fields={"checkpoint_step": report.step, "target_step": target,
+                                       "steps_redone": max(0, target - report.step)})
+
+    def _observe_progress(self, now: float) -> None:
+        """Raise the job's committed step from what the training world's ranks report;
+        written to SQLite at most once a second (and with every generation)."""
+        world = self.reconfigure.previous if self.reconfigure is not None else self.epoch
+        if world is None or self.job.state is not JobState.RUNNING or self.stop is not None:
+            return
+        reports = []
+        for member in world.members:
+            session = self.sessions.get(member.unit_id)
+            reports.append(core.MemberProgress(unit_id=member.unit_id, ranks=member.world_share,
+                                               steps=dict(session.steps) if session is not None else {}))
+        step = core.committed_step(self.job.step, reports)
+        if step != self.job.step:
+            self.job.step = step
+            if now - self.step_persisted_at >= 1.0:
+                self.step_persisted_at = now
+                self.store.update_job(self.job)
+
+    def _holders(self, unit_ids: tuple[str, ...]) -> tuple[str, ...]:
+        """Live mode: which of `unit_ids` hold the state at the job's committed step."""
+        if not self.live:
+            return ()
+        return core.state_holders(self.job.step, {
+            unit_id: list(session.steps.values()) for unit_id in unit_ids
+            if (session := self.sessions.get(unit_id)) is not None})
 
     def _on_cancel(self, uid: int) -> None:
         if not self.job.state.is_final:
@@ -1143,6 +1342,8 @@ class JobActor:
                 # launcher out of touch: the job is over, so its Slurm job goes too.
                 self._cancel_in_slurm(unit)
                 self._mark_left(unit_id, reason)
+                continue
+            if unit.state is UnitState.LEAVING:
                 continue
             unit.state = UnitState.LEAVING
             self.leaving_since[unit_id] = time.monotonic()
@@ -1215,12 +1416,11 @@ class JobActor:
                 entry.last_heartbeat.FromNanoseconds(
                     int((time.time() - (time.monotonic() - session.last_heartbeat_at)) * 1e9))
             units.append(entry)
-        steps = [step for s in self.sessions.values() for step in s.steps.values()]
         message = admin_pb2.Job(job_id=job.job_id, spec=job.spec, state=job.state.to_proto(),
                                 owner_uid=job.owner_uid, epoch=job.epoch,
                                 world_size=self.world_size,
                                 replicas=len(epoch.members) if running and epoch else 0,
-                                step=min(steps) if steps else job.step, units=units)
+                                step=job.step, units=units)
         _, message.samples_per_second = self.throughput.rates(time.monotonic(), job.spec.global_batch)
         message.goodput = self.throughput.goodput
         message.created_at.FromNanoseconds(int(job.created_at * 1e9))

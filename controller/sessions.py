@@ -46,6 +46,8 @@ class LauncherSession:
     steps: dict[int, int] = dataclasses.field(default_factory=dict)
     # Live mode: samples the job had trained on, as this unit's workers last said.
     samples: int = 0
+    # The newest heartbeat's sequence number taken from this session.
+    heartbeat_sequence: int = 0
     closed: bool = False
 
     def send(self, message: launcher_pb2.ControllerMessage) -> None:

@@ -77,6 +77,14 @@ CREATE TABLE IF NOT EXISTS events (
     fields TEXT NOT NULL DEFAULT '{}'
 );
 CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, sequence);
+-- What a job has in flight besides its state: node cool-downs, leaves deferred behind a
+-- world change (JSON per key), so that a restarted controller resumes them.
+CREATE TABLE IF NOT EXISTS job_pending (
+    job_id TEXT NOT NULL REFERENCES jobs(job_id),
+    key TEXT NOT NULL,
+    value TEXT NOT NULL,
+    PRIMARY KEY (job_id, key)
+);
 """
 
 
@@ -119,6 +127,15 @@ class StateStore:
             self._db.execute("ROLLBACK")
             raise
         self._db.execute("COMMIT")
+
+    # What a job has in flight.
+
+    def save_pending(self, job_id: str, key: str, value: Any) -> None:
+        self._db.execute("INSERT OR REPLACE INTO job_pending VALUES (?,?,?)", (job_id, key, json.dumps(value)))
+
+    def pending(self, job_id: str) -> dict[str, Any]:
+        rows = self._db.execute("SELECT key, value FROM job_pending WHERE job_id=?", (job_id,)).fetchall()
+        return {key: json.loads(value) for key, value in rows}
 
     # Jobs.
 

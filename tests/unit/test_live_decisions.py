@@ -38,16 +38,16 @@ class Harness:
         session = LauncherSession(job_id="live-1", unit_id=unit, opened_at=now, last_heartbeat_at=now,
                                   store_port=port, worker_pids=())
         self.sessions[unit] = session
-        self.actor._handle(Connected(session, launcher_pb2.Register(
+        self.actor.handle(Connected(session, launcher_pb2.Register(
             job_id="live-1", unit_id=unit, secret="s", nodes=[f"node-{unit}"], address="127.0.0.1",
             store_port=port)))
 
     def tick(self) -> None:
-        self.actor._handle(Tick())
+        self.actor.handle(Tick())
 
     def say(self, unit: str, **body: object) -> None:
-        self.actor._handle(Said(self.sessions[unit], launcher_pb2.LauncherMessage(**body)))
-        self.actor._handle(Tick())
+        self.actor.handle(Said(self.sessions[unit], launcher_pb2.LauncherMessage(**body)))
+        self.actor.handle(Tick())
 
     def report(self, unit: str, epoch: int, phase: int, step: int = 0) -> None:
         self.say(unit, epoch_report=launcher_pb2.EpochReport(epoch=epoch, phase=phase, step=step))
@@ -132,3 +132,75 @@ def test_training_that_ends_while_a_grow_is_in_flight_completes_the_job(harness:
         harness.say(unit, worker_exited=launcher_pb2.WorkerExited(epoch=1, local_rank=0, pid=1, exit_code=0))
     assert harness.actor.job.state is JobState.COMPLETED
     assert harness.outbox("c") == ["leave"]
+
+
+def beat(harness: Harness, unit: str, rank: int, step: int) -> None:
+    """A heartbeat naming one worker at `step` committed steps."""
+    message = launcher_pb2.Heartbeat(epoch=harness.actor.job.epoch, sequence=time.monotonic_ns())
+    message.sent_at.GetCurrentTime()
+    worker = launcher_pb2.WorkerProgress(local_rank=0, rank=rank, pid=100 + rank, step=step)
+    worker.progress_time.GetCurrentTime()
+    worker.beat_time.GetCurrentTime()
+    message.workers.append(worker)
+    harness.actor.heartbeat(harness.sessions[unit], message)
+
+
+def test_the_committed_step_follows_the_slowest_rank_and_survives_in_sqlite(harness: Harness) -> None:
+    beat(harness, "a", 0, 40)
+    harness.tick()
+    assert harness.actor.job.step == 0, "b has not reported: nothing is known for the whole world"
+    beat(harness, "b", 1, 39)
+    harness.tick()
+    assert harness.actor.job.step == 39
+    assert harness.store.jobs()[0].step == 39
+
+
+def test_a_world_with_no_state_holder_is_named_as_such_with_its_target_step(harness: Harness) -> None:
+    beat(harness, "a", 0, 80)
+    beat(harness, "b", 1, 80)
+    harness.tick()
+    assert harness.actor.job.step == 80
+    # One replica dies, then the other: a fresh unit comes, and it holds nothing at step 80.
+    harness.say("a", worker_exited=launcher_pb2.WorkerExited(epoch=1, local_rank=0, pid=7, signal=9))
+    harness.report("b", 1, launcher_pb2.EPOCH_PHASE_STOPPED)
+    assert harness.outbox("b")[-1:] == ["start:2"]
+    assert harness.store.events("live-1")[-1].fields["state_holders"] == "b"
+    harness.say("b", worker_exited=launcher_pb2.WorkerExited(epoch=2, local_rank=0, pid=8, signal=9))
+    assert harness.actor.job.state is JobState.DEGRADED
+    harness.connect("c", 1003)
+    harness.tick()
+    start = None
+    while not harness.sessions["c"].outbox.empty():
+        message = harness.sessions["c"].outbox.get_nowait()
+        if isinstance(message, launcher_pb2.ControllerMessage) and message.WhichOneof("body") == "start_epoch":
+            start = message.start_epoch
+    assert start is not None and start.resume_step == 80 and list(start.state_holders) == []
+    not_held = [e for e in harness.store.events("live-1") if e.kind == "state_not_held"]
+    assert len(not_held) == 1 and not_held[0].fields["target_step"] == "80"
+    harness.report("c", start.epoch, launcher_pb2.EPOCH_PHASE_STATE_LOST, step=80)
+    assert harness.actor.job.state is JobState.FAILED
+    assert harness.kinds()[-1] == "state_lost"
+
+
+def test_after_the_last_step_exits_and_silences_are_not_failures_and_the_job_completes_once(
+        harness: Harness) -> None:
+    harness.report("a", 1, launcher_pb2.EPOCH_PHASE_FINISHED, step=600)
+    assert harness.actor.job.state is JobState.FINISHING and harness.actor.job.step == 600
+    # b's worker, finishing too, is killed (say, by a launcher that thought it frozen).
+    harness.say("b", worker_exited=launcher_pb2.WorkerExited(epoch=1, local_rank=0, pid=8, signal=9,
+                                                             detail="no beat for 2.0 s"))
+    assert harness.outbox("a") == [] and harness.outbox("b") == [], "no stop, no new world"
+    assert "failure_detected" not in harness.kinds()
+    # A unit that registers now is sent away; it never trains.
+    harness.connect("c", 1003)
+    harness.tick()
+    assert harness.outbox("c") == ["leave"]
+    harness.say("a", worker_exited=launcher_pb2.WorkerExited(epoch=1, local_rank=0, pid=9, exit_code=0))
+    assert harness.actor.job.state is JobState.COMPLETED
+    completed = [e for e in harness.store.events("live-1") if e.kind == "job_completed"]
+    assert len(completed) == 1
+    assert completed[0].reason == "training completed at step 600; after the last step b local rank 0 killed by " \
+                                  "SIGKILL (no beat for 2.0 s)"
+    harness.tick()
+    harness.say("c", epoch_report=launcher_pb2.EpochReport(epoch=1, phase=launcher_pb2.EPOCH_PHASE_LEFT))
+    assert [e.kind for e in harness.store.events("live-1")].count("job_completed") == 1

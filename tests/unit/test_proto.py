@@ -31,7 +31,7 @@ def test_round_trip_of_a_reconfigure_command() -> None:
         common_pb2.RankAssignment(unit_id="u1", nodes=["n1"], group_rank=0, first_rank=0, procs_per_node=2),
         common_pb2.RankAssignment(unit_id="u2", nodes=["n2"], group_rank=1, first_rank=2, procs_per_node=2)])
     command = launcher_pb2.ControllerMessage(reconfigure=launcher_pb2.Reconfigure(
-        epoch=3, from_epoch=2, at_step=120, rank_table=table,
+        epoch=3, from_epoch=2, target_step=120, rank_table=table,
         rendezvous=common_pb2.Rendezvous(host="127.0.0.1", port=29500, host_unit_id="u2"),
         state_sources=["u1"]))
     decoded = launcher_pb2.ControllerMessage.FromString(command.SerializeToString())

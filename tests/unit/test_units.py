@@ -9,7 +9,16 @@ from pathlib import Path
 
 from tidal.controller.config import ControllerConfig
 from tidal.controller.events import EventLog
-from tidal.controller.jobs import CancelRequested, Connected, JobActor, SlurmObserved, SlurmUnits, Throughput, Tick
+from tidal.controller.jobs import (
+    CancelRequested,
+    Connected,
+    JobActor,
+    Said,
+    SlurmObserved,
+    SlurmUnits,
+    Throughput,
+    Tick,
+)
 from tidal.controller.metrics import ControllerMetrics
 from tidal.controller.model import JobRecord, JobState, UnitState
 from tidal.controller.security import secret_digest
@@ -252,3 +261,37 @@ def test_a_yielded_units_node_counts_as_being_released_until_it_is_idle() -> Non
     assert releasing(poll.poll(), {99: {running, ended, gone}}) == {99: 2}
     fake.set_node(ended_node, NodeState.IDLE)
     assert releasing(poll.poll(), {99: {running, ended, gone}}) == {99: 1}
+
+
+def test_node_cool_downs_survive_a_controller_restart(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        fake = FakeSlurmClient.with_nodes(2)
+        actor = slurm_actor(tmp_path, fake, min_replicas=1, max_replicas=1)
+        task = asyncio.create_task(actor.run())
+        poll = ClusterPoll(fake)
+        actor.put(SlurmObserved(poll.poll()))
+        await settle(lambda: "u1" in actor.units and actor.units["u1"].slurm_job_id)
+        placed_on = fake.get_job(actor.units["u1"].slurm_job_id).nodes
+        now = time.monotonic()
+        session = LauncherSession(job_id="lm-1", unit_id="u1", opened_at=now, last_heartbeat_at=now, store_port=1,
+                                  worker_pids=())
+        actor.put(Connected(session, launcher_pb2.Register(job_id="lm-1", unit_id="u1", secret="s",
+                                                           nodes=list(placed_on), address="127.0.0.1",
+                                                           store_port=1)))
+        actor.put(Tick())
+        await settle(lambda: actor.job.state is JobState.RUNNING)
+        actor.put(Said(session, launcher_pb2.LauncherMessage(worker_exited=launcher_pb2.WorkerExited(
+            epoch=1, local_rank=0, pid=5, signal=9))))
+        await settle(lambda: any(e.kind == "node_excluded" for e in actor.store.events("lm-1")))
+        task.cancel()
+
+        # The controller is killed and starts again from the same SQLite file.
+        restarted = JobActor(actor.store.jobs()[0], actor.store.units("lm-1"), None, epoch_stopped=True,
+                             config=actor.config, store=actor.store, events=actor.events,
+                             metrics=ControllerMetrics(), started_at=time.monotonic(), slurm=actor.slurm)
+        growing = restarted.growing_job(poll.poll(), time.monotonic())
+        assert growing is not None
+        assert not set(placed_on) & growing.fits, "the failed node stays excluded after the restart"
+        assert growing.fits, "the other node is still there to grow onto"
+
+    asyncio.run(scenario())
