@@ -35,7 +35,22 @@ from typing import Any
 import structlog
 
 from tidal.controller.logs import configure_logging
-from tidal.launcher.control import LauncherChannel, WorkerSaid, World
+from tidal.launcher.control import (
+    Beat,
+    Finished,
+    FirstStep,
+    Formed,
+    Hello,
+    LauncherChannel,
+    Left,
+    Resumed,
+    StateLost,
+    Stop,
+    Stopped,
+    WorkerSaid,
+    WorkerToLauncher,
+    World,
+)
 from tidal.launcher.link import ControllerLink, ControllerSaid, LinkDown, LinkEvent, LinkRefused, LinkUp
 from tidal.launcher.liveness import ProcessSample, Silence, read_process_sample, silence_verdict
 from tidal.launcher.workers import (
@@ -614,7 +629,7 @@ class Agent:
             self.live.idle.discard(worker.local_rank)
             self.channel.send(worker.local_rank, World(
                 epoch=epoch, rank=rank, world_size=table.world_size, master_addr=rendezvous.host,
-                master_port=rendezvous.port, joining=joining, target_step=target_step).to_message())
+                master_port=rendezvous.port, joining=joining, target_step=target_step))
         if mine is None:
             self.state = AgentState.LEAVING
             self.live.stop_deadline = time.monotonic() + self.options.leave_timeout_s
@@ -655,7 +670,7 @@ class Agent:
         self.epoch = max(self.epoch, epoch)
         self.live.stop_deadline = time.monotonic() + self.options.stop_grace_s
         for worker in self.workers.workers:
-            self.channel.send(worker.local_rank, {"op": "stop", "epoch": epoch})
+            self.channel.send(worker.local_rank, Stop(epoch=epoch))
         self._maybe_live_stopped()
 
     def _maybe_live_stopped(self) -> None:
@@ -667,51 +682,47 @@ class Agent:
             self.live.stop_deadline = None
             self.events.put_nowait(WorkersStopped(self.epoch))
 
-    def _on_worker_said(self, local_rank: int, said: dict[str, Any]) -> None:
-        op = said.get("op")
-        epoch = int(said.get("epoch", 0) or 0)
-        step = int(said.get("step", 0) or 0)
+    def _on_worker_said(self, local_rank: int, said: WorkerToLauncher) -> None:
         live = self.live
         group = self.workers
         if group is None:
             return
         everyone = {w.local_rank for w in group.workers}
-        if op == "hello":
-            live.hello.add(local_rank)
-            if live.ready_epoch and live.hello >= everyone:
-                self._report_once(live.ready_epoch, launcher_pb2.EPOCH_PHASE_STARTED, detail="workers ready to join")
-        elif op == "formed":
-            live.formed[local_rank] = epoch
-            live.idle.discard(local_rank)
-            if all(live.formed.get(r) == epoch for r in everyone):
-                self._report_once(epoch, launcher_pb2.EPOCH_PHASE_RECONFIGURED, step=step)
-        elif op == "first_step":
-            self._report_once(epoch, launcher_pb2.EPOCH_PHASE_FIRST_STEP, step=step)
-        elif op == "stopped":
-            live.idle.add(local_rank)
-            self._maybe_live_stopped()
-        elif op == "left":
-            live.left.add(local_rank)
-        elif op == "finished":
-            live.finished.add(local_rank)
-            self._report_once(epoch, launcher_pb2.EPOCH_PHASE_FINISHED, step=step, detail="committed the last step")
-        elif op == "resumed":
-            self._report_once(epoch, launcher_pb2.EPOCH_PHASE_RESUMED_FROM_CHECKPOINT, step=step,
-                              detail=str(said.get("detail", ""))[:2000])
-        elif op == "state_lost":
-            self._report_once(epoch, launcher_pb2.EPOCH_PHASE_STATE_LOST, step=int(said.get("target_step", 0) or 0),
-                              detail=str(said.get("detail", ""))[:2000])
-        elif op == "beat":
-            samples = said.get("samples")
-            live.beats[local_rank] = (time.time(), bool(said.get("waiting")),
-                                      samples if isinstance(samples, int) and samples >= 0 else 0)
-            live.slow.discard(local_rank)
-            beating = next((w for w in group.workers if w.local_rank == local_rank), None)
-            sample = read_process_sample(beating.pid) if beating is not None else None
-            if sample is not None:
-                live.beat_samples[local_rank] = sample
-            else:
-                live.beat_samples.pop(local_rank, None)
+        match said:
+            case Hello():
+                live.hello.add(local_rank)
+                if live.ready_epoch and live.hello >= everyone:
+                    self._report_once(live.ready_epoch, launcher_pb2.EPOCH_PHASE_STARTED,
+                                      detail="workers ready to join")
+            case Formed(epoch=epoch, step=step):
+                live.formed[local_rank] = epoch
+                live.idle.discard(local_rank)
+                if all(live.formed.get(r) == epoch for r in everyone):
+                    self._report_once(epoch, launcher_pb2.EPOCH_PHASE_RECONFIGURED, step=step)
+            case FirstStep(epoch=epoch, step=step):
+                self._report_once(epoch, launcher_pb2.EPOCH_PHASE_FIRST_STEP, step=step)
+            case Stopped():
+                live.idle.add(local_rank)
+                self._maybe_live_stopped()
+            case Left():
+                live.left.add(local_rank)
+            case Finished(epoch=epoch, step=step):
+                live.finished.add(local_rank)
+                self._report_once(epoch, launcher_pb2.EPOCH_PHASE_FINISHED, step=step,
+                                  detail="committed the last step")
+            case Resumed(epoch=epoch, step=step, detail=detail):
+                self._report_once(epoch, launcher_pb2.EPOCH_PHASE_RESUMED_FROM_CHECKPOINT, step=step, detail=detail)
+            case StateLost(epoch=epoch, target_step=target_step, detail=detail):
+                self._report_once(epoch, launcher_pb2.EPOCH_PHASE_STATE_LOST, step=target_step, detail=detail)
+            case Beat(samples=samples, waiting=waiting):
+                live.beats[local_rank] = (time.time(), waiting, max(0, samples))
+                live.slow.discard(local_rank)
+                beating = next((w for w in group.workers if w.local_rank == local_rank), None)
+                sample = read_process_sample(beating.pid) if beating is not None else None
+                if sample is not None:
+                    live.beat_samples[local_rank] = sample
+                else:
+                    live.beat_samples.pop(local_rank, None)
 
     def _finish(self, state: AgentState, exit_code: int, reason: str) -> None:
         self.state = state

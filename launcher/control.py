@@ -2,7 +2,8 @@
 
 The launcher serves the socket in its private run folder (mode 0700, so only the job's
 user reaches it) and names it in `TIDAL_CONTROL_SOCKET`. Each worker connects once and
-says `hello`; then
+says `hello`. Each message is a frozen dataclass below (`World`, `Stop`, `Hello`, ...),
+written by `encode` and read by `decode`, the one codec, as one line:
 
 launcher -> worker:
   {"op": "world", "epoch": E, "rank": r, "world_size": n, "master_addr": h, "master_port": p,
@@ -56,22 +57,6 @@ MAX_LINE = 64 * 1024
 BEAT_INTERVAL_S = 0.5
 
 
-def encode(message: dict[str, Any]) -> bytes:
-    return (json.dumps(message) + "\n").encode()
-
-
-def decode(line: bytes) -> dict[str, Any] | None:
-    """One message, or None (logged) for a line that is not one: garbage never ends a channel."""
-    try:
-        message = json.loads(line)
-        if isinstance(message, dict) and isinstance(message.get("op"), str):
-            return message
-    except ValueError:
-        pass
-    log.warning("control_message_garbled", line=line[:200])
-    return None
-
-
 @dataclasses.dataclass(frozen=True)
 class World:
     """One epoch's world as a worker sees it."""
@@ -91,15 +76,126 @@ class World:
     def leaves(self) -> bool:
         return self.rank < 0
 
-    @classmethod
-    def from_message(cls, message: dict[str, Any]) -> World:
-        return cls(epoch=int(message["epoch"]), rank=int(message["rank"]), world_size=int(message["world_size"]),
-                   master_addr=str(message["master_addr"]), master_port=int(message["master_port"]),
-                   joining=bool(message.get("joining", False)),
-                   target_step=int(message.get("target_step", 0) or 0))
 
-    def to_message(self) -> dict[str, Any]:
-        return {"op": "world", **dataclasses.asdict(self)}
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """Abandon the step in flight, leave generation `epoch`'s group, wait for the next."""
+
+    epoch: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Hello:
+    local_rank: int
+    pid: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Formed:
+    """In generation `epoch`'s world at `step`, its state verified (`digest`)."""
+
+    epoch: int
+    step: int
+    digest: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstStep:
+    epoch: int
+    step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Stopped:
+    epoch: int
+    step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Left:
+    epoch: int
+    step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """Committed the job's last step `step`: training is over for this worker."""
+
+    epoch: int
+    step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Resumed:
+    """No rank held `target_step`; resumed from a checkpoint at `step`."""
+
+    epoch: int
+    step: int
+    target_step: int
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLost:
+    """No rank held `target_step` and there was no checkpoint: refuses to train."""
+
+    epoch: int
+    target_step: int
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Beat:
+    """Alive; samples trained so far; whether blocked in a collective."""
+
+    step: int
+    samples: int = 0
+    waiting: bool = False
+
+
+LauncherToWorker = World | Stop
+WorkerToLauncher = Hello | Formed | FirstStep | Stopped | Left | Finished | Resumed | StateLost | Beat
+Message = LauncherToWorker | WorkerToLauncher
+
+# The one codec: each message type and its "op" on the wire.
+_OPS: dict[str, type[Any]] = {"world": World, "stop": Stop, "hello": Hello, "formed": Formed,
+                              "first_step": FirstStep, "stopped": Stopped, "left": Left, "finished": Finished,
+                              "resumed": Resumed, "state_lost": StateLost, "beat": Beat}
+_OP_OF = {kind: op for op, kind in _OPS.items()}
+# Field types, for checking what a peer sent (annotations are strings under `annotations`).
+_FIELD_TYPES = {kind: {f.name: {"int": int, "str": str, "bool": bool}[str(f.type)] for f in dataclasses.fields(kind)}
+                for kind in _OPS.values()}
+MAX_DETAIL = 2000
+
+
+def encode(message: Message) -> bytes:
+    """One JSON line: {"op": ..., **fields}."""
+    return (json.dumps({"op": _OP_OF[type(message)], **dataclasses.asdict(message)}) + "\n").encode()
+
+
+def decode(line: bytes) -> Message | None:
+    """The message on one line, or None (logged) for a line that is not one (not JSON, an
+    unknown op, a field missing or of the wrong type): garbage never ends a channel.
+    Unknown fields are ignored, so a newer peer's additions do not break an older one."""
+    try:
+        raw = json.loads(line)
+        kind = _OPS[raw["op"]]
+        fields: dict[str, Any] = {}
+        for name, expected in _FIELD_TYPES[kind].items():
+            if name not in raw:
+                continue
+            value = raw[name]
+            if expected is int and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name} is not an integer")
+            if not isinstance(value, expected):
+                raise TypeError(f"{name} is not a {expected.__name__}")
+            fields[name] = value[:MAX_DETAIL] if isinstance(value, str) else value
+        message: Message = kind(**fields)
+        return message
+    except (ValueError, KeyError, TypeError) as error:
+        log.warning("control_message_garbled", line=line[:200], error=str(error))
+        return None
 
 
 class ChannelClosed(Exception):
@@ -117,12 +213,12 @@ class WorkerChannel:
         self.worlds: dict[int, World] = {}
         self.stopped_epoch = 0
         self.closed = False
-        self.send("hello", local_rank=local_rank, pid=pid)
+        self.send(Hello(local_rank=local_rank, pid=pid))
         self._reader = threading.Thread(target=self._read, name="tidal-control", daemon=True)
         self._reader.start()
 
-    def send(self, op: str, **fields: Any) -> None:
-        line = encode({"op": op, **fields})
+    def send(self, message: WorkerToLauncher) -> None:
+        line = encode(message)
         with self._send_lock:
             try:
                 self._socket.sendall(line)
@@ -134,15 +230,13 @@ class WorkerChannel:
         try:
             for line in stream:
                 message = decode(line)
-                if message is None:
-                    continue
-                op = message["op"]
                 with self._changed:
-                    if op == "world":
-                        world = World.from_message(message)
-                        self.worlds[world.epoch] = world
-                    elif op == "stop":
-                        self.stopped_epoch = max(self.stopped_epoch, int(message["epoch"]))
+                    if isinstance(message, World):
+                        self.worlds[message.epoch] = message
+                    elif isinstance(message, Stop):
+                        self.stopped_epoch = max(self.stopped_epoch, message.epoch)
+                    else:
+                        continue
                     self._changed.notify_all()
         except OSError:
             pass
@@ -178,8 +272,8 @@ class WorkerChannel:
                     raise TimeoutError(f"no world after epoch {after_epoch} within {timeout_s:g} s")
                 self._changed.wait(remaining)
 
-    def start_beats(self, status: Callable[[], dict[str, Any]], interval_s: float = BEAT_INTERVAL_S) -> None:
-        """Send {"op": "beat", **status()} every `interval_s` from a daemon thread. It runs
+    def start_beats(self, status: Callable[[], Beat], interval_s: float = BEAT_INTERVAL_S) -> None:
+        """Send the Beat `status()` gives every `interval_s` from a daemon thread. It runs
         while the training thread waits in a collective (torch releases the GIL there),
         and stops when the process is frozen: that is what tells a hang's cause from its
         victims."""
@@ -187,7 +281,7 @@ class WorkerChannel:
         def beat() -> None:
             while not self.closed:
                 try:
-                    self.send("beat", **status())
+                    self.send(status())
                 except ChannelClosed:
                     return
                 time.sleep(interval_s)
@@ -206,7 +300,7 @@ class WorkerSaid:
     """A message from one of this launcher's workers."""
 
     local_rank: int
-    message: dict[str, Any]
+    message: WorkerToLauncher
 
 
 class LauncherChannel:
@@ -217,7 +311,7 @@ class LauncherChannel:
         self.path = path
         self.post = post
         self.writers: dict[int, asyncio.StreamWriter] = {}
-        self.pending: dict[int, list[dict[str, Any]]] = {}
+        self.pending: dict[int, list[LauncherToWorker]] = {}
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
@@ -231,7 +325,7 @@ class LauncherChannel:
         self.writers.clear()
         self.pending.clear()
 
-    def send(self, local_rank: int, message: dict[str, Any]) -> None:
+    def send(self, local_rank: int, message: LauncherToWorker) -> None:
         writer = self.writers.get(local_rank)
         if writer is None or writer.is_closing():
             self.pending.setdefault(local_rank, []).append(message)
@@ -243,10 +337,10 @@ class LauncherChannel:
         try:
             while line := await reader.readline():
                 message = decode(line)
-                if message is None:
+                if message is None or isinstance(message, (World, Stop)):
                     continue
-                if message["op"] == "hello":
-                    local_rank = int(message["local_rank"])
+                if isinstance(message, Hello):
+                    local_rank = message.local_rank
                     self.writers[local_rank] = writer
                     for queued in self.pending.pop(local_rank, []):
                         writer.write(encode(queued))

@@ -53,7 +53,19 @@ import torch.distributed as dist
 from torch.utils.data import default_collate
 
 from tidal.launcher.checkpoint import AsyncCheckpointer
-from tidal.launcher.control import ChannelClosed, WorkerChannel, World
+from tidal.launcher.control import (
+    Beat,
+    ChannelClosed,
+    Finished,
+    FirstStep,
+    Formed,
+    Left,
+    Resumed,
+    Stopped,
+    WorkerChannel,
+    World,
+)
+from tidal.launcher.control import StateLost as StateLostMessage
 from tidal.launcher.data import GlobalOrder, micro_batches, step_samples
 from tidal.launcher.progress import report_progress
 from tidal.launcher.state import Counters, TrainingParts, capture, deserialize, digest, restore, serialize
@@ -259,7 +271,7 @@ class Elastic:
                     # Training is over: say so before the script's own code after train()
                     # runs and before anything is torn down, so that from here on an exit or
                     # a silence is not a failure and no new world forms.
-                    self.channel.send("finished", epoch=result.epoch, step=self.counters.step)
+                    self.channel.send(Finished(epoch=result.epoch, step=self.counters.step))
                     self.ledger.write("finished", epoch=result.epoch, step=self.counters.step)
                 yield result
                 if change_pending and self.counters.step < steps:
@@ -279,8 +291,8 @@ class Elastic:
         socket_path = env.get("TIDAL_CONTROL_SOCKET")
         if socket_path:
             self.channel = WorkerChannel(socket_path, int(env.get("LOCAL_RANK", "0")), os.getpid())
-            self.channel.start_beats(lambda: {"step": self.counters.step, "samples": self.counters.samples,
-                                                "waiting": self._waiting})
+            self.channel.start_beats(lambda: Beat(step=self.counters.step, samples=self.counters.samples,
+                                                  waiting=self._waiting))
         self.world = World(epoch=int(env.get("TIDAL_EPOCH", "0")), rank=int(env.get("RANK", "0")),
                            world_size=int(env.get("WORLD_SIZE", "1")), master_addr=env.get("MASTER_ADDR", ""),
                            master_port=int(env.get("MASTER_PORT", "0") or 0),
@@ -370,7 +382,7 @@ class Elastic:
         self._apply_batch_policy()
         self._first_step_pending = True
         seconds = time.monotonic() - started
-        self.channel.send("formed", epoch=world.epoch, step=self.counters.step, digest=state_digest)
+        self.channel.send(Formed(epoch=world.epoch, step=self.counters.step, digest=state_digest))
         self.ledger.write("formed", epoch=world.epoch, rank=world.rank, world_size=world.world_size,
                           step=self.counters.step, digest=state_digest, source=source, seconds=seconds)
         self.log.info("world_formed", epoch=world.epoch, rank=world.rank, world_size=world.world_size,
@@ -437,7 +449,7 @@ class Elastic:
                          else "the script keeps no checkpoint (checkpoint_dir/checkpoint_every)")
                       + ": refusing to train from step 0")
             if self.channel is not None and self.rank == 0:
-                self.channel.send("state_lost", epoch=self.world.epoch, target_step=target_step, detail=detail)
+                self.channel.send(StateLostMessage(epoch=self.world.epoch, target_step=target_step, detail=detail))
             self.ledger.write("state_lost", epoch=self.world.epoch, target_step=target_step)
             raise StateLost(detail)
         detail = (f"no rank of generation {self.world.epoch} holds step {target_step}; resumed from the checkpoint "
@@ -445,7 +457,7 @@ class Elastic:
         self.log.warning("resumed_from_checkpoint", step=held, target_step=target_step)
         self.ledger.write("resumed", epoch=self.world.epoch, step=held, target_step=target_step)
         if self.channel is not None and self.rank == 0:
-            self.channel.send("resumed", epoch=self.world.epoch, step=held, target_step=target_step, detail=detail)
+            self.channel.send(Resumed(epoch=self.world.epoch, step=held, target_step=target_step, detail=detail))
 
     def _broadcast_state(self, source: int) -> None:
         if self.rank == source:
@@ -478,7 +490,7 @@ class Elastic:
             self.log.warning("world_broken", epoch=epoch, step=self.counters.step, reason=reason)
             self.ledger.write("abandoned", epoch=epoch, step=self.counters.step, reason=reason)
             try:
-                self.channel.send("stopped", epoch=epoch, step=self.counters.step)
+                self.channel.send(Stopped(epoch=epoch, step=self.counters.step))
                 world = self.channel.wait_world(after_epoch=max(epoch, self.channel.stopped_epoch),
                                                 timeout_s=self.timeout_s)
                 if world.leaves:
@@ -520,7 +532,7 @@ class Elastic:
             self.checkpointer.wait()
         self.log.info("leaving", epoch=world.epoch, step=self.counters.step)
         self.ledger.write("left", epoch=world.epoch, step=self.counters.step)
-        self.channel.send("left", epoch=world.epoch, step=self.counters.step)
+        self.channel.send(Left(epoch=world.epoch, step=self.counters.step))
         raise SystemExit(0)
 
     # One step.
@@ -607,7 +619,7 @@ class Elastic:
         if self._first_step_pending:
             self._first_step_pending = False
             if self.channel is not None:
-                self.channel.send("first_step", epoch=world.epoch, step=step)
+                self.channel.send(FirstStep(epoch=world.epoch, step=step))
         if now - self._progress_at >= PROGRESS_INTERVAL_S:
             self._progress_at = now
             report_progress(step)

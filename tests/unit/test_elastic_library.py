@@ -15,7 +15,26 @@ import torch
 from torch.utils.data import TensorDataset
 
 from tidal.launcher.checkpoint import AsyncCheckpointer, checkpoint_path
-from tidal.launcher.control import ChannelClosed, LauncherChannel, WorkerChannel, WorkerSaid
+from tidal.launcher.control import (
+    Beat,
+    ChannelClosed,
+    Finished,
+    FirstStep,
+    Formed,
+    Hello,
+    LauncherChannel,
+    Left,
+    Message,
+    Resumed,
+    StateLost,
+    Stop,
+    Stopped,
+    WorkerChannel,
+    WorkerSaid,
+    World,
+    decode,
+    encode,
+)
 from tidal.launcher.data import GlobalOrder, micro_batches, share_bounds, step_samples
 from tidal.launcher.elastic import AccountingError, Elastic, FixedBatch, ScaledBatch
 from tidal.launcher.state import Counters, TrainingParts, capture, deserialize, digest, restore, serialize
@@ -216,24 +235,26 @@ def test_control_channel_carries_worlds_and_stops_both_ways(tmp_path: Path) -> N
         server = LauncherChannel(tmp_path / "control.sock", post=said.put_nowait)
         await server.start()
         # A message to a worker that has not connected yet waits for its hello.
-        server.send(0, {"op": "world", "epoch": 2, "rank": 1, "world_size": 3, "master_addr": "127.0.0.1",
-                        "master_port": 1234})
+        server.send(0, World(epoch=2, rank=1, world_size=3, master_addr="127.0.0.1", master_port=1234,
+                             target_step=40))
         worker = await asyncio.to_thread(WorkerChannel, str(server.path), 0, 4242)
         hello = await asyncio.wait_for(said.get(), 5)
-        assert hello.local_rank == 0 and hello.message == {"op": "hello", "local_rank": 0, "pid": 4242}
+        assert hello.local_rank == 0 and hello.message == Hello(local_rank=0, pid=4242)
         world = await asyncio.to_thread(worker.wait_world, 1, 5.0)
-        assert (world.epoch, world.rank, world.world_size, world.master_port) == (2, 1, 3, 1234)
+        assert (world.epoch, world.rank, world.world_size, world.master_port, world.target_step) == (2, 1, 3, 1234, 40)
         assert worker.next_world(2) is None
         # Garbage on the wire is skipped, not fatal.
         server.writers[0].write(b"{not json\n")
-        server.send(0, {"op": "stop", "epoch": 2})
+        server.writers[0].write(b'{"op": "stop", "epoch": "two"}\n')
+        server.writers[0].write(b'{"op": "explode"}\n')
+        server.send(0, Stop(epoch=2))
         await asyncio.to_thread(lambda: _wait(lambda: worker.stop_requested(2)))
         assert worker.next_world(1) is None, "a stopped epoch's world is not joined"
         with pytest.raises(TimeoutError):
             await asyncio.to_thread(worker.wait_world, 2, 0.2)
-        worker.send("stopped", epoch=2, step=7)
+        worker.send(Stopped(epoch=2, step=7))
         stopped = await asyncio.wait_for(said.get(), 5)
-        assert stopped.message == {"op": "stopped", "epoch": 2, "step": 7}
+        assert stopped.message == Stopped(epoch=2, step=7)
         await server.close()
         with pytest.raises(ChannelClosed):
             await asyncio.to_thread(worker.wait_world, 2, 5.0)
@@ -249,3 +270,23 @@ def _wait(predicate: object, timeout: float = 5.0) -> None:
     while not predicate():  # type: ignore[operator]
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
+
+
+@pytest.mark.parametrize("message", [
+    World(epoch=3, rank=-1, world_size=2, master_addr="h", master_port=1, joining=True, target_step=9),
+    Stop(epoch=3), Hello(local_rank=1, pid=2), Formed(epoch=3, step=4, digest="ab"), FirstStep(epoch=3, step=5),
+    Stopped(epoch=3, step=4), Left(epoch=3, step=4), Finished(epoch=3, step=600),
+    Resumed(epoch=3, step=40, target_step=57, detail="steps 40..56 are redone"),
+    StateLost(epoch=3, target_step=57, detail="no state"), Beat(step=4, samples=96, waiting=True)])
+def test_every_control_message_survives_the_codec(message: Message) -> None:
+    assert decode(encode(message)) == message
+
+
+def test_the_codec_refuses_lines_that_are_not_messages() -> None:
+    for line in (b"not json", b"[1, 2]", b'{"op": "nope"}', b'{"op": "stop"}', b'{"op": "stop", "epoch": true}',
+                 b'{"op": "beat", "step": 1, "waiting": "yes"}'):
+        assert decode(line) is None, line
+    # A newer peer's extra fields are ignored; a long detail is cut.
+    assert decode(b'{"op": "stop", "epoch": 2, "reason": "new"}') == Stop(epoch=2)
+    lost = decode(b'{"op": "state_lost", "epoch": 1, "target_step": 3, "detail": "' + b"x" * 5000 + b'"}')
+    assert isinstance(lost, StateLost) and len(lost.detail) == 2000
