@@ -17,9 +17,11 @@ from tidal.proto import admin_pb2, common_pb2
 
 class LiveJob:
     def __init__(self, folder: Path, command: Sequence[str], replicas: int,
-                 mode: common_pb2.JobMode = common_pb2.JOB_MODE_LIVE) -> None:
+                 mode: common_pb2.JobMode = common_pb2.JOB_MODE_LIVE,
+                 settings: dict[str, str] | None = None) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.run = TidalRun(folder)
+        self.run.controller.settings.update(settings or {})
         self.replicas = replicas
         self.mode = mode
         self.command = list(command)
