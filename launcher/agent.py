@@ -678,7 +678,11 @@ class Agent:
         if group is None or self.state is not AgentState.STOPPING or self.live.stop_deadline is None:
             return
         alive = {w.local_rank for w in group.workers if not w.exited.done()}
-        if alive <= self.live.idle:
+        # A worker that never formed a world (a joiner still starting, or waiting on
+        # standby) is in no process group and holds no state: nothing to stop. It reads the
+        # next world when it gets to it; killing it would only cost another start.
+        never_formed = alive - set(self.live.formed)
+        if alive <= self.live.idle | never_formed:
             self.live.stop_deadline = None
             self.events.put_nowait(WorkersStopped(self.epoch))
 

@@ -329,3 +329,30 @@ def test_a_controller_restart_leaves_live_training_alone_and_it_grows_afterwards
     wait_until(lambda: len(commits(read_ledger(ledger), 3)) >= 3 * 10, 60, "10 steps at world size 3")
     assert {unit: worker_pid(tidal_run, unit) for unit in "ab"} == pids
     assert not any(e.kind in ("failure_detected", "epoch_stopping") for e in controller.events(tidal_run.job_id))
+
+
+def test_a_joiner_still_starting_when_the_world_breaks_is_not_restarted(tidal_run: TidalRun, tmp_path: Path) -> None:
+    """A failure while a joiner's worker is still starting (importing torch on a busy
+    machine): the joiner has nothing to stop, so the stop completes at once and the same
+    worker joins the next world when it is up; nobody waits out a stop grace or restarts it."""
+    ledger = tmp_path / "ledger"
+    # Unit b's worker takes 8 s more to start than the others.
+    command = ["bash", "-c", 'if [ "$TIDAL_UNIT_ID" = b ]; then sleep 8; fi; exec "$@"', "worker",
+               *example_command(tmp_path / "elastic.pt", ledger, 100_000)]
+    tidal_run.submit(min_replicas=1, max_replicas=3, command=command, mode=common_pb2.JOB_MODE_LIVE)
+    controller = tidal_run.controller
+    tidal_run.start_launcher("a")
+    tidal_run.start_launcher("c")
+    controller.wait_event(tidal_run.job_id, "world_formed", where=lambda e: e.fields["replicas"] == "2")
+    wait_until(lambda: highest_step(ledger) >= 10, 60, "10 steps at world size 2")
+    tidal_run.start_launcher("b")
+    controller.wait_event(tidal_run.job_id, "world_reconfiguring", where=lambda e: e.fields["joiners"] == "b")
+    pid_b = worker_pid(tidal_run, "b")
+    os.kill(worker_pid(tidal_run, "c"), signal.SIGKILL)
+    stopped = controller.wait_event(tidal_run.job_id, "epoch_stopped", timeout=30)
+    assert float(stopped.fields["detection_to_all_stopped_s"]) < 3.0, "nobody waited out a stop grace"
+    formed = controller.wait_event(tidal_run.job_id, "world_formed", where=lambda e: e.fields["members"] == "a,b",
+                                   timeout=30)
+    assert formed.fields["state_holders"] == "a"
+    wait_until(lambda: len(commits(read_ledger(ledger), 2)) >= 2 * 10, 90, "10 steps at world size 2 with b")
+    assert tidal_run.launchers["b"].worker_pids() == [pid_b], "b's worker was not restarted"
