@@ -1,0 +1,1101 @@
+"""Chaos on the mini cluster: for each seed, a seeded random sequence of faults against a
+live-mode float64 job while a CPU hog runs, each run to the job's end, then checks.
+
+    python -m bench.chaos --seeds N [--first-seed S] [--steps K] [--keep DIR]
+
+The job is examples/live_mode/train_mlp.py (K steps, global batch 24, micro-batch 4,
+float64, 0.01 s per micro-batch), min 1 and max 4 replicas on `train`, live mode, under a
+controller that runs units as Slurm jobs and polls every second (as `make demo`). Two
+`while True: pass` processes hog the machine's 2 cores throughout.
+
+Faults (seeded `random.Random(seed)`: 4-6 of them, a few seconds apart, each only while
+the job trains with enough replicas for it to make sense; a replica that holds the
+training state always survives a fault):
+
+- `grow`: resize --max back up after a shrink, or let it grow; at 4 replicas, --max 3 and
+  back to 4 a few seconds later;
+- `drain`: admin drain of a unit; `shrink`: resize --max 2, back to 4 later;
+- `kill_worker`: kill -9 of a worker; `kill_launcher`: kill -9 of a worker's parent;
+- `stop_worker`: SIGSTOP a worker, SIGCONT a few seconds later if it is still alive (its
+  launcher is expected to kill it);
+- `urgent`: an `urgent`-partition job on 2-3 nodes preempts units; cancelled later;
+- `node_fail`: a node's slurmd and every process of its unit killed; the node started
+  again later;
+- `controller_restart`: the controller SIGKILLed and started again on the same SQLite.
+
+Checks per seed (a failing seed prints the problems and the timeline: the controller's
+events and the harness's actions; exit 1 if any seed fails):
+
+- the job ends COMPLETED, with exactly one `job_completed` event, within the deadline;
+- every step 0..K-1 is committed, and for each (step, generation) that committed, the
+  union of the ranks' attempted samples is the fixed run's set for that step. A step
+  committed in two generations is allowed only where the first one broke at that step
+  (not every rank committed it), and is reported;
+- the final parameters (--out) equal a fixed single-process run's to 1e-9 and step == K;
+- no survivor restarted: each (unit, local rank) ran one worker PID (launchers' logs);
+- no healthy unit failed: every `failure_detected` names a unit the harness hurt (killed,
+  stopped or node-failed); drains, resizes, preemptions and controller restarts are
+  graceful and must fail no unit;
+- nothing is left: the units' Slurm jobs end, no launcher or worker outlives the job.
+
+The fixed run is train_mlp.py alone with the same arguments and --step-time 0 (the step
+time is a sleep; the numbers are the same), OMP_NUM_THREADS=1."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import itertools
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from bench.common import MLP_EXAMPLE, REPO, Row, parser, workspace, write_result
+from tests.integration.conftest import ControllerProcess, alive
+from tidal.proto import admin_pb2, common_pb2
+from tidal.slurm import CliJsonSlurmClient, JobState, SlurmError, UnitSubmission
+
+GLOBAL_BATCH = 24
+MICRO_BATCH = 4
+STEP_TIME_S = 0.01
+NODES = 4
+DEFAULT_STEPS = 800
+DEFAULT_DEADLINE_S = 360.0
+PARAMETER_TOLERANCE = 1e-9
+# As `make demo`: units are Slurm jobs, polled every second; a failed node is avoided for
+# 10 s only, so that a job can grow back onto it within one seed.
+CONTROLLER_SETTINGS = {"slurm_units": "true", "slurm_poll_interval_s": "1", "join_settle_s": "1",
+                       "reconnect_grace_s": "10", "node_cooldown_s": "10"}
+FAULTS = ("grow", "drain", "shrink", "kill_worker", "kill_launcher", "stop_worker", "urgent", "node_fail",
+          "controller_restart")
+# How long a fault waits for the job to train with enough replicas before it is skipped.
+PRECONDITION_WAIT_S = 30.0
+# An injector's answer that skips the fault at once instead of waiting for it to make sense.
+SKIP = "skip: "
+# A unit trains if its workers committed a step this recently.
+TRAINING_WINDOW_S = 3.0
+# A stopped worker's unit may fail until this long after its SIGCONT.
+STOP_EXCUSE_S = 15.0
+HOG_PROCESSES = 2
+
+
+class SetupError(RuntimeError):
+    """The harness could not run a seed (the cluster was not idle, ...): not Tidal's fault."""
+
+
+class Aborted(RuntimeError):
+    """Tidal broke so that the seed cannot go on (the controller died, or did not start again)."""
+
+
+# The fixed run.
+
+@dataclasses.dataclass
+class Reference:
+    steps: int
+    # The global sample indices of each step, sorted.
+    indices: list[list[int]]
+    params: dict[str, torch.Tensor]
+
+
+def train_command(steps: int, ledger: Path, out: Path, step_time: float = STEP_TIME_S) -> list[str]:
+    return [sys.executable, str(MLP_EXAMPLE), "--steps", str(steps), "--global-batch", str(GLOBAL_BATCH),
+            "--micro-batch", str(MICRO_BATCH), "--dtype", "float64", "--step-time", f"{step_time:g}",
+            "--ledger-dir", str(ledger), "--out", str(out)]
+
+
+def clean_environment() -> dict[str, str]:
+    """This process's environment without TIDAL_* (a fixed run must not find a launcher)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def fixed_run(steps: int, folder: Path) -> Reference:
+    """train_mlp.py alone, in a world of one: the samples of every step and the final
+    parameters an elastic run must reproduce."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ledger, out = folder / "ledger", folder / "out.pt"
+    for path in ledger.glob("ledger-*.jsonl"):
+        path.unlink()
+    out.unlink(missing_ok=True)
+    result = subprocess.run(train_command(steps, ledger, out, step_time=0.0), cwd=folder, env=clean_environment(),
+                            capture_output=True, text=True, timeout=900)
+    if result.returncode != 0:
+        raise SetupError(f"the fixed run failed ({result.returncode}): {result.stderr[-3000:]}")
+    records = read_ledger(ledger)
+    attempts = {r["step"]: sorted(r["indices"]) for r in records if r["kind"] == "attempt"}
+    commits = {r["step"] for r in records if r["kind"] == "commit"}
+    saved = torch.load(out)
+    if sorted(attempts) != list(range(steps)) or sorted(commits) != list(range(steps)) or saved["step"] != steps:
+        raise SetupError(f"the fixed run did not take steps 0..{steps - 1} once each")
+    return Reference(steps=steps, indices=[attempts[s] for s in range(steps)], params=saved["model"])
+
+
+# Reading what the workers and launchers wrote.
+
+def read_ledger(folder: Path) -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = []
+    for path in sorted(folder.glob("ledger-*.jsonl")):
+        for line in path.read_text(errors="replace").splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                records.append(json.loads(line))
+    return sorted(records, key=lambda r: r["time"])
+
+
+class LedgerTail:
+    """The ledger's commits as they come (whole lines only), for the fault loop."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.offsets: dict[Path, int] = {}
+        self.last_commit_at = 0.0
+        self.last_step = -1
+        # pid -> when it last committed a step.
+        self.committed_at: dict[int, float] = {}
+
+    def poll(self) -> None:
+        for path in sorted(self.folder.glob("ledger-*.jsonl")):
+            offset = self.offsets.get(path, 0)
+            with contextlib.suppress(OSError), open(path, "rb") as file:
+                file.seek(offset)
+                data = file.read()
+                end = data.rfind(b"\n") + 1
+                self.offsets[path] = offset + end
+                for line in data[:end].splitlines():
+                    with contextlib.suppress(json.JSONDecodeError, UnicodeDecodeError):
+                        record = json.loads(line)
+                        if record.get("kind") == "commit":
+                            self.last_commit_at = max(self.last_commit_at, record["time"])
+                            self.last_step = max(self.last_step, record["step"])
+                            self.committed_at[record["pid"]] = max(self.committed_at.get(record["pid"], 0.0),
+                                                                   record["time"])
+
+
+@dataclasses.dataclass
+class UnitProcesses:
+    """What a unit's launcher logged of its processes (its Slurm output file)."""
+
+    unit_id: str
+    launchers: list[int] = dataclasses.field(default_factory=list)
+    # local rank -> every PID started for it, in order.
+    workers: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    # pid -> when its launcher started it (wall clock).
+    started_at: dict[int, float] = dataclasses.field(default_factory=dict)
+    outputs: list[Path] = dataclasses.field(default_factory=list)
+
+
+def unit_processes(state_dir: Path, job_id: str) -> dict[str, UnitProcesses]:
+    found: dict[str, UnitProcesses] = {}
+    for path in sorted((state_dir / "units").glob(f"{job_id}-u*-*.out")):
+        unit_id = path.name[len(job_id) + 1:].rsplit("-", 1)[0]
+        unit = found.setdefault(unit_id, UnitProcesses(unit_id))
+        unit.outputs.append(path)
+        for line in path.read_text(errors="replace").splitlines():
+            if not line.startswith("{"):
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record.get("event") == "launcher_started" and "pid" in record:
+                if record["pid"] not in unit.launchers:
+                    unit.launchers.append(record["pid"])
+            elif record.get("event") in ("workers_started", "workers_on_standby") and record.get("pids"):
+                for local_rank, pid in enumerate(record["pids"]):
+                    pids = unit.workers.setdefault(local_rank, [])
+                    if pid not in pids:
+                        pids.append(pid)
+                        with contextlib.suppress(KeyError, ValueError):
+                            unit.started_at[pid] = datetime.datetime.fromisoformat(record["timestamp"]).timestamp()
+    return found
+
+
+# Processes, by PID only.
+
+def process_environment(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def command_line(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                if parent_of(int(entry.name)) == pid:
+                    found.append(int(entry.name))
+    return found
+
+
+def signal_pid(pid: int, signum: int) -> bool:
+    try:
+        os.kill(pid, signum)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+@contextlib.contextmanager
+def cpu_hog(processes: int = HOG_PROCESSES) -> Iterator[list[int]]:
+    """`processes` busy loops for as long as the block runs, stopped by PID."""
+    hogs: list[subprocess.Popen[bytes]] = []
+    try:
+        for _ in range(processes):
+            hogs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL,
+                                         env=clean_environment()))
+        yield [h.pid for h in hogs]
+    finally:
+        for hog in hogs:
+            with contextlib.suppress(ProcessLookupError):
+                hog.kill()
+            hog.wait(10)
+
+
+def minicluster(*args: str) -> None:
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "minicluster"), *args], capture_output=True,
+                            text=True, timeout=180)
+    if result.returncode != 0:
+        raise RuntimeError(f"minicluster {' '.join(args)}: {result.stderr.strip()[-500:]}")
+
+
+def wait_cluster_idle(slurm: CliJsonSlurmClient, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    idle: list[str] = []
+    while time.monotonic() < deadline:
+        with contextlib.suppress(SlurmError):
+            idle = [n.name for n in slurm.list_nodes() if "train" in n.partitions and n.is_idle_and_usable]
+            if len(idle) >= NODES:
+                return
+        time.sleep(1.0)
+    raise SetupError(f"the mini cluster has {len(idle)} idle nodes of {NODES} after {timeout_s:g} s "
+                     "(scripts/minicluster up, nothing else running)")
+
+
+# One seed.
+
+@dataclasses.dataclass
+class PlannedFault:
+    kind: str
+    # Seconds of training before it.
+    gap_s: float
+    # Which candidate it hits (a fraction of the sorted candidates), how long it lasts,
+    # how many nodes an urgent job takes: all drawn up front, so a seed is one sequence.
+    pick: float
+    duration_s: float
+    nodes: int
+
+
+def plan_faults(seed: int) -> list[PlannedFault]:
+    rng = random.Random(seed)
+    return [PlannedFault(kind=rng.choice(FAULTS), gap_s=rng.uniform(1.0, 3.5), pick=rng.random(),
+                         duration_s=rng.uniform(3.0, 8.0), nodes=rng.choice((2, 3)))
+            for _ in range(rng.randint(4, 6))]
+
+
+@dataclasses.dataclass
+class Action:
+    """What the harness did, for the timeline."""
+
+    at: float
+    kind: str
+    unit_id: str = ""
+    detail: str = ""
+
+
+@dataclasses.dataclass
+class Hurt:
+    """A unit the harness hurt: a failure_detected of it between `since` and `until` is expected."""
+
+    unit_id: str
+    since: float
+    until: float = float("inf")
+
+
+@dataclasses.dataclass
+class Heal:
+    due: float
+    what: str
+    action: Callable[[], None]
+
+
+@dataclasses.dataclass
+class SeedResult:
+    seed: int
+    faults: list[str]
+    skipped: list[str]
+    seconds: float
+    problems: list[str]
+    notes: list[str]
+    timeline: list[str]
+    folder: Path
+    job_id: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+    def summary(self) -> str:
+        outcome = "PASS" if self.passed else f"FAIL ({len(self.problems)} problem(s))"
+        return (f"chaos: seed {self.seed}: {outcome} in {self.seconds:.0f} s; faults: "
+                f"{', '.join(self.faults) or 'none'}" + (f"; skipped: {', '.join(self.skipped)}" if self.skipped
+                                                         else ""))
+
+    def report(self, timeline: bool = False) -> str:
+        lines = [self.summary()]
+        lines += [f"  PROBLEM: {p}" for p in self.problems]
+        lines += [f"  note: {n}" for n in self.notes]
+        if timeline or not self.passed:
+            lines += [f"  timeline of seed {self.seed} (job {self.job_id}, logs in {self.folder}):"]
+            lines += [f"    {t}" for t in self.timeline]
+        return "\n".join(lines)
+
+
+def ranges(numbers: Sequence[int]) -> str:
+    """[1, 2, 3, 7] -> "1-3, 7"."""
+    runs: list[list[int]] = []
+    for n in sorted(set(numbers)):
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+class ChaosRun:
+    """One live job on the mini cluster, the faults of one seed against it, and the checks."""
+
+    def __init__(self, seed: int, reference: Reference, folder: Path, *, deadline_s: float = DEFAULT_DEADLINE_S,
+                 faults: list[PlannedFault] | None = None, min_replicas: int = 1, max_replicas: int = NODES,
+                 log: Callable[[str], None] = print) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.seed = seed
+        self.reference = reference
+        self.steps = reference.steps
+        self.folder = folder
+        self.deadline_s = deadline_s
+        self.plan = plan_faults(seed) if faults is None else faults
+        self.min_replicas = min_replicas
+        self.max_replicas = max_replicas
+        self.log = log
+        self.ledger_dir = folder / "ledger"
+        self.out = folder / "out.pt"
+        self.slurm = CliJsonSlurmClient(timeout_s=10)
+        self.controller = ControllerProcess(folder, CONTROLLER_SETTINGS)
+        self.tail = LedgerTail(self.ledger_dir)
+        self.job_id = ""
+        self.submitted_at = 0.0
+        self.actions: list[Action] = []
+        self.hurt: list[Hurt] = []
+        # Units the harness killed, drained or stopped: never counted on to hold the state.
+        self.taken: set[str] = set()
+        self.heals: list[Heal] = []
+        self.urgent_jobs: dict[int, list[str]] = {}
+        self.down_nodes: set[str] = set()
+        self.stopped: set[int] = set()
+        self.shrunk = False
+        self.done: list[str] = []
+        self.skipped: list[str] = []
+        self.problems: list[str] = []
+        self.notes: list[str] = []
+        self.last_job: admin_pb2.Job | None = None
+        self.events_at_end: list[admin_pb2.Event] = []
+        # No fault once the job is this close to its end: the last steps and the saving of
+        # the parameters are the job's own (a rank 0 killed after its last step takes the
+        # --out file with it).
+        self.margin = max(20, self.steps // 20)
+
+    # Talking to the controller (which may be down: a controller_restart fault).
+
+    def job(self) -> admin_pb2.Job | None:
+        try:
+            with self.controller.admin() as admin:
+                self.last_job = admin.job(self.job_id)
+                return self.last_job
+        except grpc.RpcError:
+            return None
+
+    def events(self) -> list[admin_pb2.Event]:
+        found: list[admin_pb2.Event] = []
+        with self.controller.admin() as admin:
+            while True:
+                page = admin.events(self.job_id, after_sequence=found[-1].sequence if found else 0, limit=1000)
+                found += page
+                if len(page) < 1000:
+                    return found
+
+    def ended(self, job: admin_pb2.Job | None) -> bool:
+        return job is not None and job.state in (admin_pb2.JOB_STATE_COMPLETED, admin_pb2.JOB_STATE_FAILED,
+                                                 admin_pb2.JOB_STATE_CANCELLED)
+
+    def act(self, kind: str, unit_id: str = "", detail: str = "") -> None:
+        action = Action(time.time(), kind, unit_id, detail)
+        self.actions.append(action)
+        self.log(f"chaos: seed {self.seed}: +{action.at - self.submitted_at:6.1f} s {kind} {unit_id} {detail}".rstrip())
+
+    # The run.
+
+    def run(self) -> SeedResult:
+        started = time.monotonic()
+        try:
+            wait_cluster_idle(self.slurm)
+            self.controller.start()
+            spec = admin_pb2.JobSpec(
+                name="chaos", min_replicas=self.min_replicas, max_replicas=self.max_replicas, partition="train",
+                mode=common_pb2.JOB_MODE_LIVE, working_dir=str(self.folder), environment={"OMP_NUM_THREADS": "1"},
+                command=train_command(self.steps, self.ledger_dir, self.out))
+            with self.controller.admin() as admin:
+                self.job_id = admin.submit(spec).job.job_id
+            self.submitted_at = time.time()
+            self.act("submitted", detail=f"job {self.job_id}: {self.steps} steps, replicas "
+                                         f"{self.min_replicas}..{self.max_replicas}")
+            self.inject_faults()
+            self.wait_for_end()
+        except SetupError as error:
+            self.problems.append(f"setup: {error}")
+        except Aborted as error:
+            self.problems.append(str(error))
+        except Exception as error:  # a harness error is reported, and everything still stopped
+            self.problems.append(f"harness error: {type(error).__name__}: {error}")
+        finally:
+            self.clean_up()
+        if self.job_id:
+            self.check()
+        return SeedResult(seed=self.seed, faults=self.done, skipped=self.skipped,
+                          seconds=time.monotonic() - started, problems=self.problems, notes=self.notes,
+                          timeline=self.timeline(), folder=self.folder, job_id=self.job_id)
+
+    def past_deadline(self) -> bool:
+        self.check_controller()
+        return time.time() > self.submitted_at + self.deadline_s
+
+    def check_controller(self) -> None:
+        process = self.controller.process
+        if process is not None and process.poll() is not None:
+            log = self.folder / f"controller-{self.controller.starts}.log"
+            tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
+            raise Aborted(f"the controller exited by itself with code {process.returncode}: {tail}")
+
+    def run_due_heals(self, everything: bool = False) -> None:
+        now = time.time()
+        for heal in sorted(self.heals, key=lambda h: h.due):
+            if everything or heal.due <= now:
+                self.heals.remove(heal)
+                try:
+                    heal.action()
+                except Exception as error:
+                    self.problems.append(f"harness: healing {heal.what} failed: {error}")
+
+    def pause(self, seconds: float) -> bool:
+        """Wait, healing what is due and watching the job; False once the job ended."""
+        until = time.time() + seconds
+        while True:
+            self.run_due_heals()
+            self.poll_urgent()
+            if self.ended(self.job()) or self.past_deadline():
+                return False
+            if time.time() >= until:
+                return True
+            time.sleep(0.5)
+
+    def training(self, job: admin_pb2.Job | None) -> bool:
+        self.tail.poll()
+        return (job is not None and job.state == admin_pb2.JOB_STATE_RUNNING
+                and self.tail.last_commit_at > time.time() - 3.0
+                and self.tail.last_step < self.steps - self.margin)
+
+    def inject_faults(self) -> None:
+        if not self.plan:
+            return
+        # Faults hurt a world that trains: a failure while workers still start is another case.
+        deadline = time.time() + 180
+        while not self.training(self.job()):
+            if self.ended(self.last_job) or self.past_deadline() or time.time() > deadline:
+                self.skipped += [f"{f.kind} (the job never trained)" for f in self.plan]
+                return
+            self.run_due_heals()
+            time.sleep(0.25)
+        for index, fault in enumerate(self.plan):
+            if not self.pause(fault.gap_s):
+                self.skipped += [f"{f.kind} (job ended)" for f in self.plan[index:]]
+                break
+            why_not = self.inject(fault)
+            if why_not:
+                self.skipped.append(f"{fault.kind} ({why_not})")
+                self.act(f"skip {fault.kind}", detail=why_not)
+            else:
+                self.done.append(fault.kind)
+            if self.tail.last_step >= self.steps - self.margin:
+                self.skipped += [f"{f.kind} (job ending)" for f in self.plan[index + 1:]]
+                break
+
+    def wait_for_end(self) -> None:
+        while True:
+            self.run_due_heals()
+            self.poll_urgent()
+            job = self.job()
+            if self.ended(job):
+                return
+            if self.past_deadline():
+                self.run_due_heals(everything=True)
+                job = self.job() or self.last_job
+                state = admin_pb2.JobState.Name(job.state) if job else "unknown"
+                self.tail.poll()
+                self.problems.append(f"the job did not end within {self.deadline_s:g} s: {state}, last committed "
+                                     f"step {self.tail.last_step}")
+                return
+            time.sleep(0.5)
+
+    # Faults.
+
+    def inject(self, fault: PlannedFault) -> str:
+        """Do the fault once the job trains with enough replicas for it; the reason if not."""
+        injector = getattr(self, f"fault_{fault.kind}")
+        deadline = time.time() + PRECONDITION_WAIT_S
+        why_not = "the job did not train"
+        while time.time() < deadline:
+            job = self.job()
+            if self.ended(job):
+                return "job ended"
+            if self.training(job):
+                assert job is not None
+                why_not = injector(fault, job, dry_run=True)
+                if not why_not:
+                    return injector(fault, job, dry_run=False)
+                if why_not.startswith(SKIP):
+                    return why_not.removeprefix(SKIP)
+            if self.tail.last_step >= self.steps - self.margin:
+                return "job ending"
+            self.run_due_heals()
+            self.poll_urgent()
+            time.sleep(0.25)
+        return why_not
+
+    def active_units(self, job: admin_pb2.Job) -> list[admin_pb2.Unit]:
+        return sorted((u for u in job.units if u.state == admin_pb2.UNIT_STATE_ACTIVE), key=lambda u: u.unit_id)
+
+    def worker_of(self, unit_id: str) -> int | None:
+        """The unit's live worker of local rank 0 (checked by its environment)."""
+        procs = unit_processes(self.controller.state_dir, self.job_id).get(unit_id)
+        if procs is None:
+            return None
+        for pid in reversed(procs.workers.get(0, [])):
+            env = process_environment(pid)
+            if (alive(pid) and env.get("TIDAL_UNIT_ID") == unit_id and env.get("TIDAL_JOB_ID") == self.job_id
+                    and pid not in self.stopped):
+                return pid
+        return None
+
+    def trainers(self, job: admin_pb2.Job) -> set[str]:
+        """The replicas that hold the training state now: active units whose workers
+        committed a step within TRAINING_WINDOW_S, less those the harness took away."""
+        self.tail.poll()
+        recent = {pid for pid, at in self.tail.committed_at.items() if at > time.time() - TRAINING_WINDOW_S}
+        active = {u.unit_id for u in self.active_units(job)}
+        return {unit.unit_id for unit in unit_processes(self.controller.state_dir, self.job_id).values()
+                if unit.unit_id in active and unit.unit_id not in self.taken
+                and any(pid in recent for pids in unit.workers.values() for pid in pids)}
+
+    def pick_victim(self, fault: PlannedFault, job: admin_pb2.Job) -> tuple[admin_pb2.Unit, int] | str:
+        """An active unit (a member of the world, or joining it) and its worker, such that a
+        replica that holds the training state survives it: losing every replica is the
+        fallback checkpoint's case, not this harness's."""
+        units = [u for u in self.active_units(job) if u.nodes and u.nodes[0] not in self.down_nodes]
+        if not units:
+            return "no active replica"
+        unit = units[min(len(units) - 1, int(fault.pick * len(units)))]
+        if not self.trainers(job) - {unit.unit_id}:
+            return f"no replica but {unit.unit_id} trains"
+        pid = self.worker_of(unit.unit_id)
+        if pid is None:
+            return f"no live worker of {unit.unit_id}"
+        return unit, pid
+
+    def fault_grow(self, fault: PlannedFault, job: admin_pb2.Job, dry_run: bool) -> str:
+        """Resize --max back up after a shrink; below the full size, let it grow; at the
+        full size, take one replica away (--max 3) and give it back later: a grow to come."""
+        if self.shrunk:
+            if not dry_run:
+                self.heals = [h for h in self.heals if h.what != "shrink"]
+                self.unshrink()
+            return ""
+        if job.world_size < NODES:
+            if not dry_run:
+                self.act("grow", detail=f"let it grow from {job.world_size} (max {job.spec.max_replicas})")
+            return ""
+        if not dry_run:
+            with self.controller.admin() as admin:
+                admin.resize(self.job_id, max_replicas=NODES - 1)
+            self.shrunk = True
+            self.act("resize", detail=f"--max {NODES - 1}, to grow back to {NODES} in {fault.duration_s:.1f} s")
+            self.heals.append(Heal(time.time() + fault.duration_s, "shrink", self.unshrink))
+        return ""
+
+    def unshrink(self) -> None:
+        with self.controller.admin() as admin:
+            admin.resize(self.job_id, max_replicas=NODES)
+        self.shrunk = False
+        self.act("resize", detail=f"--max {NODES}")
+
+    def fault_shrink(self, fault: PlannedFault, job: admin_pb2.Job, dry_run: bool) -> str:
+        if self.shrunk or job.world_size < 3:
+            return f"world size {job.world_size}" if not self.shrunk else "already shrunk"
+        if not dry_run:
+            with self.controller.admin() as admin:
+                admin.resize(self.job_id, max_replicas=2)
+            self.shrunk = True
+            self.act("resize", detail=f"--max 2 (world size {job.world_size}) for {fault.duration_s:.1f} s")
+            self.heals.append(Heal(time.time() + fault.duration_s, "shrink", self.unshrink))
+        return ""
+
+    def fault_drain(self, fault: PlannedFault, job: admin_pb2.Job, dry_run: bool) -> str:
+        units = self.active_units(job)
+        if len(units) < 2:
+            return f"{len(units)} active replica(s)"
+        unit = units[min(len(units) - 1, int(fault.pick * len(units)))]
+        if not self.trainers(job) - {unit.unit_id}:
+            return f"no replica but {unit.unit_id} trains"
+        if not dry_run:
+            self.taken.add(unit.unit_id)
+            with self.controller.admin() as admin:
+                drained = admin.drain(unit.unit_id)
+            self.act("drain", unit.unit_id, f"on {','.join(unit.nodes)}: {','.join(drained) or 'nothing drained'}")
+        return ""
+
+    def fault_kill_worker(self, fault: PlannedFault, job: admin_pb2.Job, dry_run: bool) -> str:
+        victim = self.pick_victim(fault, job)
+        if isinstance(victim, str):
+            return victim
+        if not dry_run:
+            unit, pid = victim
+            self.hurt.append(Hurt(unit.unit_id, time.time()))
+            self.taken.add(unit.unit_id)
+            signal_pid(pid, signal.SIGKILL)
+            self.act("kill -9 worker", unit.unit_id, f"pid {pid} on {','.join(unit.nodes)}")
+        return ""
+
+    def launcher_of(self, worker: int) -> int | None:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            launcher = parent_of(worker)
+            if "tidal.launcher.agent" in command_line(launcher):
+                return launcher
+        return None
+
+    def fault_kill_launcher(self, fault: PlannedFault, job: admin_pb2.Job, dry_run: bool) -> str:
+        victim = self.pick_victim(fault, job)
+        if isinstance(victim, str):
+            return victim
+        unit, pid = victim
+        launcher = self.launcher_of(pid)
+        if launcher is None:
+            return f"no launcher above worker {pid}"
+        if not dry_run:
+            self.hurt.append(Hurt(unit.unit_id, time.time()))
+            self.taken.add(unit.unit_id)
+            signal_pid(launcher, signal.SIGKILL)
+            self.act("kill -9 launcher", unit.unit_id, f"pid {launcher} (worker {pid}) on {','.join(unit.nodes)}")
+        return ""
+
+    def fault_stop_worker(self, fault: PlannedFault, job: admin_pb2.Job, dry_run: bool) -> str:
+        victim = self.pick_victim(fault, job)
+        if isinstance(victim, str):
+            return victim
+        if not dry_run:
+            unit, pid = victim
+            hurt = Hurt(unit.unit_id, time.time())
+            self.hurt.append(hurt)
+            self.taken.add(unit.unit_id)
+            signal_pid(pid, signal.SIGSTOP)
+            self.stopped.add(pid)
+            self.act("SIGSTOP worker", unit.unit_id, f"pid {pid} for {fault.duration_s:.1f} s")
+
+            def resume() -> None:
+                self.stopped.discard(pid)
+                if alive(pid) and signal_pid(pid, signal.SIGCONT):
+                    self.act("SIGCONT worker", unit.unit_id, f"pid {pid} (still alive)")
+                else:
+                    self.act("SIGCONT worker", unit.unit_id, f"pid {pid} is gone (killed while stopped)")
+                hurt.until = time.time() + STOP_EXCUSE_S
+
+            self.heals.append(Heal(time.time() + fault.duration_s, f"SIGCONT {pid}", resume))
+        return ""
+
+    def fault_urgent(self, fault: PlannedFault, job: admin_pb2.Job, dry_run: bool) -> str:
+        if self.urgent_jobs and any(h.what.startswith("urgent") for h in self.heals):
+            return "an urgent job is already there"
+        trainers = self.trainers(job)
+        if len(trainers) < fault.nodes + 1:
+            return f"{len(trainers)} training replica(s) for an urgent job of {fault.nodes} nodes"
+        if not dry_run:
+            urgent = self.slurm.submit(UnitSubmission(
+                name="chaos-urgent", script="#!/bin/sh\nsleep 600\n", partition="urgent", nodes=fault.nodes,
+                exclusive=True, requeue=False, output=str(self.folder / "urgent-%j.out")))
+            self.urgent_jobs[urgent] = []
+            duration = fault.duration_s + 4.0
+            self.act("urgent job", detail=f"Slurm job {urgent} on {fault.nodes} nodes for {duration:.1f} s")
+
+            def cancel() -> None:
+                self.poll_urgent()
+                self.slurm.cancel(urgent)
+                ran_on = ",".join(self.urgent_jobs[urgent]) or "no node yet"
+                self.act("scancel urgent", detail=f"Slurm job {urgent} (ran on {ran_on})")
+
+            self.heals.append(Heal(time.time() + duration, f"urgent {urgent}", cancel))
+        return ""
+
+    def poll_urgent(self) -> None:
+        for urgent, nodes in self.urgent_jobs.items():
+            if nodes or not any(h.what == f"urgent {urgent}" for h in self.heals):
+                continue
+            with contextlib.suppress(SlurmError):
+                record = self.slurm.get_job(urgent)
+                if record.state is JobState.RUNNING and record.nodes:
+                    nodes.extend(record.nodes)
+                    self.act("urgent job runs", detail=f"Slurm job {urgent} on {','.join(record.nodes)}")
+
+    def fault_node_fail(self, fault: PlannedFault, job: admin_pb2.Job, dry_run: bool) -> str:
+        if self.down_nodes:
+            return f"{','.join(sorted(self.down_nodes))} is down already"
+        victim = self.pick_victim(fault, job)
+        if isinstance(victim, str):
+            return victim
+        unit, worker = victim
+        launcher = self.launcher_of(worker)
+        if launcher is None:
+            return f"no launcher above worker {worker}"
+        if dry_run:
+            return ""
+        (node,) = unit.nodes
+        self.hurt.append(Hurt(unit.unit_id, time.time()))
+        self.taken.add(unit.unit_id)
+        # The node dies: its slurmd, then everything its unit ran there (the launcher, its
+        # workers, the slurmstepd above it).
+        minicluster("kill-node", node)
+        self.down_nodes.add(node)
+        victims = [launcher, *children_of(launcher)]
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            stepd = parent_of(launcher)
+            if Path(f"/proc/{stepd}/comm").read_text().startswith("slurmstepd"):
+                victims.append(stepd)
+        for pid in victims:
+            signal_pid(pid, signal.SIGKILL)
+        self.act("node failure", unit.unit_id, f"{node}: slurmd and pids {victims} killed; back in "
+                                               f"{fault.duration_s + 5:.1f} s")
+
+        def restart() -> None:
+            minicluster("start-node", node)
+            self.down_nodes.discard(node)
+            self.act("node back", detail=node)
+
+        self.heals.append(Heal(time.time() + fault.duration_s + 5.0, f"start-node {node}", restart))
+        return ""
+
+    def fault_controller_restart(self, fault: PlannedFault, job: admin_pb2.Job, dry_run: bool) -> str:
+        if not dry_run:
+            down_s = fault.duration_s / 2
+            self.controller.kill()
+            self.act("kill -9 controller", detail=f"down for {down_s:.1f} s")
+            time.sleep(down_s)
+            try:
+                self.controller.start()
+            except Exception as error:
+                raise Aborted(f"the controller did not start again on its SQLite: {error}") from error
+            self.act("controller started", detail=f"log controller-{self.controller.starts}.log")
+        return ""
+
+    # The end.
+
+    def clean_up(self) -> None:
+        """Stop everything this seed started, whatever happened; what had to be stopped
+        here (and should have stopped by itself) is a problem."""
+        try:
+            self.run_due_heals(everything=True)
+            for pid in list(self.stopped):
+                signal_pid(pid, signal.SIGCONT)
+            for node in list(self.down_nodes):
+                with contextlib.suppress(Exception):
+                    minicluster("start-node", node)
+                    self.down_nodes.discard(node)
+            for urgent in self.urgent_jobs:
+                with contextlib.suppress(SlurmError):
+                    self.slurm.cancel(urgent)
+            if not self.job_id:
+                return
+            job = self.job()
+            if job is not None and not self.ended(job):
+                with contextlib.suppress(grpc.RpcError), self.controller.admin() as admin:
+                    admin.cancel(self.job_id)
+                self.act("cancelled", detail="by the harness, at the end")
+            self.check_nothing_left()
+        finally:
+            with contextlib.suppress(Exception):
+                self.events_at_end = self.events()
+            self.job()
+            self.controller.stop()
+
+    def units_in_slurm(self) -> list[int]:
+        try:
+            return [j.job_id for j in self.slurm.list_jobs() if j.name.startswith(f"tidal-{self.job_id}-")
+                    and j.is_active]
+        except SlurmError:
+            return [-1]
+
+    def check_nothing_left(self) -> None:
+        deadline = time.time() + 60
+        while self.units_in_slurm() and time.time() < deadline:
+            time.sleep(1.0)
+        left = [j for j in self.units_in_slurm() if j > 0]
+        if left:
+            self.problems.append(f"units' Slurm jobs still active 60 s after the job ended: {left} (cancelled here)")
+            for slurm_job in left:
+                with contextlib.suppress(SlurmError):
+                    self.slurm.cancel(slurm_job)
+        pids = {pid for unit in unit_processes(self.controller.state_dir, self.job_id).values()
+                for pid in unit.launchers + [p for ps in unit.workers.values() for p in ps]}
+        pids |= {int(p.stem.split("-")[1]) for p in self.ledger_dir.glob("ledger-*.jsonl")}
+        deadline = time.time() + 30
+
+        def ours(pid: int) -> bool:
+            return alive(pid) and process_environment(pid).get("TIDAL_JOB_ID", "") in ("", self.job_id) and (
+                "tidal.launcher.agent" in command_line(pid) or str(MLP_EXAMPLE) in command_line(pid))
+
+        while any(ours(p) for p in pids) and time.time() < deadline:
+            time.sleep(0.5)
+        leftovers = sorted(p for p in pids if ours(p))
+        if leftovers:
+            self.problems.append(f"processes outlived the job by 30 s: {leftovers} (killed here)")
+            for pid in leftovers:
+                signal_pid(pid, signal.SIGCONT)
+                signal_pid(pid, signal.SIGKILL)
+
+    def check(self) -> None:
+        events = self.events_at_end
+        kinds = [e.kind for e in events]
+        job = self.last_job
+        state = admin_pb2.JobState.Name(job.state) if job else "unknown"
+        if not events:
+            self.problems.append("no events could be read from the controller")
+        elif kinds.count("job_completed") != 1 or job is None or job.state != admin_pb2.JOB_STATE_COMPLETED:
+            ends = [k for k in kinds if k in ("job_completed", "job_failed", "job_cancelled")]
+            self.problems.append(f"the job did not end COMPLETED exactly once: state {state}, end events {ends}, "
+                                 f"last event {events[-1].kind}: {events[-1].reason}")
+        self.check_steps(read_ledger(self.ledger_dir))
+        self.check_parameters()
+        self.check_workers(read_ledger(self.ledger_dir))
+        self.check_failures(events)
+        for event in events:
+            if event.kind == "state_not_held":
+                self.notes.append(f"state_not_held at epoch {event.epoch}: {event.reason}")
+            elif event.kind == "epoch_stopped" and float(event.fields.get("detection_to_all_stopped_s", 0)) > 5:
+                self.notes.append(f"epoch {event.epoch} took {event.fields['detection_to_all_stopped_s']} s to stop")
+
+    def check_steps(self, records: list[dict[str, Any]]) -> None:
+        commits: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
+        attempts: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
+        for record in records:
+            if record["kind"] == "commit":
+                commits[(record["step"], record["epoch"])].append(record)
+            elif record["kind"] == "attempt":
+                attempts[(record["step"], record["epoch"])].append(record)
+        epochs_of: dict[int, list[int]] = defaultdict(list)
+        for step, epoch in sorted(commits):
+            epochs_of[step].append(epoch)
+        missing = [s for s in range(self.steps) if s not in epochs_of]
+        if missing:
+            self.problems.append(f"steps never committed: {ranges(missing)}")
+        beyond = sorted(s for s in epochs_of if s >= self.steps)
+        if beyond:
+            self.problems.append(f"steps past the last one committed: {ranges(beyond)}")
+        wrong_samples: dict[str, list[int]] = defaultdict(list)
+        redone: dict[str, list[int]] = defaultdict(list)
+        broke: dict[str, list[int]] = defaultdict(list)
+        for step in range(min(self.steps, max(epochs_of, default=-1) + 1)):
+            epochs = epochs_of.get(step, [])
+            for epoch in epochs:
+                done = commits[(step, epoch)]
+                world_size = done[0]["world_size"]
+                tried = attempts[(step, epoch)]
+                union = sorted(i for a in tried for i in a["indices"])
+                ranks = sorted(a["rank"] for a in tried)
+                if union != self.reference.indices[step] or ranks != list(range(world_size)):
+                    expected = set(self.reference.indices[step])
+                    wrong_samples[f"epoch {epoch} (world size {world_size}, attempts by ranks {ranks}, "
+                                  f"{len(set(union) - expected)} extra, {len(expected - set(union))} missing, "
+                                  f"{len(union) - len(set(union))} twice)"].append(step)
+            for first, later in itertools.pairwise(epochs):
+                done = commits[(step, first)]
+                committed = sorted({r["rank"] for r in done})
+                if len(committed) >= done[0]["world_size"]:
+                    redone[f"committed by every rank of epoch {first} and again in epoch {later}"].append(step)
+                else:
+                    broke[f"epoch {first} broke at it (ranks {committed} of {done[0]['world_size']} committed, "
+                          f"pids {sorted({r['pid'] for r in done})}); redone in epoch {later}"].append(step)
+        for what, steps in wrong_samples.items():
+            self.problems.append(f"step(s) {ranges(steps)}: the samples are not the fixed run's: {what}")
+        for what, steps in redone.items():
+            self.problems.append(f"step(s) {ranges(steps)} {what} (training went back)")
+        for what, steps in broke.items():
+            self.notes.append(f"step(s) {ranges(steps)}: {what}")
+        abandoned = [r for r in records if r["kind"] == "abandoned"]
+        if abandoned:
+            self.notes.append(f"{len(abandoned)} abandoned step attempt(s) in the ledger "
+                              f"(steps {ranges([r['step'] for r in abandoned])})")
+
+    def check_parameters(self) -> None:
+        if not self.out.exists():
+            self.problems.append(f"no final parameters: {self.out} was not written")
+            return
+        try:
+            saved = torch.load(self.out)
+        except Exception as error:
+            self.problems.append(f"the final parameters cannot be read: {error}")
+            return
+        if saved.get("step") != self.steps:
+            self.problems.append(f"the --out file says step {saved.get('step')}, not {self.steps}")
+        model = saved.get("model", {})
+        if set(model) != set(self.reference.params):
+            self.problems.append(f"the final parameters have keys {sorted(model)}")
+            return
+        worst = max(float((model[k].double() - self.reference.params[k].double()).abs().max()) for k in model)
+        if not worst <= PARAMETER_TOLERANCE:
+            self.problems.append(f"the final parameters differ from the fixed run's by {worst:.3g} "
+                                 f"(tolerance {PARAMETER_TOLERANCE:g})")
+        else:
+            self.notes.append(f"final parameters within {worst:.2g} of the fixed run's")
+
+    def check_workers(self, records: list[dict[str, Any]]) -> None:
+        units = unit_processes(self.controller.state_dir, self.job_id)
+        owner = {}
+        for unit in units.values():
+            for local_rank, pids in unit.workers.items():
+                for pid in pids:
+                    owner[pid] = unit.unit_id
+                for pid in pids[1:]:
+                    at = unit.started_at.get(pid, 0.0)
+                    hurt = [h for h in self.hurt if h.unit_id == unit.unit_id and h.since <= at]
+                    who = (f"the harness hurt the unit at +{hurt[0].since - self.submitted_at:.1f} s and its launcher "
+                           "started another worker instead of the unit failing" if hurt
+                           else "a survivor was restarted")
+                    self.problems.append(f"unit {unit.unit_id} local rank {local_rank}: worker {pid} started at "
+                                         f"+{at - self.submitted_at:.1f} s after {pids[:pids.index(pid)]}: {who}")
+        strangers = sorted({r["pid"] for r in records} - set(owner))
+        if strangers:
+            self.problems.append(f"ledger PIDs {strangers} belong to no unit's launcher log")
+
+    def check_failures(self, events: list[admin_pb2.Event]) -> None:
+        for event in events:
+            if event.kind != "failure_detected":
+                continue
+            at = event.time.ToNanoseconds() / 1e9
+            if any(h.unit_id == event.unit_id and h.since - 0.5 <= at <= h.until for h in self.hurt):
+                continue
+            self.problems.append(f"failure_detected of {event.unit_id} at +{at - self.submitted_at:.1f} s "
+                                 f"(epoch {event.epoch}), which the harness did not hurt: {event.reason}")
+
+    def timeline(self) -> list[str]:
+        lines: list[tuple[float, str]] = []
+        for event in self.events_at_end:
+            at = event.time.ToNanoseconds() / 1e9
+            fields = " ".join(f"{k}={v}" for k, v in sorted(event.fields.items()))
+            lines.append((at, f"{event.kind:<20} {event.unit_id or '-':<4} e{event.epoch:<3} {event.reason}"
+                              + (f" [{fields}]" if fields else "")))
+        for action in self.actions:
+            lines.append((action.at, f">> {action.kind} {action.unit_id} {action.detail}".rstrip()))
+        return [f"+{at - self.submitted_at:7.2f} s  {text}" for at, text in sorted(lines, key=lambda x: x[0])]
+
+
+def code_version() -> str:
+    """The commit the run exercised, and whether the working tree differed from it."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{head}{' with uncommitted changes' if dirty else ''}"
+
+
+def run_seed(seed: int, reference: Reference, folder: Path, **options: Any) -> SeedResult:
+    return ChaosRun(seed, reference, folder, **options).run()
+
+
+def stop_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM (timeout, a CI runner) unwinds like SIGINT: every `finally` stops what it started."""
+    raise SystemExit(128 + signum)
+
+
+def main() -> None:
+    arguments = parser(__doc__.split("\n\n")[0])
+    arguments.add_argument("--seeds", type=int, default=3, help="how many seeds (default 3)")
+    arguments.add_argument("--first-seed", type=int, default=1, help="the first seed (default 1)")
+    arguments.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"K (default {DEFAULT_STEPS})")
+    arguments.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S,
+                           help=f"seconds from submit for the job to end (default {DEFAULT_DEADLINE_S:g})")
+    arguments.add_argument("--timeline", action="store_true",
+                           help="print every seed's timeline, not only a failing one's")
+    args = arguments.parse_args()
+    seeds = list(range(args.first_seed, args.first_seed + (1 if args.quick else args.seeds)))
+    steps = min(args.steps, 200) if args.quick else args.steps
+    if not os.environ.get("SLURM_CONF"):
+        raise SystemExit("chaos: SLURM_CONF is not set (scripts/minicluster up; export SLURM_CONF=...)")
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
+    results: list[SeedResult] = []
+    with workspace(args.keep, "chaos") as folder:
+        print(f"chaos: the fixed run of {steps} steps", flush=True)
+        reference = fixed_run(steps, folder / "reference")
+        with cpu_hog() as hogs:
+            print(f"chaos: CPU hog pids {hogs}; seeds {seeds}", flush=True)
+            for seed in seeds:
+                result = run_seed(seed, reference, folder / f"seed-{seed}", deadline_s=args.deadline,
+                                  log=lambda line: print(line, flush=True))
+                results.append(result)
+                print(result.report(args.timeline), flush=True)
+    print()
+    for result in results:
+        print(result.summary())
+    rows = [Row(benchmark="chaos", metric=f"seed {r.seed}: {', '.join(r.faults) or 'no fault'}", unit="s",
+                tidal=r.seconds, goal="COMPLETED once; every step with the fixed run's samples; parameters within "
+                f"{PARAMETER_TOLERANCE:g}; no survivor restarted; no healthy unit failed; nothing left",
+                met=r.passed, tidal_samples=[r.seconds], note="; ".join(r.problems)[:2000])
+            for r in results]
+    passed = sum(r.passed for r in results)
+    rows.append(Row(benchmark="chaos", metric="seeds passed", unit="fraction", tidal=passed / max(1, len(results)),
+                    goal="all", met=passed == len(results), tidal_samples=[float(r.passed) for r in results]))
+    write_result("chaos", rows, quick=args.quick,
+                 settings={"code": code_version(), "seeds": seeds, "steps": steps, "deadline_s": args.deadline,
+                           "hog_processes": HOG_PROCESSES,
+                           "controller": CONTROLLER_SETTINGS,
+                           "runs": [{"seed": r.seed, "passed": r.passed, "faults": r.faults, "skipped": r.skipped,
+                                     "seconds": round(r.seconds, 1), "problems": r.problems, "notes": r.notes}
+                                    for r in results]})
+    sys.exit(0 if passed == len(results) else 1)
+
+
+if __name__ == "__main__":
+    main()

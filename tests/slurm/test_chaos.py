@@ -1,0 +1,50 @@
+"""Chaos on the real mini cluster (bench/chaos.py): seeded sequences of faults against a
+live float64 job under a CPU hog, each run to the job's end; and issue 12's scenario, a
+fixed world of 4 under load that must simply finish."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bench import chaos
+from tidal.slurm import CliJsonSlurmClient
+
+pytestmark = pytest.mark.slurm
+
+# Short runs: `make test` runs each in well under its 300 s timeout when Tidal works.
+CHAOS_STEPS = 600
+CHAOS_DEADLINE_S = 200.0
+FIXED_WORLD_STEPS = 600
+
+
+@pytest.fixture(scope="module")
+def chaos_reference(tmp_path_factory: pytest.TempPathFactory) -> chaos.Reference:
+    return chaos.fixed_run(CHAOS_STEPS, tmp_path_factory.mktemp("chaos-reference"))
+
+
+@pytest.fixture
+def hog() -> Iterator[list[int]]:
+    with chaos.cpu_hog() as pids:
+        yield pids
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_seeded_sequence_of_faults_ends_completed_once_with_the_fixed_runs_steps_and_parameters(
+        seed: int, slurm: CliJsonSlurmClient, mini_cluster: dict, chaos_reference: chaos.Reference,
+        hog: list[int], tmp_path: Path) -> None:
+    result = chaos.run_seed(seed, chaos_reference, tmp_path, deadline_s=CHAOS_DEADLINE_S)
+    assert result.passed, result.report()
+
+
+def test_a_fixed_world_of_four_under_load_completes_once_without_a_failure(
+        slurm: CliJsonSlurmClient, mini_cluster: dict, hog: list[int], tmp_path: Path) -> None:
+    """Issue 12: min = max = 4, no fault, two busy loops on the machine's 2 cores. A slow
+    worker is not a frozen one, and the last step ends the job, once."""
+    reference = chaos.fixed_run(FIXED_WORLD_STEPS, tmp_path / "reference")
+    result = chaos.run_seed(0, reference, tmp_path / "run", faults=[], min_replicas=4, max_replicas=4,
+                            deadline_s=CHAOS_DEADLINE_S)
+    # With no fault, any failure_detected is one of a healthy unit (check_failures).
+    assert result.passed, result.report()
