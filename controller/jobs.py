@@ -450,6 +450,11 @@ class JobActor:
             self.events.record(self.job.job_id, "launcher_reattached",
                                f"still running epoch {self.epoch.epoch}; workers untouched", unit_id=unit_id,
                                epoch=self.epoch.epoch, fields=fields)
+        elif self.live and register.last_epoch and not register.worker_pids and self.job.state is JobState.RUNNING:
+            # Live workers never start again inside a unit: a member that comes back with
+            # none lost them while the controller was away (its exit report follows).
+            self._fail(unit_id, f"came back after a controller restart with no workers left in epoch "
+                       f"{register.last_epoch}", "worker_exit", now)
         elif self.job.state is JobState.RUNNING:
             session.send(self._start_message(self.epoch, unit_id))
             self.events.record(self.job.job_id, "epoch_start_resent",
@@ -939,7 +944,8 @@ class JobActor:
             if pending.waiting_for or not pending.told_old_members:
                 return
             self.reconfigure = None
-            self.job.step = max(self.job.step, report.step)
+            # (The watermark rises from heartbeats only, so that it never runs ahead of the
+            # steps the state holders are judged by.)
             with self.store.transaction():
                 self.store.update_job(self.job)
                 self.events.record(self.job.job_id, "world_reconfigured",

@@ -204,3 +204,41 @@ def test_after_the_last_step_exits_and_silences_are_not_failures_and_the_job_com
     harness.tick()
     harness.say("c", epoch_report=launcher_pb2.EpochReport(epoch=1, phase=launcher_pb2.EPOCH_PHASE_LEFT))
     assert [e.kind for e in harness.store.events("live-1")].count("job_completed") == 1
+
+
+def test_a_member_back_after_a_controller_restart_without_workers_has_failed(harness: Harness) -> None:
+    # The controller restarts: a new actor from the same SQLite file.
+    job = harness.store.jobs()[0]
+    epoch, _ = harness.store.epoch(job.job_id, job.epoch)
+    harness.actor = JobActor(job, harness.store.units(job.job_id), epoch, epoch_stopped=False,
+                             config=harness.config, store=harness.store, events=EventLog(harness.store),
+                             metrics=ControllerMetrics(), started_at=time.monotonic())
+    now = time.monotonic()
+    for unit, pids in (("a", [4242]), ("b", [])):
+        session = LauncherSession(job_id="live-1", unit_id=unit, opened_at=now, last_heartbeat_at=now,
+                                  store_port=1, worker_pids=tuple(pids))
+        harness.sessions[unit] = session
+        harness.actor.handle(Connected(session, launcher_pb2.Register(
+            job_id="live-1", unit_id=unit, secret="s", nodes=[f"node-{unit}"], address="127.0.0.1",
+            last_epoch=1, worker_pids=pids)))
+    # a still trains and is left alone; b lost its worker while the controller was away:
+    # it fails (no fresh worker is started into the running world), and a stops in-process.
+    assert harness.outbox("a") == ["stop:1"]
+    assert "start:1" not in harness.outbox("b")
+    failure = [e for e in harness.store.events("live-1") if e.kind == "failure_detected"]
+    assert len(failure) == 1 and failure[0].unit_id == "b" and "no workers left" in failure[0].reason
+
+
+def test_a_planned_change_right_after_another_names_every_member_a_state_holder(harness: Harness) -> None:
+    harness.connect("c", 1003)
+    harness.tick()
+    harness.report("c", 2, launcher_pb2.EPOCH_PHASE_STARTED)
+    for rank, unit in enumerate("abc"):
+        beat(harness, unit, rank, 38)
+    # The ranks moved at step 40; the heartbeats still say 38 (they are up to a second old).
+    for unit in "abc":
+        harness.report(unit, 2, launcher_pb2.EPOCH_PHASE_RECONFIGURED, step=40)
+    harness.say("c", leave_request=launcher_pb2.LeaveRequest(epoch=2, cause=launcher_pb2.LEAVE_CAUSE_DRAINED))
+    reconfiguring = [e for e in harness.store.events("live-1") if e.kind == "world_reconfiguring"][-1]
+    assert reconfiguring.fields["state_holders"] == "a,b"
+    assert "state_not_held" not in harness.kinds()
