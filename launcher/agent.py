@@ -247,7 +247,7 @@ class Agent:
                     self._handle(event)
                 except Exception:
                     # A bug in one handler must not take the replica (and its workers) down.
-                    self.log.exception("launcher_event_failed", event=type(event).__name__)
+                    self.log.exception("launcher_event_failed", event_type=type(event).__name__)
         finally:
             ticker.cancel()
             if self.workers is not None and not self.workers.all_exited:
