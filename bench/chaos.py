@@ -1052,7 +1052,7 @@ def stop_on_sigterm(signum: int, frame: object) -> None:
 
 def main() -> None:
     arguments = parser(__doc__.split("\n\n")[0])
-    arguments.add_argument("--seeds", type=int, default=3, help="how many seeds (default 3)")
+    arguments.add_argument("--seeds", type=int, default=20, help="how many seeds (default 20)")
     arguments.add_argument("--first-seed", type=int, default=1, help="the first seed (default 1)")
     arguments.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"K (default {DEFAULT_STEPS})")
     arguments.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S,

@@ -18,6 +18,9 @@ pytestmark = pytest.mark.slurm
 CHAOS_STEPS = 600
 CHAOS_DEADLINE_S = 200.0
 FIXED_WORLD_STEPS = 600
+# Long enough for all four faults of the churn scenario to land before the end.
+CHURN_STEPS = 1200
+CHURN_DEADLINE_S = 260.0
 
 
 @pytest.fixture(scope="module")
@@ -48,3 +51,20 @@ def test_a_fixed_world_of_four_under_load_completes_once_without_a_failure(
                             deadline_s=CHAOS_DEADLINE_S)
     # With no fault, any failure_detected is one of a healthy unit (check_failures).
     assert result.passed, result.report()
+
+
+@pytest.mark.timeout(420)
+def test_issue_12s_churn_grow_drain_resize_kill_resize_preempt_then_finish(
+        slurm: CliJsonSlurmClient, mini_cluster: dict, hog: list[int], tmp_path: Path) -> None:
+    """The sequence a new user tried (issue 12): the job grows to 4, a unit is drained,
+    `resize --max 2` then back to 4 with a worker killed in between, an urgent job on 3
+    nodes preempts units and is cancelled; then the job is left to finish. It must end
+    COMPLETED once, every step with the fixed run's samples, parameters within 1e-9."""
+    reference = chaos.fixed_run(CHURN_STEPS, tmp_path / "reference")
+    faults = [chaos.PlannedFault(kind="drain", gap_s=2.0, pick=0.5, duration_s=0.0, nodes=0),
+              chaos.PlannedFault(kind="shrink", gap_s=2.0, pick=0.0, duration_s=6.0, nodes=0),
+              chaos.PlannedFault(kind="kill_worker", gap_s=1.0, pick=0.0, duration_s=0.0, nodes=0),
+              chaos.PlannedFault(kind="urgent", gap_s=3.0, pick=0.0, duration_s=8.0, nodes=3)]
+    result = chaos.run_seed(0, reference, tmp_path / "run", faults=faults, deadline_s=CHURN_DEADLINE_S)
+    assert result.passed, result.report()
+    assert result.faults == ["drain", "shrink", "kill_worker", "urgent"], result.report()
