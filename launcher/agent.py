@@ -195,6 +195,8 @@ class Agent:
         self.leave_requested_at: float | None = None
         self.started_at = time.monotonic()
         self.heartbeat_sequence = 0
+        # When the silence of the workers was last judged (monotonic; 0: never).
+        self.last_silence_look_at = 0.0
         self.last_heartbeat_at = 0.0
         # Live mode: workers started ahead of any world, waiting to be named in one.
         self.standby = False
@@ -339,6 +341,11 @@ class Agent:
                 return
             self.log.info("epoch_stop_ordered", epoch=stop.epoch, reason=stop.reason)
             self.pending_start = None
+            if self.live.finished and not self.failed_self:
+                # Training is over here (a rank committed the last step): the workers run the
+                # script's own code and exit by themselves; nothing to stop.
+                self.log.info("stop_after_finish_ignored", epoch=stop.epoch)
+                return
             if self.live_workers_running and not self.failed_self and self.state is not AgentState.LEAVING:
                 self._stop_live(stop.epoch)
                 return
@@ -497,6 +504,11 @@ class Agent:
         self.link.send(launcher_pb2.LauncherMessage(worker_exited=exited))
         if self.live_mode and self.state is AgentState.STOPPING:
             self._maybe_live_stopped()
+        if self.live.finished and group.all_exited:
+            # Training is over and every worker of this unit has exited: the unit is done,
+            # whether or not the controller is there to say so.
+            self._report(self.epoch, launcher_pb2.EPOCH_PHASE_LEFT, detail="training finished; every worker exited")
+            self._finish(AgentState.SUCCEEDED, EXIT_OK, "training finished")
 
     def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
@@ -522,6 +534,11 @@ class Agent:
             self._finish(AgentState.FAILED, EXIT_UNREACHABLE,
                          f"not registered within {self.options.connect_timeout_s:g} s")
             return
+        if (self.live.stop_deadline is not None and now > self.live.stop_deadline and self.workers is not None
+                and {w.local_rank for w in self.workers.workers if not w.exited.done()} <= self.live.finished):
+            # Past the last step, a worker runs the script's own code (saving the model):
+            # no stop or leave deadline cuts that short.
+            self.live.stop_deadline = None
         if self.live.stop_deadline is not None and now > self.live.stop_deadline:
             self.log.warning("live_stop_timed_out", epoch=self.epoch, idle=sorted(self.live.idle))
             self.live.stop_deadline = None
@@ -553,6 +570,13 @@ class Agent:
             return
         now = time.time()
         live = self.live
+        looked_at, self.last_silence_look_at = self.last_silence_look_at, time.monotonic()
+        if looked_at and self.last_silence_look_at - looked_at > limit_s:
+            # This launcher itself was held up (a stalled event loop, the unit suspended):
+            # its workers' beats waited unread, so their silence says nothing yet. Judge
+            # from fresh samples at the next look.
+            live.beat_samples.clear()
+            return
         for worker in group.workers:
             local_rank = worker.local_rank
             last = live.beats.get(local_rank)
@@ -576,10 +600,15 @@ class Agent:
                                  reason=verdict.reason)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(worker.pid, signal.SIGKILL)
-            elif verdict.silence is Silence.SLOW and local_rank not in live.slow:
-                live.slow.add(local_rank)
-                self.log.warning("worker_slow", rank=worker.rank, pid=worker.pid, silent_s=round(silent_s, 3),
-                                 reason=verdict.reason)
+            elif verdict.silence is Silence.SLOW:
+                if sample is not None and reference is not None and sample.cpu_s > reference.cpu_s:
+                    # The reference slides with the CPU time: a worker that was busy and then
+                    # stops using any is judged frozen one limit later, not never.
+                    live.beat_samples[local_rank] = sample
+                if local_rank not in live.slow:
+                    live.slow.add(local_rank)
+                    self.log.warning("worker_slow", rank=worker.rank, pid=worker.pid, silent_s=round(silent_s, 3),
+                                     reason=verdict.reason)
 
     def _heartbeat(self) -> launcher_pb2.Heartbeat:
         self.heartbeat_sequence += 1
@@ -682,7 +711,7 @@ class Agent:
         # standby) is in no process group and holds no state: nothing to stop. It reads the
         # next world when it gets to it; killing it would only cost another start.
         never_formed = alive - set(self.live.formed)
-        if alive <= self.live.idle | never_formed:
+        if alive <= self.live.idle | never_formed | self.live.finished:
             self.live.stop_deadline = None
             self.events.put_nowait(WorkersStopped(self.epoch))
 
@@ -714,6 +743,7 @@ class Agent:
                 live.finished.add(local_rank)
                 self._report_once(epoch, launcher_pb2.EPOCH_PHASE_FINISHED, step=step,
                                   detail="committed the last step")
+                self._maybe_live_stopped()
             case Resumed(epoch=epoch, step=step, detail=detail):
                 self._report_once(epoch, launcher_pb2.EPOCH_PHASE_RESUMED_FROM_CHECKPOINT, step=step, detail=detail)
             case StateLost(epoch=epoch, target_step=target_step, detail=detail):

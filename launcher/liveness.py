@@ -2,7 +2,7 @@
 thread of its own; when the beats stop for longer than the silence limit, its launcher
 looks at the process itself (`/proc/<pid>/stat` and its threads') before it acts:
 
-- stopped (SIGSTOP) or stopped by a tracer: frozen;
+- stopped (SIGSTOP): frozen; stopped by a tracer (a debugger attached): left alone;
 - CPU time advanced since the last beat, or a thread runnable but given no CPU: slow
   (busy, or starved on a loaded node), never killed for its silence; a true hang is the
   controller's progress timeout's;
@@ -119,7 +119,9 @@ def silence_verdict(*, silent_s: float, limit_s: float, sample_at_last_beat: Pro
     if sample_now.state == "T":
         return SilenceVerdict(Silence.FROZEN, f"no beat for {silent_s:.1f} s: stopped (SIGSTOP)")
     if sample_now.state == "t":
-        return SilenceVerdict(Silence.FROZEN, f"no beat for {silent_s:.1f} s: stopped by a tracer")
+        # A debugger or a profiler (gdb, py-spy) holds it: someone is looking at it.
+        return SilenceVerdict(Silence.SLOW, f"no beat for {silent_s:.1f} s: stopped by a tracer (a debugger?); "
+                              "left alone")
     if sample_at_last_beat is None:
         return SilenceVerdict(Silence.WATCHING, f"no beat for {silent_s:.1f} s; no CPU sample to compare with yet")
     cpu_s = sample_now.cpu_s - sample_at_last_beat.cpu_s

@@ -108,11 +108,12 @@ def test_not_silent_past_the_limit_is_alive_whatever_the_process_does() -> None:
     assert verdict(2.0, sample(), sample(at=102.0)).silence is Silence.ALIVE
 
 
-def test_stopped_or_traced_is_frozen_even_if_it_used_cpu_before_it_stopped() -> None:
+def test_stopped_is_frozen_even_if_it_used_cpu_before_it_stopped_and_traced_is_left_alone() -> None:
     assert verdict(2.1, sample(), sample("T", cpu_s=11.0, at=102.1)) == SilenceVerdict(
         Silence.FROZEN, "no beat for 2.1 s: stopped (SIGSTOP)")
+    # gdb or py-spy attached: someone is looking at it; it is not killed for that.
     assert verdict(2.1, sample(), sample("t", at=102.1)) == SilenceVerdict(
-        Silence.FROZEN, "no beat for 2.1 s: stopped by a tracer")
+        Silence.SLOW, "no beat for 2.1 s: stopped by a tracer (a debugger?); left alone")
 
 
 def test_cpu_time_since_the_last_beat_is_slow_not_frozen() -> None:
