@@ -55,6 +55,10 @@ log = structlog.get_logger("tidal.launcher.control")
 
 MAX_LINE = 64 * 1024
 BEAT_INTERVAL_S = 0.5
+# A live worker that refuses to train because the job's state is lost (no rank holds the
+# target step, no checkpoint) exits with this code, after saying `state_lost`; the
+# controller fails the job on it, never the unit.
+EXIT_STATE_LOST = 75
 
 
 @dataclasses.dataclass(frozen=True)

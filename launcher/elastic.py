@@ -54,6 +54,7 @@ from torch.utils.data import default_collate
 
 from tidal.launcher.checkpoint import AsyncCheckpointer
 from tidal.launcher.control import (
+    EXIT_STATE_LOST,
     Beat,
     ChannelClosed,
     Finished,
@@ -98,10 +99,6 @@ class StateLost(RuntimeError):
     """No rank of a world holds the training state at the job's committed step, and there
     is no checkpoint to resume from: training refuses to start again from scratch."""
 
-
-# A worker that refuses to train because the state is lost exits with this code (after
-# telling its launcher why), so that nothing mistakes it for a crash to recover from.
-EXIT_STATE_LOST = 75
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,12 +408,15 @@ class Elastic:
         none has state yet), then all check that their digests agree. Returns the source
         rank and the digest."""
         world_size = self.world_size
-        mine = self.counters.step if self.has_state else -1
-        steps = [mine]
-        if world_size > 1:
-            gathered = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(world_size)]
-            dist.all_gather(gathered, torch.tensor([mine], dtype=torch.int64, device=self.device))
-            steps = [int(t.item()) for t in gathered]
+        steps = self._gather_steps()
+        target_step = self.world.target_step if self.world is not None else 0
+        if max(steps) < target_step and self.checkpointer is not None:
+            # Nobody holds the target. A joiner skipped its checkpoint (the members were to
+            # bring the state): every rank without state loads its own now, and all gather
+            # again (each rank sees the same steps, so all of them do).
+            if not self.has_state:
+                self._load_checkpoint()
+            steps = self._gather_steps()
         target = max(steps)
         source = steps.index(target) if target >= 0 else 0
         self._check_target_step(target)
@@ -433,6 +433,15 @@ class Elastic:
                 raise StateMismatch(f"replicas disagree on the training state after forming: {sorted(digests)}")
         return source, state_digest
 
+    def _gather_steps(self) -> list[int]:
+        """Every rank's committed steps (-1 for a rank without state), by rank."""
+        mine = self.counters.step if self.has_state else -1
+        if self.world_size == 1:
+            return [mine]
+        gathered = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world_size)]
+        dist.all_gather(gathered, torch.tensor([mine], dtype=torch.int64, device=self.device))
+        return [int(t.item()) for t in gathered]
+
     def _check_target_step(self, held: int) -> None:
         """The world's state must be at the job's committed step (the generation's target)
         or later. `held` is the most advanced step any rank holds (-1: none holds any
@@ -442,13 +451,19 @@ class Elastic:
         target_step = self.world.target_step
         if held >= target_step or (held < 0 and target_step == 0):
             return
+        if not self.live:
+            # Restart mode (or a fixed world): the script's own checkpoint is the state, as
+            # under torchrun; say that it is behind, and go on.
+            self.log.warning("state_behind_target", step=max(held, 0), target_step=target_step)
+            return
         if held < 0:
             detail = (f"no rank of generation {self.world.epoch} holds the training state at step {target_step} "
                       "(every replica that held it is gone) and "
                       + ("no checkpoint was found in the checkpoint folder" if self.checkpointer is not None
                          else "the script keeps no checkpoint (checkpoint_dir/checkpoint_every)")
                       + ": refusing to train from step 0")
-            if self.channel is not None and self.rank == 0:
+            if self.channel is not None:
+                # Every rank says it, so that every launcher reports it before the exit.
                 self.channel.send(StateLostMessage(epoch=self.world.epoch, target_step=target_step, detail=detail))
             self.ledger.write("state_lost", epoch=self.world.epoch, target_step=target_step)
             raise StateLost(detail)
