@@ -27,6 +27,7 @@ from tidal.controller.model import EpochRecord, EventRecord, JobRecord, JobState
 from tidal.controller.security import secret_matches
 from tidal.controller.sessions import LauncherSession
 from tidal.controller.store import StateStore
+from tidal.launcher.control import EXIT_STATE_LOST
 from tidal.proto import admin_pb2, common_pb2, launcher_pb2
 from tidal.slurm.client import SlurmClient
 from tidal.slurm.errors import SlurmError
@@ -257,6 +258,11 @@ class JobActor:
         self.state_holders: tuple[str, ...] = ()
         # When the watermark (job.step) was last written to SQLite (monotonic).
         self.step_persisted_at = 0.0
+        # Live members that reconnected after a controller restart with no workers (when).
+        self.returned_without_workers: dict[str, float] = {}
+        # While FINISHING: members whose session closed without leaving (when), given
+        # reconnect_grace_s to come back before they count as gone.
+        self.finishing_disconnected: dict[str, float] = {}
         # While FINISHING: the units of the world that trained the last step (what the
         # job's completion waits for; after a controller restart, the last generation's).
         self.finishing_members: dict[str, int] = ({m.unit_id: m.world_share for m in epoch.members}
@@ -451,10 +457,13 @@ class JobActor:
                                f"still running epoch {self.epoch.epoch}; workers untouched", unit_id=unit_id,
                                epoch=self.epoch.epoch, fields=fields)
         elif self.live and register.last_epoch and not register.worker_pids and self.job.state is JobState.RUNNING:
-            # Live workers never start again inside a unit: a member that comes back with
-            # none lost them while the controller was away (its exit report follows).
-            self._fail(unit_id, f"came back after a controller restart with no workers left in epoch "
-                       f"{register.last_epoch}", "worker_exit", now)
+            # A live member back with no workers lost them while the controller was away: its
+            # queued reports (the exit, or "finished") follow on this stream. No fresh worker
+            # goes into the running world; if those reports do not settle it within
+            # heartbeat_timeout_s, the unit has failed (`_on_tick`).
+            self.returned_without_workers[unit_id] = now
+            self.events.record(self.job.job_id, "launcher_reconnected", "back with no workers; waiting for its "
+                               "reports", unit_id=unit_id, epoch=self.epoch.epoch, fields=fields)
         elif self.job.state is JobState.RUNNING:
             session.send(self._start_message(self.epoch, unit_id))
             self.events.record(self.job.job_id, "epoch_start_resent",
@@ -468,6 +477,12 @@ class JobActor:
             exited = message.worker_exited
             if self.job.state is JobState.FINISHING:
                 self._on_exit_after_finish(unit_id, exited)
+                return
+            if self.live and exited.exit_code == EXIT_STATE_LOST:
+                # The worker refused to train: no state at the target and no checkpoint (its
+                # own report says more, and normally comes first).
+                self._on_state_lost(f"a worker of unit {unit_id} exited {EXIT_STATE_LOST}: no replica holds the "
+                                    f"training state at step {self.job.step} and there is no checkpoint")
                 return
             current = {self.epoch.epoch} if self.epoch is not None else set()
             if self.reconfigure is not None:
@@ -509,9 +524,8 @@ class JobActor:
             elif report.phase == launcher_pb2.EPOCH_PHASE_RESUMED_FROM_CHECKPOINT:
                 self._on_resumed_from_checkpoint(unit_id, report)
             elif report.phase == launcher_pb2.EPOCH_PHASE_STATE_LOST:
-                if not self.job.state.is_final:
-                    self._end(JobState.FAILED, "state_lost", report.detail or
-                              f"no member of generation {report.epoch} holds step {report.step} and no checkpoint")
+                self._on_state_lost(report.detail or f"no member of generation {report.epoch} holds step "
+                                    f"{report.step} and there is no checkpoint")
             elif report.phase == launcher_pb2.EPOCH_PHASE_FIRST_STEP:
                 self._on_first_step(unit_id, report)
             elif self.reconfigure is not None and report.epoch == self.reconfigure.epoch:
@@ -529,8 +543,9 @@ class JobActor:
         if unit is None or unit.state.is_final:
             return
         if self.job.state is JobState.FINISHING:
-            self._mark_left(unit.unit_id, f"session closed after the last step ({reason})")
-            self._maybe_complete()
+            # Past the last step a closed session is no failure; it may be a blip, so the
+            # unit has reconnect_grace_s to come back before it counts as gone (`_on_tick`).
+            self.finishing_disconnected[unit.unit_id] = time.monotonic()
             return
         if unit.state is UnitState.LEAVING or self.job.state.is_final:
             self._mark_left(unit.unit_id, f"session closed ({reason})")
@@ -551,13 +566,27 @@ class JobActor:
             return
         self._observe_throughput(now)
         if self.job.state is JobState.FINISHING:
-            if now > self.reconnect_deadline:
-                for unit_id, unit in self.units.items():
-                    if not unit.state.is_final and unit_id not in self.sessions:
-                        self._mark_left(unit_id, "launcher out of touch after the last step")
-                self._maybe_complete()
+            for unit_id, unit in self.units.items():
+                if unit.state.is_final or unit_id in self.sessions:
+                    self.finishing_disconnected.pop(unit_id, None)
+                    continue
+                since = self.finishing_disconnected.get(unit_id)
+                if (since is not None and now - since > self.config.reconnect_grace_s) or (
+                        since is None and now > self.reconnect_deadline):
+                    self.finishing_disconnected.pop(unit_id, None)
+                    # Whatever is left of it gives its allocation back.
+                    self._cancel_in_slurm(unit)
+                    self._mark_left(unit_id, "launcher out of touch after the last step")
+            self._maybe_complete()
             return
         self._observe_progress(now)
+        for unit_id, since in list(self.returned_without_workers.items()):
+            if now - since > self.config.heartbeat_timeout_s:
+                del self.returned_without_workers[unit_id]
+                returned = self.units.get(unit_id)
+                if returned is not None and returned.state is UnitState.ACTIVE and self.job.state is JobState.RUNNING:
+                    self._fail(unit_id, "came back after a controller restart with no workers left, and said "
+                               "nothing of them", "worker_exit", now)
         if self.stop is not None:
             if now > self.stop.deadline:
                 for unit_id in sorted(self.stop.waiting_for):
@@ -578,8 +607,10 @@ class JobActor:
                     self._fail(unit_id, f"did not reach epoch {pending.epoch} within "
                                f"{self.config.reconfigure_timeout_s:g} s", "reconfigure", now)
             return
-        if self.deferred_leaves and self.job.state is JobState.RUNNING:
-            # Deferred behind a world change that a controller restart cut short.
+        if (self.deferred_leaves and self.job.state is JobState.RUNNING and self.epoch is not None
+                and (now > self.reconnect_deadline or all(u in self.sessions for u in self.epoch.unit_ids))):
+            # Deferred behind a world change that a controller restart cut short: once the
+            # world's launchers are back, so that the leave is a change, not a failure.
             deferred, self.deferred_leaves = self.deferred_leaves, {}
             self._save_pending()
             for leave_unit, (cause, detail) in deferred.items():
@@ -990,7 +1021,7 @@ class JobActor:
     def growing_job(self, view: ClusterView, now: float) -> sharing.GrowingJob | None:
         """What the idle-node share across jobs needs of this job, or None if it runs no
         units in Slurm."""
-        if self.slurm is None or self.job.state.is_final:
+        if self.slurm is None or self.job.state.is_final or self.job.state is JobState.FINISHING:
             return None
         excluded = frozenset(self._excluded_nodes(now))
         return sharing.GrowingJob(job_id=self.job.job_id, weight=self.job.spec.weight or 1,
@@ -1114,6 +1145,9 @@ class JobActor:
         offset = time.time() - now
         for node, (failures, until) in pending.get("node_cooldown", {}).items():
             self.node_cooldown[node] = (int(failures), float(until) - offset)
+        finishing = pending.get("finishing_members")
+        if isinstance(finishing, dict):
+            self.finishing_members = {str(u): int(n) for u, n in finishing.items() if u in self.units}
         for unit_id, (cause, detail) in pending.get("deferred_leaves", {}).items():
             if unit_id in self.units and not self.units[unit_id].state.is_final:
                 self.deferred_leaves[unit_id] = (str(cause), str(detail))
@@ -1242,6 +1276,7 @@ class JobActor:
                                fields={"step": self.job.step})
         self.finishing_members = ({m.unit_id: m.world_share for m in finished_world.members}
                                   if finished_world is not None else {})
+        self.store.save_pending(self.job.job_id, "finishing_members", self.finishing_members)
         members = set(self.finishing_members)
         for other_id, unit in list(self.units.items()):
             if unit.state.is_final or other_id in members:
@@ -1286,6 +1321,12 @@ class JobActor:
         verdict = core.completion_verdict(self.job.step, members)
         if verdict is not None:
             self._end(JobState.COMPLETED, "job_completed", verdict.reason)
+
+    def _on_state_lost(self, reason: str) -> None:
+        """The workers refuse to train from nothing: the job fails, loudly. A job already
+        past its last step is not failed by a late report."""
+        if not self.job.state.is_final and self.job.state is not JobState.FINISHING:
+            self._end(JobState.FAILED, "state_lost", reason)
 
     def _on_resumed_from_checkpoint(self, unit_id: str, report: launcher_pb2.EpochReport) -> None:
         """No member of a generation held the state at its target step; the workers loaded a

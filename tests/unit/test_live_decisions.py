@@ -3,6 +3,7 @@ session objects (no network): who hears what, and in which order."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -206,10 +207,12 @@ def test_after_the_last_step_exits_and_silences_are_not_failures_and_the_job_com
     assert [e.kind for e in harness.store.events("live-1")].count("job_completed") == 1
 
 
-def test_a_member_back_after_a_controller_restart_without_workers_has_failed(harness: Harness) -> None:
-    # The controller restarts: a new actor from the same SQLite file.
+def restart_controller(harness: Harness, **config: float) -> None:
+    """The controller restarts: a new actor from the same SQLite file; `a` comes back with
+    its worker, `b` with none."""
     job = harness.store.jobs()[0]
     epoch, _ = harness.store.epoch(job.job_id, job.epoch)
+    harness.config = dataclasses.replace(harness.config, **config)
     harness.actor = JobActor(job, harness.store.units(job.job_id), epoch, epoch_stopped=False,
                              config=harness.config, store=harness.store, events=EventLog(harness.store),
                              metrics=ControllerMetrics(), started_at=time.monotonic())
@@ -221,12 +224,34 @@ def test_a_member_back_after_a_controller_restart_without_workers_has_failed(har
         harness.actor.handle(Connected(session, launcher_pb2.Register(
             job_id="live-1", unit_id=unit, secret="s", nodes=[f"node-{unit}"], address="127.0.0.1",
             last_epoch=1, worker_pids=pids)))
-    # a still trains and is left alone; b lost its worker while the controller was away:
-    # it fails (no fresh worker is started into the running world), and a stops in-process.
+
+
+def test_a_member_back_after_a_controller_restart_without_workers_gets_no_fresh_worker(harness: Harness) -> None:
+    restart_controller(harness)
+    # No start for b: a fresh worker would join the running world with nothing.
+    assert harness.outbox("b") == [] and harness.outbox("a") == []
+    # b's queued report comes next on its stream: its worker was killed while the controller was away.
+    harness.say("b", worker_exited=launcher_pb2.WorkerExited(epoch=1, local_rank=0, pid=77, signal=9))
     assert harness.outbox("a") == ["stop:1"]
-    assert "start:1" not in harness.outbox("b")
+    failure = [e for e in harness.store.events("live-1") if e.kind == "failure_detected"]
+    assert len(failure) == 1 and failure[0].unit_id == "b" and "killed by SIGKILL" in failure[0].reason
+
+
+def test_a_member_back_without_workers_that_says_nothing_of_them_has_failed(harness: Harness) -> None:
+    restart_controller(harness, heartbeat_interval_s=0.005, heartbeat_timeout_s=0.01)
+    time.sleep(0.02)
+    harness.tick()
     failure = [e for e in harness.store.events("live-1") if e.kind == "failure_detected"]
     assert len(failure) == 1 and failure[0].unit_id == "b" and "no workers left" in failure[0].reason
+    assert harness.outbox("a") == ["stop:1"]
+
+
+def test_a_member_back_without_workers_because_training_finished_is_no_failure(harness: Harness) -> None:
+    restart_controller(harness)
+    harness.report("b", 1, launcher_pb2.EPOCH_PHASE_FINISHED, step=600)
+    harness.say("b", worker_exited=launcher_pb2.WorkerExited(epoch=1, local_rank=0, pid=77, exit_code=0))
+    assert harness.actor.job.state is JobState.FINISHING
+    assert "failure_detected" not in harness.kinds()
 
 
 def test_a_planned_change_right_after_another_names_every_member_a_state_holder(harness: Harness) -> None:
@@ -242,3 +267,15 @@ def test_a_planned_change_right_after_another_names_every_member_a_state_holder(
     reconfiguring = [e for e in harness.store.events("live-1") if e.kind == "world_reconfiguring"][-1]
     assert reconfiguring.fields["state_holders"] == "a,b"
     assert "state_not_held" not in harness.kinds()
+
+
+def test_a_worker_that_refuses_to_train_fails_the_job_not_its_unit(harness: Harness) -> None:
+    harness.say("b", worker_exited=launcher_pb2.WorkerExited(epoch=1, local_rank=0, pid=9, exit_code=75))
+    assert harness.actor.job.state is JobState.FAILED
+    assert harness.kinds()[-1] == "state_lost" and "failure_detected" not in harness.kinds()
+
+
+def test_a_late_state_lost_does_not_fail_a_job_past_its_last_step(harness: Harness) -> None:
+    harness.report("a", 1, launcher_pb2.EPOCH_PHASE_FINISHED, step=600)
+    harness.report("b", 1, launcher_pb2.EPOCH_PHASE_STATE_LOST, step=600)
+    assert harness.actor.job.state is JobState.FINISHING
