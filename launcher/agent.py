@@ -52,7 +52,7 @@ from tidal.launcher.control import (
     World,
 )
 from tidal.launcher.link import ControllerLink, ControllerSaid, LinkDown, LinkEvent, LinkRefused, LinkUp
-from tidal.launcher.liveness import ProcessSample, Silence, read_process_sample, silence_verdict
+from tidal.launcher.liveness import ProcessSample, Silence, group_members, read_group_sample, silence_verdict
 from tidal.launcher.workers import (
     Placement,
     Worker,
@@ -145,6 +145,8 @@ class LiveWorkers:
     beat_samples: dict[int, ProcessSample] = dataclasses.field(default_factory=dict)
     # Workers found silent but busy in their current silent spell (logged once a spell).
     slow: set[int] = dataclasses.field(default_factory=set)
+    # Other processes in each worker's process group, found at its first silent look.
+    group_members: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     # Workers the launcher killed for falling silent: local rank -> why.
     silenced: dict[int, str] = dataclasses.field(default_factory=dict)
     # Workers that committed the job's last step (said "finished"): training is over for
@@ -586,7 +588,10 @@ class Agent:
             silent_s = now - last[0]
             if silent_s <= limit_s:
                 continue
-            sample = read_process_sample(worker.pid)
+            if local_rank not in live.group_members:
+                # At its first silent look: what else runs in its process group (a wrapper's child).
+                live.group_members[local_rank] = group_members(worker.pid)
+            sample = read_group_sample(worker.pid, live.group_members[local_rank])
             reference = live.beat_samples.get(local_rank)
             if reference is None and sample is not None:
                 # No sample from its last beat: this first silent look is the reference.
@@ -752,7 +757,8 @@ class Agent:
                 live.beats[local_rank] = (time.time(), waiting, max(0, samples))
                 live.slow.discard(local_rank)
                 beating = next((w for w in group.workers if w.local_rank == local_rank), None)
-                sample = read_process_sample(beating.pid) if beating is not None else None
+                sample = (read_group_sample(beating.pid, live.group_members.get(local_rank, ()))
+                          if beating is not None else None)
                 if sample is not None:
                     live.beat_samples[local_rank] = sample
                 else:

@@ -23,6 +23,8 @@ from collections.abc import Iterable
 # /proc/<pid>/stat fields after the ")" that ends the command name (field 2): field 3 is
 # the state, fields 14 and 15 the user and system time in clock ticks (proc(5)).
 _STATE_FIELD = 0
+# Field 5, the process group.
+_PGRP_FIELD = 2
 _UTIME_FIELD = 11
 _STIME_FIELD = 12
 
@@ -78,6 +80,43 @@ def read_process_sample(pid: int) -> ProcessSample | None:
             continue
     return parse_process_stat(text, taken_at=time.monotonic(), ticks_per_s=os.sysconf("SC_CLK_TCK"),
                               thread_stats=thread_stats)
+
+
+def group_members(pid: int) -> tuple[int, ...]:
+    """The other live processes in `pid`'s process group (a worker runs in a session of its
+    own, so its group is what it started), found by one pass over /proc: for the silent
+    looks only, never on the beat path."""
+    try:
+        entries = [name for name in os.listdir("/proc") if name.isdigit() and int(name) != pid]
+    except OSError:
+        return ()
+    members = []
+    for name in entries:
+        try:
+            with open(f"/proc/{name}/stat") as stat:
+                fields = _stat_fields(stat.read())
+        except (OSError, ValueError):
+            continue
+        if int(fields[_PGRP_FIELD]) == pid and fields[_STATE_FIELD] not in ("Z", "X"):
+            members.append(int(name))
+    return tuple(members)
+
+
+def read_group_sample(pid: int, members: Iterable[int] = ()) -> ProcessSample | None:
+    """`read_process_sample(pid)` with the CPU time and the runnable threads of `members`
+    (its process group, from `group_members`) added, so that a worker started through a
+    wrapper (`bash run.sh` without `exec`) is judged by the trainer under it, not by the idle
+    shell. The state is the worker's own."""
+    own = read_process_sample(pid)
+    if own is None:
+        return None
+    cpu_s, runnable = own.cpu_s, own.runnable_threads
+    for member_pid in members:
+        member = read_process_sample(member_pid)
+        if member is not None and member.state not in ("Z", "X"):
+            cpu_s += member.cpu_s
+            runnable += member.runnable_threads
+    return dataclasses.replace(own, cpu_s=cpu_s, runnable_threads=runnable)
 
 
 class Silence(enum.Enum):

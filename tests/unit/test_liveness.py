@@ -16,7 +16,9 @@ from tidal.launcher.liveness import (
     ProcessSample,
     Silence,
     SilenceVerdict,
+    group_members,
     parse_process_stat,
+    read_group_sample,
     read_process_sample,
     silence_verdict,
 )
@@ -157,3 +159,23 @@ def test_without_a_sample_from_the_last_beat_it_is_watched_for_the_limit_first()
 def test_an_exited_process_is_not_judged() -> None:
     assert verdict(3.0, sample(), None) == SilenceVerdict(Silence.GONE, "exited; its exit is reported on its own")
     assert verdict(3.0, sample(), sample("Z", at=103.0)).silence is Silence.GONE
+
+
+def test_a_wrappers_child_counts_in_the_workers_cpu_time() -> None:
+    # `bash -c 'python busy.py'` without exec, in a session of its own as a worker runs:
+    # the shell uses no CPU, its child does.
+    shell = subprocess.Popen(["bash", "-c", f"{sys.executable} -c 'while True: pass'; true"],
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not (members := group_members(shell.pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert members, "the shell's child is in its process group"
+        time.sleep(0.5)
+        own = read_process_sample(shell.pid)
+        grouped = read_group_sample(shell.pid, members)
+        assert own is not None and grouped is not None
+        assert grouped.cpu_s > own.cpu_s + 0.1 and grouped.state == own.state
+    finally:
+        os.killpg(shell.pid, signal.SIGKILL)
+        shell.wait()
