@@ -178,7 +178,10 @@ def test_live_grow_kill_leave_matches_a_fixed_run(tidal_run: TidalRun, tmp_path:
 def test_a_hung_rank_is_killed_and_the_survivors_go_on_in_process(tidal_run: TidalRun, tmp_path: Path) -> None:
     controller = tidal_run.controller
     controller.stop()
+    # The silence limit below the progress timeout: the frozen rank's own launcher finds it
+    # first (with the two equal, either verdict may come first).
     controller.settings["progress_timeout_s"] = "2"
+    controller.settings["worker_silence_timeout_s"] = "1"
     controller.start()
     ledger = tmp_path / "ledger"
     tidal_run.submit(min_replicas=1, max_replicas=3, command=example_command(tmp_path / "out.pt", ledger, 100_000),
