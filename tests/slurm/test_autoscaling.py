@@ -107,6 +107,9 @@ def test_an_urgent_job_preempts_two_replicas_the_job_shrinks_without_losing_a_st
             job_id = admin.submit(spec).job.job_id
 
             wait_for("world size 4", running_at(admin, job_id, 4), timeout_s=120, interval_s=0.5)
+            # Preempt a world that trains: one still starting its workers is another case (a
+            # leave can complete only at a step boundary, which may come after GraceTime).
+            wait_for("steps at size 4", lambda: commits(read_ledger(ledger), 4), timeout_s=120)
             urgent = slurm.submit(UnitSubmission(name="urgent", script="#!/bin/sh\nsleep 600\n", partition="urgent",
                                                  nodes=2, exclusive=True, requeue=False,
                                                  output=str(tmp_path / "urgent-%j.out")))
