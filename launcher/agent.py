@@ -757,7 +757,9 @@ class Agent:
                 live.beats[local_rank] = (time.time(), waiting, max(0, samples))
                 live.slow.discard(local_rank)
                 beating = next((w for w in group.workers if w.local_rank == local_rank), None)
-                sample = (read_group_sample(beating.pid, live.group_members.get(local_rank, ()))
+                # The CPU reference only (one /proc read per process, no thread scan): this
+                # runs twice a second per worker.
+                sample = (read_group_sample(beating.pid, live.group_members.get(local_rank, ()), threads=False)
                           if beating is not None else None)
                 if sample is not None:
                     live.beat_samples[local_rank] = sample

@@ -61,14 +61,14 @@ def _stat_fields(text: str) -> list[str]:
     return fields
 
 
-def read_process_sample(pid: int) -> ProcessSample | None:
+def read_process_sample(pid: int, *, threads: bool = True) -> ProcessSample | None:
     """The process's state and CPU time now (summed over its threads, as the kernel gives
-    it) and how many of its threads are runnable, or None when there is no such process
-    (or /proc cannot be read)."""
+    it) and, with `threads`, how many of its threads are runnable (one more read per
+    thread; without, 0), or None when there is no such process (or /proc cannot be read)."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
             text = stat.read()
-        tids = os.listdir(f"/proc/{pid}/task")
+        tids = os.listdir(f"/proc/{pid}/task") if threads else []
     except OSError:  # gone (ENOENT, ESRCH), or no /proc
         return None
     thread_stats = []
@@ -102,17 +102,17 @@ def group_members(pid: int) -> tuple[int, ...]:
     return tuple(members)
 
 
-def read_group_sample(pid: int, members: Iterable[int] = ()) -> ProcessSample | None:
+def read_group_sample(pid: int, members: Iterable[int] = (), *, threads: bool = True) -> ProcessSample | None:
     """`read_process_sample(pid)` with the CPU time and the runnable threads of `members`
     (its process group, from `group_members`) added, so that a worker started through a
     wrapper (`bash run.sh` without `exec`) is judged by the trainer under it, not by the idle
     shell. The state is the worker's own."""
-    own = read_process_sample(pid)
+    own = read_process_sample(pid, threads=threads)
     if own is None:
         return None
     cpu_s, runnable = own.cpu_s, own.runnable_threads
     for member_pid in members:
-        member = read_process_sample(member_pid)
+        member = read_process_sample(member_pid, threads=threads)
         if member is not None and member.state not in ("Z", "X"):
             cpu_s += member.cpu_s
             runnable += member.runnable_threads
