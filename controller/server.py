@@ -15,10 +15,11 @@ import grpc
 import structlog
 from google.protobuf.message import DecodeError
 
-from tidal.controller import sharing, units
+from tidal.controller import units
 from tidal.controller.config import ControllerConfig
+from tidal.controller.core import sharing
+from tidal.controller.core.health import TokenBucket
 from tidal.controller.events import EventLog
-from tidal.controller.health import TokenBucket
 from tidal.controller.jobs import (
     CancelRequested,
     Connected,

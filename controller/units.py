@@ -13,7 +13,7 @@ import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from tidal.controller.planning import allowed_sizes
+from tidal.controller.core.planning import allowed_sizes
 from tidal.controller.submission import sbatch_value
 from tidal.proto import admin_pb2
 from tidal.slurm.models import Gres, Job, JobState, Node, NodeFlag, UnitSubmission

@@ -112,12 +112,13 @@ def test_a_leave_reconfigures_without_stopping_anyone(harness: Harness) -> None:
     assert not any(kind.startswith("epoch_stop") for kind in harness.kinds())
 
 
-def test_a_failure_stops_the_survivors_and_restarts_them_in_the_next_world(harness: Harness) -> None:
+def test_a_failure_is_one_message_to_each_survivor_the_next_generation(harness: Harness) -> None:
     harness.say("b", worker_exited=launcher_pb2.WorkerExited(epoch=1, local_rank=0, pid=77, signal=9))
-    assert harness.outbox("b")[:1] == ["stop:1"]
-    assert harness.outbox("a") == ["stop:1"]
-    harness.report("a", 1, launcher_pb2.EPOCH_PHASE_STOPPED)
-    assert harness.outbox("a") == ["start:2"]
+    assert harness.outbox("b")[:1] == ["stop:1"], "the failed unit is told to kill its workers"
+    assert harness.outbox("a") == ["start:2"], "no stop round first"
+    assert harness.actor.job.state is JobState.RUNNING and harness.actor.job.epoch == 2
+    assert not any(kind.startswith("epoch_stop") for kind in harness.kinds())
+    assert harness.store.epoch("live-1", 1)[1] is not None, "generation 1 is recorded as over"
     harness.report("a", 2, launcher_pb2.EPOCH_PHASE_FIRST_STEP, step=12)
     recovered = [e for e in harness.store.events("live-1") if e.kind == "recovered"]
     assert len(recovered) == 1 and recovered[0].fields["failed_unit"] == "b"
@@ -163,7 +164,6 @@ def test_a_world_with_no_state_holder_is_named_as_such_with_its_target_step(harn
     assert harness.actor.job.step == 80
     # One replica dies, then the other: a fresh unit comes, and it holds nothing at step 80.
     harness.say("a", worker_exited=launcher_pb2.WorkerExited(epoch=1, local_rank=0, pid=7, signal=9))
-    harness.report("b", 1, launcher_pb2.EPOCH_PHASE_STOPPED)
     assert harness.outbox("b")[-1:] == ["start:2"]
     assert harness.store.events("live-1")[-1].fields["state_holders"] == "b"
     harness.say("b", worker_exited=launcher_pb2.WorkerExited(epoch=2, local_rank=0, pid=8, signal=9))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.controller.health import Failure, HealthPolicy, TokenBucket, UnitHealth, health_verdicts
-from tidal.controller.planning import (
+from tidal.controller.core.health import Failure, HealthPolicy, TokenBucket, UnitHealth, health_verdicts
+from tidal.controller.core.planning import (
     Candidate,
     Form,
     Grow,

@@ -3,7 +3,7 @@ yielding to a waiting higher-priority Slurm job."""
 
 from __future__ import annotations
 
-from tidal.controller.sharing import (
+from tidal.controller.core.sharing import (
     GrowingJob,
     WaitingJob,
     YieldableUnit,

@@ -1,0 +1,376 @@
+"""The job's state machine, driven through its public functions only: `restore`,
+`transition`, `refusal` and the queries, with an injected clock. No SQLite, no sockets, no
+asyncio: what a transition decides is in the state it returns and the effects it lists."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from datetime import UTC, datetime
+
+from tidal.controller.config import ControllerConfig
+from tidal.controller.core import job as core
+from tidal.controller.model import JobRecord, JobState, UnitState
+from tidal.controller.spec import normalized_spec
+from tidal.proto import admin_pb2, common_pb2, launcher_pb2
+from tidal.slurm.models import Job as SlurmJob
+from tidal.slurm.models import JobState as SlurmJobState
+from tidal.slurm.models import Node, NodeState
+from tidal.slurm.snapshot import ClusterView
+
+CONFIG = ControllerConfig(join_settle_s=0.0, scale_up_snooze_s=0.0, heartbeat_timeout_s=3.0,
+                          reconnect_grace_s=10.0)
+
+
+class Driver:
+    """A job's state and a clock; each call is one transition, its effects kept."""
+
+    def __init__(self, *, mode: int = common_pb2.JOB_MODE_LIVE, min_replicas: int = 2, max_replicas: int = 3,
+                 slurm_units: bool = False, config: ControllerConfig = CONFIG) -> None:
+        spec = normalized_spec(admin_pb2.JobSpec(name="j", command=["train"], mode=mode, min_replicas=min_replicas,
+                                                 max_replicas=max_replicas))
+        job = JobRecord(job_id="j-1", spec=spec, state=JobState.PENDING, owner_uid=0, secret_sha256="")
+        self.clock = 100.0
+        self.state = core.restore(job, [], None, generation_stopped=False, pending={}, config=config,
+                                  now=self.now, slurm_units=slurm_units)
+        self.effects: list[core.Effect] = []
+        self.links: dict[str, core.Link] = {}
+
+    @property
+    def now(self) -> core.Now:
+        return core.Now(monotonic=self.clock, wall=1_700_000_000.0 + self.clock)
+
+    def feed(self, event: core.Input) -> list[core.Effect]:
+        self.state, effects = core.transition(self.state, event, self.now)
+        self.effects.extend(effects)
+        return effects
+
+    def connect(self, unit: str, port: int = 0, *, last_generation: int = 0, workers: tuple[int, ...] = ()) -> None:
+        self.feed(core.LauncherConnected(unit, launcher_pb2.Register(
+            job_id="j-1", unit_id=unit, nodes=[f"node-{unit}"], address="127.0.0.1",
+            store_port=port or 1000 + ord(unit[-1]), last_epoch=last_generation, worker_pids=list(workers))))
+        self.links[unit] = core.Link(last_heartbeat_at=self.clock)
+
+    def beat(self, unit: str, *steps: int) -> None:
+        """A heartbeat of `unit` saying its ranks' last steps (the next tick carries it)."""
+        generation = self.state.generation
+        assert generation is not None
+        member = generation.member(unit)
+        first = member.first_rank if member is not None else 0
+        self.links[unit] = core.Link(last_heartbeat_at=self.clock,
+                                     progress_at={first + i: self.clock for i in range(len(steps))},
+                                     steps={first + i: s for i, s in enumerate(steps)})
+
+    def tick(self, seconds: float = 0.0) -> list[core.Effect]:
+        self.clock += seconds
+        return self.feed(core.ClockTick(dict(self.links)))
+
+    def say(self, unit: str, **body: object) -> list[core.Effect]:
+        return self.feed(core.LauncherSaid(unit, launcher_pb2.LauncherMessage(**body)))  # type: ignore[arg-type]
+
+    def report(self, unit: str, generation: int, phase: int, step: int = 0) -> list[core.Effect]:
+        return self.say(unit, epoch_report=launcher_pb2.EpochReport(epoch=generation, phase=phase, step=step))
+
+    def exit(self, unit: str, generation: int, code: int, local_rank: int = 0) -> list[core.Effect]:
+        return self.say(unit, worker_exited=launcher_pb2.WorkerExited(epoch=generation, local_rank=local_rank,
+                                                                      pid=4000, exit_code=code))
+
+    def events(self, since: list[core.Effect] | None = None) -> list[str]:
+        return [e.kind for e in (self.effects if since is None else since) if isinstance(e, core.Record)]
+
+    def event(self, kind: str) -> core.Record:
+        return next(e for e in reversed(self.effects) if isinstance(e, core.Record) and e.kind == kind)
+
+
+def sent(effects: list[core.Effect], unit: str | None = None) -> list[str]:
+    """Messages in `effects` (to `unit`), as 'start:G', 'stop:G', 'reconfigure:G', 'leave'."""
+    said = []
+    for effect in effects:
+        if not isinstance(effect, core.Send) or (unit is not None and effect.unit_id != unit):
+            continue
+        kind = effect.message.WhichOneof("body")
+        body = getattr(effect.message, kind or "")
+        said.append(f"{kind.removesuffix('_epoch')}:{body.epoch}" if kind != "leave" else "leave")
+    return said
+
+
+def formed(driver: Driver, *units: str) -> None:
+    for unit in units:
+        driver.connect(unit)
+    driver.tick()
+    assert driver.state.job.state is JobState.RUNNING and driver.state.generation is not None
+    assert driver.state.generation.unit_ids == units
+
+
+def test_a_transition_leaves_the_state_it_was_given_as_it_was() -> None:
+    driver = Driver()
+    driver.connect("a")
+    driver.connect("b")
+    before = copy.deepcopy(driver.state)
+    new, effects = core.transition(driver.state, core.ClockTick(dict(driver.links)), driver.now)
+    assert new.job.state is JobState.RUNNING and sent(effects) == ["start:1", "start:1"]
+    assert driver.state == before, "the state passed in was changed"
+    assert driver.state.job.state is JobState.PENDING
+
+
+def test_a_generation_is_persisted_in_the_same_transition_that_sends_it() -> None:
+    driver = Driver()
+    driver.connect("a")
+    driver.connect("b")
+    effects = driver.tick()
+    saved = [e for e in effects if isinstance(e, core.SaveGeneration)]
+    assert [s.generation.epoch for s in saved] == [1]
+    assert [e.job.epoch for e in effects if isinstance(e, core.SaveJob)] == [1]
+    assert {e.unit.unit_id for e in effects if isinstance(e, core.SaveUnit)} == {"a", "b"}
+    # The runtime applies every persistent effect, in one transaction, before any other.
+    assert sent(effects) == ["start:1", "start:1"]
+
+
+def test_the_watermark_rises_with_the_slowest_rank_and_names_the_holders_of_the_next_generation() -> None:
+    driver = Driver()
+    formed(driver, "a", "b")
+    driver.beat("a", 40)
+    driver.beat("b", 38)
+    driver.tick(1.0)
+    assert driver.state.job.step == 38, "the committed step is the lowest every rank reports"
+    driver.beat("b", 41)
+    driver.tick(1.0)
+    assert driver.state.job.step == 40
+    driver.connect("c")
+    effects = driver.tick()
+    assert sent(effects, "c") == ["reconfigure:2"]
+    reconfigure = next(e.message.reconfigure for e in effects if isinstance(e, core.Send))
+    assert reconfigure.target_step == 40 and list(reconfigure.state_sources) == ["a", "b"]
+    fields = driver.event("world_reconfiguring").fields
+    assert fields is not None and fields["target_step"] == 40 and fields["state_holders"] == "a,b"
+
+
+def test_a_live_generation_that_holds_no_state_says_so_and_a_worker_that_finds_none_fails_the_job() -> None:
+    driver = Driver(min_replicas=1)
+    formed(driver, "a")
+    driver.beat("a", 25)
+    driver.tick(1.0)
+    assert driver.state.job.step == 25
+    # The only member dies; a fresh unit comes: it holds nothing at step 25.
+    driver.exit("a", 1, code=1)
+    assert driver.state.units["a"].state is UnitState.FAILED
+    driver.connect("b")
+    effects = driver.tick()
+    assert sent(effects, "b") == ["start:2"]
+    assert "state_not_held" in driver.events(effects)
+    start = next(e.message.start_epoch for e in effects if isinstance(e, core.Send))
+    assert start.resume_step == 25 and list(start.state_holders) == []
+    # Its worker finds no checkpoint: the job fails loudly, and never trains from step 0.
+    effects = driver.report("b", 2, launcher_pb2.EPOCH_PHASE_STATE_LOST, step=25)
+    assert driver.state.job.state is JobState.FAILED
+    assert driver.events(effects)[0] == "state_lost"
+
+
+def test_resuming_from_a_checkpoint_lowers_the_watermark_with_an_event_naming_the_steps_redone() -> None:
+    driver = Driver(min_replicas=1)
+    formed(driver, "a")
+    driver.beat("a", 30)
+    driver.tick(1.0)
+    driver.report("a", 1, launcher_pb2.EPOCH_PHASE_RESUMED_FROM_CHECKPOINT, step=20)
+    assert driver.state.job.step == 20
+    fields = driver.event("resumed_from_checkpoint").fields
+    assert fields == {"checkpoint_step": 20, "target_step": 30, "steps_redone": 10}
+
+
+def test_a_failure_in_restart_mode_stops_the_generation_then_forms_the_next_from_the_survivors() -> None:
+    driver = Driver(mode=common_pb2.JOB_MODE_RESTART, min_replicas=2)
+    formed(driver, "a", "b", "c")
+    effects = driver.exit("b", 1, code=137)
+    assert driver.state.units["b"].state is UnitState.FAILED
+    assert driver.state.job.state is JobState.RECONFIGURING
+    assert sent(effects, "a") == sent(effects, "c") == ["stop:1"]
+    assert any(isinstance(e, core.Close) and e.unit_id == "b" for e in effects)
+    driver.report("a", 1, launcher_pb2.EPOCH_PHASE_STOPPED)
+    assert driver.state.job.state is JobState.RECONFIGURING, "one survivor has not confirmed yet"
+    effects = driver.report("c", 1, launcher_pb2.EPOCH_PHASE_STOPPED)
+    assert driver.state.job.state is JobState.RUNNING and driver.state.job.epoch == 2
+    assert sent(effects) == ["start:2", "start:2"]
+    assert driver.events(effects) == ["epoch_stopped", "world_formed"]
+
+
+def test_a_survivor_that_never_confirms_the_stop_fails_at_the_deadline() -> None:
+    driver = Driver(mode=common_pb2.JOB_MODE_RESTART, min_replicas=1)
+    formed(driver, "a", "b", "c")
+    driver.exit("b", 1, code=1)
+    driver.report("a", 1, launcher_pb2.EPOCH_PHASE_STOPPED)
+    driver.links.pop("b")
+    effects = driver.tick(CONFIG.restart_grace_s + CONFIG.heartbeat_timeout_s + CONFIG.reconnect_grace_s + 1)
+    assert driver.state.units["c"].state is UnitState.FAILED
+    assert driver.state.job.state is JobState.RUNNING and driver.state.generation is not None
+    assert driver.state.generation.unit_ids == ("a",)
+    assert "start:2" in sent(effects, "a")
+
+
+def test_silence_of_heartbeats_past_the_timeout_fails_the_unit_and_nothing_earlier() -> None:
+    driver = Driver(min_replicas=1)
+    formed(driver, "a", "b")
+    driver.clock += CONFIG.reconnect_grace_s + 1
+    driver.links = {u: core.Link(last_heartbeat_at=driver.clock) for u in "ab"}
+    driver.tick(CONFIG.heartbeat_timeout_s - 0.5)
+    assert driver.state.units["b"].state is UnitState.ACTIVE
+    driver.links["a"] = core.Link(last_heartbeat_at=driver.clock)
+    effects = driver.tick(1.0)
+    assert driver.state.units["b"].state is UnitState.FAILED
+    assert driver.event("failure_detected").fields == {"cause": "heartbeat"}
+    assert core.Metric("failures", label="heartbeat") in effects
+
+
+def test_a_leave_during_a_live_change_waits_for_it_and_is_persisted_meanwhile() -> None:
+    driver = Driver(min_replicas=1)
+    formed(driver, "a", "b")
+    driver.connect("c")
+    driver.tick()
+    assert driver.state.reconfigure is not None
+    effects = driver.feed(core.DrainRequested(("a",), uid=0))
+    assert driver.state.deferred_leaves == {"a": ("drained", "drained by uid 0")}
+    assert core.SavePending("deferred_leaves", {"a": ["drained", "drained by uid 0"]}) in effects
+    assert driver.state.units["a"].state is UnitState.ACTIVE
+    driver.report("c", 2, launcher_pb2.EPOCH_PHASE_STARTED)
+    for unit in "abc":
+        effects = driver.report(unit, 2, launcher_pb2.EPOCH_PHASE_RECONFIGURED, step=7)
+    assert driver.state.units["a"].state is UnitState.LEAVING
+    assert driver.state.generation is not None and driver.state.generation.unit_ids == ("b", "c")
+    assert "world_reconfigured" in driver.events(effects) and "unit_leaving" in driver.events(effects)
+
+
+def test_a_restart_resumes_deferred_leaves_and_node_cool_downs() -> None:
+    driver = Driver(min_replicas=1)
+    formed(driver, "a", "b")
+    job = dataclasses.replace(driver.state.job)
+    units = list(driver.state.units.values())
+    wall = driver.now.wall
+    pending = {"deferred_leaves": {"b": ["drained", "by uid 0"]}, "node_cooldown": {"node-x": [2, wall + 50.0]}}
+    later = core.Now(monotonic=5.0, wall=wall + 10.0)
+    restored = core.restore(job, units, driver.state.generation, generation_stopped=False, pending=pending,
+                            config=CONFIG, now=later, slurm_units=True)
+    assert restored.deferred_leaves == {"b": ("drained", "by uid 0")}
+    assert restored.excluded_nodes(later.monotonic) == ("node-x",)
+    assert restored.excluded_nodes(later.monotonic + 41.0) == ()
+
+
+def test_completion_happens_once_after_the_last_step_and_late_exits_are_no_failure() -> None:
+    driver = Driver(min_replicas=2)
+    formed(driver, "a", "b")
+    effects = driver.report("a", 1, launcher_pb2.EPOCH_PHASE_FINISHED, step=599)
+    assert driver.state.job.state is JobState.FINISHING and driver.state.job.step == 599
+    assert driver.events(effects) == ["job_finishing"]
+    # A silenced worker of b after the last step is no failure, and nothing re-forms.
+    driver.say("b", worker_exited=launcher_pb2.WorkerExited(epoch=1, local_rank=0, pid=1, exit_code=0, signal=9,
+                                                            detail="no beat for 2 s (frozen)"))
+    assert driver.state.units["b"].state is UnitState.ACTIVE and "failure_detected" not in driver.events()
+    assert driver.state.job.state is JobState.FINISHING
+    effects = driver.exit("a", 1, code=0)
+    assert driver.state.job.state is JobState.COMPLETED
+    assert driver.events(effects)[-1:] == ["job_completed"] or "job_completed" in driver.events(effects)
+    reason = driver.event("job_completed").reason
+    assert "killed by SIGKILL" in reason
+    # Anything later changes nothing.
+    driver.exit("b", 1, code=1)
+    driver.tick(100.0)
+    assert driver.events().count("job_completed") == 1 and driver.state.job.state is JobState.COMPLETED
+
+
+def test_a_unit_that_registers_after_the_last_step_is_sent_away() -> None:
+    driver = Driver(min_replicas=1)
+    formed(driver, "a")
+    driver.report("a", 1, launcher_pb2.EPOCH_PHASE_FINISHED, step=9)
+    driver.connect("b")
+    assert driver.state.units["b"].state is UnitState.LEAVING
+    assert sent(driver.effects, "b") == ["leave"]
+    assert driver.state.generation is not None and driver.state.generation.epoch == 1
+
+
+def node(name: str) -> Node:
+    return Node(name=name, state=NodeState.IDLE, flags=frozenset(), partitions=("train",), cpus=4, gres=(),
+                features=(), reason="")
+
+
+def slurm_job(job_id: int, state: SlurmJobState, *, preempted: bool = False) -> SlurmJob:
+    at = datetime(2026, 11, 23, tzinfo=UTC)
+    return SlurmJob(job_id=job_id, name=f"tidal-j-1-u{job_id}", user="u", state=state, flags=frozenset(),
+                    partition="train", nodes=(), node_count=1, priority=1, submit_time=at, start_time=at,
+                    end_time=None, preempt_time=at if preempted else None, requeue_count=0, reason="")
+
+
+def view(driver: Driver, nodes: tuple[Node, ...], jobs: tuple[SlurmJob, ...] = ()) -> ClusterView:
+    return ClusterView(nodes=nodes, jobs=jobs, observed_at=driver.now.wall, stale=False)
+
+
+def test_slurm_units_are_submitted_to_min_replicas_and_a_failed_units_node_is_avoided() -> None:
+    driver = Driver(min_replicas=2, max_replicas=2, slurm_units=True)
+    effects = driver.feed(core.SlurmObserved(view(driver, (node("n1"), node("n2")))))
+    submits = [e for e in effects if isinstance(e, core.Submit)]
+    assert [s.unit_id for s in submits] == ["u1", "u2"] and all(s.excluded == () for s in submits)
+    driver.feed(core.UnitSubmitted("u1", 501))
+    driver.feed(core.UnitSubmitted("u2", 502))
+    for unit in ("u1", "u2"):
+        driver.connect(unit)
+    driver.tick()
+    assert driver.state.job.state is JobState.RUNNING
+    effects = driver.exit("u2", 1, code=1)
+    assert core.CancelInSlurm("u2", 502) in effects
+    assert driver.state.excluded_nodes(driver.clock) == ("node-u2",)
+    driver.report("u1", 1, launcher_pb2.EPOCH_PHASE_STOPPED)
+    assert driver.state.job.state is JobState.DEGRADED
+    effects = driver.feed(core.SlurmObserved(view(driver, (node("n1"), node("n2")),
+                                                  (slurm_job(501, SlurmJobState.RUNNING),))))
+    replacement = [e for e in effects if isinstance(e, core.Submit)]
+    assert [(s.unit_id, s.excluded) for s in replacement] == [("u3", ("node-u2",))]
+
+
+def test_a_unit_slurm_preempts_leaves_and_a_stale_view_decides_nothing() -> None:
+    driver = Driver(min_replicas=1, max_replicas=2, slurm_units=True)
+    driver.feed(core.SlurmObserved(view(driver, (node("n1"),))))
+    driver.feed(core.UnitSubmitted("u1", 601))
+    driver.connect("u1")
+    driver.tick()
+    stale = dataclasses.replace(view(driver, (), (slurm_job(601, SlurmJobState.RUNNING, preempted=True),)),
+                                stale=True)
+    assert driver.feed(core.SlurmObserved(stale)) == []
+    driver.feed(core.SlurmObserved(view(driver, (), (slurm_job(601, SlurmJobState.RUNNING, preempted=True),))))
+    assert driver.state.units["u1"].state is UnitState.LEAVING
+    assert driver.state.units["u1"].reason.startswith("preempted")
+
+
+def test_a_register_that_claims_a_generation_the_job_never_had_is_refused() -> None:
+    driver = Driver()
+    formed(driver, "a", "b")
+    ahead = launcher_pb2.Register(job_id="j-1", unit_id="a", last_epoch=5)
+    assert "claims generation 5" in (core.refusal(driver.state, ahead) or "")
+    unknown = launcher_pb2.Register(job_id="j-1", unit_id="zz", last_epoch=1)
+    assert "no record of it" in (core.refusal(driver.state, unknown) or "")
+    assert core.refusal(driver.state, launcher_pb2.Register(job_id="j-1", unit_id="c")) is None
+    driver.feed(core.CancelRequested(uid=0))
+    assert "cancelled" in (core.refusal(driver.state, launcher_pb2.Register(job_id="j-1", unit_id="c")) or "")
+
+
+def test_a_live_failure_is_one_message_to_each_survivor_unless_a_change_is_in_flight() -> None:
+    driver = Driver(min_replicas=1)
+    formed(driver, "a", "b", "c")
+    effects = driver.exit("b", 1, code=1)
+    assert sent(effects, "b") == ["stop:1"], "the failed unit kills its workers"
+    assert sent(effects, "a") == sent(effects, "c") == ["start:2"]
+    assert driver.state.stop is None and driver.state.job.state is JobState.RUNNING
+    assert core.GenerationStopped("j-1", 1, driver.now.wall) in effects
+    # With a joiner's change in flight, the generation is stopped first.
+    driver.connect("d")
+    driver.tick()
+    assert driver.state.reconfigure is not None
+    effects = driver.exit("c", 3, code=1)
+    assert sent(effects, "a") == ["stop:3"] and driver.state.job.state is JobState.RECONFIGURING
+
+
+def test_a_live_failure_that_leaves_a_size_the_job_does_not_allow_stops_first() -> None:
+    driver = Driver(min_replicas=2, max_replicas=4)
+    driver.state.job.spec.allowed_replicas[:] = [2, 4]
+    formed(driver, "a", "b", "c", "d")
+    effects = driver.exit("d", 1, code=1)
+    assert sent(effects, "a") == ["stop:1"], "3 survivors make no allowed world"
+    for unit in "abc":
+        effects = driver.report(unit, 1, launcher_pb2.EPOCH_PHASE_STOPPED)
+    assert driver.state.generation is not None and len(driver.state.generation.members) == 2
