@@ -19,11 +19,11 @@ class EventLog:
         self.store = store
         self._watchers: set[asyncio.Queue[EventRecord]] = set()
 
-    def record(self, job_id: str, kind: str, reason: str = "", *, unit_id: str = "", epoch: int = 0,
+    def record(self, job_id: str, kind: str, reason: str = "", *, unit_id: str = "", generation: int = 0,
                fields: Mapping[str, object] | None = None) -> EventRecord:
         """Append the event (inside the caller's transaction, if any) and announce it."""
-        event = self.store.append_event(job_id, kind, reason, unit_id=unit_id, epoch=epoch, fields=fields)
-        log.info(kind, job=job_id, unit=unit_id or None, epoch=epoch, reason=reason or None, **event.fields)
+        event = self.store.append_event(job_id, kind, reason, unit_id=unit_id, generation=generation, fields=fields)
+        log.info(kind, job=job_id, unit=unit_id or None, generation=generation, reason=reason or None, **event.fields)
         for queue in self._watchers:
             queue.put_nowait(event)
         return event

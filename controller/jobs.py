@@ -34,7 +34,7 @@ from tidal.controller.core.job import (
 )
 from tidal.controller.events import EventLog
 from tidal.controller.metrics import ControllerMetrics
-from tidal.controller.model import EpochRecord, EventRecord, JobRecord, JobState, UnitRecord
+from tidal.controller.model import EventRecord, GenerationRecord, JobRecord, JobState, UnitRecord
 from tidal.controller.security import secret_matches
 from tidal.controller.sessions import LauncherSession
 from tidal.controller.store import StateStore
@@ -154,8 +154,8 @@ def clock() -> core.Now:
 
 
 class JobActor:
-    def __init__(self, job: JobRecord, units: list[UnitRecord], epoch: EpochRecord | None, *,
-                 epoch_stopped: bool, config: ControllerConfig, store: StateStore, events: EventLog,
+    def __init__(self, job: JobRecord, units: list[UnitRecord], generation: GenerationRecord | None, *,
+                 generation_stopped: bool, config: ControllerConfig, store: StateStore, events: EventLog,
                  metrics: ControllerMetrics, started_at: float, slurm: SlurmUnits | None = None) -> None:
         self.config = config
         self.store = store
@@ -164,7 +164,7 @@ class JobActor:
         self.inputs: asyncio.Queue[JobInput] = asyncio.Queue()
         self.sessions: dict[str, LauncherSession] = {}
         now = core.Now(monotonic=started_at, wall=time.time() - (time.monotonic() - started_at))
-        self.state = core.restore(job, units, epoch, generation_stopped=epoch_stopped,
+        self.state = core.restore(job, units, generation, generation_stopped=generation_stopped,
                                   pending=store.pending(job.job_id), config=config, now=now,
                                   slurm_units=slurm is not None)
         self._slurm = slurm
@@ -183,7 +183,7 @@ class JobActor:
         return self.state.units
 
     @property
-    def epoch(self) -> EpochRecord | None:
+    def generation(self) -> GenerationRecord | None:
         return self.state.generation
 
     @property
@@ -211,7 +211,7 @@ class JobActor:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, refused)
         spec = job.spec
         return launcher_pb2.Registered(
-            current_epoch=job.epoch, heartbeat_interval=duration(self.config.heartbeat_interval_s),
+            current_epoch=job.generation, heartbeat_interval=duration(self.config.heartbeat_interval_s),
             heartbeat_timeout=duration(self.config.heartbeat_timeout_s), mode=spec.mode,
             progress_timeout=duration(self.config.progress_timeout_s), command=list(spec.command),
             environment=dict(spec.environment), working_dir=spec.working_dir,
@@ -316,11 +316,11 @@ class JobActor:
                         case core.SaveUnit(unit):
                             self.store.upsert_unit(unit)
                         case core.SaveGeneration(generation):
-                            self.store.insert_epoch(generation)
+                            self.store.insert_generation(generation)
                         case core.GenerationStopped(_, number, at):
-                            self.store.mark_epoch_stopped(job_id, number, at)
+                            self.store.mark_generation_stopped(job_id, number, at)
                         case core.Record(kind, reason, unit_id, generation, fields):
-                            self.events.record(job_id, kind, reason, unit_id=unit_id, epoch=generation,
+                            self.events.record(job_id, kind, reason, unit_id=unit_id, generation=generation,
                                                fields=fields)
                         case core.SavePending(key, value):
                             self.store.save_pending(job_id, key, value)
@@ -348,7 +348,7 @@ class JobActor:
         if name == "failures":
             metrics.failures.labels(cause=label).inc()
         elif name == "generations_formed":
-            metrics.epochs_formed.labels(job=label).inc()
+            metrics.generations_formed.labels(job=label).inc()
         elif name == "stale_messages":
             metrics.stale_messages.inc()
         elif name == "stop_duration":
@@ -426,8 +426,8 @@ class JobActor:
         return core.world_size(self.state)
 
     @property
-    def epoch_number(self) -> int:
-        return self.job.epoch
+    def generation_number(self) -> int:
+        return self.job.generation
 
     @property
     def connected_launchers(self) -> int:
@@ -437,8 +437,8 @@ class JobActor:
 
     def to_proto(self) -> admin_pb2.Job:
         job = self.job
-        epoch = self.epoch
-        running = epoch is not None and job.state is JobState.RUNNING
+        generation = self.generation
+        running = generation is not None and job.state is JobState.RUNNING
         units = []
         for unit in self.units.values():
             session = self.sessions.get(unit.unit_id)
@@ -449,9 +449,9 @@ class JobActor:
                     int((time.time() - (time.monotonic() - session.last_heartbeat_at)) * 1e9))
             units.append(entry)
         message = admin_pb2.Job(job_id=job.job_id, spec=job.spec, state=job.state.to_proto(),
-                                owner_uid=job.owner_uid, epoch=job.epoch,
+                                owner_uid=job.owner_uid, epoch=job.generation,
                                 world_size=self.world_size,
-                                replicas=len(epoch.members) if running and epoch else 0,
+                                replicas=len(generation.members) if running and generation else 0,
                                 step=job.step, units=units)
         _, message.samples_per_second = self.throughput.rates(time.monotonic(), job.spec.global_batch)
         message.goodput = self.throughput.goodput
@@ -464,7 +464,7 @@ class JobActor:
 
 def event_to_proto(event: EventRecord) -> admin_pb2.Event:
     message = admin_pb2.Event(sequence=event.sequence, job_id=event.job_id, unit_id=event.unit_id,
-                              epoch=event.epoch, kind=event.kind, reason=event.reason, fields=event.fields)
+                              epoch=event.generation, kind=event.kind, reason=event.reason, fields=event.fields)
     message.time.FromNanoseconds(int(event.time * 1e9))
     return message
 

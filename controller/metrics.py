@@ -29,7 +29,7 @@ class JobView(Protocol):
     def world_size(self) -> int: ...
 
     @property
-    def epoch_number(self) -> int: ...
+    def generation_number(self) -> int: ...
 
     @property
     def connected_launchers(self) -> int: ...
@@ -56,7 +56,7 @@ class _StateCollector(Collector):
             for state in job.unit_states:
                 unit_counts[state] = unit_counts.get(state, 0) + 1
             world.add_metric([job.job_id], job.world_size)
-            epoch.add_metric([job.job_id], job.epoch_number)
+            epoch.add_metric([job.job_id], job.generation_number)
             connected += job.connected_launchers
         for state, count in job_counts.items():
             jobs.add_metric([state], count)
@@ -69,7 +69,7 @@ class _StateCollector(Collector):
 class ControllerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.epochs_formed = Counter("tidal_epochs_formed", "Epochs formed.", ["job"], registry=self.registry)
+        self.generations_formed = Counter("tidal_epochs_formed", "Epochs formed.", ["job"], registry=self.registry)
         self.failures = Counter("tidal_failures", "Failures detected, by cause.", ["cause"], registry=self.registry)
         self.heartbeat_latency = Histogram(
             "tidal_heartbeat_latency_seconds", "Launcher send to controller receipt (clocks may differ).",

@@ -66,7 +66,8 @@ class JobRecord:
     state: JobState
     owner_uid: int
     secret_sha256: str
-    epoch: int = 0
+    # The newest generation's number (0 before the first forms).
+    generation: int = 0
     # Last step completed everywhere, as the workers reported it.
     step: int = 0
     created_at: float = 0.0
@@ -103,9 +104,12 @@ class Member:
 
 
 @dataclasses.dataclass(frozen=True)
-class EpochRecord:
+class GenerationRecord:
+    """One generation of a job's world: its members, their ranks and the rendezvous, and the step
+    its state must be at (`resume_step`). SQLite and the wire still call it an epoch."""
+
     job_id: str
-    epoch: int
+    number: int
     members: tuple[Member, ...]
     rendezvous_host: str
     rendezvous_port: int
@@ -144,7 +148,7 @@ class EventRecord:
     time: float
     job_id: str
     unit_id: str
-    epoch: int
+    generation: int
     kind: str
     reason: str
     fields: dict[str, str]

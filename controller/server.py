@@ -72,14 +72,14 @@ class Controller:
         """Rebuild every job's actor from SQLite (a restart resumes where it stopped)."""
         started_at = time.monotonic()
         for job in self.store.jobs():
-            found = self.store.epoch(job.job_id, job.epoch) if job.epoch else None
-            epoch, stopped_at = found if found else (None, None)
-            actor = JobActor(job, self.store.units(job.job_id), epoch, epoch_stopped=stopped_at is not None,
+            found = self.store.generation(job.job_id, job.generation) if job.generation else None
+            generation, stopped_at = found if found else (None, None)
+            actor = JobActor(job, self.store.units(job.job_id), generation, generation_stopped=stopped_at is not None,
                              config=self.config, store=self.store, events=self.events, metrics=self.metrics,
                              started_at=started_at)
             self._add(actor)
             if not job.state.is_final:
-                log.info("job_reloaded", job=job.job_id, state=job.state.value, epoch=job.epoch)
+                log.info("job_reloaded", job=job.job_id, state=job.state.value, generation=job.generation)
 
     def enable_slurm_units(self, slurm_units: SlurmUnits) -> None:
         """From now on every job's units are Slurm jobs this controller submits."""
@@ -184,7 +184,7 @@ class Controller:
             self.events.record(job_id, "job_submitted", f"by uid {owner_uid}",
                                fields={"min_replicas": spec.min_replicas, "max_replicas": spec.max_replicas,
                                        "mode": common_pb2.JobMode.Name(spec.mode).removeprefix("JOB_MODE_").lower()})
-        actor = JobActor(job, [], None, epoch_stopped=False, config=self.config, store=self.store,
+        actor = JobActor(job, [], None, generation_stopped=False, config=self.config, store=self.store,
                          events=self.events, metrics=self.metrics, started_at=time.monotonic())
         self._add(actor)
         return actor, secret_path

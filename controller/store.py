@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from tidal.controller.model import (
-    EpochRecord,
     EventRecord,
+    GenerationRecord,
     JobRecord,
     JobState,
     UnitRecord,
@@ -143,20 +143,20 @@ class StateStore:
         self._db.execute(
             "INSERT INTO jobs VALUES (?,?,?,?,?,?,?,?,?)",
             (job.job_id, job.spec.SerializeToString(), job.state.value, job.owner_uid, job.secret_sha256,
-             job.epoch, job.step, job.created_at, job.updated_at))
+             job.generation, job.step, job.created_at, job.updated_at))
 
     def update_job(self, job: JobRecord) -> None:
         job.updated_at = time.time()
         self._db.execute(
             "UPDATE jobs SET spec=?, state=?, epoch=?, step=?, updated_at=? WHERE job_id=?",
-            (job.spec.SerializeToString(), job.state.value, job.epoch, job.step, job.updated_at, job.job_id))
+            (job.spec.SerializeToString(), job.state.value, job.generation, job.step, job.updated_at, job.job_id))
 
     def jobs(self) -> list[JobRecord]:
         rows = self._db.execute(
             "SELECT job_id, spec, state, owner_uid, secret_sha256, epoch, step, created_at, updated_at "
             "FROM jobs ORDER BY created_at").fetchall()
         return [JobRecord(job_id=r[0], spec=admin_pb2.JobSpec.FromString(r[1]), state=JobState(r[2]),
-                          owner_uid=r[3], secret_sha256=r[4], epoch=r[5], step=r[6], created_at=r[7],
+                          owner_uid=r[3], secret_sha256=r[4], generation=r[5], step=r[6], created_at=r[7],
                           updated_at=r[8]) for r in rows]
 
     # Units.
@@ -180,26 +180,27 @@ class StateStore:
 
     # Epochs.
 
-    def insert_epoch(self, epoch: EpochRecord) -> None:
+    def insert_generation(self, generation: GenerationRecord) -> None:
         self._db.execute(
             "INSERT INTO epochs (job_id, epoch, rank_table, rendezvous, reason, resume_step, created_at) "
             "VALUES (?,?,?,?,?,?,?)",
-            (epoch.job_id, epoch.epoch, epoch.rank_table().SerializeToString(),
-             epoch.rendezvous().SerializeToString(), epoch.reason, epoch.resume_step, epoch.created_at))
+            (generation.job_id, generation.number, generation.rank_table().SerializeToString(),
+             generation.rendezvous().SerializeToString(), generation.reason, generation.resume_step,
+             generation.created_at))
 
-    def mark_epoch_stopped(self, job_id: str, epoch: int, at: float) -> None:
+    def mark_generation_stopped(self, job_id: str, number: int, at: float) -> None:
         self._db.execute("UPDATE epochs SET stopped_at=? WHERE job_id=? AND epoch=? AND stopped_at IS NULL",
-                         (at, job_id, epoch))
+                         (at, job_id, number))
 
-    def epoch(self, job_id: str, epoch: int) -> tuple[EpochRecord, float | None] | None:
-        """The epoch and when it stopped (None while it runs)."""
+    def generation(self, job_id: str, number: int) -> tuple[GenerationRecord, float | None] | None:
+        """The generation and when it stopped (None while it runs)."""
         row = self._db.execute(
             "SELECT rank_table, rendezvous, reason, resume_step, created_at, stopped_at FROM epochs "
-            "WHERE job_id=? AND epoch=?", (job_id, epoch)).fetchone()
+            "WHERE job_id=? AND epoch=?", (job_id, number)).fetchone()
         if row is None:
             return None
         rendezvous = common_pb2.Rendezvous.FromString(row[1])
-        record = EpochRecord(job_id=job_id, epoch=epoch,
+        record = GenerationRecord(job_id=job_id, number=number,
                              members=members_from_rank_table(common_pb2.RankTable.FromString(row[0])),
                              rendezvous_host=rendezvous.host, rendezvous_port=rendezvous.port,
                              rendezvous_unit_id=rendezvous.host_unit_id, reason=row[2], resume_step=row[3],
@@ -208,21 +209,21 @@ class StateStore:
 
     # Events.
 
-    def append_event(self, job_id: str, kind: str, reason: str = "", *, unit_id: str = "", epoch: int = 0,
+    def append_event(self, job_id: str, kind: str, reason: str = "", *, unit_id: str = "", generation: int = 0,
                      fields: Mapping[str, object] | None = None, at: float | None = None) -> EventRecord:
         at = time.time() if at is None else at
         text_fields = {k: str(v) for k, v in (fields or {}).items()}
         cursor = self._db.execute(
             "INSERT INTO events (time, job_id, unit_id, epoch, kind, reason, fields) VALUES (?,?,?,?,?,?,?)",
-            (at, job_id, unit_id, epoch, kind, reason, json.dumps(text_fields, sort_keys=True)))
+            (at, job_id, unit_id, generation, kind, reason, json.dumps(text_fields, sort_keys=True)))
         return EventRecord(sequence=int(cursor.lastrowid or 0), time=at, job_id=job_id, unit_id=unit_id,
-                           epoch=epoch, kind=kind, reason=reason, fields=text_fields)
+                           generation=generation, kind=kind, reason=reason, fields=text_fields)
 
     _EVENT_COLUMNS = "sequence, time, job_id, unit_id, epoch, kind, reason, fields"
 
     @staticmethod
     def _event(row: tuple[Any, ...]) -> EventRecord:
-        return EventRecord(sequence=row[0], time=row[1], job_id=row[2], unit_id=row[3], epoch=row[4], kind=row[5],
+        return EventRecord(sequence=row[0], time=row[1], job_id=row[2], unit_id=row[3], generation=row[4], kind=row[5],
                            reason=row[6], fields=json.loads(row[7]))
 
     def events(self, job_id: str = "", *, after_sequence: int = 0, limit: int = 1000) -> list[EventRecord]:

@@ -49,7 +49,7 @@ class Failure:
 
 
 def health_verdicts(units: Sequence[UnitHealth], *, now: float, policy: HealthPolicy,
-                    epoch_started_at: float, reconnect_deadline: float) -> list[Failure]:
+                    generation_started_at: float, reconnect_deadline: float) -> list[Failure]:
     """Failures among the members of a running epoch.
 
     - connected, but no heartbeat for longer than `heartbeat_timeout_s`: hung or cut off;
@@ -81,7 +81,7 @@ def health_verdicts(units: Sequence[UnitHealth], *, now: float, policy: HealthPo
         waiting = {rank for rank, waits in unit.waiting.items()
                    if waits and now - unit.beat_at.get(rank, now) <= policy.heartbeat_timeout_s}
         stalled = {rank: now - at for rank, at in unit.progress_at.items()
-                   if at >= epoch_started_at and now - at > policy.progress_timeout_s and rank not in waiting}
+                   if at >= generation_started_at and now - at > policy.progress_timeout_s and rank not in waiting}
         if stalled:
             rank, age = max(stalled.items(), key=lambda item: item[1])
             failures.append(Failure(unit.unit_id, f"rank {rank} made no progress for {age:.1f} s "

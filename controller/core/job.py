@@ -11,7 +11,7 @@ closes, Slurm cancels and submissions, metrics) in order.
 
 Words: a **generation** is one version of the job's world (its members, their ranks, the
 rendezvous, the step its state must be at and who holds that state). On the wire and in
-SQLite it is still called an "epoch" (`StartEpoch`, `EpochRecord`, the `epochs` table):
+SQLite it is still called an "epoch" (`StartEpoch`, `GenerationRecord`, the `epochs` table):
 those names stay so that launchers and databases of earlier versions keep working.
 
 Times: `Now.monotonic` for deadlines and ages, `Now.wall` for what is recorded."""
@@ -31,7 +31,7 @@ from tidal.controller.core import planning, sharing
 from tidal.controller.core.completion import FinishingMember, completion_verdict
 from tidal.controller.core.health import Failure, HealthPolicy, UnitHealth, health_verdicts
 from tidal.controller.core.progress import MemberProgress, committed_step, state_holders
-from tidal.controller.model import EpochRecord, JobRecord, JobState, UnitRecord, UnitState, join_ids
+from tidal.controller.model import GenerationRecord, JobRecord, JobState, UnitRecord, UnitState, join_ids
 from tidal.launcher.control import EXIT_STATE_LOST
 from tidal.proto import common_pb2, launcher_pb2
 from tidal.slurm.models import JobState as SlurmJobState
@@ -148,7 +148,7 @@ class SaveUnit:
 
 @dataclasses.dataclass(frozen=True)
 class SaveGeneration:
-    generation: EpochRecord
+    generation: GenerationRecord
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,7 +250,7 @@ class PendingReconfigure:
 
     generation: int
     from_generation: int
-    previous: EpochRecord
+    previous: GenerationRecord
     cause: str
     message: launcher_pb2.ControllerMessage
     # Members of `from_generation` to tell (leavers included: they leave after the agreed step).
@@ -280,7 +280,7 @@ class State:
     job: JobRecord
     units: dict[str, UnitRecord]
     # The newest generation (while a live change is in flight, the one it goes to).
-    generation: EpochRecord | None
+    generation: GenerationRecord | None
     config: ControllerConfig
     # Whether this controller runs the job's units as Slurm jobs.
     slurm_units: bool = False
@@ -330,7 +330,7 @@ class State:
         return self.job.spec.mode == common_pb2.JOB_MODE_LIVE
 
     @property
-    def training_world(self) -> EpochRecord | None:
+    def training_world(self) -> GenerationRecord | None:
         """The generation that trains now: while a live change is in flight, the old one."""
         return self.reconfigure.previous if self.reconfigure is not None else self.generation
 
@@ -338,7 +338,7 @@ class State:
         return tuple(sorted(node for node, (_, until) in self.node_cooldown.items() if now < until))
 
 
-def restore(job: JobRecord, units: list[UnitRecord], generation: EpochRecord | None, *, generation_stopped: bool,
+def restore(job: JobRecord, units: list[UnitRecord], generation: GenerationRecord | None, *, generation_stopped: bool,
             pending: Mapping[str, object], config: ControllerConfig, now: Now, slurm_units: bool = False) -> State:
     """The state of a job as SQLite holds it, at a controller's start: what was in flight
     (`pending`: node cool-downs, deferred leaves, the finishing world) resumes; a stop cut
@@ -367,7 +367,7 @@ def restore(job: JobRecord, units: list[UnitRecord], generation: EpochRecord | N
             state.leaving_since[unit_id] = now.monotonic
     if job.state is JobState.RECONFIGURING and generation is not None and not generation_stopped:
         members = {m.unit_id for m in generation.members if not state.units[m.unit_id].state.is_final}
-        state.stop = PendingStop(generation=generation.epoch, cause="restart",
+        state.stop = PendingStop(generation=generation.number, cause="restart",
                                  reason="stop resumed after controller restart", detected_at=now.monotonic,
                                  waiting_for=members, deadline=state.reconnect_deadline + config.restart_grace_s)
     return state
@@ -393,12 +393,12 @@ def refusal(state: State, register: launcher_pb2.Register) -> str | None:
     if unit is not None and unit.state.is_final:
         return (f"unit {unit.unit_id} is {unit.state.value} ({unit.reason or 'no reason recorded'}); "
                 f"it is no longer part of job {job.job_id}")
-    if register.last_epoch > job.epoch:
+    if register.last_epoch > job.generation:
         return (f"unit {register.unit_id} claims generation {register.last_epoch}, "
-                f"but job {job.job_id} is at generation {job.epoch}")
+                f"but job {job.job_id} is at generation {job.generation}")
     in_current = state.generation is not None and state.generation.member(register.unit_id) is not None
-    if register.last_epoch and register.last_epoch < job.epoch and not in_current:
-        return (f"stale generation {register.last_epoch}: job {job.job_id} is at generation {job.epoch} "
+    if register.last_epoch and register.last_epoch < job.generation and not in_current:
+        return (f"stale generation {register.last_epoch}: job {job.job_id} is at generation {job.generation} "
                 f"and unit {register.unit_id} is not part of it")
     if register.last_epoch and unit is None:
         return (f"unit {register.unit_id} claims generation {register.last_epoch} of job {job.job_id}, "
@@ -490,7 +490,7 @@ class _Transition:
     def record(self, kind: str, reason: str, *, unit_id: str = "", generation: int | None = None,
                fields: Mapping[str, object] | None = None) -> None:
         self.emit(Record(kind, reason, unit_id=unit_id,
-                         generation=self.job.epoch if generation is None else generation, fields=fields))
+                         generation=self.job.generation if generation is None else generation, fields=fields))
 
     def send(self, unit_id: str, message: launcher_pb2.ControllerMessage) -> None:
         if unit_id in self.state.connected:
@@ -565,14 +565,14 @@ class _Transition:
             return
         if member is None or generation is None:
             return
-        if state.stop is not None and state.stop.generation == generation.epoch:
+        if state.stop is not None and state.stop.generation == generation.number:
             state.stop.waiting_for.add(unit_id)
             self.send(unit_id, self._stop_message(state.stop.generation, state.stop.reason, state.stop.cause))
             self.record("launcher_reconnected", "told to stop the generation being stopped", unit_id=unit_id,
-                        generation=generation.epoch, fields=fields)
-        elif register.last_epoch == generation.epoch and register.worker_pids:
-            self.record("launcher_reattached", f"still running generation {generation.epoch}; workers untouched",
-                        unit_id=unit_id, generation=generation.epoch, fields=fields)
+                        generation=generation.number, fields=fields)
+        elif register.last_epoch == generation.number and register.worker_pids:
+            self.record("launcher_reattached", f"still running generation {generation.number}; workers untouched",
+                        unit_id=unit_id, generation=generation.number, fields=fields)
         elif state.live and register.last_epoch and not register.worker_pids and self.job.state is JobState.RUNNING:
             # A live member back with no workers lost them while the controller was away: its
             # queued reports (the exit, or "finished") follow on this stream. No fresh worker
@@ -580,11 +580,11 @@ class _Transition:
             # heartbeat_timeout_s, the unit has failed (`_on_tick`).
             state.returned_without_workers[unit_id] = now
             self.record("launcher_reconnected", "back with no workers; waiting for its reports", unit_id=unit_id,
-                        generation=generation.epoch, fields=fields)
+                        generation=generation.number, fields=fields)
         elif self.job.state is JobState.RUNNING:
             self.send(unit_id, self._start_message(generation, unit_id))
-            self.record("epoch_start_resent", f"reconnected without workers of generation {generation.epoch}",
-                        unit_id=unit_id, generation=generation.epoch, fields=fields)
+            self.record("epoch_start_resent", f"reconnected without workers of generation {generation.number}",
+                        unit_id=unit_id, generation=generation.number, fields=fields)
 
     def _on_said(self, unit_id: str, message: launcher_pb2.LauncherMessage) -> None:
         state = self.state
@@ -631,7 +631,7 @@ class _Transition:
             self._on_state_lost(f"a worker of unit {unit_id} exited {EXIT_STATE_LOST}: no replica holds the "
                                 f"training state at step {self.job.step} and there is no checkpoint")
             return
-        current = {state.generation.epoch} if state.generation is not None else set()
+        current = {state.generation.number} if state.generation is not None else set()
         if state.reconfigure is not None:
             current.add(state.reconfigure.from_generation)
         if state.generation is None or exited.epoch not in current or self.job.state is not JobState.RUNNING:
@@ -754,7 +754,7 @@ class _Transition:
                 progress_at=dict(link.progress_at) if link else {}, beat_at=dict(link.beat_at) if link else {},
                 waiting=dict(link.waiting) if link else {}))
         policy = HealthPolicy(self.config.heartbeat_timeout_s, self.config.progress_timeout_s)
-        return health_verdicts(observed, now=now, policy=policy, epoch_started_at=state.generation_started_at,
+        return health_verdicts(observed, now=now, policy=policy, generation_started_at=state.generation_started_at,
                                reconnect_deadline=state.reconnect_deadline)
 
     def _decide(self, now: float, after: str = "") -> None:
@@ -809,7 +809,7 @@ class _Transition:
             self._mark_left(unit_id, f"after the last step: {reason}")
             self._maybe_complete()
             return
-        number = state.generation.epoch if state.generation is not None else 0
+        number = state.generation.number if state.generation is not None else 0
         was_member = (state.generation is not None and state.generation.member(unit_id) is not None
                       and unit.state in (UnitState.ACTIVE, UnitState.LEAVING)
                       and self.job.state in (JobState.RUNNING, JobState.RECONFIGURING))
@@ -861,9 +861,9 @@ class _Transition:
         self._start_generation(survivors, planning.Form(
             replicas=len(survivors), joiners=(),
             reason=f"unit {unit_id} failed: {reason}; the survivors go on without it"), self.now.monotonic)
-        if self.job.epoch == generation.epoch:
+        if self.job.generation == generation.number:
             return False
-        self.emit(GenerationStopped(self.job.job_id, generation.epoch, self.now.wall))
+        self.emit(GenerationStopped(self.job.job_id, generation.number, self.now.wall))
         return True
 
     def _stop_grace_s(self, cause: str) -> float:
@@ -889,12 +889,12 @@ class _Transition:
         # collective failing): they get the planned-change grace, not a failure's.
         grace_s = self.config.restart_grace_s if state.live else self._stop_grace_s(cause)
         deadline = max(now + grace_s + self.config.heartbeat_timeout_s, state.reconnect_deadline)
-        state.stop = PendingStop(generation=state.generation.epoch, cause=cause, reason=reason,
+        state.stop = PendingStop(generation=state.generation.number, cause=cause, reason=reason,
                                  detected_at=detected_at, waiting_for=waiting, deadline=deadline)
         state.reconfigure = None
         self.job.state = JobState.RECONFIGURING
         self.emit(SaveJob(self.job))
-        self.record("epoch_stopping", reason, generation=state.generation.epoch,
+        self.record("epoch_stopping", reason, generation=state.generation.number,
                     fields={"cause": cause, "waiting_for": join_ids(sorted(waiting))})
         message = self._stop_message(state.stop.generation, reason, cause)
         for unit_id in sorted(waiting):
@@ -943,13 +943,13 @@ class _Transition:
         state = self.state
         chosen = list(survivors) + list(form.joiners)
         try:
-            plan = planning.plan_epoch(job_id=self.job.job_id, epoch=self.job.epoch + 1,
+            plan = planning.plan_generation(job_id=self.job.job_id, number=self.job.generation + 1,
                                        candidates=self._candidates(chosen), replicas=form.replicas,
                                        reason=form.reason, now=self.now.wall, resume_step=self.job.step)
         except ValueError as error:
             self.emit(Note("generation_not_formed", {"reason": str(error)}))
             return
-        self.job.epoch = plan.epoch
+        self.job.generation = plan.number
         self.job.state = JobState.RUNNING
         fields: dict[str, object] = {"world_size": plan.world_size, "replicas": len(plan.members),
                                      "members": join_ids(list(plan.unit_ids)),
@@ -970,7 +970,7 @@ class _Transition:
         for unit_id in plan.unit_ids:
             self.send(unit_id, self._start_message(plan, unit_id))
 
-    def _commit_generation(self, plan: EpochRecord, unit_ids: list[str], kind: str, reason: str,
+    def _commit_generation(self, plan: GenerationRecord, unit_ids: list[str], kind: str, reason: str,
                            fields: dict[str, object]) -> None:
         """What is persisted before any message about the generation leaves: the generation
         with its rank table, the job's generation number, each of `unit_ids` in its place (a
@@ -983,15 +983,15 @@ class _Transition:
             unit.state = UnitState.ACTIVE if unit_id in members else UnitState.JOINING
             unit.group_rank = member.group_rank if member else -1
             self.emit(SaveUnit(unit))
-        self.record(kind, reason, generation=plan.epoch, fields=fields)
+        self.record(kind, reason, generation=plan.number, fields=fields)
 
-    def _start_message(self, generation: EpochRecord, unit_id: str) -> launcher_pb2.ControllerMessage:
+    def _start_message(self, generation: GenerationRecord, unit_id: str) -> launcher_pb2.ControllerMessage:
         return launcher_pb2.ControllerMessage(start_epoch=launcher_pb2.StartEpoch(
-            epoch=generation.epoch, rank_table=generation.rank_table(only_unit=unit_id),
+            epoch=generation.number, rank_table=generation.rank_table(only_unit=unit_id),
             rendezvous=generation.rendezvous(), resume_step=generation.resume_step,
             state_holders=list(self.state.state_holders)))
 
-    def _state_fields(self, plan: EpochRecord) -> dict[str, object]:
+    def _state_fields(self, plan: GenerationRecord) -> dict[str, object]:
         """Decide and describe the state a new generation must be at: its target step (the
         watermark) and its holders. With none holding it past step 0 (live mode), the event
         says so: the workers load a checkpoint at or before it, or refuse to train."""
@@ -999,9 +999,9 @@ class _Transition:
         state.state_holders = self._holders(plan.unit_ids)
         if state.live and plan.resume_step > 0 and not state.state_holders:
             self.record("state_not_held",
-                        f"no member of generation {plan.epoch} holds the training state at step "
+                        f"no member of generation {plan.number} holds the training state at step "
                         f"{plan.resume_step}: its workers resume from a checkpoint at or before it, or "
-                        "refuse to train", generation=plan.epoch, fields={"target_step": plan.resume_step})
+                        "refuse to train", generation=plan.number, fields={"target_step": plan.resume_step})
         return {"target_step": plan.resume_step, "state_holders": join_ids(list(state.state_holders))}
 
     def _holders(self, unit_ids: tuple[str, ...]) -> tuple[str, ...]:
@@ -1033,7 +1033,7 @@ class _Transition:
         unit.state = UnitState.LEAVING
         state.leaving_since[unit_id] = self.now.monotonic
         unit.reason = f"{cause}: {detail}" if detail != cause else cause
-        number = state.generation.epoch if state.generation is not None else 0
+        number = state.generation.number if state.generation is not None else 0
         self.emit(SaveUnit(unit))
         self.record("unit_leaving", unit.reason, unit_id=unit_id, generation=number, fields={"cause": cause})
         if running and state.live and connected:
@@ -1074,7 +1074,7 @@ class _Transition:
         kept = [m.unit_id for m in previous.members if m.unit_id not in leaving]
         chosen = kept + list(joiners)
         try:
-            plan = planning.plan_epoch(job_id=self.job.job_id, epoch=self.job.epoch + 1,
+            plan = planning.plan_generation(job_id=self.job.job_id, number=self.job.generation + 1,
                                        candidates=self._candidates(chosen), replicas=len(chosen), reason=reason,
                                        now=self.now.wall, resume_step=self.job.step)
         except ValueError as error:
@@ -1085,18 +1085,18 @@ class _Transition:
         source = min(plan.members, key=lambda m: m.group_rank).unit_id
         fields_of_state = self._state_fields(plan)
         message = launcher_pb2.ControllerMessage(reconfigure=launcher_pb2.Reconfigure(
-            epoch=plan.epoch, from_epoch=previous.epoch, rank_table=plan.rank_table(),
+            epoch=plan.number, from_epoch=previous.number, rank_table=plan.rank_table(),
             rendezvous=plan.rendezvous(), state_sources=list(state.state_holders) or [source],
             target_step=plan.resume_step))
-        self.job.epoch = plan.epoch
-        fields: dict[str, object] = {"cause": cause, "from_epoch": previous.epoch, "world_size": plan.world_size,
+        self.job.generation = plan.number
+        fields: dict[str, object] = {"cause": cause, "from_epoch": previous.number, "world_size": plan.world_size,
                                      "replicas": len(plan.members), "members": join_ids(list(plan.unit_ids)),
                                      "joiners": join_ids(list(joiners)), "leaving": join_ids(list(leaving)),
                                      "state_source": source, **fields_of_state}
         self._commit_generation(plan, chosen, "world_reconfiguring", reason, fields)
         self.emit(Metric("generations_formed", label=self.job.job_id))
         state.reconfigure = PendingReconfigure(
-            generation=plan.epoch, from_generation=previous.epoch, previous=previous, cause=cause, message=message,
+            generation=plan.number, from_generation=previous.number, previous=previous, cause=cause, message=message,
             old_members=old_members, joiners_waiting=set(joiners), waiting_for=set(plan.unit_ids), decided_at=now,
             deadline=now + self.config.reconfigure_timeout_s)
         state.generation = plan
@@ -1151,7 +1151,7 @@ class _Transition:
         end of a recovery, or of a planned change."""
         state = self.state
         generation = state.generation
-        if generation is None or report.epoch != generation.epoch or report.epoch in state.first_step_generations:
+        if generation is None or report.epoch != generation.number or report.epoch in state.first_step_generations:
             return
         state.first_step_generations.add(report.epoch)
         at = report.at.ToNanoseconds() / 1e9 if report.HasField("at") else self.now.wall
@@ -1357,11 +1357,11 @@ class _Transition:
                 self._leave(other_id, "finished", "training finished")
         self._maybe_complete()
 
-    def _world_of(self, generation: int) -> EpochRecord | None:
+    def _world_of(self, generation: int) -> GenerationRecord | None:
         """The generation numbered `generation`, if it is the newest one or the one a live
         change in flight leaves; else the newest one."""
         pending = self.state.reconfigure
-        if pending is not None and pending.previous.epoch == generation:
+        if pending is not None and pending.previous.number == generation:
             return pending.previous
         return self.state.generation
 
@@ -1432,7 +1432,7 @@ class _Transition:
         state = self.state
         self.job.state = job_state
         state.stop = None
-        number = state.generation.epoch if state.generation is not None else 0
+        number = state.generation.number if state.generation is not None else 0
         self.emit(SaveJob(self.job))
         if state.generation is not None:
             self.emit(GenerationStopped(self.job.job_id, number, self.now.wall))

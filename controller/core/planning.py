@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from tidal.controller.model import EpochRecord, Member
+from tidal.controller.model import GenerationRecord, Member
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +42,8 @@ def choose_world_size(available: int, sizes: Sequence[int]) -> int | None:
     return max(fitting) if fitting else None
 
 
-def plan_epoch(*, job_id: str, epoch: int, candidates: Sequence[Candidate], replicas: int, reason: str,
-               now: float, resume_step: int) -> EpochRecord:
+def plan_generation(*, job_id: str, number: int, candidates: Sequence[Candidate], replicas: int, reason: str,
+               now: float, resume_step: int) -> GenerationRecord:
     """The next epoch's rank table and rendezvous.
 
     Survivors keep their relative order (so ranks move as little as possible), joiners
@@ -71,7 +71,7 @@ def plan_epoch(*, job_id: str, epoch: int, candidates: Sequence[Candidate], repl
                         group_rank=group_rank, first_rank=first_rank)
         members.append(member)
         first_rank += member.world_share
-    return EpochRecord(job_id=job_id, epoch=epoch, members=tuple(members), rendezvous_host=host.address,
+    return GenerationRecord(job_id=job_id, number=number, members=tuple(members), rendezvous_host=host.address,
                        rendezvous_port=host.store_port, rendezvous_unit_id=host.unit_id, reason=reason,
                        created_at=now, resume_step=resume_step)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tidal.controller.config import ConfigError, load_config
-from tidal.controller.model import EpochRecord, JobRecord, JobState, Member, UnitRecord, UnitState
+from tidal.controller.model import GenerationRecord, JobRecord, JobState, Member, UnitRecord, UnitState
 from tidal.controller.security import (
     Caller,
     load_or_create_admin_token,
@@ -64,16 +64,16 @@ def test_store_survives_reopening(tmp_path: Path) -> None:
     job = JobRecord(job_id="lm-1", spec=spec, state=JobState.PENDING, owner_uid=1000, secret_sha256="ab",
                     created_at=1.0, updated_at=1.0)
     members = (Member("u1", ("n1",), 2, 0, 0), Member("u2", ("n2",), 2, 1, 2))
-    epoch = EpochRecord(job_id="lm-1", epoch=1, members=members,
+    epoch = GenerationRecord(job_id="lm-1", number=1, members=members,
                         rendezvous_host="n1", rendezvous_port=29500, rendezvous_unit_id="u1", reason="formed",
                         created_at=2.0, resume_step=0)
     with store.transaction():
         store.insert_job(job)
         store.upsert_unit(UnitRecord("lm-1", "u1", UnitState.ACTIVE, ["n1"], "n1", 2, 77, 0, 1.5))
-        store.insert_epoch(epoch)
-        job.state, job.epoch = JobState.RUNNING, 1
+        store.insert_generation(epoch)
+        job.state, job.generation = JobState.RUNNING, 1
         store.update_job(job)
-        store.append_event("lm-1", "world_formed", "formed", epoch=1, fields={"world_size": 4})
+        store.append_event("lm-1", "world_formed", "formed", generation=1, fields={"world_size": 4})
     with pytest.raises(RuntimeError), store.transaction():
         store.append_event("lm-1", "lost", "rolled back")
         raise RuntimeError("boom")
@@ -81,14 +81,14 @@ def test_store_survives_reopening(tmp_path: Path) -> None:
 
     reopened = StateStore(path)
     [loaded] = reopened.jobs()
-    assert loaded.state is JobState.RUNNING and loaded.epoch == 1 and loaded.spec == spec
+    assert loaded.state is JobState.RUNNING and loaded.generation == 1 and loaded.spec == spec
     [unit] = reopened.units("lm-1")
     assert unit.state is UnitState.ACTIVE and unit.slurm_job_id == 77 and unit.nodes == ["n1"]
-    found = reopened.epoch("lm-1", 1)
+    found = reopened.generation("lm-1", 1)
     assert found is not None and found[0] == epoch and found[1] is None
     assert [(e.kind, e.fields) for e in reopened.events("lm-1")] == [("world_formed", {"world_size": "4"})]
-    reopened.mark_epoch_stopped("lm-1", 1, 3.0)
-    assert reopened.epoch("lm-1", 1)[1] == 3.0  # type: ignore[index]
+    reopened.mark_generation_stopped("lm-1", 1, 3.0)
+    assert reopened.generation("lm-1", 1)[1] == 3.0  # type: ignore[index]
 
 
 def test_spec_defaults_and_errors_name_the_field() -> None:
@@ -166,7 +166,7 @@ def test_state_gauges_are_read_from_the_jobs_at_scrape_time() -> None:
     from tidal.controller.metrics import ControllerMetrics
 
     jobs = [SimpleNamespace(job_id="j", job_state="running", unit_states=["active", "active", "left"],
-                            world_size=2, epoch_number=3, connected_launchers=2)]
+                            world_size=2, generation_number=3, connected_launchers=2)]
     metrics = ControllerMetrics()
     metrics.read_job_states(lambda: jobs, ["pending", "running"], ["active", "left"])
     text = generate_latest(metrics.registry).decode()

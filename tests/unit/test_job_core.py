@@ -119,8 +119,8 @@ def test_a_generation_is_persisted_in_the_same_transition_that_sends_it() -> Non
     driver.connect("b")
     effects = driver.tick()
     saved = [e for e in effects if isinstance(e, core.SaveGeneration)]
-    assert [s.generation.epoch for s in saved] == [1]
-    assert [e.job.epoch for e in effects if isinstance(e, core.SaveJob)] == [1]
+    assert [s.generation.number for s in saved] == [1]
+    assert [e.job.generation for e in effects if isinstance(e, core.SaveJob)] == [1]
     assert {e.unit.unit_id for e in effects if isinstance(e, core.SaveUnit)} == {"a", "b"}
     # The runtime applies every persistent effect, in one transaction, before any other.
     assert sent(effects) == ["start:1", "start:1"]
@@ -188,7 +188,7 @@ def test_a_failure_in_restart_mode_stops_the_generation_then_forms_the_next_from
     driver.report("a", 1, launcher_pb2.EPOCH_PHASE_STOPPED)
     assert driver.state.job.state is JobState.RECONFIGURING, "one survivor has not confirmed yet"
     effects = driver.report("c", 1, launcher_pb2.EPOCH_PHASE_STOPPED)
-    assert driver.state.job.state is JobState.RUNNING and driver.state.job.epoch == 2
+    assert driver.state.job.state is JobState.RUNNING and driver.state.job.generation == 2
     assert sent(effects) == ["start:2", "start:2"]
     assert driver.events(effects) == ["epoch_stopped", "world_formed"]
 
@@ -282,7 +282,7 @@ def test_a_unit_that_registers_after_the_last_step_is_sent_away() -> None:
     driver.connect("b")
     assert driver.state.units["b"].state is UnitState.LEAVING
     assert sent(driver.effects, "b") == ["leave"]
-    assert driver.state.generation is not None and driver.state.generation.epoch == 1
+    assert driver.state.generation is not None and driver.state.generation.number == 1
 
 
 def node(name: str) -> Node:

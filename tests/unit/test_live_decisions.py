@@ -30,7 +30,7 @@ class Harness:
         job = JobRecord(job_id="live-1", spec=spec, state=JobState.PENDING, owner_uid=0,
                         secret_sha256=secret_digest("s"), created_at=time.time(), updated_at=time.time())
         self.store.insert_job(job)
-        self.actor = JobActor(job, [], None, epoch_stopped=False, config=self.config, store=self.store,
+        self.actor = JobActor(job, [], None, generation_stopped=False, config=self.config, store=self.store,
                               events=EventLog(self.store), metrics=ControllerMetrics(), started_at=time.monotonic())
         self.sessions: dict[str, LauncherSession] = {}
 
@@ -91,7 +91,7 @@ def test_a_grow_tells_the_joiner_first_and_the_old_world_once_it_is_ready(harnes
     harness.tick()
     assert harness.outbox("c") == ["reconfigure:2:a,b,c"]
     assert harness.outbox("a") == harness.outbox("b") == [], "the old world trains on while the joiner starts"
-    assert harness.actor.job.state is JobState.RUNNING and harness.actor.job.epoch == 2
+    assert harness.actor.job.state is JobState.RUNNING and harness.actor.job.generation == 2
 
     harness.report("c", 2, launcher_pb2.EPOCH_PHASE_STARTED)
     assert harness.outbox("a") == harness.outbox("b") == ["reconfigure:2:a,b,c"]
@@ -116,9 +116,9 @@ def test_a_failure_is_one_message_to_each_survivor_the_next_generation(harness: 
     harness.say("b", worker_exited=launcher_pb2.WorkerExited(epoch=1, local_rank=0, pid=77, signal=9))
     assert harness.outbox("b")[:1] == ["stop:1"], "the failed unit is told to kill its workers"
     assert harness.outbox("a") == ["start:2"], "no stop round first"
-    assert harness.actor.job.state is JobState.RUNNING and harness.actor.job.epoch == 2
+    assert harness.actor.job.state is JobState.RUNNING and harness.actor.job.generation == 2
     assert not any(kind.startswith("epoch_stop") for kind in harness.kinds())
-    assert harness.store.epoch("live-1", 1)[1] is not None, "generation 1 is recorded as over"
+    assert harness.store.generation("live-1", 1)[1] is not None, "generation 1 is recorded as over"
     harness.report("a", 2, launcher_pb2.EPOCH_PHASE_FIRST_STEP, step=12)
     recovered = [e for e in harness.store.events("live-1") if e.kind == "recovered"]
     assert len(recovered) == 1 and recovered[0].fields["failed_unit"] == "b"
@@ -138,7 +138,7 @@ def test_training_that_ends_while_a_grow_is_in_flight_completes_the_job(harness:
 
 def beat(harness: Harness, unit: str, rank: int, step: int) -> None:
     """A heartbeat naming one worker at `step` committed steps."""
-    message = launcher_pb2.Heartbeat(epoch=harness.actor.job.epoch, sequence=time.monotonic_ns())
+    message = launcher_pb2.Heartbeat(epoch=harness.actor.job.generation, sequence=time.monotonic_ns())
     message.sent_at.GetCurrentTime()
     worker = launcher_pb2.WorkerProgress(local_rank=0, rank=rank, pid=100 + rank, step=step)
     worker.progress_time.GetCurrentTime()
@@ -211,9 +211,9 @@ def restart_controller(harness: Harness, **config: float) -> None:
     """The controller restarts: a new actor from the same SQLite file; `a` comes back with
     its worker, `b` with none."""
     job = harness.store.jobs()[0]
-    epoch, _ = harness.store.epoch(job.job_id, job.epoch)
+    epoch, _ = harness.store.generation(job.job_id, job.generation)
     harness.config = dataclasses.replace(harness.config, **config)
-    harness.actor = JobActor(job, harness.store.units(job.job_id), epoch, epoch_stopped=False,
+    harness.actor = JobActor(job, harness.store.units(job.job_id), epoch, generation_stopped=False,
                              config=harness.config, store=harness.store, events=EventLog(harness.store),
                              metrics=ControllerMetrics(), started_at=time.monotonic())
     now = time.monotonic()

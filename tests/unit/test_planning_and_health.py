@@ -15,7 +15,7 @@ from tidal.controller.core.planning import (
     allowed_sizes,
     choose_world_size,
     decide_world,
-    plan_epoch,
+    plan_generation,
 )
 
 
@@ -26,7 +26,7 @@ def candidate(unit: str, previous: int | None = None, port: int = 5000, register
 
 
 def test_survivors_keep_their_order_and_joiners_follow() -> None:
-    plan = plan_epoch(job_id="j", epoch=4, candidates=[
+    plan = plan_generation(job_id="j", number=4, candidates=[
         candidate("late", registered=9.0), candidate("c", previous=2), candidate("a", previous=0),
         candidate("early", registered=1.0)], replicas=4, reason="r", now=100.0, resume_step=17)
     assert plan.unit_ids == ("a", "c", "early", "late")
@@ -36,7 +36,7 @@ def test_survivors_keep_their_order_and_joiners_follow() -> None:
 
 
 def test_ranks_count_every_process_of_every_unit() -> None:
-    plan = plan_epoch(job_id="j", epoch=1, candidates=[candidate("a", procs=2), candidate("b", procs=3)],
+    plan = plan_generation(job_id="j", number=1, candidates=[candidate("a", procs=2), candidate("b", procs=3)],
                       replicas=2, reason="r", now=0.0, resume_step=0)
     assert [(m.unit_id, m.first_rank) for m in plan.members] == [("a", 0), ("b", 2)]
     table = plan.rank_table()
@@ -45,17 +45,17 @@ def test_ranks_count_every_process_of_every_unit() -> None:
 
 def test_rendezvous_moves_to_a_live_unit_when_the_old_host_is_gone() -> None:
     # Epoch 1 was hosted by "a" (group rank 0); "a" failed; the survivors re-form.
-    plan = plan_epoch(job_id="j", epoch=2, candidates=[candidate("c", previous=2), candidate("b", previous=1)],
+    plan = plan_generation(job_id="j", number=2, candidates=[candidate("c", previous=2), candidate("b", previous=1)],
                       replicas=2, reason="r", now=0.0, resume_step=0)
     assert plan.rendezvous_unit_id == "b" and plan.members[0].unit_id == "b"
 
 
 def test_a_unit_without_a_store_port_never_hosts() -> None:
-    plan = plan_epoch(job_id="j", epoch=1, candidates=[candidate("a", previous=0, port=0), candidate("b", 1)],
+    plan = plan_generation(job_id="j", number=1, candidates=[candidate("a", previous=0, port=0), candidate("b", 1)],
                       replicas=2, reason="r", now=0.0, resume_step=0)
     assert plan.rendezvous_unit_id == "b" and plan.members[0].unit_id == "b"
     with pytest.raises(ValueError, match="no member can host"):
-        plan_epoch(job_id="j", epoch=1, candidates=[candidate("a", port=0)], replicas=1, reason="r", now=0.0,
+        plan_generation(job_id="j", number=1, candidates=[candidate("a", port=0)], replicas=1, reason="r", now=0.0,
                    resume_step=0)
 
 
@@ -111,26 +111,27 @@ POLICY = HealthPolicy(heartbeat_timeout_s=3.0, progress_timeout_s=60.0)
 
 def test_missing_heartbeats_fail_a_unit_after_the_timeout() -> None:
     units = [UnitHealth("a", True, last_heartbeat_at=100.0), UnitHealth("b", True, last_heartbeat_at=97.5)]
-    assert health_verdicts(units, now=100.4, policy=POLICY, epoch_started_at=0.0, reconnect_deadline=0.0) == []
-    verdicts = health_verdicts(units, now=100.6, policy=POLICY, epoch_started_at=0.0, reconnect_deadline=0.0)
+    assert health_verdicts(units, now=100.4, policy=POLICY, generation_started_at=0.0, reconnect_deadline=0.0) == []
+    verdicts = health_verdicts(units, now=100.6, policy=POLICY, generation_started_at=0.0, reconnect_deadline=0.0)
     assert verdicts == [Failure("b", "no heartbeat for 3.1 s (timeout 3 s)", "heartbeat")]
 
 
 def test_a_launcher_that_does_not_come_back_after_a_restart_fails_after_the_grace() -> None:
     units = [UnitHealth("a", connected=False, last_heartbeat_at=None)]
-    assert health_verdicts(units, now=10.0, policy=POLICY, epoch_started_at=0.0, reconnect_deadline=15.0) == []
-    [failure] = health_verdicts(units, now=15.1, policy=POLICY, epoch_started_at=0.0, reconnect_deadline=15.0)
+    assert health_verdicts(units, now=10.0, policy=POLICY, generation_started_at=0.0, reconnect_deadline=15.0) == []
+    [failure] = health_verdicts(units, now=15.1, policy=POLICY, generation_started_at=0.0, reconnect_deadline=15.0)
     assert failure.cause == "reconnect" and "did not reconnect" in failure.reason
 
 
 def test_a_worker_without_progress_is_hung_but_only_if_it_ever_reported() -> None:
     silent = UnitHealth("a", True, last_heartbeat_at=199.0)
     stalled = UnitHealth("b", True, last_heartbeat_at=199.0, progress_at={4: 130.0, 5: 190.0})
-    verdicts = health_verdicts([silent, stalled], now=200.0, policy=POLICY, epoch_started_at=100.0,
+    verdicts = health_verdicts([silent, stalled], now=200.0, policy=POLICY, generation_started_at=100.0,
                                reconnect_deadline=0.0)
     assert verdicts == [Failure("b", "rank 4 made no progress for 70.0 s (timeout 60 s)", "progress")]
     # Progress from before this epoch started does not count against it.
-    assert health_verdicts([stalled], now=200.0, policy=POLICY, epoch_started_at=135.0, reconnect_deadline=0.0) == []
+    assert health_verdicts([stalled], now=200.0, policy=POLICY, generation_started_at=135.0,
+                           reconnect_deadline=0.0) == []
 
 
 def test_a_hang_blames_its_cause_not_the_ranks_waiting_for_it() -> None:
@@ -140,7 +141,7 @@ def test_a_hang_blames_its_cause_not_the_ranks_waiting_for_it() -> None:
                        waiting={1: False})
     victims = [UnitHealth(unit, True, last_heartbeat_at=199.0, progress_at={rank: 130.0}, beat_at={rank: 199.5},
                           waiting={rank: True}) for unit, rank in (("a", 0), ("c", 2))]
-    verdicts = health_verdicts([victims[0], cause, victims[1]], now=200.0, policy=POLICY, epoch_started_at=0.0,
+    verdicts = health_verdicts([victims[0], cause, victims[1]], now=200.0, policy=POLICY, generation_started_at=0.0,
                                reconnect_deadline=0.0)
     assert verdicts == [Failure("b", "rank 1 made no progress for 70.0 s (timeout 60 s)", "progress")]
 
@@ -158,11 +159,13 @@ def test_beat_silence_is_the_launchers_to_judge_and_a_silent_hang_meets_the_prog
         return [victim, silent]
 
     for now in (199.0, 200.0, 250.0, 256.0):
-        assert health_verdicts(units(now), now=now, policy=POLICY, epoch_started_at=0.0, reconnect_deadline=0.0) == []
+        assert health_verdicts(units(now), now=now, policy=POLICY, generation_started_at=0.0,
+                               reconnect_deadline=0.0) == []
     # Left alone by its launcher and still silent, it is hung once the progress timeout
     # passes: its stale "waiting" does not shield it. The victim, beating and waiting for
     # it, is not blamed.
-    verdicts = health_verdicts(units(257.0), now=257.0, policy=POLICY, epoch_started_at=0.0, reconnect_deadline=0.0)
+    verdicts = health_verdicts(units(257.0), now=257.0, policy=POLICY, generation_started_at=0.0,
+                               reconnect_deadline=0.0)
     assert verdicts == [Failure("b", "rank 1 made no progress for 61.0 s (timeout 60 s)", "progress")]
 
 

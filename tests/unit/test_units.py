@@ -144,7 +144,7 @@ def slurm_actor(tmp_path: Path, fake: FakeSlurmClient, **spec_fields: object) ->
     store.insert_job(job)
     units = SlurmUnits(client=fake, launcher=("tidal-launcher",), controller_address="127.0.0.1:1",
                        output_dir=tmp_path, secrets_dir=tmp_path)
-    return JobActor(job, [], None, epoch_stopped=False, config=ControllerConfig(state_dir=tmp_path), store=store,
+    return JobActor(job, [], None, generation_stopped=False, config=ControllerConfig(state_dir=tmp_path), store=store,
                     events=EventLog(store), metrics=ControllerMetrics(), started_at=time.monotonic(), slurm=units)
 
 
@@ -286,7 +286,7 @@ def test_node_cool_downs_survive_a_controller_restart(tmp_path: Path) -> None:
         task.cancel()
 
         # The controller is killed and starts again from the same SQLite file.
-        restarted = JobActor(actor.store.jobs()[0], actor.store.units("lm-1"), None, epoch_stopped=True,
+        restarted = JobActor(actor.store.jobs()[0], actor.store.units("lm-1"), None, generation_stopped=True,
                              config=actor.config, store=actor.store, events=actor.events,
                              metrics=ControllerMetrics(), started_at=time.monotonic(), slurm=actor.slurm)
         growing = restarted.growing_job(poll.poll(), time.monotonic())
