@@ -69,9 +69,9 @@ def test_bad_launchers_are_refused_and_the_job_is_untouched(tidal_run: TidalRun)
     code, details = session_status(address, [register(tidal_run, "intruder", secret="not-the-secret")])
     assert code == grpc.StatusCode.UNAUTHENTICATED and "wrong secret" in details
     code, details = session_status(address, [register(tidal_run, "ghost", last_epoch=1)])
-    assert code == grpc.StatusCode.FAILED_PRECONDITION and "stale epoch 1" in details
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "stale generation 1" in details
     code, details = session_status(address, [register(tidal_run, "u1", last_epoch=9)])
-    assert code == grpc.StatusCode.FAILED_PRECONDITION and "claims epoch 9" in details
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "claims generation 9" in details
     code, details = session_status(address, [b"\xff\xfe garbled, not a protobuf \x00\x01"])
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "garbled" in details, (code, details)
     code, details = session_status(address, [register(tidal_run, "big", version="x" * (2 << 20))])
