@@ -2,13 +2,13 @@
 
 It registers with the controller using the job's secret (from a file or the environment,
 never argv), heartbeats, starts the node's workers with a torchrun-compatible environment
-when an epoch starts, stops them when the controller says so, and turns SIGTERM (Slurm's
+when a generation starts, stops them when the controller says so, and turns SIGTERM (Slurm's
 preemption notice) into a request to leave. Training goes on while the controller is away.
 
 One state machine (`AgentState`) and one loop (`Agent.run`); every input, from the
 controller, the workers, signals or the clock, is an event on one queue.
 
-In live mode (scripts using `tidal.launcher.elastic`) workers outlive epochs: a world
+In live mode (scripts using `tidal.launcher.elastic`) workers outlive generations: a world
 change or a failure elsewhere reaches them over the control channel (`control`) and they
 re-form in-process; only a worker of a failed unit, or one that does not stop in time,
 is killed."""
@@ -80,9 +80,9 @@ class AgentState(enum.StrEnum):
 
     CONNECTING: not registered yet (a launcher that was registered once never returns
     here; while the controller is away it stays in its state and keeps its workers).
-    WAITING: registered, no workers: a joiner, or between two epochs.
-    RUNNING: the workers of `epoch` run.
-    STOPPING: stopping the workers (the controller's STOP, or before a new epoch).
+    WAITING: registered, no workers: a joiner, or between two generations.
+    RUNNING: the workers of `generation` run.
+    STOPPING: stopping the workers (the controller's STOP, or before a new generation).
     LEAVING: stopping the workers to leave the job; exits 0 afterwards.
     SUCCEEDED, FAILED: final; the process exits (0, or the code saying why)."""
 
@@ -101,14 +101,14 @@ class AgentState(enum.StrEnum):
 
 @dataclasses.dataclass(frozen=True)
 class WorkerExit:
-    epoch: int
+    generation: int
     worker: Worker
     returncode: int
 
 
 @dataclasses.dataclass(frozen=True)
 class WorkersStopped:
-    epoch: int
+    generation: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,11 +132,11 @@ class LiveWorkers:
     idle: set[int] = dataclasses.field(default_factory=set)
     left: set[int] = dataclasses.field(default_factory=set)
     formed: dict[int, int] = dataclasses.field(default_factory=dict)
-    # (epoch, EpochPhase) reports already sent: STARTED (a joiner's workers ready),
+    # (generation, EpochPhase) reports already sent: STARTED (a joiner's workers ready),
     # RECONFIGURED, FIRST_STEP; each goes once.
     reported: set[tuple[int, int]] = dataclasses.field(default_factory=set)
     # A joiner reports its workers ready (EPOCH_PHASE_STARTED) once all said hello.
-    ready_epoch: int = 0
+    ready_generation: int = 0
     stop_deadline: float | None = None
     # Each worker's last beat: (when, waiting in a collective, samples trained so far).
     beats: dict[int, tuple[float, bool, int]] = dataclasses.field(default_factory=dict)
@@ -187,7 +187,7 @@ class Agent:
         self.options = options
         self.state = AgentState.CONNECTING
         self.events: asyncio.Queue[AgentEvent] = asyncio.Queue()
-        self.epoch = 0
+        self.generation = 0
         self.workers: WorkerGroup | None = None
         self.registered: launcher_pb2.Registered | None = None
         self.exit_code = EXIT_OK
@@ -230,7 +230,7 @@ class Agent:
             job_id=self.options.job_id, unit_id=self.options.unit_id, secret=self.options.secret,
             nodes=list(self.options.nodes), address=self.options.address,
             procs_per_node=self.registered.procs_per_node if self.registered else 0,
-            slurm_job_id=self.options.slurm_job_id, last_epoch=self.epoch,
+            slurm_job_id=self.options.slurm_job_id, last_epoch=self.generation,
             worker_pids=self.workers.pids if running and self.workers else [],
             launcher_version=_version(), store_port=self.store_port)
 
@@ -284,10 +284,10 @@ class Agent:
                              f"{details}")
             case ControllerSaid(message):
                 self._on_command(message)
-            case WorkerExit(epoch, worker, returncode):
-                self._on_worker_exit(epoch, worker, returncode)
-            case WorkersStopped(epoch):
-                self._on_workers_stopped(epoch)
+            case WorkerExit(generation, worker, returncode):
+                self._on_worker_exit(generation, worker, returncode)
+            case WorkersStopped(generation):
+                self._on_workers_stopped(generation)
             case SignalReceived(signum):
                 self._on_signal(signum)
             case Tick():
@@ -310,7 +310,7 @@ class Agent:
         self.registered = registered
         if self.state is AgentState.CONNECTING:
             self.state = AgentState.WAITING
-        self.log.info("registered", controller_epoch=registered.current_epoch, own_epoch=self.epoch,
+        self.log.info("registered", controller_generation=registered.current_epoch, own_generation=self.generation,
                       state=self.state.value)
         if self.leave_requested_at is not None and self.state is not AgentState.LEAVING:
             self._request_leave()
@@ -338,15 +338,15 @@ class Agent:
             if stop.failed_unit_id == self.options.unit_id:
                 self.failed_self = True
                 self.link.close()
-            if stop.epoch < self.epoch:
-                self.log.info("stale_stop_ignored", stop_epoch=stop.epoch, epoch=self.epoch)
+            if stop.epoch < self.generation:
+                self.log.info("stale_stop_ignored", stop_generation=stop.epoch, generation=self.generation)
                 return
-            self.log.info("epoch_stop_ordered", epoch=stop.epoch, reason=stop.reason)
+            self.log.info("generation_stop_ordered", generation=stop.epoch, reason=stop.reason)
             self.pending_start = None
             if self.live.finished and not self.failed_self:
                 # Training is over here (a rank committed the last step): the workers run the
                 # script's own code and exit by themselves; nothing to stop.
-                self.log.info("stop_after_finish_ignored", epoch=stop.epoch)
+                self.log.info("stop_after_finish_ignored", generation=stop.epoch)
                 return
             if self.live_workers_running and not self.failed_self and self.state is not AgentState.LEAVING:
                 self._stop_live(stop.epoch)
@@ -358,7 +358,7 @@ class Agent:
                 grace_s = 0.0
             self._stop_workers(AgentState.STOPPING, grace_s)
         elif kind == "leave":
-            self.log.info("leave_ordered", epoch=message.leave.epoch, reason=message.leave.reason)
+            self.log.info("leave_ordered", generation=message.leave.epoch, reason=message.leave.reason)
             self._stop_workers(AgentState.LEAVING, self.options.stop_grace_s)
         elif kind == "reconfigure":
             self._on_reconfigure(message.reconfigure)
@@ -368,21 +368,21 @@ class Agent:
             return
         if self.live.finished:
             # Training is over here: no worker of this unit starts again.
-            self.log.warning("start_after_finish_ignored", epoch=start.epoch)
+            self.log.warning("start_after_finish_ignored", generation=start.epoch)
             return
         if self.live_workers_running and self.state is not AgentState.STOPPING:
             # Live mode: the workers that stopped in-process (or wait on standby) join the
             # new world.
             self.standby = False
-            self.epoch = max(self.epoch, start.epoch)
+            self.generation = max(self.generation, start.epoch)
             self._send_worlds(start.epoch, start.rank_table, start.rendezvous, target_step=start.resume_step)
             self.state = AgentState.RUNNING
             self._report(start.epoch, launcher_pb2.EPOCH_PHASE_STARTED, step=start.resume_step)
             return
         if self.workers is not None and not self.workers.all_exited:
-            if self.workers.epoch == start.epoch:
+            if self.workers.generation == start.epoch:
                 return
-            # Restart mode: the old workers go first, then the new epoch starts.
+            # Restart mode: the old workers go first, then the new generation starts.
             self.pending_start = start
             self._stop_workers(AgentState.STOPPING, self.options.stop_grace_s)
             return
@@ -395,11 +395,11 @@ class Agent:
         assert self.registered is not None
         mine = next((a for a in start.rank_table.assignments if a.unit_id == self.options.unit_id), None)
         if mine is None:
-            self.log.warning("not_in_rank_table", epoch=start.epoch)
+            self.log.warning("not_in_rank_table", generation=start.epoch)
             return
         if start.rendezvous.host_unit_id == self.options.unit_id and start.rendezvous.port != self.store_port:
             self.log.warning("rendezvous_port_mismatch", named=start.rendezvous.port, serving=self.store_port)
-        placement = Placement(epoch=start.epoch, first_rank=mine.first_rank, group_rank=mine.group_rank,
+        placement = Placement(generation=start.epoch, first_rank=mine.first_rank, group_rank=mine.group_rank,
                               group_world_size=start.rank_table.groups or len(start.rank_table.assignments),
                               procs_per_node=mine.procs_per_node, world_size=start.rank_table.world_size,
                               master_addr=start.rendezvous.host, master_port=start.rendezvous.port,
@@ -408,36 +408,36 @@ class Agent:
         extra = dict(self.registered.environment)
         if self.live_mode:
             self.channel.reset()
-            self.live = LiveWorkers(ready_epoch=start.epoch if joining else 0)
+            self.live = LiveWorkers(ready_generation=start.epoch if joining else 0)
             extra.update({"TIDAL_MODE": "live", "TIDAL_CONTROL_SOCKET": str(self.channel.path),
                           "TIDAL_JOINING": "1" if joining else "0", "TIDAL_STANDBY": "1" if standby else "0"})
         environments = [worker_environment(os.environ, extra, placement=placement,
                                            local_rank=local, job_id=self.options.job_id,
                                            unit_id=self.options.unit_id, progress_file=progress[local])
                         for local in range(mine.procs_per_node)]
-        epoch = start.epoch
+        generation = start.epoch
         try:
             self.workers = start_workers(
-                list(self.registered.command), environments, epoch=epoch, first_rank=mine.first_rank,
+                list(self.registered.command), environments, generation=generation, first_rank=mine.first_rank,
                 working_dir=self.registered.working_dir, progress_files=progress,
-                on_exit=lambda worker, code: self.events.put_nowait(WorkerExit(epoch, worker, code)))
+                on_exit=lambda worker, code: self.events.put_nowait(WorkerExit(generation, worker, code)))
         except OSError as error:
-            self.log.error("workers_not_started", epoch=epoch, error=str(error))
-            self.epoch = epoch
+            self.log.error("workers_not_started", generation=generation, error=str(error))
+            self.generation = generation
             self.link.send(launcher_pb2.LauncherMessage(worker_exited=launcher_pb2.WorkerExited(
-                epoch=epoch, local_rank=0, pid=0, exit_code=127)))
+                epoch=generation, local_rank=0, pid=0, exit_code=127)))
             self.state = AgentState.WAITING
             return
         if standby:
             self.standby = True
             self.log.info("workers_on_standby", pids=[w.pid for w in self.workers.workers])
             return
-        self.epoch = epoch
+        self.generation = generation
         self.state = AgentState.RUNNING
         if not joining:
-            self._report(epoch, launcher_pb2.EPOCH_PHASE_STARTED, step=start.resume_step)
-        self.log.info("epoch_started", epoch=epoch, rank=mine.first_rank, world_size=placement.world_size,
-                      master=f"{placement.master_addr}:{placement.master_port}")
+            self._report(generation, launcher_pb2.EPOCH_PHASE_STARTED, step=start.resume_step)
+        self.log.info("generation_started", generation=generation, rank=mine.first_rank,
+                      world_size=placement.world_size, master=f"{placement.master_addr}:{placement.master_port}")
 
     def _stop_workers(self, next_state: AgentState, grace_s: float) -> None:
         """Move to STOPPING or LEAVING; WorkersStopped follows once every worker is gone."""
@@ -446,26 +446,26 @@ class Agent:
         already_stopping = self.state in (AgentState.STOPPING, AgentState.LEAVING)
         self.state = next_state
         group = self.workers
-        epoch = self.epoch
+        generation = self.generation
         if group is None or group.all_exited:
             if not already_stopping:
-                self.events.put_nowait(WorkersStopped(epoch))
+                self.events.put_nowait(WorkersStopped(generation))
             return
         if group.stopping:
             return
 
         async def stop() -> None:
             await group.stop(grace_s)
-            self.events.put_nowait(WorkersStopped(epoch))
+            self.events.put_nowait(WorkersStopped(generation))
 
         asyncio.get_running_loop().create_task(stop())
 
-    def _on_workers_stopped(self, epoch: int) -> None:
+    def _on_workers_stopped(self, generation: int) -> None:
         if self.state.is_final:
             return
-        self.log.info("workers_stopped", epoch=epoch, state=self.state.value)
+        self.log.info("workers_stopped", generation=generation, state=self.state.value)
         if self.state is AgentState.LEAVING:
-            report = launcher_pb2.EpochReport(epoch=self.epoch, phase=launcher_pb2.EPOCH_PHASE_LEFT, detail="left")
+            report = launcher_pb2.EpochReport(epoch=self.generation, phase=launcher_pb2.EPOCH_PHASE_LEFT, detail="left")
             report.at.GetCurrentTime()
             self.link.send(launcher_pb2.LauncherMessage(epoch_report=report))
             self._finish(AgentState.SUCCEEDED, EXIT_OK, "left the job")
@@ -475,31 +475,31 @@ class Agent:
             return
         if not self.live_mode:
             self._new_store()
-        self._report(self.epoch, launcher_pb2.EPOCH_PHASE_STOPPED, store_port=self.store_port)
+        self._report(self.generation, launcher_pb2.EPOCH_PHASE_STOPPED, store_port=self.store_port)
         self.live.stop_deadline = None
         self.state = AgentState.WAITING
         if self.pending_start is not None:
             start, self.pending_start = self.pending_start, None
             self._start(start)
 
-    def _on_worker_exit(self, epoch: int, worker: Worker, returncode: int) -> None:
+    def _on_worker_exit(self, generation: int, worker: Worker, returncode: int) -> None:
         group = self.workers
-        if group is None or group.epoch != epoch or group.stopping:
+        if group is None or group.generation != generation or group.stopping:
             return
         exit_code, signum = exit_status(returncode)
         if self.live_mode and returncode == 0 and (worker.local_rank in self.live.left
                                                    or self.state is AgentState.LEAVING):
             # Left the world after its last step, as the controller asked.
             if group.all_exited and self.state is AgentState.LEAVING:
-                self.events.put_nowait(WorkersStopped(epoch))
+                self.events.put_nowait(WorkersStopped(generation))
             return
         if self.leave_requested_at is not None and signum == signal.SIGTERM:
             # Slurm signals the whole allocation; a worker ended by that SIGTERM is leaving too.
-            self.log.info("worker_terminated_with_launcher", epoch=epoch, rank=worker.rank, pid=worker.pid)
+            self.log.info("worker_terminated_with_launcher", generation=generation, rank=worker.rank, pid=worker.pid)
             return
-        self.log.info("worker_exited", epoch=epoch, rank=worker.rank, pid=worker.pid, exit_code=exit_code,
+        self.log.info("worker_exited", generation=generation, rank=worker.rank, pid=worker.pid, exit_code=exit_code,
                       signal=signum)
-        exited = launcher_pb2.WorkerExited(epoch=self.epoch, local_rank=worker.local_rank, pid=worker.pid,
+        exited = launcher_pb2.WorkerExited(epoch=self.generation, local_rank=worker.local_rank, pid=worker.pid,
                                            exit_code=exit_code, signal=signum,
                                            detail=self.live.silenced.get(worker.local_rank, ""))
         exited.exited_at.GetCurrentTime()
@@ -509,7 +509,8 @@ class Agent:
         if self.live.finished and group.all_exited:
             # Training is over and every worker of this unit has exited: the unit is done,
             # whether or not the controller is there to say so.
-            self._report(self.epoch, launcher_pb2.EPOCH_PHASE_LEFT, detail="training finished; every worker exited")
+            self._report(self.generation, launcher_pb2.EPOCH_PHASE_LEFT,
+                         detail="training finished; every worker exited")
             self._finish(AgentState.SUCCEEDED, EXIT_OK, "training finished")
 
     def _on_signal(self, signum: int) -> None:
@@ -526,7 +527,7 @@ class Agent:
             self._stop_workers(AgentState.LEAVING, self.options.stop_grace_s)
 
     def _request_leave(self) -> None:
-        request = launcher_pb2.LeaveRequest(epoch=self.epoch, cause=launcher_pb2.LEAVE_CAUSE_PREEMPTED,
+        request = launcher_pb2.LeaveRequest(epoch=self.generation, cause=launcher_pb2.LEAVE_CAUSE_PREEMPTED,
                                             detail="SIGTERM")
         self.link.send(launcher_pb2.LauncherMessage(leave_request=request))
 
@@ -542,7 +543,7 @@ class Agent:
             # no stop or leave deadline cuts that short.
             self.live.stop_deadline = None
         if self.live.stop_deadline is not None and now > self.live.stop_deadline:
-            self.log.warning("live_stop_timed_out", epoch=self.epoch, idle=sorted(self.live.idle))
+            self.log.warning("live_stop_timed_out", generation=self.generation, idle=sorted(self.live.idle))
             self.live.stop_deadline = None
             self._stop_workers(self.state if self.state is AgentState.LEAVING else AgentState.STOPPING,
                                self.options.stop_grace_s)
@@ -560,7 +561,7 @@ class Agent:
         """Live mode: judge each worker whose beats stopped for longer than the silence
         limit (the controller's, else this launcher's option) and SIGKILL it only if it is
         frozen: stopped, or no CPU time through the silence (`liveness.silence_verdict`).
-        Its exit then goes the usual way (WorkerExited, the controller stops the epoch),
+        Its exit then goes the usual way (WorkerExited, the controller stops the generation),
         with the reason attached. A slow worker (busy, or starved of CPU) is logged once
         per silent spell and left to the controller's progress timeout; a worker that said
         `finished` is never judged."""
@@ -617,7 +618,7 @@ class Agent:
 
     def _heartbeat(self) -> launcher_pb2.Heartbeat:
         self.heartbeat_sequence += 1
-        beat = launcher_pb2.Heartbeat(epoch=self.epoch, sequence=self.heartbeat_sequence)
+        beat = launcher_pb2.Heartbeat(epoch=self.generation, sequence=self.heartbeat_sequence)
         beat.sent_at.GetCurrentTime()
         if self.workers is not None:
             for worker in self.workers.workers:
@@ -638,49 +639,50 @@ class Agent:
 
     # Live mode.
 
-    def _report(self, epoch: int, phase: launcher_pb2.EpochPhase, step: int = 0, store_port: int = 0,
+    def _report(self, generation: int, phase: launcher_pb2.EpochPhase, step: int = 0, store_port: int = 0,
                 detail: str = "") -> None:
-        report = launcher_pb2.EpochReport(epoch=epoch, phase=phase, step=step, store_port=store_port, detail=detail)
+        report = launcher_pb2.EpochReport(epoch=generation, phase=phase, step=step, store_port=store_port,
+                                          detail=detail)
         report.at.GetCurrentTime()
         self.link.send(launcher_pb2.LauncherMessage(epoch_report=report))
 
-    def _report_once(self, epoch: int, phase: launcher_pb2.EpochPhase, step: int = 0,
+    def _report_once(self, generation: int, phase: launcher_pb2.EpochPhase, step: int = 0,
                      detail: str = "") -> None:
-        if (epoch, phase) not in self.live.reported:
-            self.live.reported.add((epoch, phase))
-            self._report(epoch, phase, step=step, detail=detail)
+        if (generation, phase) not in self.live.reported:
+            self.live.reported.add((generation, phase))
+            self._report(generation, phase, step=step, detail=detail)
 
-    def _send_worlds(self, epoch: int, table: common_pb2.RankTable, rendezvous: common_pb2.Rendezvous,
+    def _send_worlds(self, generation: int, table: common_pb2.RankTable, rendezvous: common_pb2.Rendezvous,
                      joining: bool = False, target_step: int = 0) -> None:
-        """Name epoch `epoch`'s world to each worker (rank -1: leave after the agreed step)."""
+        """Name generation `generation`'s world to each worker (rank -1: leave after the agreed step)."""
         assert self.workers is not None
         mine = next((a for a in table.assignments if a.unit_id == self.options.unit_id), None)
-        self.epoch = epoch
+        self.generation = generation
         for worker in self.workers.workers:
             rank = mine.first_rank + worker.local_rank if mine is not None else -1
             if rank >= 0:
                 worker.rank = rank
             self.live.idle.discard(worker.local_rank)
             self.channel.send(worker.local_rank, World(
-                epoch=epoch, rank=rank, world_size=table.world_size, master_addr=rendezvous.host,
+                generation=generation, rank=rank, world_size=table.world_size, master_addr=rendezvous.host,
                 master_port=rendezvous.port, joining=joining, target_step=target_step))
         if mine is None:
             self.state = AgentState.LEAVING
             self.live.stop_deadline = time.monotonic() + self.options.leave_timeout_s
-        self.log.info("world_sent", epoch=epoch, in_world=mine is not None, world_size=table.world_size)
+        self.log.info("world_sent", generation=generation, in_world=mine is not None, world_size=table.world_size)
 
     def _on_reconfigure(self, reconfigure: launcher_pb2.Reconfigure) -> None:
-        if self.state.is_final or (reconfigure.epoch <= self.epoch and self.workers is not None):
+        if self.state.is_final or (reconfigure.epoch <= self.generation and self.workers is not None):
             return
         if self.live.finished:
-            self.log.warning("reconfigure_after_finish_ignored", epoch=reconfigure.epoch)
+            self.log.warning("reconfigure_after_finish_ignored", generation=reconfigure.epoch)
             return
         if self.live_workers_running and self.standby:
             # A joiner whose workers wait on standby: ready as soon as all said hello.
             self.standby = False
-            self.epoch = reconfigure.epoch
+            self.generation = reconfigure.epoch
             self.state = AgentState.RUNNING
-            self.live.ready_epoch = reconfigure.epoch
+            self.live.ready_generation = reconfigure.epoch
             self._send_worlds(reconfigure.epoch, reconfigure.rank_table, reconfigure.rendezvous, joining=True,
                               target_step=reconfigure.target_step)
             if self.workers is not None and self.live.hello >= {w.local_rank for w in self.workers.workers}:
@@ -697,14 +699,14 @@ class Agent:
                                                 rendezvous=reconfigure.rendezvous,
                                                 resume_step=reconfigure.target_step), joining=True)
 
-    def _stop_live(self, epoch: int) -> None:
+    def _stop_live(self, generation: int) -> None:
         """Live mode: the workers abandon the step in flight and wait, in-process."""
         assert self.workers is not None
         self.state = AgentState.STOPPING
-        self.epoch = max(self.epoch, epoch)
+        self.generation = max(self.generation, generation)
         self.live.stop_deadline = time.monotonic() + self.options.stop_grace_s
         for worker in self.workers.workers:
-            self.channel.send(worker.local_rank, Stop(epoch=epoch))
+            self.channel.send(worker.local_rank, Stop(generation=generation))
         self._maybe_live_stopped()
 
     def _maybe_live_stopped(self) -> None:
@@ -718,7 +720,7 @@ class Agent:
         never_formed = alive - set(self.live.formed)
         if alive <= self.live.idle | never_formed | self.live.finished:
             self.live.stop_deadline = None
-            self.events.put_nowait(WorkersStopped(self.epoch))
+            self.events.put_nowait(WorkersStopped(self.generation))
 
     def _on_worker_said(self, local_rank: int, said: WorkerToLauncher) -> None:
         live = self.live
@@ -729,30 +731,31 @@ class Agent:
         match said:
             case Hello():
                 live.hello.add(local_rank)
-                if live.ready_epoch and live.hello >= everyone:
-                    self._report_once(live.ready_epoch, launcher_pb2.EPOCH_PHASE_STARTED,
+                if live.ready_generation and live.hello >= everyone:
+                    self._report_once(live.ready_generation, launcher_pb2.EPOCH_PHASE_STARTED,
                                       detail="workers ready to join")
-            case Formed(epoch=epoch, step=step):
-                live.formed[local_rank] = epoch
+            case Formed(generation=generation, step=step):
+                live.formed[local_rank] = generation
                 live.idle.discard(local_rank)
-                if all(live.formed.get(r) == epoch for r in everyone):
-                    self._report_once(epoch, launcher_pb2.EPOCH_PHASE_RECONFIGURED, step=step)
-            case FirstStep(epoch=epoch, step=step):
-                self._report_once(epoch, launcher_pb2.EPOCH_PHASE_FIRST_STEP, step=step)
+                if all(live.formed.get(r) == generation for r in everyone):
+                    self._report_once(generation, launcher_pb2.EPOCH_PHASE_RECONFIGURED, step=step)
+            case FirstStep(generation=generation, step=step):
+                self._report_once(generation, launcher_pb2.EPOCH_PHASE_FIRST_STEP, step=step)
             case Stopped():
                 live.idle.add(local_rank)
                 self._maybe_live_stopped()
             case Left():
                 live.left.add(local_rank)
-            case Finished(epoch=epoch, step=step):
+            case Finished(generation=generation, step=step):
                 live.finished.add(local_rank)
-                self._report_once(epoch, launcher_pb2.EPOCH_PHASE_FINISHED, step=step,
+                self._report_once(generation, launcher_pb2.EPOCH_PHASE_FINISHED, step=step,
                                   detail="committed the last step")
                 self._maybe_live_stopped()
-            case Resumed(epoch=epoch, step=step, detail=detail):
-                self._report_once(epoch, launcher_pb2.EPOCH_PHASE_RESUMED_FROM_CHECKPOINT, step=step, detail=detail)
-            case StateLost(epoch=epoch, target_step=target_step, detail=detail):
-                self._report_once(epoch, launcher_pb2.EPOCH_PHASE_STATE_LOST, step=target_step, detail=detail)
+            case Resumed(generation=generation, step=step, detail=detail):
+                self._report_once(generation, launcher_pb2.EPOCH_PHASE_RESUMED_FROM_CHECKPOINT, step=step,
+                                  detail=detail)
+            case StateLost(generation=generation, target_step=target_step, detail=detail):
+                self._report_once(generation, launcher_pb2.EPOCH_PHASE_STATE_LOST, step=target_step, detail=detail)
             case Beat(samples=samples, waiting=waiting):
                 live.beats[local_rank] = (time.time(), waiting, max(0, samples))
                 live.slow.discard(local_rank)

@@ -6,28 +6,28 @@ says `hello`. Each message is a frozen dataclass below (`World`, `Stop`, `Hello`
 written by `encode` and read by `decode`, the one codec, as one line:
 
 launcher -> worker:
-  {"op": "world", "epoch": E, "rank": r, "world_size": n, "master_addr": h, "master_port": p,
+  {"op": "world", "generation": G, "rank": r, "world_size": n, "master_addr": h, "master_port": p,
    "joining": j, "target_step": t}
-      the world of generation E. A running worker moves into it at the next step boundary
+      the world of generation G. A running worker moves into it at the next step boundary
       its peers agree on (rank -1: leave after that step); an idle one joins it at once.
       The world's state must be at step t (the job's committed step) or later: when no
       rank holds it, each loads its newest checkpoint, or they refuse to train.
-  {"op": "stop", "epoch": E}
-      abandon the step in flight, leave epoch E's process group, wait for the next world.
+  {"op": "stop", "generation": G}
+      abandon the step in flight, leave generation G's process group, wait for the next world.
 
 worker -> launcher:
   {"op": "hello", "local_rank": l, "pid": p}
-  {"op": "formed", "epoch": E, "step": s, "digest": d}     in epoch E's world, state verified
-  {"op": "first_step", "epoch": E, "step": s}               first step of epoch E committed
-  {"op": "stopped", "epoch": E, "step": s}                  out of the process group, idle
-  {"op": "left", "epoch": E, "step": s}                     left the job after step s; exits 0
-  {"op": "finished", "epoch": E, "step": s}                 committed the job's last step s;
+  {"op": "formed", "generation": G, "step": s, "digest": d} in generation G's world, state verified
+  {"op": "first_step", "generation": G, "step": s}          first step of generation G committed
+  {"op": "stopped", "generation": G, "step": s}             out of the process group, idle
+  {"op": "left", "generation": G, "step": s}                left the job after step s; exits 0
+  {"op": "finished", "generation": G, "step": s}            committed the job's last step s;
                                                             sent before tearing down and before
                                                             the script's code after train()
-  {"op": "resumed", "epoch": E, "step": s, "target_step": t, "detail": d}
+  {"op": "resumed", "generation": G, "step": s, "target_step": t, "detail": d}
                                                             no rank held step t: resumed from a
                                                             checkpoint at step s (s..t-1 redone)
-  {"op": "state_lost", "epoch": E, "target_step": t, "detail": d}
+  {"op": "state_lost", "generation": G, "target_step": t, "detail": d}
                                                             no rank held step t and there is no
                                                             checkpoint: refuses to train, exits
   {"op": "beat", "step": s, "samples": n, "waiting": w}    every BEAT_INTERVAL_S from a thread
@@ -63,9 +63,9 @@ EXIT_STATE_LOST = 75
 
 @dataclasses.dataclass(frozen=True)
 class World:
-    """One epoch's world as a worker sees it."""
+    """One generation's world as a worker sees it."""
 
-    epoch: int
+    generation: int
     rank: int
     world_size: int
     master_addr: str
@@ -84,9 +84,9 @@ class World:
 
 @dataclasses.dataclass(frozen=True)
 class Stop:
-    """Abandon the step in flight, leave generation `epoch`'s group, wait for the next."""
+    """Abandon the step in flight, leave that generation's group, wait for the next."""
 
-    epoch: int
+    generation: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,28 +97,28 @@ class Hello:
 
 @dataclasses.dataclass(frozen=True)
 class Formed:
-    """In generation `epoch`'s world at `step`, its state verified (`digest`)."""
+    """In that generation's world at `step`, its state verified (`digest`)."""
 
-    epoch: int
+    generation: int
     step: int
     digest: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
 class FirstStep:
-    epoch: int
+    generation: int
     step: int
 
 
 @dataclasses.dataclass(frozen=True)
 class Stopped:
-    epoch: int
+    generation: int
     step: int
 
 
 @dataclasses.dataclass(frozen=True)
 class Left:
-    epoch: int
+    generation: int
     step: int
 
 
@@ -126,7 +126,7 @@ class Left:
 class Finished:
     """Committed the job's last step `step`: training is over for this worker."""
 
-    epoch: int
+    generation: int
     step: int
 
 
@@ -134,7 +134,7 @@ class Finished:
 class Resumed:
     """No rank held `target_step`; resumed from a checkpoint at `step`."""
 
-    epoch: int
+    generation: int
     step: int
     target_step: int
     detail: str = ""
@@ -144,7 +144,7 @@ class Resumed:
 class StateLost:
     """No rank held `target_step` and there was no checkpoint: refuses to train."""
 
-    epoch: int
+    generation: int
     target_step: int
     detail: str = ""
 
@@ -215,7 +215,7 @@ class WorkerChannel:
         self._send_lock = threading.Lock()
         self._changed = threading.Condition()
         self.worlds: dict[int, World] = {}
-        self.stopped_epoch = 0
+        self.stopped_generation = 0
         self.closed = False
         self.send(Hello(local_rank=local_rank, pid=pid))
         self._reader = threading.Thread(target=self._read, name="tidal-control", daemon=True)
@@ -236,9 +236,9 @@ class WorkerChannel:
                 message = decode(line)
                 with self._changed:
                     if isinstance(message, World):
-                        self.worlds[message.epoch] = message
+                        self.worlds[message.generation] = message
                     elif isinstance(message, Stop):
-                        self.stopped_epoch = max(self.stopped_epoch, message.epoch)
+                        self.stopped_generation = max(self.stopped_generation, message.generation)
                     else:
                         continue
                     self._changed.notify_all()
@@ -249,31 +249,31 @@ class WorkerChannel:
                 self.closed = True
                 self._changed.notify_all()
 
-    def stop_requested(self, epoch: int) -> bool:
-        return self.stopped_epoch >= epoch or self.closed
+    def stop_requested(self, generation: int) -> bool:
+        return self.stopped_generation >= generation or self.closed
 
-    def next_world(self, after_epoch: int) -> World | None:
-        """The newest world announced for an epoch after `after_epoch` and not stopped."""
+    def next_world(self, after_generation: int) -> World | None:
+        """The newest world announced for a generation after `after_generation` and not stopped."""
         with self._changed:
-            return self._next_world(after_epoch)
+            return self._next_world(after_generation)
 
-    def _next_world(self, after_epoch: int) -> World | None:
-        epochs = [e for e in self.worlds if e > after_epoch and e > self.stopped_epoch]
-        return self.worlds[max(epochs)] if epochs else None
+    def _next_world(self, after_generation: int) -> World | None:
+        generations = [g for g in self.worlds if g > after_generation and g > self.stopped_generation]
+        return self.worlds[max(generations)] if generations else None
 
-    def wait_world(self, after_epoch: int, timeout_s: float) -> World:
-        """Block until the launcher names a world after `after_epoch`."""
+    def wait_world(self, after_generation: int, timeout_s: float) -> World:
+        """Block until the launcher names a world after `after_generation`."""
         deadline = time.monotonic() + timeout_s
         with self._changed:
             while True:
-                world = self._next_world(after_epoch)
+                world = self._next_world(after_generation)
                 if world is not None:
                     return world
                 if self.closed:
                     raise ChannelClosed("the launcher closed the control channel")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise TimeoutError(f"no world after epoch {after_epoch} within {timeout_s:g} s")
+                    raise TimeoutError(f"no world after generation {after_generation} within {timeout_s:g} s")
                 self._changed.wait(remaining)
 
     def start_beats(self, status: Callable[[], Beat], interval_s: float = BEAT_INTERVAL_S) -> None:

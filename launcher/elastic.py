@@ -76,7 +76,7 @@ log = structlog.get_logger("tidal.launcher.elastic")
 # Index checksums are taken modulo this prime so that float64 sums stay exact.
 CHECKSUM_MODULUS = 2_147_483_647
 PROGRESS_INTERVAL_S = 0.2
-# The epoch's store answers at once while its launcher lives; past this, its host is gone.
+# The generation's store answers at once while its launcher lives; past this, its host is gone.
 STORE_TIMEOUT_S = 10.0
 # A worker started ahead (standby) waits this long for a world; its launcher ends it
 # sooner if the unit leaves.
@@ -145,7 +145,7 @@ class StepResult:
     global_batch: int
     world_size: int
     rank: int
-    epoch: int
+    generation: int
     # This rank's sample indices in the step.
     indices: list[int]
     seconds: float
@@ -268,8 +268,8 @@ class Elastic:
                     # Training is over: say so before the script's own code after train()
                     # runs and before anything is torn down, so that from here on an exit or
                     # a silence is not a failure and no new world forms.
-                    self.channel.send(Finished(epoch=result.epoch, step=self.counters.step))
-                    self.ledger.write("finished", epoch=result.epoch, step=self.counters.step)
+                    self.channel.send(Finished(generation=result.generation, step=self.counters.step))
+                    self.ledger.write("finished", epoch=result.generation, step=self.counters.step)
                 yield result
                 if change_pending and self.counters.step < steps:
                     self._move_to_next_world()
@@ -290,7 +290,7 @@ class Elastic:
             self.channel = WorkerChannel(socket_path, int(env.get("LOCAL_RANK", "0")), os.getpid())
             self.channel.start_beats(lambda: Beat(step=self.counters.step, samples=self.counters.samples,
                                                   waiting=self._waiting))
-        self.world = World(epoch=int(env.get("TIDAL_EPOCH", "0")), rank=int(env.get("RANK", "0")),
+        self.world = World(generation=int(env.get("TIDAL_EPOCH", "0")), rank=int(env.get("RANK", "0")),
                            world_size=int(env.get("WORLD_SIZE", "1")), master_addr=env.get("MASTER_ADDR", ""),
                            master_port=int(env.get("MASTER_PORT", "0") or 0),
                            target_step=int(env.get("TIDAL_TARGET_STEP", "0") or 0))
@@ -299,7 +299,7 @@ class Elastic:
         if self.channel is not None and env.get("TIDAL_STANDBY") == "1":
             # Started ahead of any world: wait until the launcher names one, and whether it
             # joins a running world.
-            self.world = self.channel.wait_world(after_epoch=0, timeout_s=STANDBY_TIMEOUT_S)
+            self.world = self.channel.wait_world(after_generation=0, timeout_s=STANDBY_TIMEOUT_S)
             joining = self.world.joining
         if self.checkpointer is not None and not joining:
             self._load_checkpoint()
@@ -359,14 +359,15 @@ class Elastic:
             store.set_timeout(timeout)
             self._store = store
             # One store serves the launcher's life; each generation meets under its own prefix.
-            prefix = dist.PrefixStore(f"gen/{world.epoch}", store)
+            prefix = dist.PrefixStore(f"gen/{world.generation}", store)
             prefix.add("arrived", 1)
             deadline = started + self.timeout_s
             while prefix.add("arrived", 0) < world.world_size:
-                if self.channel.stop_requested(world.epoch):
-                    raise WorldBroken(f"stopped while waiting for the peers of epoch {world.epoch}")
+                if self.channel.stop_requested(world.generation):
+                    raise WorldBroken(f"stopped while waiting for the peers of generation {world.generation}")
                 if time.monotonic() > deadline:
-                    raise WorldBroken(f"peers of epoch {world.epoch} did not arrive within {self.timeout_s:g} s")
+                    raise WorldBroken(f"peers of generation {world.generation} did not arrive within "
+                                      f"{self.timeout_s:g} s")
                 time.sleep(0.002)
             dist.init_process_group(self.backend, store=dist.PrefixStore("group", prefix), rank=world.rank,
                                     world_size=world.world_size, timeout=timeout)
@@ -375,31 +376,31 @@ class Elastic:
         except (RuntimeError, ValueError) as error:
             if isinstance(error, (StateMismatch, AccountingError, StateLost)):
                 raise
-            raise WorldBroken(f"forming epoch {world.epoch} failed: {error}") from error
+            raise WorldBroken(f"forming generation {world.generation} failed: {error}") from error
         self._apply_batch_policy()
         self._first_step_pending = True
         seconds = time.monotonic() - started
-        self.channel.send(Formed(epoch=world.epoch, step=self.counters.step, digest=state_digest))
-        self.ledger.write("formed", epoch=world.epoch, rank=world.rank, world_size=world.world_size,
+        self.channel.send(Formed(generation=world.generation, step=self.counters.step, digest=state_digest))
+        self.ledger.write("formed", epoch=world.generation, rank=world.rank, world_size=world.world_size,
                           step=self.counters.step, digest=state_digest, source=source, seconds=seconds)
-        self.log.info("world_formed", epoch=world.epoch, rank=world.rank, world_size=world.world_size,
+        self.log.info("world_formed", generation=world.generation, rank=world.rank, world_size=world.world_size,
                       step=self.counters.step, state_source=source, seconds=round(seconds, 4))
 
     def _connect_store(self, world: World) -> dist.TCPStore:
-        """The epoch's rendezvous store, on its host launcher. That host may be gone (it
+        """The generation's rendezvous store, on its host launcher. That host may be gone (it
         failed during the change): attempts of one second each, a stop between any two,
         and past STORE_TIMEOUT_S the world counts as broken."""
         assert self.channel is not None
         deadline = time.monotonic() + min(self.timeout_s, STORE_TIMEOUT_S)
         while True:
-            if self.channel.stop_requested(world.epoch):
-                raise WorldBroken(f"stopped while reaching the store of epoch {world.epoch}")
+            if self.channel.stop_requested(world.generation):
+                raise WorldBroken(f"stopped while reaching the store of generation {world.generation}")
             try:
                 return dist.TCPStore(world.master_addr, world.master_port, is_master=False,
                                      timeout=datetime.timedelta(seconds=1), wait_for_workers=False)
             except RuntimeError as error:
                 if time.monotonic() > deadline:
-                    raise WorldBroken(f"the store of epoch {world.epoch} at {world.master_addr}:"
+                    raise WorldBroken(f"the store of generation {world.generation} at {world.master_addr}:"
                                       f"{world.master_port} does not answer: {error}") from error
                 time.sleep(0.05)
 
@@ -457,22 +458,24 @@ class Elastic:
             self.log.warning("state_behind_target", step=max(held, 0), target_step=target_step)
             return
         if held < 0:
-            detail = (f"no rank of generation {self.world.epoch} holds the training state at step {target_step} "
+            detail = (f"no rank of generation {self.world.generation} holds the training state at step {target_step} "
                       "(every replica that held it is gone) and "
                       + ("no checkpoint was found in the checkpoint folder" if self.checkpointer is not None
                          else "the script keeps no checkpoint (checkpoint_dir/checkpoint_every)")
                       + ": refusing to train from step 0")
             if self.channel is not None:
                 # Every rank says it, so that every launcher reports it before the exit.
-                self.channel.send(StateLostMessage(epoch=self.world.epoch, target_step=target_step, detail=detail))
-            self.ledger.write("state_lost", epoch=self.world.epoch, target_step=target_step)
+                self.channel.send(StateLostMessage(generation=self.world.generation, target_step=target_step,
+                                                   detail=detail))
+            self.ledger.write("state_lost", epoch=self.world.generation, target_step=target_step)
             raise StateLost(detail)
-        detail = (f"no rank of generation {self.world.epoch} holds step {target_step}; resumed from the checkpoint "
-                  f"at step {held}: steps {held}..{target_step - 1} are redone")
+        detail = (f"no rank of generation {self.world.generation} holds step {target_step}; resumed from the "
+                  f"checkpoint at step {held}: steps {held}..{target_step - 1} are redone")
         self.log.warning("resumed_from_checkpoint", step=held, target_step=target_step)
-        self.ledger.write("resumed", epoch=self.world.epoch, step=held, target_step=target_step)
+        self.ledger.write("resumed", epoch=self.world.generation, step=held, target_step=target_step)
         if self.channel is not None and self.rank == 0:
-            self.channel.send(Resumed(epoch=self.world.epoch, step=held, target_step=target_step, detail=detail))
+            self.channel.send(Resumed(generation=self.world.generation, step=held, target_step=target_step,
+                                      detail=detail))
 
     def _broadcast_state(self, source: int) -> None:
         if self.rank == source:
@@ -501,17 +504,17 @@ class Elastic:
         assert self.channel is not None and self.world is not None
         while True:
             self._destroy_group(broken=True)
-            epoch = self.world.epoch
-            self.log.warning("world_broken", epoch=epoch, step=self.counters.step, reason=reason)
-            self.ledger.write("abandoned", epoch=epoch, step=self.counters.step, reason=reason)
+            generation = self.world.generation
+            self.log.warning("world_broken", generation=generation, step=self.counters.step, reason=reason)
+            self.ledger.write("abandoned", epoch=generation, step=self.counters.step, reason=reason)
             try:
-                self.channel.send(Stopped(epoch=epoch, step=self.counters.step))
-                world = self.channel.wait_world(after_epoch=max(epoch, self.channel.stopped_epoch),
+                self.channel.send(Stopped(generation=generation, step=self.counters.step))
+                world = self.channel.wait_world(after_generation=max(generation, self.channel.stopped_generation),
                                                 timeout_s=self.timeout_s)
                 if world.leaves:
                     self._leave(world)
             except (ChannelClosed, TimeoutError) as error:
-                raise RuntimeError(f"no world to join after epoch {epoch}: {error}") from error
+                raise RuntimeError(f"no world to join after generation {generation}: {error}") from error
             failed = self._guarded(self._form, world)
             if not isinstance(failed, str):
                 return
@@ -522,7 +525,7 @@ class Elastic:
         the new world (it is on its way) and join it, or leave."""
         assert self.channel is not None and self.world is not None
         try:
-            world = self.channel.wait_world(after_epoch=self.world.epoch, timeout_s=self.timeout_s)
+            world = self.channel.wait_world(after_generation=self.world.generation, timeout_s=self.timeout_s)
         except (ChannelClosed, TimeoutError) as error:
             raise RuntimeError(f"peers agreed on a world change this rank never heard of: {error}") from error
         if world.leaves:
@@ -545,16 +548,16 @@ class Elastic:
         self._destroy_group()
         if self.checkpointer is not None:
             self.checkpointer.wait()
-        self.log.info("leaving", epoch=world.epoch, step=self.counters.step)
-        self.ledger.write("left", epoch=world.epoch, step=self.counters.step)
-        self.channel.send(Left(epoch=world.epoch, step=self.counters.step))
+        self.log.info("leaving", generation=world.generation, step=self.counters.step)
+        self.ledger.write("left", epoch=world.generation, step=self.counters.step)
+        self.channel.send(Left(generation=world.generation, step=self.counters.step))
         raise SystemExit(0)
 
     # One step.
 
     def _check_stop(self) -> None:
-        if self.channel is not None and self.world is not None and self.channel.stop_requested(self.world.epoch):
-            raise WorldBroken(f"the launcher stopped epoch {self.world.epoch}")
+        if self.channel is not None and self.world is not None and self.channel.stop_requested(self.world.generation):
+            raise WorldBroken(f"the launcher stopped generation {self.world.generation}")
 
     def _all_reduce(self, tensor: torch.Tensor) -> None:
         if self.world_size == 1:
@@ -575,7 +578,7 @@ class Elastic:
         world = self.world
         samples = step_samples(self.order, step=step, start=self.counters.position, global_batch=batch_size,
                                rank=world.rank, world_size=world.world_size)
-        self.ledger.write("attempt", epoch=world.epoch, step=step, rank=world.rank, world_size=world.world_size,
+        self.ledger.write("attempt", epoch=world.generation, step=step, rank=world.rank, world_size=world.world_size,
                           indices=samples.indices)
         model = self.parts.model
         model.train()
@@ -590,7 +593,7 @@ class Elastic:
             loss.backward()
             loss_sum += loss.detach().to(torch.float64).cpu()
         self._check_stop()
-        change_wanted = self.channel is not None and self.channel.next_world(world.epoch) is not None
+        change_wanted = self.channel is not None and self.channel.next_world(world.generation) is not None
         index_sum, index_square_sum = _index_checksums(samples.indices)
         control = torch.tensor([len(samples.indices), index_sum, index_square_sum, float(change_wanted),
                                 loss_sum.item()], dtype=torch.float64, device=self.device)
@@ -615,7 +618,7 @@ class Elastic:
         step_loss = control[4].item() / batch_size
         self._after_commit(world, samples.indices, step_loss)
         result = StepResult(step=self.counters.step, loss=step_loss, global_batch=batch_size,
-                            world_size=world.world_size, rank=world.rank, epoch=world.epoch,
+                            world_size=world.world_size, rank=world.rank, generation=world.generation,
                             indices=samples.indices, seconds=time.monotonic() - started)
         return result, control[3].item() > 0
 
@@ -628,13 +631,13 @@ class Elastic:
 
     def _after_commit(self, world: World, indices: list[int], loss: float) -> None:
         step = self.counters.step
-        self.ledger.write("commit", epoch=world.epoch, step=step - 1, rank=world.rank, world_size=world.world_size,
+        self.ledger.write("commit", epoch=world.generation, step=step - 1, rank=world.rank, world_size=world.world_size,
                           loss=loss)
         now = time.monotonic()
         if self._first_step_pending:
             self._first_step_pending = False
             if self.channel is not None:
-                self.channel.send(FirstStep(epoch=world.epoch, step=step))
+                self.channel.send(FirstStep(generation=world.generation, step=step))
         if now - self._progress_at >= PROGRESS_INTERVAL_S:
             self._progress_at = now
             report_progress(step)

@@ -1,7 +1,7 @@
 """The launcher's session with the controller: one bidirectional stream, reopened with
 exponential backoff and jitter whenever it breaks. Messages that matter (a worker's exit,
-an epoch report, a leave request) wait while the controller is away and go out after the
-next registration; heartbeats sent while away are dropped."""
+a generation's report, a leave request) wait while the controller is away and go out after
+the next registration; heartbeats sent while away are dropped."""
 
 from __future__ import annotations
 

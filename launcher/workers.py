@@ -26,9 +26,9 @@ PRIVATE_VARIABLES = frozenset({"TIDAL_JOB_SECRET", "TIDAL_SECRET_FILE"})
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where this launcher's workers sit in an epoch's world."""
+    """Where this launcher's workers sit in a generation's world."""
 
-    epoch: int
+    generation: int
     first_rank: int
     group_rank: int
     group_world_size: int
@@ -45,7 +45,7 @@ def worker_environment(base: Mapping[str, str], extra: Mapping[str, str], *, pla
     """The environment of one worker: the launcher's (minus its secrets), the job's own
     variables, then what torchrun would set, then Tidal's. A script written for torchrun
     (env:// rendezvous) runs unmodified; TORCHELASTIC_USE_AGENT_STORE makes every rank a
-    client of the store the epoch's host launcher serves, as under torchrun."""
+    client of the store the generation's host launcher serves, as under torchrun."""
     env = {k: v for k, v in base.items() if k not in PRIVATE_VARIABLES}
     env.update(extra)
     rank = placement.first_rank + local_rank
@@ -61,13 +61,13 @@ def worker_environment(base: Mapping[str, str], extra: Mapping[str, str], *, pla
         "ROLE_WORLD_SIZE": str(placement.world_size),
         "MASTER_ADDR": placement.master_addr,
         "MASTER_PORT": str(placement.master_port),
-        "TORCHELASTIC_RESTART_COUNT": str(placement.epoch - 1),
+        "TORCHELASTIC_RESTART_COUNT": str(placement.generation - 1),
         "TORCHELASTIC_MAX_RESTARTS": "-1",
         "TORCHELASTIC_RUN_ID": job_id,
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TIDAL_JOB_ID": job_id,
         "TIDAL_UNIT_ID": unit_id,
-        "TIDAL_EPOCH": str(placement.epoch),
+        "TIDAL_EPOCH": str(placement.generation),
         "TIDAL_TARGET_STEP": str(placement.target_step),
         "TIDAL_PROGRESS_FILE": str(progress_file),
     })
@@ -105,10 +105,10 @@ class Worker:
 
 
 class WorkerGroup:
-    """The workers of one epoch on this node."""
+    """The workers of one generation on this node."""
 
-    def __init__(self, epoch: int, workers: list[Worker]) -> None:
-        self.epoch = epoch
+    def __init__(self, generation: int, workers: list[Worker]) -> None:
+        self.generation = generation
         self.workers = workers
         # Set once the launcher stops them, so their exits are not reported as failures.
         self.stopping = False
@@ -141,7 +141,7 @@ def _signal_group(pid: int, signum: int) -> None:
         os.killpg(pid, signum)
 
 
-def start_workers(command: Sequence[str], environments: Sequence[dict[str, str]], *, epoch: int, first_rank: int,
+def start_workers(command: Sequence[str], environments: Sequence[dict[str, str]], *, generation: int, first_rank: int,
                   working_dir: str, progress_files: Sequence[Path],
                   on_exit: Callable[[Worker, int], None]) -> WorkerGroup:
     """Start one process per environment; `on_exit(worker, returncode)` runs on the event
@@ -165,8 +165,8 @@ def start_workers(command: Sequence[str], environments: Sequence[dict[str, str]]
             _signal_group(worker.pid, signal.SIGKILL)
             worker.process.wait()
         raise
-    log.info("workers_started", epoch=epoch, pids=[w.pid for w in workers], first_rank=first_rank)
-    return WorkerGroup(epoch, workers)
+    log.info("workers_started", generation=generation, pids=[w.pid for w in workers], first_rank=first_rank)
+    return WorkerGroup(generation, workers)
 
 
 def _watch_exit(loop: asyncio.AbstractEventLoop, worker: Worker, on_exit: Callable[[Worker, int], None]) -> None:

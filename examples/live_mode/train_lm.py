@@ -124,7 +124,7 @@ def main() -> None:
                   ledger_dir=args.ledger_dir)
     for result in job.train(args.steps):
         if result.rank == 0 and (result.step % args.log_every == 0 or result.step == args.steps):
-            print(f"step {result.step} loss {result.loss:.4f} world {result.world_size} epoch {result.epoch} "
+            print(f"step {result.step} loss {result.loss:.4f} world {result.world_size} generation {result.generation} "
                   f"step_time {result.seconds * 1000:.0f} ms", flush=True)
     if job.rank == 0:
         print("sample:", repr(sample(model, dataset, "the cat ", 60)), flush=True)

@@ -59,7 +59,7 @@ def main() -> None:
                   ledger_dir=args.ledger_dir)
     for result in job.train(args.steps):
         if result.rank == 0 and (result.step % 20 == 0 or result.step == args.steps):
-            print(f"step {result.step} loss {result.loss:.6f} world {result.world_size} epoch {result.epoch}",
+            print(f"step {result.step} loss {result.loss:.6f} world {result.world_size} generation {result.generation}",
                   flush=True)
     if job.rank == 0 and args.out:
         torch.save({"model": model.state_dict(), "step": job.step}, args.out)

@@ -125,7 +125,7 @@ def test_peer_uid_is_the_kernels_word_and_callers_act_on_their_own_jobs() -> Non
 
 
 def test_worker_environment_is_torchrun_compatible_and_holds_no_secret(tmp_path: Path) -> None:
-    placement = Placement(epoch=3, first_rank=4, group_rank=2, group_world_size=3, procs_per_node=2, world_size=6,
+    placement = Placement(generation=3, first_rank=4, group_rank=2, group_world_size=3, procs_per_node=2, world_size=6,
                           master_addr="n1", master_port=29400)
     env = worker_environment({"PATH": "/bin", "TIDAL_JOB_SECRET": "s", "TIDAL_SECRET_FILE": "/s"}, {"FOO": "bar"},
                              placement=placement, local_rank=1, job_id="j", unit_id="u", progress_file=tmp_path / "p")

@@ -235,26 +235,27 @@ def test_control_channel_carries_worlds_and_stops_both_ways(tmp_path: Path) -> N
         server = LauncherChannel(tmp_path / "control.sock", post=said.put_nowait)
         await server.start()
         # A message to a worker that has not connected yet waits for its hello.
-        server.send(0, World(epoch=2, rank=1, world_size=3, master_addr="127.0.0.1", master_port=1234,
+        server.send(0, World(generation=2, rank=1, world_size=3, master_addr="127.0.0.1", master_port=1234,
                              target_step=40))
         worker = await asyncio.to_thread(WorkerChannel, str(server.path), 0, 4242)
         hello = await asyncio.wait_for(said.get(), 5)
         assert hello.local_rank == 0 and hello.message == Hello(local_rank=0, pid=4242)
         world = await asyncio.to_thread(worker.wait_world, 1, 5.0)
-        assert (world.epoch, world.rank, world.world_size, world.master_port, world.target_step) == (2, 1, 3, 1234, 40)
+        assert (world.generation, world.rank, world.world_size, world.master_port, world.target_step) == (
+            2, 1, 3, 1234, 40)
         assert worker.next_world(2) is None
         # Garbage on the wire is skipped, not fatal.
         server.writers[0].write(b"{not json\n")
-        server.writers[0].write(b'{"op": "stop", "epoch": "two"}\n')
+        server.writers[0].write(b'{"op": "stop", "generation": "two"}\n')
         server.writers[0].write(b'{"op": "explode"}\n')
-        server.send(0, Stop(epoch=2))
+        server.send(0, Stop(generation=2))
         await asyncio.to_thread(lambda: _wait(lambda: worker.stop_requested(2)))
-        assert worker.next_world(1) is None, "a stopped epoch's world is not joined"
+        assert worker.next_world(1) is None, "a stopped generation's world is not joined"
         with pytest.raises(TimeoutError):
             await asyncio.to_thread(worker.wait_world, 2, 0.2)
-        worker.send(Stopped(epoch=2, step=7))
+        worker.send(Stopped(generation=2, step=7))
         stopped = await asyncio.wait_for(said.get(), 5)
-        assert stopped.message == Stopped(epoch=2, step=7)
+        assert stopped.message == Stopped(generation=2, step=7)
         await server.close()
         with pytest.raises(ChannelClosed):
             await asyncio.to_thread(worker.wait_world, 2, 5.0)
@@ -273,20 +274,21 @@ def _wait(predicate: object, timeout: float = 5.0) -> None:
 
 
 @pytest.mark.parametrize("message", [
-    World(epoch=3, rank=-1, world_size=2, master_addr="h", master_port=1, joining=True, target_step=9),
-    Stop(epoch=3), Hello(local_rank=1, pid=2), Formed(epoch=3, step=4, digest="ab"), FirstStep(epoch=3, step=5),
-    Stopped(epoch=3, step=4), Left(epoch=3, step=4), Finished(epoch=3, step=600),
-    Resumed(epoch=3, step=40, target_step=57, detail="steps 40..56 are redone"),
-    StateLost(epoch=3, target_step=57, detail="no state"), Beat(step=4, samples=96, waiting=True)])
+    World(generation=3, rank=-1, world_size=2, master_addr="h", master_port=1, joining=True, target_step=9),
+    Stop(generation=3), Hello(local_rank=1, pid=2), Formed(generation=3, step=4, digest="ab"),
+    FirstStep(generation=3, step=5), Stopped(generation=3, step=4), Left(generation=3, step=4),
+    Finished(generation=3, step=600),
+    Resumed(generation=3, step=40, target_step=57, detail="steps 40..56 are redone"),
+    StateLost(generation=3, target_step=57, detail="no state"), Beat(step=4, samples=96, waiting=True)])
 def test_every_control_message_survives_the_codec(message: Message) -> None:
     assert decode(encode(message)) == message
 
 
 def test_the_codec_refuses_lines_that_are_not_messages() -> None:
-    for line in (b"not json", b"[1, 2]", b'{"op": "nope"}', b'{"op": "stop"}', b'{"op": "stop", "epoch": true}',
+    for line in (b"not json", b"[1, 2]", b'{"op": "nope"}', b'{"op": "stop"}', b'{"op": "stop", "generation": true}',
                  b'{"op": "beat", "step": 1, "waiting": "yes"}'):
         assert decode(line) is None, line
     # A newer peer's extra fields are ignored; a long detail is cut.
-    assert decode(b'{"op": "stop", "epoch": 2, "reason": "new"}') == Stop(epoch=2)
-    lost = decode(b'{"op": "state_lost", "epoch": 1, "target_step": 3, "detail": "' + b"x" * 5000 + b'"}')
+    assert decode(b'{"op": "stop", "generation": 2, "reason": "new"}') == Stop(generation=2)
+    lost = decode(b'{"op": "state_lost", "generation": 1, "target_step": 3, "detail": "' + b"x" * 5000 + b'"}')
     assert isinstance(lost, StateLost) and len(lost.detail) == 2000
