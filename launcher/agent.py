@@ -203,8 +203,14 @@ class Agent:
         # Live mode: workers started ahead of any world, waiting to be named in one.
         self.standby = False
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"tidal-{options.unit_id}-"))
+        # The store the next generation hosted here meets at (its port is what this unit
+        # reports), and in restart mode the one the running generation's ranks use.
         self.store: Any = None
         self.store_port = 0
+        self.serving_store: Any = None
+        # Restart mode: the workers stop because a StartEpoch replaced their generation (its
+        # STARTED is the one acknowledgment; no STOPPED is reported).
+        self.stopping_for_start = False
         self.live = LiveWorkers()
         self.channel = LauncherChannel(self.run_dir / "control.sock", post=self.events.put_nowait)
         self.log = log.bind(job=options.job_id, unit=options.unit_id)
@@ -214,10 +220,13 @@ class Agent:
     # Setup and teardown.
 
     def _new_store(self) -> None:
-        """A fresh rendezvous store. Live mode serves one for the launcher's life: its workers
-        meet under a prefix per generation (`gen/<n>`). Restart mode needs a fresh one per
-        generation, as under torchrun: an unmodified script's env:// rendezvous writes the
-        same keys in every generation and cannot be given a prefix."""
+        """A fresh rendezvous store for the next generation hosted here. Live mode serves one
+        for the launcher's life: its workers meet under a prefix per generation (`gen/<n>`).
+        Restart mode needs a fresh one per generation, as under torchrun: an unmodified
+        script's env:// rendezvous writes the same keys in every generation and cannot be
+        given a prefix. So once a generation starts on this unit's store, a spare is made at
+        once and its port reported with STARTED: the controller can plan the next
+        generation and send it in one message, without a stop round first."""
         from torch.distributed import TCPStore
 
         self.store = None
@@ -343,6 +352,7 @@ class Agent:
                 return
             self.log.info("generation_stop_ordered", generation=stop.epoch, reason=stop.reason)
             self.pending_start = None
+            self.stopping_for_start = False
             if self.live.finished and not self.failed_self:
                 # Training is over here (a rank committed the last step): the workers run the
                 # script's own code and exit by themselves; nothing to stop.
@@ -382,9 +392,13 @@ class Agent:
         if self.workers is not None and not self.workers.all_exited:
             if self.workers.generation == start.epoch:
                 return
-            # Restart mode: the old workers go first, then the new generation starts.
+            # Restart mode: one message is the whole change; the old workers go first (with
+            # the grace it names: short after a failure), then the new generation starts.
             self.pending_start = start
-            self._stop_workers(AgentState.STOPPING, self.options.stop_grace_s)
+            self.stopping_for_start = True
+            grace_s = (start.stop_grace.ToNanoseconds() / 1e9 if start.HasField("stop_grace")
+                       else self.options.stop_grace_s)
+            self._stop_workers(AgentState.STOPPING, grace_s)
             return
         if self.state is AgentState.STOPPING:
             self.pending_start = start
@@ -397,7 +411,8 @@ class Agent:
         if mine is None:
             self.log.warning("not_in_rank_table", generation=start.epoch)
             return
-        if start.rendezvous.host_unit_id == self.options.unit_id and start.rendezvous.port != self.store_port:
+        serving = (self.store_port, int(self.serving_store.port) if self.serving_store is not None else 0)
+        if start.rendezvous.host_unit_id == self.options.unit_id and start.rendezvous.port not in serving:
             self.log.warning("rendezvous_port_mismatch", named=start.rendezvous.port, serving=self.store_port)
         placement = Placement(generation=start.epoch, first_rank=mine.first_rank, group_rank=mine.group_rank,
                               group_world_size=start.rank_table.groups or len(start.rank_table.assignments),
@@ -434,8 +449,14 @@ class Agent:
             return
         self.generation = generation
         self.state = AgentState.RUNNING
+        if not self.live_mode and start.rendezvous.host_unit_id == self.options.unit_id:
+            # This generation's ranks meet at the store it named: keep it for them, and make
+            # a fresh one for the next generation hosted here.
+            self.serving_store = self.store
+            self._new_store()
         if not joining:
-            self._report(generation, launcher_pb2.EPOCH_PHASE_STARTED, step=start.resume_step)
+            self._report(generation, launcher_pb2.EPOCH_PHASE_STARTED, step=start.resume_step,
+                         store_port=self.store_port)
         self.log.info("generation_started", generation=generation, rank=mine.first_rank,
                       world_size=placement.world_size, master=f"{placement.master_addr}:{placement.master_port}")
 
@@ -473,11 +494,11 @@ class Agent:
         if self.failed_self:
             self._finish(AgentState.FAILED, EXIT_UNIT_FAILED, "the controller declared this unit failed")
             return
-        if not self.live_mode:
-            self._new_store()
-        self._report(self.generation, launcher_pb2.EPOCH_PHASE_STOPPED, store_port=self.store_port)
         self.live.stop_deadline = None
         self.state = AgentState.WAITING
+        replaced, self.stopping_for_start = self.stopping_for_start, False
+        if not replaced:
+            self._report(self.generation, launcher_pb2.EPOCH_PHASE_STOPPED, store_port=self.store_port)
         if self.pending_start is not None:
             start, self.pending_start = self.pending_start, None
             self._start(start)

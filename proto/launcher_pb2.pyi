@@ -210,18 +210,20 @@ class Registered(_message.Message):
     def __init__(self, current_epoch: _Optional[int] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., heartbeat_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., mode: _Optional[_Union[_common_pb2.JobMode, str]] = ..., progress_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., command: _Optional[_Iterable[str]] = ..., environment: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., procs_per_node: _Optional[int] = ..., job_name: _Optional[str] = ..., worker_silence_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class StartEpoch(_message.Message):
-    __slots__ = ("epoch", "rank_table", "rendezvous", "resume_step", "state_holders")
+    __slots__ = ("epoch", "rank_table", "rendezvous", "resume_step", "state_holders", "stop_grace")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RANK_TABLE_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
     STATE_HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    STOP_GRACE_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     rank_table: _common_pb2.RankTable
     rendezvous: _common_pb2.Rendezvous
     resume_step: int
     state_holders: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, epoch: _Optional[int] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., rendezvous: _Optional[_Union[_common_pb2.Rendezvous, _Mapping]] = ..., resume_step: _Optional[int] = ..., state_holders: _Optional[_Iterable[str]] = ...) -> None: ...
+    stop_grace: _duration_pb2.Duration
+    def __init__(self, epoch: _Optional[int] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., rendezvous: _Optional[_Union[_common_pb2.Rendezvous, _Mapping]] = ..., resume_step: _Optional[int] = ..., state_holders: _Optional[_Iterable[str]] = ..., stop_grace: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Reconfigure(_message.Message):
     __slots__ = ("epoch", "from_epoch", "rank_table", "rendezvous", "state_sources", "target_step")

@@ -787,7 +787,9 @@ class _Transition:
             case planning.Grow():
                 if state.live:
                     self._reconfigure(action.joiners, (), "grow", action.reason, now)
-                else:
+                elif not (generation is not None and all(self.connected(u) for u in generation.unit_ids)
+                          and self._next_generation_now(generation.unit_ids, action.joiners, "grow",
+                                                        action.reason)):
                     self._begin_stop("grow", action.reason, now)
             case planning.Wait():
                 if not running and self.job.state is JobState.RUNNING:
@@ -838,32 +840,43 @@ class _Transition:
             self._begin_stop("failure", f"unit {unit_id} failed: {reason}", detected_at)
 
     def _go_on_without(self, unit_id: str, reason: str) -> bool:
-        """Live mode: a failure is one message to each survivor, the next generation. Its
-        launcher hands it to the workers, which leave the broken world for it: a rank in a
-        collective with the dead one sees the collective fail, the others move at the end of
-        the step. Only when no world change is in flight and the survivors alone make an
-        allowed world; otherwise (and in restart mode, where the next generation's
-        rendezvous store only exists once the old workers are gone) the generation is
-        stopped first and the next one formed from the units that confirm. Whether it
-        formed."""
+        """A failure is one message to each survivor: the next generation, formed from the
+        survivors in this transition. In live mode the launcher hands it to the workers,
+        which leave the broken world for it (a rank in a collective with the dead one sees
+        the collective fail; the others move at the end of the step). In restart mode the
+        launcher stops its workers with the failure's grace, then starts the new ones; each
+        launcher hosting a generation has its next store ready, so no stop round is needed
+        to learn where the next one meets. Whether it formed; if not (a live change in
+        flight, or the survivors alone make no size the job allows), the generation is
+        stopped first."""
         state = self.state
         generation = state.generation
-        if (not state.live or state.reconfigure is not None or generation is None
-                or self.job.state is not JobState.RUNNING):
+        if state.reconfigure is not None or generation is None or self.job.state is not JobState.RUNNING:
             return False
         survivors = tuple(u for u in generation.unit_ids
                           if state.units[u].state is UnitState.ACTIVE and self.connected(u))
+        return self._next_generation_now(survivors, (), "failure",
+                                         f"unit {unit_id} failed: {reason}; the survivors go on without it")
+
+    def _next_generation_now(self, members: tuple[str, ...], joiners: tuple[str, ...], cause: str,
+                             reason: str) -> bool:
+        """Form and send the next generation of `members` + `joiners` now, as one message to
+        each (StartEpoch; in restart mode the launcher stops the old workers first), if
+        they make a size the job allows and one of them can host the rendezvous. Whether it
+        formed."""
+        state = self.state
+        previous = state.generation
         spec = self.job.spec
         sizes = planning.allowed_sizes(spec.min_replicas, spec.max_replicas, spec.replica_step,
                                        list(spec.allowed_replicas))
-        if not survivors or planning.choose_world_size(len(survivors), sizes) != len(survivors):
+        count = len(members) + len(joiners)
+        if not members or planning.choose_world_size(count, sizes) != count:
             return False
-        self._start_generation(survivors, planning.Form(
-            replicas=len(survivors), joiners=(),
-            reason=f"unit {unit_id} failed: {reason}; the survivors go on without it"), self.now.monotonic)
-        if self.job.generation == generation.number:
+        self._start_generation(members, planning.Form(replicas=count, joiners=joiners, reason=reason),
+                               self.now.monotonic, cause=cause)
+        if previous is None or self.job.generation == previous.number:
             return False
-        self.emit(GenerationStopped(self.job.job_id, generation.number, self.now.wall))
+        self.emit(GenerationStopped(self.job.job_id, previous.number, self.now.wall))
         return True
 
     def _stop_grace_s(self, cause: str) -> float:
@@ -933,13 +946,23 @@ class _Transition:
         for unit_id in unit_ids:
             unit = state.units[unit_id]
             member = previous.member(unit_id) if previous is not None else None
+            store_port = state.store_ports.get(unit_id, 0)
+            if (not state.live and previous is not None and previous.rendezvous_unit_id == unit_id
+                    and store_port == previous.rendezvous_port):
+                # Restart mode: that store is the running generation's; the unit's fresh one
+                # is not reported yet (it comes with STARTED), so it cannot host the next.
+                store_port = 0
             candidates.append(planning.Candidate(
                 unit_id=unit_id, nodes=tuple(unit.nodes), procs_per_node=unit.procs_per_node, address=unit.address,
-                store_port=state.store_ports.get(unit_id, 0),
+                store_port=store_port,
                 previous_group_rank=member.group_rank if member else None, registered_at=unit.registered_at))
         return candidates
 
-    def _start_generation(self, survivors: tuple[str, ...], form: planning.Form, now: float) -> None:
+    def _start_generation(self, survivors: tuple[str, ...], form: planning.Form, now: float,
+                          cause: str = "") -> None:
+        """Commit the next generation of `survivors` + the form's joiners and send each its
+        StartEpoch. `cause` (failure, grow, leave) is set when it replaces a running
+        generation in one message: the old workers' stop grace follows from it."""
         state = self.state
         chosen = list(survivors) + list(form.joiners)
         try:
@@ -968,7 +991,8 @@ class _Transition:
         state.exited_ok = {}
         state.reconfigure = None
         for unit_id in plan.unit_ids:
-            self.send(unit_id, self._start_message(plan, unit_id))
+            self.send(unit_id, self._start_message(plan, unit_id, stop_grace_s=(
+                self._stop_grace_s(cause) if cause else None)))
 
     def _commit_generation(self, plan: GenerationRecord, unit_ids: list[str], kind: str, reason: str,
                            fields: dict[str, object]) -> None:
@@ -985,11 +1009,15 @@ class _Transition:
             self.emit(SaveUnit(unit))
         self.record(kind, reason, generation=plan.number, fields=fields)
 
-    def _start_message(self, generation: GenerationRecord, unit_id: str) -> launcher_pb2.ControllerMessage:
-        return launcher_pb2.ControllerMessage(start_epoch=launcher_pb2.StartEpoch(
+    def _start_message(self, generation: GenerationRecord, unit_id: str,
+                       stop_grace_s: float | None = None) -> launcher_pb2.ControllerMessage:
+        start = launcher_pb2.StartEpoch(
             epoch=generation.number, rank_table=generation.rank_table(only_unit=unit_id),
             rendezvous=generation.rendezvous(), resume_step=generation.resume_step,
-            state_holders=list(self.state.state_holders)))
+            state_holders=list(self.state.state_holders))
+        if stop_grace_s is not None:
+            start.stop_grace.CopyFrom(duration(stop_grace_s))
+        return launcher_pb2.ControllerMessage(start_epoch=start)
 
     def _state_fields(self, plan: GenerationRecord) -> dict[str, object]:
         """Decide and describe the state a new generation must be at: its target step (the
@@ -1052,7 +1080,11 @@ class _Transition:
                 state.stop.waiting_for.add(unit_id)
             return
         if was_active and self.job.state is JobState.RUNNING and state.generation is not None:
-            self._begin_stop("leave", f"unit {unit_id} leaves ({cause})", self.now.monotonic)
+            staying = tuple(u for u in state.generation.unit_ids
+                            if state.units[u].state is UnitState.ACTIVE and self.connected(u))
+            if state.live or not self._next_generation_now(staying, (), "leave",
+                                                           f"unit {unit_id} leaves ({cause})"):
+                self._begin_stop("leave", f"unit {unit_id} leaves ({cause})", self.now.monotonic)
 
     def _mark_left(self, unit_id: str, reason: str) -> None:
         unit = self.state.units.get(unit_id)

@@ -177,33 +177,61 @@ def test_resuming_from_a_checkpoint_lowers_the_watermark_with_an_event_naming_th
     assert fields == {"checkpoint_step": 20, "target_step": 30, "steps_redone": 10}
 
 
-def test_a_failure_in_restart_mode_stops_the_generation_then_forms_the_next_from_the_survivors() -> None:
+def start_of(effects: list[core.Effect], unit: str) -> launcher_pb2.StartEpoch:
+    return next(e.message.start_epoch for e in effects
+                if isinstance(e, core.Send) and e.unit_id == unit and e.message.HasField("start_epoch"))
+
+
+def test_a_failure_in_restart_mode_is_one_message_to_each_survivor_that_stops_and_restarts_it() -> None:
     driver = Driver(mode=common_pb2.JOB_MODE_RESTART, min_replicas=2)
     formed(driver, "a", "b", "c")
     effects = driver.exit("b", 1, code=137)
     assert driver.state.units["b"].state is UnitState.FAILED
-    assert driver.state.job.state is JobState.RECONFIGURING
-    assert sent(effects, "a") == sent(effects, "c") == ["stop:1"]
-    assert any(isinstance(e, core.Close) and e.unit_id == "b" for e in effects)
-    driver.report("a", 1, launcher_pb2.EPOCH_PHASE_STOPPED)
-    assert driver.state.job.state is JobState.RECONFIGURING, "one survivor has not confirmed yet"
-    effects = driver.report("c", 1, launcher_pb2.EPOCH_PHASE_STOPPED)
-    assert driver.state.job.state is JobState.RUNNING and driver.state.job.generation == 2
-    assert sent(effects) == ["start:2", "start:2"]
-    assert driver.events(effects) == ["epoch_stopped", "world_formed"]
+    assert sent(effects, "b") == ["stop:1"] and any(isinstance(e, core.Close) and e.unit_id == "b" for e in effects)
+    assert sent(effects, "a") == sent(effects, "c") == ["start:2"], "one message each, no stop round"
+    assert driver.state.job.state is JobState.RUNNING and driver.state.stop is None
+    start = start_of(effects, "c")
+    assert start.stop_grace.ToNanoseconds() / 1e9 == CONFIG.failure_stop_grace_s
+    # Generation 1 met at a's store, still in use by its workers until they stop: the next
+    # one meets at a store nobody used yet.
+    assert start.rendezvous.host_unit_id == "c"
+    assert "epoch_stopping" not in driver.events(effects)
+    # a's STARTED names its fresh store: from then on it can host again.
+    driver.say("a", epoch_report=launcher_pb2.EpochReport(epoch=2, phase=launcher_pb2.EPOCH_PHASE_STARTED,
+                                                          store_port=7777))
+    assert driver.state.store_ports["a"] == 7777
 
 
-def test_a_survivor_that_never_confirms_the_stop_fails_at_the_deadline() -> None:
+def test_restart_mode_grows_and_leaves_with_one_message_each() -> None:
+    driver = Driver(mode=common_pb2.JOB_MODE_RESTART, min_replicas=1, max_replicas=3)
+    formed(driver, "a", "b")
+    driver.connect("c")
+    effects = driver.tick()
+    assert sent(effects) == ["start:2", "start:2", "start:2"] and driver.state.stop is None
+    assert start_of(effects, "a").stop_grace.ToNanoseconds() / 1e9 == CONFIG.restart_grace_s
+    effects = driver.feed(core.DrainRequested(("b",), uid=0))
+    assert sent(effects, "b") == ["leave"] and sent(effects, "a") == sent(effects, "c") == ["start:3"]
+    assert driver.state.generation is not None and driver.state.generation.unit_ids == ("a", "c")
+
+
+def test_a_survivor_that_never_confirms_a_stop_round_fails_at_the_deadline() -> None:
+    # Two survivors of three make no size the job allows: the generation is stopped first.
     driver = Driver(mode=common_pb2.JOB_MODE_RESTART, min_replicas=1)
+    driver.state.job.spec.allowed_replicas[:] = [1, 3]
     formed(driver, "a", "b", "c")
-    driver.exit("b", 1, code=1)
-    driver.report("a", 1, launcher_pb2.EPOCH_PHASE_STOPPED)
+    effects = driver.exit("b", 1, code=1)
+    assert sent(effects, "a") == sent(effects, "c") == ["stop:1"]
+    # (A launcher's reports name the store its next generation would meet at.)
+    driver.say("a", epoch_report=launcher_pb2.EpochReport(epoch=1, phase=launcher_pb2.EPOCH_PHASE_STOPPED,
+                                                          store_port=2001))
+    assert driver.state.job.state is JobState.RECONFIGURING, "one survivor has not confirmed yet"
     driver.links.pop("b")
     effects = driver.tick(CONFIG.restart_grace_s + CONFIG.heartbeat_timeout_s + CONFIG.reconnect_grace_s + 1)
     assert driver.state.units["c"].state is UnitState.FAILED
     assert driver.state.job.state is JobState.RUNNING and driver.state.generation is not None
     assert driver.state.generation.unit_ids == ("a",)
     assert "start:2" in sent(effects, "a")
+    assert driver.events(effects)[-2:] == ["epoch_stopped", "world_formed"]
 
 
 def test_silence_of_heartbeats_past_the_timeout_fails_the_unit_and_nothing_earlier() -> None:
