@@ -2,7 +2,7 @@
 
 Inputs (launcher sessions opening and closing, what launchers say, admin requests, Slurm
 views and a clock tick) wait in one queue. The loop hands each to `core.job.transition`,
-which decides everything, and applies the effects it returns in one place (`_apply`):
+which decides everything, and applies the effects it returns (`_persist`, then `_act`):
 whatever must be persisted, in one SQLite transaction, and only then the messages, session
 closes, Slurm cancels and submissions. A controller killed at any point reloads what it
 decided. Heartbeats skip the queue: they only update the session they came on, and reach
@@ -293,8 +293,12 @@ class JobActor:
             case _:
                 event = item
         now = clock()
-        self.state, effects = core.transition(self.state, event, now)
-        self._apply(effects)
+        state, effects = core.transition(self.state, event, now)
+        # What the transition decided is on disk before the actor moves on or anything is
+        # sent; if SQLite refuses, the actor keeps the state it had.
+        self._persist(effects)
+        self.state = state
+        self._act(effects)
         if isinstance(item, Tick) and not self.job.state.is_final:
             self._observe_throughput(now.monotonic)
 
@@ -303,8 +307,8 @@ class JobActor:
                                    steps=dict(s.steps), beat_at=dict(s.beat_at), waiting=dict(s.waiting))
                 for unit_id, s in self.sessions.items()}
 
-    def _apply(self, effects: list[core.Effect]) -> None:
-        """Persist what the transition decided, in one transaction; then act on it."""
+    def _persist(self, effects: list[core.Effect]) -> None:
+        """What the transition decided that must survive a restart, in one transaction."""
         persistent = [e for e in effects if isinstance(e, core.PERSISTENT)]
         if persistent:
             job_id = self.job.job_id
@@ -324,6 +328,9 @@ class JobActor:
                                                fields=fields)
                         case core.SavePending(key, value):
                             self.store.save_pending(job_id, key, value)
+
+    def _act(self, effects: list[core.Effect]) -> None:
+        """The rest of the effects, in order: messages, session closes, Slurm, metrics."""
         for effect in effects:
             match effect:
                 case core.Send(unit_id, message):
@@ -340,8 +347,8 @@ class JobActor:
                     self._submit(unit_id, excluded)
                 case core.Metric(name, value, label):
                     self._count(name, value, label)
-                case core.Note(event, fields):
-                    self.log.info(event, **fields)
+                case core.Note(event, fields, warning):
+                    (self.log.warning if warning else self.log.info)(event, **fields)
 
     def _count(self, name: str, value: float, label: str) -> None:
         metrics = self.metrics

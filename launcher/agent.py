@@ -382,7 +382,12 @@ class Agent:
             return
         if self.live_workers_running and self.state is not AgentState.STOPPING:
             # Live mode: the workers that stopped in-process (or wait on standby) join the
-            # new world.
+            # new world. One still in an older generation (a failure is this one message)
+            # is told to stop first: it leaves the step in flight, or a world it is still
+            # forming with a peer that is gone, and takes the new one.
+            if not self.standby and self.workers is not None and start.epoch > self.generation:
+                for worker in self.workers.workers:
+                    self.channel.send(worker.local_rank, Stop(generation=self.generation))
             self.standby = False
             self.generation = max(self.generation, start.epoch)
             self._send_worlds(start.epoch, start.rank_table, start.rendezvous, target_step=start.resume_step)

@@ -174,8 +174,12 @@ MAX_DETAIL = 2000
 
 
 def encode(message: Message) -> bytes:
-    """One JSON line: {"op": ..., **fields}."""
-    return (json.dumps({"op": _OP_OF[type(message)], **dataclasses.asdict(message)}) + "\n").encode()
+    """One JSON line: {"op": ..., **fields}. A generation goes out under its former name
+    "epoch" too, so that a peer of an earlier version still reads it."""
+    body = dataclasses.asdict(message)
+    if "generation" in body:
+        body["epoch"] = body["generation"]
+    return (json.dumps({"op": _OP_OF[type(message)], **body}) + "\n").encode()
 
 
 def decode(line: bytes) -> Message | None:
@@ -185,6 +189,9 @@ def decode(line: bytes) -> Message | None:
     try:
         raw = json.loads(line)
         kind = _OPS[raw["op"]]
+        if "generation" not in raw and "epoch" in raw:
+            # Written by a peer of an earlier version, which called it the epoch.
+            raw["generation"] = raw["epoch"]
         fields: dict[str, Any] = {}
         for name, expected in _FIELD_TYPES[kind].items():
             if name not in raw:

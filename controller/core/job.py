@@ -18,7 +18,6 @@ Times: `Now.monotonic` for deadlines and ages, `Now.wall` for what is recorded."
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import signal
 from collections.abc import Mapping
@@ -33,7 +32,7 @@ from tidal.controller.core.health import Failure, HealthPolicy, UnitHealth, heal
 from tidal.controller.core.progress import MemberProgress, committed_step, state_holders
 from tidal.controller.model import GenerationRecord, JobRecord, JobState, UnitRecord, UnitState, join_ids
 from tidal.launcher.control import EXIT_STATE_LOST
-from tidal.proto import common_pb2, launcher_pb2
+from tidal.proto import admin_pb2, common_pb2, launcher_pb2
 from tidal.slurm.models import JobState as SlurmJobState
 from tidal.slurm.snapshot import ClusterView
 
@@ -220,6 +219,7 @@ class Note:
 
     event: str
     fields: Mapping[str, object] = dataclasses.field(default_factory=dict)
+    warning: bool = False
 
 
 Persist = SaveJob | SaveUnit | SaveGeneration | GenerationStopped | Record | SavePending
@@ -376,9 +376,30 @@ def restore(job: JobRecord, units: list[UnitRecord], generation: GenerationRecor
 def transition(state: State, event: Input, now: Now) -> tuple[State, list[Effect]]:
     """The job's next state after `event` at `now`, and what to do about it. `state` is
     left as it was."""
-    step = _Transition(copy.deepcopy(state), now)
+    step = _Transition(_working_copy(state), now)
     step.handle(event)
     return step.state, step.effects
+
+
+def _working_copy(state: State) -> State:
+    """A copy of `state` that a transition may change: its own job record and containers;
+    unit records are copied when first changed (`_Transition.own`); what is never changed in
+    place (generations, links, the config) is shared. A deep copy of every unit at every
+    input would cost O(units) each time (tens of ms at thousands of units)."""
+    stop, pending = state.stop, state.reconfigure
+    return dataclasses.replace(
+        state, job=dataclasses.replace(state.job), units=dict(state.units), connected=set(state.connected),
+        store_ports=dict(state.store_ports), links=dict(state.links),
+        stop=dataclasses.replace(stop, waiting_for=set(stop.waiting_for)) if stop is not None else None,
+        reconfigure=(dataclasses.replace(pending, joiners_waiting=set(pending.joiners_waiting),
+                                         waiting_for=set(pending.waiting_for)) if pending is not None else None),
+        registered_at=dict(state.registered_at), leaving_since=dict(state.leaving_since),
+        exited_ok={u: set(ranks) for u, ranks in state.exited_ok.items()},
+        exited_failed={u: dict(ranks) for u, ranks in state.exited_failed.items()},
+        returned_without_workers=dict(state.returned_without_workers),
+        finishing_disconnected=dict(state.finishing_disconnected), finishing_members=dict(state.finishing_members),
+        deferred_leaves=dict(state.deferred_leaves), first_step_generations=set(state.first_step_generations),
+        submitted_at=dict(state.submitted_at), node_cooldown=dict(state.node_cooldown))
 
 
 # Queries: pure functions of the state, for the gRPC layer and the cluster-wide plans.
@@ -473,6 +494,19 @@ class _Transition:
         self.state = state
         self.now = now
         self.effects: list[Effect] = []
+        # Units whose record this transition copied (it may change those in place).
+        self.owned: set[str] = set()
+        # While failures found together are taken: who failed (the world re-forms once after).
+        self.failed_together: list[tuple[str, str, float]] | None = None
+
+    def own(self, unit: UnitRecord) -> UnitRecord:
+        """`unit`'s record, copied on first change so that the state given to `transition`
+        stays as it was."""
+        if unit.unit_id not in self.owned:
+            unit = dataclasses.replace(unit, nodes=list(unit.nodes))
+            self.state.units[unit.unit_id] = unit
+            self.owned.add(unit.unit_id)
+        return unit
 
     # Shorthands.
 
@@ -535,7 +569,7 @@ class _Transition:
         fields = {"address": register.address, "nodes": join_ids(list(register.nodes)),
                   "workers": join_ids([str(p) for p in register.worker_pids])}
         if unit is None or unit.state is UnitState.SUBMITTED:
-            unit = unit or UnitRecord(job_id=self.job.job_id, unit_id=unit_id, state=UnitState.JOINING)
+            unit = self.own(unit or UnitRecord(job_id=self.job.job_id, unit_id=unit_id, state=UnitState.JOINING))
             unit.state = UnitState.JOINING
             unit.nodes = list(register.nodes) or [register.address]
             unit.address = register.address
@@ -550,6 +584,7 @@ class _Transition:
             if self.job.state is JobState.FINISHING:
                 self._leave(unit_id, "finished", "training finished before this unit joined")
             return
+        unit = self.own(unit)
         unit.address = register.address or unit.address
         if self.job.state is JobState.FINISHING:
             if unit.state is UnitState.JOINING or not register.worker_pids:
@@ -716,8 +751,15 @@ class _Transition:
                 self._maybe_finish_stop()
             return
         if self.job.state is JobState.RUNNING and state.generation is not None:
-            for failure in self._health_failures(now):
-                self._fail(failure.unit_id, failure.reason, failure.cause, now)
+            failures = self._health_failures(now)
+            if failures:
+                # Failures found together are taken together: the world re-forms once.
+                self.failed_together = []
+                for failure in failures:
+                    self._fail(failure.unit_id, failure.reason, failure.cause, now)
+                together, self.failed_together = self.failed_together, None
+                if together and self.job.state is JobState.RUNNING:
+                    self._regroup(together)
                 if self.job.state is not JobState.RUNNING:
                     return
         if state.reconfigure is not None:
@@ -785,11 +827,12 @@ class _Transition:
                     action = dataclasses.replace(action, reason=f"{after}; {action.reason}")
                 self._start_generation(members, action, now)
             case planning.Grow():
+                if generation is None or not all(self.connected(u) for u in generation.unit_ids):
+                    # A member not back yet after a controller restart: grow once it is.
+                    return
                 if state.live:
                     self._reconfigure(action.joiners, (), "grow", action.reason, now)
-                elif not (generation is not None and all(self.connected(u) for u in generation.unit_ids)
-                          and self._next_generation_now(generation.unit_ids, action.joiners, "grow",
-                                                        action.reason)):
+                elif not self._next_generation_now(generation.unit_ids, action.joiners, "grow", action.reason):
                     self._begin_stop("grow", action.reason, now)
             case planning.Wait():
                 if not running and self.job.state is JobState.RUNNING:
@@ -815,6 +858,7 @@ class _Transition:
         was_member = (state.generation is not None and state.generation.member(unit_id) is not None
                       and unit.state in (UnitState.ACTIVE, UnitState.LEAVING)
                       and self.job.state in (JobState.RUNNING, JobState.RECONFIGURING))
+        unit = self.own(unit)
         unit.state = UnitState.FAILED
         unit.reason = reason
         self.emit(SaveUnit(unit), Record("failure_detected", reason, unit_id=unit_id, generation=number,
@@ -833,13 +877,25 @@ class _Transition:
             state.stop.waiting_for.discard(unit_id)
             self._maybe_finish_stop()
             return
-        state.failure_detected_at = detected_at
-        wall_detected = self.now.wall - (self.now.monotonic - detected_at)
-        state.recovery = Recovery(failed_at=failed_at or wall_detected, detected_at=wall_detected, unit_id=unit_id)
-        if not self._go_on_without(unit_id, reason):
-            self._begin_stop("failure", f"unit {unit_id} failed: {reason}", detected_at)
+        if state.recovery is None:
+            # (A recovery still unmeasured keeps its start: the first failure's.)
+            state.failure_detected_at = detected_at
+            wall_detected = self.now.wall - (self.now.monotonic - detected_at)
+            state.recovery = Recovery(failed_at=failed_at or wall_detected, detected_at=wall_detected,
+                                      unit_id=unit_id)
+        if self.failed_together is not None:
+            self.failed_together.append((unit_id, reason, detected_at))
+            return
+        self._regroup([(unit_id, reason, detected_at)])
 
-    def _go_on_without(self, unit_id: str, reason: str) -> bool:
+    def _regroup(self, failed: list[tuple[str, str, float]]) -> None:
+        """After the failure of members of the running generation: the next one at once, or
+        a stop round first."""
+        what = "; ".join(f"unit {unit_id} failed: {reason}" for unit_id, reason, _ in failed)
+        if not self._go_on_without(what):
+            self._begin_stop("failure", what, min(at for _, _, at in failed))
+
+    def _go_on_without(self, what: str) -> bool:
         """A failure is one message to each survivor: the next generation, formed from the
         survivors in this transition. In live mode the launcher hands it to the workers,
         which leave the broken world for it (a rank in a collective with the dead one sees
@@ -853,10 +909,20 @@ class _Transition:
         generation = state.generation
         if state.reconfigure is not None or generation is None or self.job.state is not JobState.RUNNING:
             return False
-        survivors = tuple(u for u in generation.unit_ids
-                          if state.units[u].state is UnitState.ACTIVE and self.connected(u))
-        return self._next_generation_now(survivors, (), "failure",
-                                         f"unit {unit_id} failed: {reason}; the survivors go on without it")
+        survivors = tuple(u for u in generation.unit_ids if state.units[u].state is UnitState.ACTIVE)
+        if not all(self.connected(u) for u in survivors):
+            # A survivor not back yet after a controller restart: a stop round waits for it.
+            return False
+        # Joiners that have settled come along, up to max_replicas: one change, not two.
+        settled = sorted((at, u) for u, unit in state.units.items()
+                         if unit.state is UnitState.JOINING and self.connected(u)
+                         and (at := state.registered_at.get(u, self.now.monotonic))
+                         <= self.now.monotonic - self.config.join_settle_s)
+        room = max(0, self.job.spec.max_replicas - len(survivors))
+        joiners = tuple(u for _, u in settled[:room])
+        reason = f"{what}; the survivors go on without it"
+        return (bool(joiners) and self._next_generation_now(survivors, joiners, "failure", reason)) or \
+            self._next_generation_now(survivors, (), "failure", reason)
 
     def _next_generation_now(self, members: tuple[str, ...], joiners: tuple[str, ...], cause: str,
                              reason: str) -> bool:
@@ -970,7 +1036,7 @@ class _Transition:
                                        candidates=self._candidates(chosen), replicas=form.replicas,
                                        reason=form.reason, now=self.now.wall, resume_step=self.job.step)
         except ValueError as error:
-            self.emit(Note("generation_not_formed", {"reason": str(error)}))
+            self.emit(Note("generation_not_formed", {"reason": str(error)}, warning=True))
             return
         self.job.generation = plan.number
         self.job.state = JobState.RUNNING
@@ -991,6 +1057,9 @@ class _Transition:
         state.exited_ok = {}
         state.reconfigure = None
         for unit_id in plan.unit_ids:
+            # Each is sent this generation now: nothing left to wait for from before.
+            state.returned_without_workers.pop(unit_id, None)
+        for unit_id in plan.unit_ids:
             self.send(unit_id, self._start_message(plan, unit_id, stop_grace_s=(
                 self._stop_grace_s(cause) if cause else None)))
 
@@ -1002,7 +1071,7 @@ class _Transition:
         members = set(plan.unit_ids)
         self.emit(SaveGeneration(plan), SaveJob(self.job))
         for unit_id in unit_ids:
-            unit = self.state.units[unit_id]
+            unit = self.own(self.state.units[unit_id])
             member = plan.member(unit_id)
             unit.state = UnitState.ACTIVE if unit_id in members else UnitState.JOINING
             unit.group_rank = member.group_rank if member else -1
@@ -1058,6 +1127,7 @@ class _Transition:
             state.deferred_leaves.setdefault(unit_id, (cause, detail))
             self._save_pending()
             return
+        unit = self.own(unit)
         unit.state = UnitState.LEAVING
         state.leaving_since[unit_id] = self.now.monotonic
         unit.reason = f"{cause}: {detail}" if detail != cause else cause
@@ -1080,16 +1150,16 @@ class _Transition:
                 state.stop.waiting_for.add(unit_id)
             return
         if was_active and self.job.state is JobState.RUNNING and state.generation is not None:
-            staying = tuple(u for u in state.generation.unit_ids
-                            if state.units[u].state is UnitState.ACTIVE and self.connected(u))
-            if state.live or not self._next_generation_now(staying, (), "leave",
-                                                           f"unit {unit_id} leaves ({cause})"):
+            staying = tuple(u for u in state.generation.unit_ids if state.units[u].state is UnitState.ACTIVE)
+            if state.live or not all(self.connected(u) for u in staying) or not self._next_generation_now(
+                    staying, (), "leave", f"unit {unit_id} leaves ({cause})"):
                 self._begin_stop("leave", f"unit {unit_id} leaves ({cause})", self.now.monotonic)
 
     def _mark_left(self, unit_id: str, reason: str) -> None:
         unit = self.state.units.get(unit_id)
         if unit is None or unit.state.is_final:
             return
+        unit = self.own(unit)
         unit.state = UnitState.LEFT
         self.emit(SaveUnit(unit))
         self.record("unit_left", reason, unit_id=unit_id)
@@ -1110,7 +1180,7 @@ class _Transition:
                                        candidates=self._candidates(chosen), replicas=len(chosen), reason=reason,
                                        now=self.now.wall, resume_step=self.job.step)
         except ValueError as error:
-            self.emit(Note("reconfigure_not_planned", {"reason": str(error)}))
+            self.emit(Note("reconfigure_not_planned", {"reason": str(error)}, warning=True))
             return
         old_members = tuple(m.unit_id for m in previous.members)
         # The state's source: the new world's rank 0, a survivor (survivors keep their order).
@@ -1319,6 +1389,7 @@ class _Transition:
             return
         state.submit_failures = 0
         state.submitted_at[unit_id] = self.now.wall
+        unit = self.own(unit)
         unit.slurm_job_id = slurm_job_id
         self.emit(SaveUnit(unit))
         self.record("unit_submitted", f"Slurm job {slurm_job_id}", unit_id=unit_id,
@@ -1329,6 +1400,7 @@ class _Transition:
     def _unit_lost(self, unit: UnitRecord, reason: str, kind: str = "unit_lost",
                    fields: dict[str, object] | None = None) -> None:
         """A unit that never registered is gone (Slurm ended it, or sbatch refused it)."""
+        unit = self.own(unit)
         unit.state = UnitState.FAILED
         unit.reason = reason
         self.emit(SaveUnit(unit))
@@ -1480,6 +1552,7 @@ class _Transition:
                 continue
             if unit.state is UnitState.LEAVING:
                 continue
+            unit = self.own(unit)
             unit.state = UnitState.LEAVING
             state.leaving_since[unit_id] = self.now.monotonic
             self.emit(SaveUnit(unit))
@@ -1488,7 +1561,9 @@ class _Transition:
 
     def _on_resize(self, min_replicas: int, max_replicas: int, uid: int) -> None:
         state = self.state
-        spec = self.job.spec
+        spec = admin_pb2.JobSpec()
+        spec.CopyFrom(self.job.spec)
+        self.job.spec = spec
         spec.min_replicas = min_replicas or spec.min_replicas
         spec.max_replicas = max_replicas or spec.max_replicas
         self.emit(SaveJob(self.job))

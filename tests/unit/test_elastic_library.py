@@ -290,5 +290,8 @@ def test_the_codec_refuses_lines_that_are_not_messages() -> None:
         assert decode(line) is None, line
     # A newer peer's extra fields are ignored; a long detail is cut.
     assert decode(b'{"op": "stop", "generation": 2, "reason": "new"}') == Stop(generation=2)
+    # A peer of an earlier version says "epoch"; both names go out, so it reads ours too.
+    assert decode(b'{"op": "stop", "epoch": 4}') == Stop(generation=4)
+    assert json.loads(encode(Stop(generation=5))) == {"op": "stop", "generation": 5, "epoch": 5}
     lost = decode(b'{"op": "state_lost", "generation": 1, "target_step": 3, "detail": "' + b"x" * 5000 + b'"}')
     assert isinstance(lost, StateLost) and len(lost.detail) == 2000

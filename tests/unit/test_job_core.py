@@ -41,7 +41,10 @@ class Driver:
         return core.Now(monotonic=self.clock, wall=1_700_000_000.0 + self.clock)
 
     def feed(self, event: core.Input) -> list[core.Effect]:
-        self.state, effects = core.transition(self.state, event, self.now)
+        given = self.state
+        before = copy.deepcopy(given)
+        self.state, effects = core.transition(given, event, self.now)
+        assert given == before, f"the transition changed the state it was given ({type(event).__name__})"
         self.effects.extend(effects)
         return effects
 
@@ -402,3 +405,41 @@ def test_a_live_failure_that_leaves_a_size_the_job_does_not_allow_stops_first() 
     for unit in "abc":
         effects = driver.report(unit, 1, launcher_pb2.EPOCH_PHASE_STOPPED)
     assert driver.state.generation is not None and len(driver.state.generation.members) == 2
+
+
+def test_a_failure_while_a_member_is_not_back_after_a_restart_waits_for_it_in_a_stop_round() -> None:
+    driver = Driver(min_replicas=1)
+    formed(driver, "a", "b", "c")
+    job, units = driver.state.job, list(driver.state.units.values())
+    driver.state = core.restore(job, units, driver.state.generation, generation_stopped=False, pending={},
+                                config=CONFIG, now=driver.now)
+    driver.connect("a", last_generation=1, workers=(11,))
+    driver.connect("b", last_generation=1, workers=(12,))
+    effects = driver.exit("b", 1, code=1)
+    assert sent(effects, "a") == ["stop:1"], "c, not back yet, would be left out of a generation formed now"
+    assert driver.state.stop is not None and "c" in driver.state.stop.waiting_for
+
+
+def test_members_found_failed_in_the_same_tick_re_form_the_world_once() -> None:
+    driver = Driver(min_replicas=1)
+    formed(driver, "a", "b", "c")
+    driver.clock += CONFIG.reconnect_grace_s + 1
+    driver.links = {u: core.Link(last_heartbeat_at=driver.clock) for u in "abc"}
+    driver.tick(CONFIG.heartbeat_timeout_s - 0.5)
+    assert driver.events().count("failure_detected") == 0
+    driver.links["a"] = core.Link(last_heartbeat_at=driver.clock)
+    effects = driver.tick(1.0)
+    assert driver.events(effects).count("failure_detected") == 2
+    assert driver.events(effects).count("world_formed") == 1 and sent(effects, "a") == ["start:2"]
+    assert driver.state.generation is not None and driver.state.generation.unit_ids == ("a",)
+
+
+def test_a_settled_joiner_comes_along_into_the_generation_a_failure_forms() -> None:
+    driver = Driver(mode=common_pb2.JOB_MODE_RESTART, min_replicas=2, max_replicas=2)
+    formed(driver, "a", "b")
+    driver.connect("c")
+    driver.tick(CONFIG.join_settle_s + 1)
+    assert driver.state.units["c"].state is UnitState.JOINING, "at max_replicas: c waits"
+    effects = driver.exit("b", 1, code=1)
+    assert sent(effects, "a") == sent(effects, "c") == ["start:2"]
+    assert driver.state.generation is not None and set(driver.state.generation.unit_ids) == {"a", "c"}
