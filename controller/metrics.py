@@ -45,9 +45,10 @@ class _StateCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         jobs = GaugeMetricFamily("tidal_jobs", "Jobs by state.", labels=["state"])
         units = GaugeMetricFamily("tidal_units", "Units (replicas) by state.", labels=["state"])
-        world = GaugeMetricFamily("tidal_world_size", "Ranks in the job's current epoch (0 when not running).",
+        world = GaugeMetricFamily("tidal_world_size", "Ranks in the job's current generation (0 when not running).",
                                   labels=["job"])
-        epoch = GaugeMetricFamily("tidal_epoch", "The job's current epoch number.", labels=["job"])
+        # (Named epoch, as dashboards of earlier versions know it.)
+        epoch = GaugeMetricFamily("tidal_epoch", "The job's current generation number.", labels=["job"])
         connected = 0
         job_counts = dict.fromkeys(self._job_states, 0)
         unit_counts = dict.fromkeys(self._unit_states, 0)
@@ -69,20 +70,20 @@ class _StateCollector(Collector):
 class ControllerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.generations_formed = Counter("tidal_epochs_formed", "Epochs formed.", ["job"], registry=self.registry)
+        self.generations_formed = Counter("tidal_epochs_formed", "Generations formed.", ["job"], registry=self.registry)
         self.failures = Counter("tidal_failures", "Failures detected, by cause.", ["cause"], registry=self.registry)
         self.heartbeat_latency = Histogram(
             "tidal_heartbeat_latency_seconds", "Launcher send to controller receipt (clocks may differ).",
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5), registry=self.registry)
         self.stop_duration = Histogram(
-            "tidal_stop_duration_seconds", "Failure detection to every rank of the epoch stopped.",
+            "tidal_stop_duration_seconds", "Failure detection to every rank of the generation stopped (a stop round).",
             buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0), registry=self.registry)
         self.recovery_duration = Histogram(
-            "tidal_recovery_duration_seconds", "Failure detection to the next epoch started.",
+            "tidal_recovery_duration_seconds", "Failure detection to the next generation started.",
             buckets=(0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0), registry=self.registry)
         self.refused_calls = Counter("tidal_refused_launcher_calls", "Launcher calls refused, by gRPC status.",
                                      ["code"], registry=self.registry)
-        self.stale_messages = Counter("tidal_stale_messages", "Launcher messages of an old epoch, ignored.",
+        self.stale_messages = Counter("tidal_stale_messages", "Launcher messages of an old generation, ignored.",
                                       registry=self.registry)
 
     def read_job_states(self, jobs: Callable[[], Iterable[JobView]], job_states: Iterable[str],

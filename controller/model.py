@@ -1,5 +1,5 @@
-"""What the controller knows of jobs, units, epochs and events: plain dataclasses and
-enums, stored by `store.py`, decided on by `planning.py` and `health.py`."""
+"""What the controller knows of jobs, units, generations and events: plain dataclasses and
+enums, stored by `store.py`, decided on by the core (`controller/core/`)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from tidal.proto import admin_pb2, common_pb2
 class JobState(enum.Enum):
     """A job's lifecycle.
 
-    PENDING until `min_replicas` units have registered and epoch 1 forms; RUNNING while
-    an epoch's workers run; RECONFIGURING while an epoch is being stopped (failure, grow,
-    leave) and the next one planned; DEGRADED when fewer than `min_replicas` units are
+    PENDING until `min_replicas` units have registered and generation 1 forms; RUNNING
+    while a generation's workers run (a change that is one message keeps it RUNNING);
+    RECONFIGURING while a generation is being stopped in a stop round (the fallback) and
+    the next one planned; DEGRADED when fewer than `min_replicas` units are
     alive, waiting for more; FINISHING once a rank committed the job's last step (no
     generation forms any more; exits and silence are not failures); COMPLETED, FAILED and
     CANCELLED are final."""
@@ -41,7 +42,7 @@ class JobState(enum.Enum):
 
 class UnitState(enum.Enum):
     """A unit's lifecycle: SUBMITTED (to Slurm, not registered) → JOINING (registered,
-    not in the current epoch) → ACTIVE (a member of the current epoch) → LEAVING (asked
+    not in the current generation) → ACTIVE (a member of the current generation) → LEAVING (asked
     to leave, stopping) → LEFT; FAILED from any state. LEFT and FAILED are final."""
 
     SUBMITTED = "submitted"
@@ -90,7 +91,7 @@ class UnitRecord:
 
 @dataclasses.dataclass(frozen=True)
 class Member:
-    """One unit's place in an epoch."""
+    """One unit's place in a generation."""
 
     unit_id: str
     nodes: tuple[str, ...]

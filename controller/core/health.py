@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 
 @dataclasses.dataclass(frozen=True)
 class UnitHealth:
-    """What the controller last saw of one member of the running epoch (monotonic times)."""
+    """What the controller last saw of one member of the running generation (monotonic times)."""
 
     unit_id: str
     connected: bool
@@ -50,12 +50,12 @@ class Failure:
 
 def health_verdicts(units: Sequence[UnitHealth], *, now: float, policy: HealthPolicy,
                     generation_started_at: float, reconnect_deadline: float) -> list[Failure]:
-    """Failures among the members of a running epoch.
+    """Failures among the members of a running generation.
 
     - connected, but no heartbeat for longer than `heartbeat_timeout_s`: hung or cut off;
     - not connected past `reconnect_deadline` (only after a controller restart does a
       member have no session; a session that breaks is a failure at once, elsewhere);
-    - a worker that reported progress in this epoch and then none for `progress_timeout_s`,
+    - a worker that reported progress in this generation and then none for `progress_timeout_s`,
       unless it is blocked in a collective: when one rank hangs, all the others wait for
       it and stop progressing too, and only the one not waiting is the cause. A rank's
       "waiting" counts only while its beats are fresh (its last within

@@ -13,7 +13,7 @@ from tidal.controller.model import GenerationRecord, Member
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """A unit that could be in the next epoch."""
+    """A unit that could be in the next generation."""
 
     unit_id: str
     nodes: tuple[str, ...]
@@ -21,7 +21,7 @@ class Candidate:
     address: str
     # Port of the unit's fresh rendezvous store (0: unknown, cannot host).
     store_port: int
-    # Group rank in the current epoch, or None for a joiner.
+    # Group rank in the current generation, or None for a joiner.
     previous_group_rank: int | None
     registered_at: float
 
@@ -43,12 +43,12 @@ def choose_world_size(available: int, sizes: Sequence[int]) -> int | None:
 
 
 def plan_generation(*, job_id: str, number: int, candidates: Sequence[Candidate], replicas: int, reason: str,
-               now: float, resume_step: int) -> GenerationRecord:
-    """The next epoch's rank table and rendezvous.
+                    now: float, resume_step: int) -> GenerationRecord:
+    """The next generation's rank table and rendezvous.
 
     Survivors keep their relative order (so ranks move as little as possible), joiners
     follow in registration order; the first `replicas` candidates are members. Group rank
-    0 hosts the rendezvous store; it is chosen among the live members each epoch, so the
+    0 hosts the rendezvous store; it is chosen among the live members each generation, so the
     loss of any one node, the previous host's included, never strands the job. A member
     whose store port is unknown is never made host."""
     if replicas <= 0 or replicas > len(candidates):
@@ -82,7 +82,7 @@ class WorldSnapshot:
 
     running: bool
     members: tuple[str, ...]
-    # Registered units not in the current epoch, with when they registered (monotonic).
+    # Registered units not in the current generation, with when they registered (monotonic).
     joiners: Mapping[str, float]
     min_replicas: int
     max_replicas: int
@@ -103,7 +103,7 @@ class Wait:
 
 @dataclasses.dataclass(frozen=True)
 class Form:
-    """Form a new epoch from the members that remain and these joiners."""
+    """Form a new generation from the members that remain and these joiners."""
 
     replicas: int
     joiners: tuple[str, ...]
@@ -112,7 +112,7 @@ class Form:
 
 @dataclasses.dataclass(frozen=True)
 class Grow:
-    """Stop the running epoch so the next one includes `joiners` (restart mode)."""
+    """Grow the running generation: the next one includes `joiners`."""
 
     replicas: int
     joiners: tuple[str, ...]
