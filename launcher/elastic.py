@@ -145,10 +145,17 @@ class StepResult:
     global_batch: int
     world_size: int
     rank: int
+    # The world's version (generation) this step was committed in.
     generation: int
     # This rank's sample indices in the step.
     indices: list[int]
     seconds: float
+
+    @property
+    def epoch(self) -> int:
+        """The generation, under the name earlier versions gave it (scripts that read
+        `result.epoch` keep working; new code reads `result.generation`)."""
+        return self.generation
 
 
 class Ledger:
