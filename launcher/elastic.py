@@ -78,6 +78,12 @@ CHECKSUM_MODULUS = 2_147_483_647
 PROGRESS_INTERVAL_S = 0.2
 # The generation's store answers at once while its launcher lives; past this, its host is gone.
 STORE_TIMEOUT_S = 10.0
+# Once every rank of a generation arrived, its process group connects within this (plus a
+# little per rank). A member lost in that window (a node failing while a world forms) must
+# not hold the others in gloo's connect for the whole process-group timeout, nor past
+# their launcher's stop grace (10 s), which would kill them and their state with them.
+FORM_TIMEOUT_S = 5.0
+FORM_TIMEOUT_PER_RANK_S = 0.01
 # A worker started ahead (standby) waits this long for a world; its launcher ends it
 # sooner if the unit leaves.
 STANDBY_TIMEOUT_S = 7 * 24 * 3600.0
@@ -376,9 +382,13 @@ class Elastic:
                     raise WorldBroken(f"peers of generation {world.generation} did not arrive within "
                                       f"{self.timeout_s:g} s")
                 time.sleep(0.002)
+            form_s = min(self.timeout_s, FORM_TIMEOUT_S + FORM_TIMEOUT_PER_RANK_S * world.world_size)
             dist.init_process_group(self.backend, store=dist.PrefixStore("group", prefix), rank=world.rank,
-                                    world_size=world.world_size, timeout=timeout)
+                                    world_size=world.world_size, timeout=datetime.timedelta(seconds=form_s))
             self._group_formed = True
+            # Formed: from here on, collectives (the state's transfer first) get the full
+            # timeout, the backstop.
+            dist.distributed_c10d._set_pg_timeout(timeout)
             source, state_digest = self._sync_state()
         except (RuntimeError, ValueError) as error:
             if isinstance(error, (StateMismatch, AccountingError, StateLost)):
