@@ -378,6 +378,7 @@ class Elastic:
             while prefix.add("arrived", 0) < world.world_size:
                 if self.channel.stop_requested(world.generation):
                     raise WorldBroken(f"stopped while waiting for the peers of generation {world.generation}")
+                self._check_superseded(world)
                 if time.monotonic() > deadline:
                     raise WorldBroken(f"peers of generation {world.generation} did not arrive within "
                                       f"{self.timeout_s:g} s")
@@ -403,6 +404,16 @@ class Elastic:
         self.log.info("world_formed", generation=world.generation, rank=world.rank, world_size=world.world_size,
                       step=self.counters.step, state_source=source, seconds=round(seconds, 4))
 
+    def _check_superseded(self, world: World) -> None:
+        """A newer generation was announced while this one formed: its peers may never come
+        (they went straight to the newer one, or it replaced this one after a failure), so
+        nothing is gained by waiting; the rank takes the newer one instead."""
+        assert self.channel is not None
+        newer = self.channel.next_world(world.generation)
+        if newer is not None:
+            raise WorldBroken(f"generation {newer.generation} was announced while generation {world.generation} "
+                              "formed")
+
     def _connect_store(self, world: World) -> dist.TCPStore:
         """The generation's rendezvous store, on its host launcher. That host may be gone (it
         failed during the change): attempts of one second each, a stop between any two,
@@ -412,6 +423,7 @@ class Elastic:
         while True:
             if self.channel.stop_requested(world.generation):
                 raise WorldBroken(f"stopped while reaching the store of generation {world.generation}")
+            self._check_superseded(world)
             try:
                 return dist.TCPStore(world.master_addr, world.master_port, is_master=False,
                                      timeout=datetime.timedelta(seconds=1), wait_for_workers=False)
