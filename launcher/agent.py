@@ -382,12 +382,10 @@ class Agent:
             return
         if self.live_workers_running and self.state is not AgentState.STOPPING:
             # Live mode: the workers that stopped in-process (or wait on standby) join the
-            # new world. One still in an older generation (a failure is this one message)
-            # is told to stop first: it leaves the step in flight, or a world it is still
-            # forming with a peer that is gone, and takes the new one.
-            if not self.standby and self.workers is not None and start.epoch > self.generation:
-                for worker in self.workers.workers:
-                    self.channel.send(worker.local_rank, Stop(generation=self.generation))
+            # new world. One still training in an older generation (a failure is this one
+            # message) is not stopped: a rank in a collective with the lost one sees it fail
+            # and takes the new world; the others move at the end of the step, none of which
+            # is lost; a rank still forming the older world gives it up for the newer one.
             self.standby = False
             self.generation = max(self.generation, start.epoch)
             self._send_worlds(start.epoch, start.rank_table, start.rendezvous, target_step=start.resume_step)

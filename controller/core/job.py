@@ -618,7 +618,9 @@ class _Transition:
                         generation=generation.number, fields=fields)
         elif self.job.state is JobState.RUNNING:
             self.send(unit_id, self._start_message(generation, unit_id))
-            self.record("epoch_start_resent", f"reconnected without workers of generation {generation.number}",
+            had = (f"at generation {register.last_epoch}" if register.worker_pids
+                   else "without workers")
+            self.record("epoch_start_resent", f"reconnected {had}; sent generation {generation.number} again",
                         unit_id=unit_id, generation=generation.number, fields=fields)
 
     def _on_said(self, unit_id: str, message: launcher_pb2.LauncherMessage) -> None:
