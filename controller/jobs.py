@@ -303,8 +303,9 @@ class JobActor:
             self._observe_throughput(now.monotonic)
 
     def _links(self) -> dict[str, core.Link]:
-        return {unit_id: core.Link(last_heartbeat_at=s.last_heartbeat_at, progress_at=dict(s.progress_at),
-                                   steps=dict(s.steps), beat_at=dict(s.beat_at), waiting=dict(s.waiting))
+        # (No copies: `heartbeat` replaces a session's maps with new ones, never changes them.)
+        return {unit_id: core.Link(last_heartbeat_at=s.last_heartbeat_at, progress_at=s.progress_at,
+                                   steps=s.steps, beat_at=s.beat_at, waiting=s.waiting)
                 for unit_id, s in self.sessions.items()}
 
     def _persist(self, effects: list[core.Effect]) -> None:

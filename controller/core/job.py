@@ -496,8 +496,6 @@ class _Transition:
         self.effects: list[Effect] = []
         # Units whose record this transition copied (it may change those in place).
         self.owned: set[str] = set()
-        # While failures found together are taken: who failed (the world re-forms once after).
-        self.failed_together: list[tuple[str, str, float]] | None = None
 
     def own(self, unit: UnitRecord) -> UnitRecord:
         """`unit`'s record, copied on first change so that the state given to `transition`
@@ -756,10 +754,8 @@ class _Transition:
             failures = self._health_failures(now)
             if failures:
                 # Failures found together are taken together: the world re-forms once.
-                self.failed_together = []
-                for failure in failures:
-                    self._fail(failure.unit_id, failure.reason, failure.cause, now)
-                together, self.failed_together = self.failed_together, None
+                together = [(f.unit_id, f.reason, now) for f in failures
+                            if self._fail(f.unit_id, f.reason, f.cause, now, regroup=False)]
                 if together and self.job.state is JobState.RUNNING:
                     self._regroup(together)
                 if self.job.state is not JobState.RUNNING:
@@ -783,6 +779,12 @@ class _Transition:
             return
         self._decide(now)
 
+    def _sizes(self) -> tuple[int, ...]:
+        """The world sizes (in replicas) the job allows."""
+        spec = self.job.spec
+        return tuple(planning.allowed_sizes(spec.min_replicas, spec.max_replicas, spec.replica_step,
+                                            list(spec.allowed_replicas)))
+
     def _health_failures(self, now: float) -> list[Failure]:
         state = self.state
         assert state.generation is not None
@@ -795,8 +797,8 @@ class _Transition:
             observed.append(UnitHealth(
                 unit_id=member.unit_id, connected=connected,
                 last_heartbeat_at=(link.last_heartbeat_at if link else now) if connected else None,
-                progress_at=dict(link.progress_at) if link else {}, beat_at=dict(link.beat_at) if link else {},
-                waiting=dict(link.waiting) if link else {}))
+                progress_at=link.progress_at if link else {}, beat_at=link.beat_at if link else {},
+                waiting=link.waiting if link else {}))
         policy = HealthPolicy(self.config.heartbeat_timeout_s, self.config.progress_timeout_s)
         return health_verdicts(observed, now=now, policy=policy, generation_started_at=state.generation_started_at,
                                reconnect_deadline=state.reconnect_deadline)
@@ -815,9 +817,7 @@ class _Transition:
         spec = self.job.spec
         snapshot = planning.WorldSnapshot(
             running=running, members=members, joiners=joiners, min_replicas=spec.min_replicas,
-            max_replicas=spec.max_replicas,
-            sizes=tuple(planning.allowed_sizes(spec.min_replicas, spec.max_replicas, spec.replica_step,
-                                               list(spec.allowed_replicas))),
+            max_replicas=spec.max_replicas, sizes=self._sizes(),
             last_change_at=state.last_change_at, join_settle_s=self.config.join_settle_s,
             scale_up_snooze_s=self.config.scale_up_snooze_s,
             expected=(sum(1 for u in state.units.values() if u.state is UnitState.SUBMITTED)
@@ -843,19 +843,21 @@ class _Transition:
     # Failure and stop.
 
     def _fail(self, unit_id: str, reason: str, cause: str, detected_at: float,
-              failed_at: float | None = None) -> None:
-        """The one failure path: record, tell the failed unit to kill its workers, and stop
-        the generation everywhere else. `failed_at` (wall clock) is when the failure
-        happened, where known; the survivors' first step after it ends the recovery."""
+              failed_at: float | None = None, regroup: bool = True) -> bool:
+        """The one failure path: record, tell the failed unit to kill its workers, and move
+        the others to the next generation (`_regroup`; with `regroup` False the caller does,
+        once for failures found together). `failed_at` (wall clock) is when the failure
+        happened, where known; the survivors' first step after it ends the recovery.
+        Whether the running world must re-form without the unit."""
         state = self.state
         unit = state.units.get(unit_id)
         if unit is None or unit.state.is_final:
-            return
+            return False
         if self.job.state is JobState.FINISHING:
             # Training is over: nothing to recover; the unit is just gone.
             self._mark_left(unit_id, f"after the last step: {reason}")
             self._maybe_complete()
-            return
+            return False
         number = state.generation.number if state.generation is not None else 0
         was_member = (state.generation is not None and state.generation.member(unit_id) is not None
                       and unit.state in (UnitState.ACTIVE, UnitState.LEAVING)
@@ -874,21 +876,20 @@ class _Transition:
             self.send(unit_id, self._stop_message(number, reason, "failure", failed_unit_id=unit_id))
             self.emit(Close(unit_id, f"unit {unit_id} failed: {reason}"))
         if not was_member:
-            return
+            return False
         if state.stop is not None:
             state.stop.waiting_for.discard(unit_id)
             self._maybe_finish_stop()
-            return
+            return False
         if state.recovery is None:
             # (A recovery still unmeasured keeps its start: the first failure's.)
             state.failure_detected_at = detected_at
             wall_detected = self.now.wall - (self.now.monotonic - detected_at)
             state.recovery = Recovery(failed_at=failed_at or wall_detected, detected_at=wall_detected,
                                       unit_id=unit_id)
-        if self.failed_together is not None:
-            self.failed_together.append((unit_id, reason, detected_at))
-            return
-        self._regroup([(unit_id, reason, detected_at)])
+        if regroup:
+            self._regroup([(unit_id, reason, detected_at)])
+        return True
 
     def _regroup(self, failed: list[tuple[str, str, float]]) -> None:
         """After the failure of members of the running generation: the next one at once, or
@@ -934,11 +935,8 @@ class _Transition:
         formed."""
         state = self.state
         previous = state.generation
-        spec = self.job.spec
-        sizes = planning.allowed_sizes(spec.min_replicas, spec.max_replicas, spec.replica_step,
-                                       list(spec.allowed_replicas))
         count = len(members) + len(joiners)
-        if not members or planning.choose_world_size(count, sizes) != count:
+        if not members or planning.choose_world_size(count, self._sizes()) != count:
             return False
         self._start_generation(members, planning.Form(replicas=count, joiners=joiners, reason=reason),
                                self.now.monotonic, cause=cause)
@@ -1526,7 +1524,7 @@ class _Transition:
         for member in world.members:
             link = state.links.get(member.unit_id) if self.connected(member.unit_id) else None
             reports.append(MemberProgress(unit_id=member.unit_id, ranks=member.world_share,
-                                          steps=dict(link.steps) if link is not None else {}))
+                                          steps=link.steps if link is not None else {}))
         step = committed_step(self.job.step, reports)
         if step != self.job.step:
             self.job.step = step
