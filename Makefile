@@ -39,7 +39,7 @@ lint: install
 # install's import hook, so the tidal.* folders are linked under build/mypy/tidal/ as they
 # install; the report names the repository's own paths.
 typecheck: install
-	@mkdir -p build/mypy/tidal && for p in controller launcher proto slurm; do ln -sfn ../../../$$p build/mypy/tidal/$$p; done
+	@mkdir -p build/mypy/tidal && for p in controller launcher proto slurm train; do ln -sfn ../../../$$p build/mypy/tidal/$$p; done
 	set -o pipefail; $(VENV)/bin/mypy | sed 's#^build/mypy/tidal/##'
 
 # Every tier: unit, then the mini Slurm cluster's tests (brought up and stopped here).

@@ -8,7 +8,7 @@ preemption notice) into a request to leave. Training goes on while the controlle
 One state machine (`AgentState`) and one loop (`Agent.run`); every input, from the
 controller, the workers, signals or the clock, is an event on one queue.
 
-In live mode (scripts using `tidal.launcher.elastic`) workers outlive generations: a world
+In live mode (scripts using `tidal.train.elastic`) workers outlive generations: a world
 change or a failure elsewhere reaches them over the control channel (`control`) and they
 re-form in-process; only a worker of a failed unit, or one that does not stop in time,
 is killed."""
@@ -428,7 +428,12 @@ class Agent:
             self.channel.reset()
             self.live = LiveWorkers(ready_generation=start.epoch if joining else 0)
             extra.update({"TIDAL_MODE": "live", "TIDAL_CONTROL_SOCKET": str(self.channel.path),
-                          "TIDAL_JOINING": "1" if joining else "0", "TIDAL_STANDBY": "1" if standby else "0"})
+                          "TIDAL_JOINING": "1" if joining else "0", "TIDAL_STANDBY": "1" if standby else "0",
+                          # The unit's workers form their own fixed group (HybridSharded's shard
+                          # group) at this launcher's store, which lives as long as the unit;
+                          # the name is new for every set of workers started.
+                          "TIDAL_UNIT_STORE": f"{self.options.address}:{self.store_port}",
+                          "TIDAL_UNIT_GROUP": f"{self.options.unit_id}/{start.epoch}/{int(time.time() * 1000)}"})
         environments = [worker_environment(os.environ, extra, placement=placement,
                                            local_rank=local, job_id=self.options.job_id,
                                            unit_id=self.options.unit_id, progress_file=progress[local])

@@ -1,21 +1,10 @@
-"""Worker-side progress reports: a training script may call `report_progress(step)` after
-each step; its launcher passes the last one to the controller with every heartbeat, and a
-worker silent past the job's progress timeout counts as hung. Scripts that never call it
-(unmodified torchrun scripts) are judged by heartbeats and exits only."""
+"""Moved: `report_progress` lives in `tidal.train.progress` now. This alias keeps scripts
+written against `tidal.launcher.progress` running for one release."""
 
-from __future__ import annotations
+import warnings
 
-import os
-import time
-from pathlib import Path
+from tidal.train.progress import report_progress
 
+__all__ = ["report_progress"]
 
-def report_progress(step: int) -> None:
-    """Record that `step` completed now. A no-op outside a Tidal launcher."""
-    target = os.environ.get("TIDAL_PROGRESS_FILE")
-    if not target:
-        return
-    path = Path(target)
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(f"{step} {time.time():.6f}\n")
-    os.replace(temporary, path)
+warnings.warn("tidal.launcher.progress moved to tidal.train.progress", DeprecationWarning, stacklevel=2)

@@ -83,7 +83,7 @@ class WorkerProgress:
 
 
 def read_progress(path: Path) -> WorkerProgress | None:
-    """What a worker last wrote with `tidal.launcher.progress.report_progress`."""
+    """What a worker last wrote with `tidal.train.progress.report_progress`."""
     try:
         step_text, time_text = path.read_text().split()[:2]
         return WorkerProgress(step=int(step_text), at=float(time_text))

@@ -1,11 +1,15 @@
 """A small transformer language model on generated text, trained with Tidal's live
-elasticity (`tidal.launcher.elastic`).
+elasticity (`tidal.train`).
 
 The text is made here from a tiny seeded grammar (nothing to download), cut into windows
 of `--context` + 1 characters; a sample's loss is its mean next-character cross-entropy,
 and the library keeps the global batch fixed, so the run computes the same thing at any
 world size. Run it alone for a fixed world of one, under torchrun for a fixed world, or
-submit it to Tidal in live mode to let it grow, shrink and survive failures in-process."""
+submit it to Tidal in live mode to let it grow, shrink and survive failures in-process.
+
+`--strategy dp` (the default) makes every worker a whole replica, its gradients reduced in
+buckets during the backward pass; `--strategy hsdp` shards each replica with FSDP2 over the
+workers of a unit (`tidal submit --procs-per-node 2 ...`) and replicates it across units."""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from tidal.launcher.elastic import Elastic
+from tidal.train import DataParallel, Elastic, HybridSharded, Strategy
 
 SUBJECTS = ["the cat", "a dog", "the old fox", "my friend", "the small bird", "a tired horse", "the river"]
 VERBS = ["sees", "follows", "jumps over", "likes", "waits for", "runs past", "sings to"]
@@ -100,12 +104,25 @@ def main() -> None:
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--ledger-dir", default=None)
-    parser.add_argument("--out", default=None, help="rank 0 saves the final parameters here")
+    parser.add_argument("--out", default=None, help="rank 0 saves the final parameters (full tensors) here")
+    parser.add_argument("--strategy", choices=("dp", "hsdp"), default="dp",
+                        help="dp: every worker a whole replica; hsdp: FSDP2 over a unit's workers")
+    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="dp: gradient bucket size")
+    parser.add_argument("--no-overlap", action="store_true", help="dp: reduce gradients after the backward pass")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
     dataset = CharWindows(generate_text(args.characters, args.seed), args.context)
     model = TinyTransformer(len(dataset.vocabulary), args.context, args.width, heads=4, layers=args.layers)
+    model = model.to(getattr(torch, args.dtype))
+    strategy: Strategy
+    if args.strategy == "hsdp":
+        # The change a script makes for HSDP: shard the blocks and the model before the optimizer.
+        strategy = HybridSharded()
+        model = strategy.shard(model, modules=list(model.blocks.layers))
+    else:
+        strategy = DataParallel(bucket_mb=args.bucket_mb, overlap=not args.no_overlap)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     warmup = 20
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -121,15 +138,22 @@ def main() -> None:
     job = Elastic(model, optimizer, dataset, loss_fn=loss_fn, global_batch=args.global_batch,
                   micro_batch=args.micro_batch, lr_scheduler=scheduler, seed=args.seed,
                   checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                  ledger_dir=args.ledger_dir)
+                  ledger_dir=args.ledger_dir, strategy=strategy)
     for result in job.train(args.steps):
         if result.rank == 0 and (result.step % args.log_every == 0 or result.step == args.steps):
             print(f"step {result.step} loss {result.loss:.4f} world {result.world_size} generation {result.generation} "
                   f"step_time {result.seconds * 1000:.0f} ms", flush=True)
-    if job.rank == 0:
-        print("sample:", repr(sample(model, dataset, "the cat ", 60)), flush=True)
-        if args.out:
-            torch.save({"model": model.state_dict(), "step": job.step}, args.out)
+    sharded = args.strategy == "hsdp"
+    # Under HSDP every worker of a unit takes part in a forward pass and in gathering the
+    # full tensors (FSDP's collectives within the unit); rank 0 prints and writes.
+    if job.rank == 0 or sharded:
+        text = sample(model, dataset, "the cat ", 60)
+        full = {name: (value.full_tensor() if hasattr(value, "full_tensor") else value)
+                for name, value in model.state_dict().items()}
+        if job.rank == 0:
+            print("sample:", repr(text), flush=True)
+            if args.out:
+                torch.save({"model": full, "step": job.step}, args.out)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Live mode end to end: a controller, three launchers and gloo workers running the MLP
-example through `tidal.launcher.elastic`, against the same script run alone.
+example through `tidal.train.elastic`, against the same script run alone.
 
 One run goes through a grow (2 -> 3), a peer killed with SIGKILL mid-step (3 -> 2; the
 peer at group rank 0, whose launcher hosts the rendezvous store) and a graceful leave
@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from tests.integration.conftest import REPO, TidalRun, alive, wait_until
-from tidal.launcher.data import GlobalOrder
 from tidal.proto import admin_pb2, common_pb2
+from tidal.train.data import GlobalOrder
 
 pytestmark = pytest.mark.integration
 

@@ -138,7 +138,7 @@ def test_worker_environment_is_torchrun_compatible_and_holds_no_secret(tmp_path:
 
 
 def test_progress_file_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tidal.launcher.progress import report_progress
+    from tidal.train.progress import report_progress
 
     target = tmp_path / "progress-0"
     assert read_progress(target) is None

@@ -14,7 +14,6 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from tidal.launcher.checkpoint import AsyncCheckpointer, checkpoint_path
 from tidal.launcher.control import (
     Beat,
     ChannelClosed,
@@ -35,9 +34,10 @@ from tidal.launcher.control import (
     decode,
     encode,
 )
-from tidal.launcher.data import GlobalOrder, micro_batches, share_bounds, step_samples
-from tidal.launcher.elastic import AccountingError, Elastic, FixedBatch, ScaledBatch
-from tidal.launcher.state import Counters, TrainingParts, capture, deserialize, digest, restore, serialize
+from tidal.train.checkpoint import AsyncCheckpointer, checkpoint_path
+from tidal.train.data import GlobalOrder, micro_batches, share_bounds, step_samples
+from tidal.train.elastic import AccountingError, Elastic, FixedBatch, ScaledBatch
+from tidal.train.state import Counters, TrainingParts, capture, deserialize, digest, restore, serialize
 
 
 def test_shares_cover_the_batch_without_overlap_and_differ_by_at_most_one() -> None:
@@ -120,7 +120,7 @@ def test_checkpoints_are_atomic_pruned_and_a_damaged_newest_is_skipped(tmp_path:
         checkpointer.wait()
     assert checkpointer.steps() == [20, 30]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary files left behind"
-    assert checkpointer.latest()["counters"]["step"] == 30
+    assert checkpointer.latest()["manifest"]["counters"]["step"] == 30
     # A damaged newest file (one bit of a weight, say a disk error) fails its digest and
     # the one before is used; so is a torn one.
     path = checkpoint_path(tmp_path, 30)
@@ -130,9 +130,9 @@ def test_checkpoints_are_atomic_pruned_and_a_damaged_newest_is_skipped(tmp_path:
     assert where > 0
     data[where] ^= 0x01
     path.write_bytes(bytes(data))
-    assert checkpointer.latest()["counters"]["step"] == 20
+    assert checkpointer.latest()["manifest"]["counters"]["step"] == 20
     checkpoint_path(tmp_path, 40).write_bytes(data[: len(data) // 2])
-    assert checkpointer.latest()["counters"]["step"] == 20
+    assert checkpointer.latest()["manifest"]["counters"]["step"] == 20
 
 
 def test_a_checkpoint_copy_does_not_see_later_steps(tmp_path: Path) -> None:

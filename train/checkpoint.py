@@ -19,9 +19,9 @@ from typing import Any
 import structlog
 import torch
 
-from tidal.launcher.state import detached_copy, digest, serialize, validate
+from tidal.train.state import detached_copy, digest, serialize, validate
 
-log = structlog.get_logger("tidal.launcher.checkpoint")
+log = structlog.get_logger("tidal.train.checkpoint")
 
 NAME = re.compile(r"^step-(\d{12})\.tidal$")
 

@@ -1,0 +1,146 @@
+"""The streamed per-shard state transfer and the bucketed gradient reduction, between real
+gloo process groups in threads of this process (a HashStore between them)."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tidal.train.state import Counters, StateDoesNotFit, TrainingParts, apply_manifest, capture, digest
+from tidal.train.strategy import DataParallel
+from tidal.train.transfer import plan_items, receive_state, send_state
+
+
+def test_items_are_bounded_large_tensors_sliced_and_small_ones_packed() -> None:
+    items = plan_items([10, 30, 0, 100, 5, 5], bucket_bytes=40)
+    assert [[(p.tensor, p.start, p.end) for p in item.pieces] for item in items] == [
+        [(0, 0, 10), (1, 0, 30)], [(3, 0, 40)], [(3, 40, 80)], [(3, 80, 100)], [(4, 0, 5), (5, 0, 5)]]
+    assert all(item.nbytes <= 40 for item in items)
+    assert [item.direct for item in items] == [False, True, True, True, False]
+    with pytest.raises(ValueError, match="positive"):
+        plan_items([1], 0)
+
+
+def _parts(seed: int, steps: int) -> TrainingParts:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 40), torch.nn.LayerNorm(40), torch.nn.Linear(40, 3)).double()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    for _ in range(steps):
+        model(torch.randn(4, 6, dtype=torch.float64)).sum().backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    return parts_of(model, optimizer, scheduler)
+
+
+def parts_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> TrainingParts:
+    return TrainingParts(model=model, optimizer=optimizer, scheduler=scheduler)
+
+
+def _in_threads(size: int, body: Callable[[int, Any], Any]) -> list[Any]:
+    """Run body(rank, group) in `size` threads, each with its own gloo group."""
+    store = dist.HashStore()
+    results: list[Any] = [None] * size
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            group = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=30))
+            results[rank] = body(rank, group)
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    return results
+
+
+@pytest.mark.parametrize("bucket_bytes", [64 << 20, 512, 100])
+def test_a_joiner_receives_a_bit_identical_state_striped_across_two_sources(bucket_bytes: int) -> None:
+    holders = [_parts(seed=1, steps=3), _parts(seed=1, steps=3)]
+    joiner = _parts(seed=9, steps=0)
+    counters = [Counters(step=3, position=12, global_batch=4, samples=12) for _ in range(2)] + [Counters()]
+    parts = [*holders, joiner]
+    expected = digest(capture(holders[0], counters[0]))
+    assert digest(capture(joiner, counters[2])) != expected
+
+    def body(rank: int, group: Any) -> Any:
+        if rank < 2:
+            return send_state(group, parts[rank], counters[rank], me=rank, sources=[0, 1], receivers=[2],
+                              bucket_bytes=bucket_bytes)
+        return receive_state(group, parts[rank], counters[rank], me=rank, sources=[0, 1], bucket_bytes=bucket_bytes)
+
+    stats = _in_threads(3, body)
+    assert digest(capture(joiner, counters[2])) == expected
+    assert counters[2] == counters[0]
+    assert joiner.scheduler.state_dict() == holders[0].scheduler.state_dict()
+    assert joiner.optimizer.param_groups[0]["lr"] == holders[0].optimizer.param_groups[0]["lr"]
+    # Striped: both sources sent a share when there is more than one item.
+    if stats[2].items > 1:
+        assert stats[0].bytes > 0 and stats[1].bytes > 0
+    assert stats[0].bytes + stats[1].bytes == stats[2].bytes
+    # The staging buffer is one bucket at most, and none when every tensor is sent in place.
+    assert stats[2].staging_bytes <= bucket_bytes
+    # The joiner trains on from there exactly as its source does.
+    for one in (holders[0], joiner):
+        torch.manual_seed(5)
+        one.model(torch.randn(4, 6, dtype=torch.float64)).sum().backward()
+        one.optimizer.step()
+    assert digest(capture(joiner, counters[2])) == digest(capture(holders[0], counters[0]))
+
+
+def test_a_state_of_another_model_is_refused_and_nothing_is_applied() -> None:
+    source = _parts(seed=1, steps=2)
+    manifest = capture(source, Counters(step=2))["manifest"]
+    torch.manual_seed(0)
+    other_model = torch.nn.Sequential(torch.nn.Linear(6, 41), torch.nn.LayerNorm(41), torch.nn.Linear(41, 3)).double()
+    other = parts_of(other_model, torch.optim.AdamW(other_model.parameters(), lr=0.5), None)
+    counters = Counters()
+    before = digest(capture(other, counters))
+    with pytest.raises(StateDoesNotFit, match=r"model/0\.weight"):
+        apply_manifest(other, counters, manifest)
+    assert digest(capture(other, counters)) == before and counters == Counters()
+    assert other.optimizer.param_groups[0]["lr"] == 0.5
+    with pytest.raises(StateDoesNotFit, match="format"):
+        apply_manifest(other, counters, {"format": "something else"})
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_bucketed_reduction_during_backward_sums_every_ranks_gradients(overlap: bool) -> None:
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(5, 30), torch.nn.Tanh(), torch.nn.Linear(30, 30),
+                                    torch.nn.Tanh(), torch.nn.Linear(30, 2)).double()
+    inputs = torch.randn(12, 5, dtype=torch.float64)
+    reference(inputs).pow(2).sum().backward()
+
+    def body(rank: int, group: Any) -> Any:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 30), torch.nn.Tanh(), torch.nn.Linear(30, 30),
+                                    torch.nn.Tanh(), torch.nn.Linear(30, 2)).double()
+        # Tiny buckets: several all-reduces, started as the backward pass finishes each.
+        strategy = DataParallel(bucket_mb=0.004, overlap=overlap)
+        strategy.attach(model, list(model.parameters()))
+        assert strategy.buckets > 2
+        strategy.begin_step(group)
+        share = inputs[rank * 6:(rank + 1) * 6]
+        for number, chunk in enumerate((share[:4], share[4:])):
+            strategy.before_backward(last=number == 1)
+            model(chunk).pow(2).sum().backward()
+        strategy.finish()
+        strategy.divide(12)
+        return [p.grad.clone() for p in model.parameters()]
+
+    for gradients in _in_threads(2, body):
+        for got, parameter in zip(gradients, reference.parameters(), strict=True):
+            torch.testing.assert_close(got, parameter.grad / 12, rtol=1e-12, atol=1e-15)

@@ -1,0 +1,25 @@
+"""`tidal.train`: what a training script imports to train elastically under Tidal.
+
+    from tidal.train import Elastic, DataParallel, HybridSharded
+
+`Elastic` runs the loop (fixed global batch, exact per-sample accounting, world changes in
+process); a strategy says how a replica computes and reduces its gradients: `DataParallel`
+(every worker a full replica, gradients reduced in buckets during the backward pass) or
+`HybridSharded` (FSDP2 over the workers of a unit, replicated across units). The launcher
+(`tidal.launcher`) only runs and watches the processes; it does not import this package."""
+
+from tidal.train.elastic import (
+    AccountingError,
+    Elastic,
+    FixedBatch,
+    ScaledBatch,
+    StateLost,
+    StateMismatch,
+    StepResult,
+    WorldBroken,
+)
+from tidal.train.progress import report_progress
+from tidal.train.strategy import DataParallel, HybridSharded, Strategy
+
+__all__ = ["AccountingError", "DataParallel", "Elastic", "FixedBatch", "HybridSharded", "ScaledBatch", "StateLost",
+           "StateMismatch", "StepResult", "Strategy", "WorldBroken", "report_progress"]

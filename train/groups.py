@@ -1,0 +1,121 @@
+"""The process groups of a generation, and the fixed ones that outlive it.
+
+A generation's groups are built from its rendezvous store and used through their own
+objects, never as torch.distributed's default group: they are made and thrown away as the
+world changes, while the default group, under `HybridSharded`, is the unit's shard group,
+which FSDP2 holds for the unit's life.
+
+- the **world group**: every rank of the generation (the step's control all-reduce, the
+  state check);
+- the **replica group** of shard index k: the rank holding shard k in each replica (the
+  cross-replica gradient all-reduce, the state transfer). Under `DataParallel` every
+  worker is a whole replica and the replica group is the world group.
+
+On a break the groups are aborted (`ProcessGroup.abort`), which returns at once and makes
+peers still waiting in a collective with this rank fail, instead of waiting for it.
+NCCL groups are made with `ProcessGroupNCCL` and aborted the same way; CI has no GPU, so
+that path is not exercised by the tests."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from typing import Any
+
+import torch.distributed as dist
+
+_fixed_store: Any = None
+
+
+def new_group(backend: str, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+    """A process group of `size` ranks that meets at `store`, connected when this returns."""
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    if backend != "gloo":
+        raise ValueError(f"backend {backend!r}: Tidal's elastic groups are gloo or nccl")
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def fixed_world_store() -> Any:
+    """The store of a fixed world (run alone, under torchrun, or in restart mode): what
+    torch.distributed's env:// rendezvous gives (torchrun's agent store when it offers one,
+    otherwise a store on rank 0 at MASTER_ADDR:MASTER_PORT). Made once per process."""
+    global _fixed_store
+    if _fixed_store is None:
+        if dist.is_initialized():
+            # The script formed the default group itself: meet at its store.
+            _fixed_store = dist.distributed_c10d._get_default_store()
+        elif int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            _fixed_store = dist.HashStore()
+        else:
+            store, _, _ = next(dist.rendezvous("env://"))
+            _fixed_store = store
+    return _fixed_store
+
+
+@dataclasses.dataclass
+class Groups:
+    """One generation's groups, as this rank sees them."""
+
+    world: Any
+    # The cross-replica group of this rank's shard index (the world group under DataParallel).
+    replica: Any
+    rank: int
+    world_size: int
+    # Workers per replica (the shard group's size) and this rank's shard index.
+    shard_size: int
+    shard_rank: int
+
+    @property
+    def replica_index(self) -> int:
+        return self.rank // self.shard_size
+
+    @property
+    def replicas(self) -> int:
+        return self.world_size // self.shard_size
+
+    def close(self, broken: bool) -> None:
+        """Leave the groups. After a failure they are aborted first (NCCL: a destroy could wait
+        on collectives that will never finish). A gloo group closes its connections, which
+        is what tells peers still waiting on this rank that it left, only when its last
+        reference goes: nothing else may hold one (the strategy drops its own at the end of
+        every step, finished or abandoned)."""
+        for group in {id(g): g for g in (self.replica, self.world) if g is not None}.values():
+            try:
+                if broken:
+                    group.abort()
+                else:
+                    group.shutdown()
+            except RuntimeError:
+                pass
+        self.world = None
+        self.replica = None
+
+
+def form_groups(backend: str, store: Any, *, rank: int, world_size: int, shard_size: int, shard_rank: int,
+                connect_timeout: datetime.timedelta, timeout: datetime.timedelta) -> Groups:
+    """Build the generation's groups under `store` (already prefixed for the generation):
+    each must connect within `connect_timeout`; formed, their collectives get `timeout`."""
+    if world_size % shard_size:
+        raise ValueError(f"a world of {world_size} ranks is not whole replicas of {shard_size} workers")
+    if rank % shard_size != shard_rank:
+        raise ValueError(f"rank {rank} is not shard {shard_rank} of its replica (replicas of {shard_size} workers "
+                         "take consecutive ranks)")
+    world = new_group(backend, dist.PrefixStore("world", store), rank, world_size, connect_timeout)
+    replica = world
+    if shard_size > 1:
+        replica = new_group(backend, dist.PrefixStore(f"replica/{shard_rank}", store), rank // shard_size,
+                            world_size // shard_size, connect_timeout)
+    for group in {id(g): g for g in (world, replica)}.values():
+        _set_timeout(group, timeout)
+    return Groups(world=world, replica=replica, rank=rank, world_size=world_size, shard_size=shard_size,
+                  shard_rank=shard_rank)
+
+
+def _set_timeout(group: Any, timeout: datetime.timedelta) -> None:
+    setter = getattr(group, "set_timeout", None) or getattr(group, "_set_default_timeout", None)
+    if setter is not None:
+        setter(timeout)

@@ -1,0 +1,350 @@
+"""How a replica computes and reduces its gradients: the strategies behind `Elastic`.
+
+Both keep what `Elastic` promises whatever the world size: the step's B samples are
+counted once, the gradient applied is the sum of every sample's gradient divided by B, and
+the step is atomic (every rank applies it or none does).
+
+- `DataParallel`: every worker holds the whole model. Gradients are accumulated straight
+  into flat buckets (about `bucket_mb` each, parameters in reverse order, as DDP's reducer
+  lays them out) and each bucket's all-reduce starts during the last micro-batch's backward
+  pass, as soon as its gradients are final, in the same bucket order on every rank. The
+  optimizer steps once every bucket's sum has arrived.
+- `HybridSharded`: FSDP2's `fully_shard` over the P workers of a unit (the shard group: the
+  default process group, fixed while the unit lives), replicated across units. FSDP2
+  reduce-scatters within the unit as the backward pass goes; each reduce-scattered gradient
+  shard is then all-reduced across replicas, started from FSDP2's all-reduce hook, so that
+  too overlaps the backward pass. The cross-replica dimension is the elastic one.
+
+A strategy never decides anything about worlds; `Elastic` hands it the generation's
+cross-replica group (None in a world of one replica) at the start of each step."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import datetime
+import os
+from collections.abc import Iterable
+from typing import Any, ClassVar, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from tidal.train.groups import fixed_world_store
+from tidal.train.state import local
+
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
+
+
+class Strategy(abc.ABC):
+    name: ClassVar[str]
+    # Whether a rank may abandon a step between micro-batches when its launcher says stop.
+    # Under HybridSharded it may not: its unit peers would wait in FSDP's collectives.
+    stops_within_step: ClassVar[bool]
+    # Whether every rank runs the same number of micro-batches (FSDP's collectives within the
+    # unit need it): a rank short of samples runs one with weight zero.
+    uniform_micro_batches: ClassVar[bool]
+
+    @property
+    def shard_size(self) -> int:
+        """Workers per replica."""
+        return 1
+
+    @property
+    def shard_rank(self) -> int:
+        """This worker's place in its replica."""
+        return 0
+
+    @abc.abstractmethod
+    def attach(self, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
+        """Called once by `Elastic` with the model and its trainable parameters."""
+
+    @abc.abstractmethod
+    def begin_step(self, group: Any) -> None:
+        """A step starts: gradients are cleared; `group` is the cross-replica group (None for
+        a world of one replica)."""
+
+    @abc.abstractmethod
+    def before_backward(self, last: bool) -> None:
+        """The next backward pass is the step's last (its gradients get reduced) or not."""
+
+    @abc.abstractmethod
+    def finish(self) -> None:
+        """Start what is left of the reduction and wait for all of it. Raises RuntimeError
+        when a collective failed (the step is then abandoned)."""
+
+    @abc.abstractmethod
+    def divide(self, batch: int) -> None:
+        """Divide the reduced gradients by the global batch."""
+
+    @abc.abstractmethod
+    def abandon(self) -> None:
+        """The step will not be applied: drop in-flight reductions and gradients."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"strategy": self.name}
+
+
+@dataclasses.dataclass
+class _Bucket:
+    params: list[torch.nn.Parameter]
+    flat: torch.Tensor
+    offsets: list[int]
+
+
+class DataParallel(Strategy):
+    """Every worker a whole replica; gradients reduced in buckets during the backward pass.
+    `overlap=False` reduces the same buckets after the backward pass instead (for comparison)."""
+
+    name = "data_parallel"
+    stops_within_step = True
+    uniform_micro_batches = False
+
+    def __init__(self, bucket_mb: float = 25.0, overlap: bool = True) -> None:
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be positive, not {bucket_mb}")
+        self.bucket_bytes = int(bucket_mb * (1 << 20))
+        self.overlap = overlap
+        self._buckets: list[_Bucket] = []
+        self._bucket_of: dict[int, int] = {}
+        self._group: Any = None
+        self._armed = False
+        self._pending: list[int] = []
+        self._launched = 0
+        self._works: list[Any] = []
+        self._error: BaseException | None = None
+
+    def attach(self, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
+        if self._buckets:
+            raise RuntimeError("a DataParallel strategy serves one model")
+        # Reverse order: roughly the order in which the backward pass finishes gradients.
+        current: list[torch.nn.Parameter] = []
+        current_bytes = 0
+        for parameter in reversed(params):
+            size = parameter.numel() * parameter.element_size()
+            if current and (current_bytes + size > self.bucket_bytes or parameter.dtype != current[0].dtype
+                            or parameter.device != current[0].device):
+                self._add_bucket(current)
+                current, current_bytes = [], 0
+            current.append(parameter)
+            current_bytes += size
+        if current:
+            self._add_bucket(current)
+        for parameter in params:
+            parameter.register_post_accumulate_grad_hook(self._gradient_ready)
+
+    def _add_bucket(self, params: list[torch.nn.Parameter]) -> None:
+        offsets = [0]
+        for parameter in params:
+            offsets.append(offsets[-1] + parameter.numel())
+        flat = torch.zeros(offsets[-1], dtype=params[0].dtype, device=params[0].device)
+        for parameter in params:
+            self._bucket_of[id(parameter)] = len(self._buckets)
+        self._buckets.append(_Bucket(params=params, flat=flat, offsets=offsets))
+
+    @property
+    def buckets(self) -> int:
+        return len(self._buckets)
+
+    def begin_step(self, group: Any) -> None:
+        self._group = group
+        self._armed = False
+        self._launched = 0
+        self._works = []
+        self._error = None
+        self._pending = [len(bucket.params) for bucket in self._buckets]
+        for bucket in self._buckets:
+            bucket.flat.zero_()
+            # Gradients accumulate straight into the bucket (autograd adds in place).
+            for parameter, start, end in zip(bucket.params, bucket.offsets, bucket.offsets[1:], strict=False):
+                parameter.grad = bucket.flat[start:end].view_as(parameter)
+
+    def before_backward(self, last: bool) -> None:
+        self._armed = last and self.overlap and self._group is not None
+
+    def _gradient_ready(self, parameter: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        index = self._bucket_of[id(parameter)]
+        self._pending[index] -= 1
+        # Buckets start in index order on every rank, so that collectives pair up.
+        while self._launched < len(self._buckets) and self._pending[self._launched] <= 0:
+            self._launch(self._launched)
+
+    def _launch(self, index: int) -> None:
+        self._launched = index + 1
+        try:
+            self._works.append(self._group.allreduce([self._buckets[index].flat]))
+        except RuntimeError as error:
+            # Seen by finish(): the backward pass is not the place to break the world.
+            self._error = self._error or error
+
+    def finish(self) -> None:
+        self._armed = False
+        if self._group is None:
+            return
+        while self._launched < len(self._buckets):
+            self._launch(self._launched)
+        if self._error is not None:
+            raise RuntimeError(f"a gradient bucket's all-reduce failed to start: {self._error}")
+        for work in self._works:
+            work.wait()
+        self._release()
+
+    def _release(self) -> None:
+        # A gloo group closes its connections only when its last reference goes (abort and
+        # shutdown leave them open): holding it past the step would keep peers that wait on
+        # this rank from seeing it leave a broken world.
+        self._works = []
+        self._group = None
+
+    def divide(self, batch: int) -> None:
+        for bucket in self._buckets:
+            bucket.flat.div_(batch)
+
+    def abandon(self) -> None:
+        self._armed = False
+        self._release()
+        for bucket in self._buckets:
+            for parameter in bucket.params:
+                parameter.grad = None
+
+    def describe(self) -> dict[str, Any]:
+        return {"strategy": self.name, "buckets": len(self._buckets), "overlap": self.overlap}
+
+
+def _device_type() -> str:
+    return "cuda" if torch.cuda.is_available() and dist.is_nccl_available() else "cpu"
+
+
+def init_unit_group(backend: str | None = None) -> tuple[int, int]:
+    """Make torch.distributed's default group the unit's shard group (its workers on this
+    node), unless the script made one already. Returns (shard rank, shard size).
+
+    Under a Tidal launcher the unit's workers meet at their launcher's store (lives as long
+    as the unit); in a fixed world (alone, torchrun, restart mode) at the world's store,
+    one group per node (GROUP_RANK)."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    env = os.environ
+    local_rank = int(env.get("LOCAL_RANK", "0"))
+    local_size = int(env.get("LOCAL_WORLD_SIZE", "1"))
+    backend = backend or ("nccl" if _device_type() == "cuda" else "gloo")
+    timeout = datetime.timedelta(seconds=float(env.get("TIDAL_UNIT_TIMEOUT_S", "600")))
+    unit_store = env.get("TIDAL_UNIT_STORE", "")
+    if unit_store:
+        host, _, port = unit_store.rpartition(":")
+        base: Any = dist.TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
+        store = dist.PrefixStore(f"unit/{env.get('TIDAL_UNIT_GROUP', 'unit')}", base)
+    else:
+        group_rank = int(env.get("GROUP_RANK", str(int(env.get("RANK", "0")) // max(1, local_size))))
+        store = dist.PrefixStore(f"tidal/unit/{group_rank}", fixed_world_store())
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend, store=store, rank=local_rank, world_size=local_size, timeout=timeout)
+    return local_rank, local_size
+
+
+class HybridSharded(Strategy):
+    """FSDP2 over the workers of a unit, replicated across units (HSDP). Shard the model
+    with `shard` before making the optimizer:
+
+        strategy = HybridSharded()
+        model = strategy.shard(model, modules=model.blocks)   # each block, then the root
+        optimizer = torch.optim.AdamW(model.parameters())
+        job = Elastic(model, optimizer, dataset, strategy=strategy, ...)
+    """
+
+    name = "hybrid_sharded"
+    stops_within_step = False
+    uniform_micro_batches = True
+
+    def __init__(self, reshard_after_forward: bool = True) -> None:
+        self.reshard_after_forward = reshard_after_forward
+        self._root: Any = None
+        self._params: list[torch.nn.Parameter] = []
+        self._group: Any = None
+        self._works: list[Any] = []
+        self._error: BaseException | None = None
+        self._shard_rank = 0
+        self._shard_size = 1
+
+    @property
+    def shard_size(self) -> int:
+        return self._shard_size
+
+    @property
+    def shard_rank(self) -> int:
+        return self._shard_rank
+
+    def shard(self, model: ModuleT, modules: Iterable[torch.nn.Module] | None = None,
+              backend: str | None = None) -> ModuleT:
+        """Form the unit's shard group, then `fully_shard` each of `modules` (say, the
+        transformer blocks) and the model itself over it. Returns the model (FSDP2 shards in
+        place)."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        self._shard_rank, self._shard_size = init_unit_group(backend)
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        mesh = init_device_mesh(device_type, (self._shard_size,), mesh_dim_names=("shard",))
+        for module in modules or ():
+            fully_shard(module, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+        fully_shard(model, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+        self._root = model
+        return model
+
+    def attach(self, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        if self._root is not model or not isinstance(model, FSDPModule):
+            raise ValueError("HybridSharded: shard the model with strategy.shard(model, ...) before making the "
+                             "optimizer, and give Elastic that model")
+        self._params = params
+        for module in list(self._root.modules()):
+            if isinstance(module, FSDPModule):
+                # Sums, not means, within the unit; Tidal divides by the global batch.
+                module.set_gradient_divide_factor(1.0)
+                module.set_all_reduce_hook(self._reduce_across_replicas)
+
+    def _reduce_across_replicas(self, shard: torch.Tensor) -> None:
+        if self._group is None:
+            return
+        try:
+            self._works.append(self._group.allreduce([shard]))
+        except RuntimeError as error:
+            self._error = self._error or error
+
+    def begin_step(self, group: Any) -> None:
+        self._group = group
+        self._works = []
+        self._error = None
+        for parameter in self._params:
+            parameter.grad = None
+
+    def before_backward(self, last: bool) -> None:
+        # Between micro-batches FSDP2 accumulates unsharded gradients; the last one reduces.
+        self._root.set_requires_gradient_sync(last)
+
+    def finish(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"a cross-replica all-reduce failed to start: {self._error}")
+        for work in self._works:
+            work.wait()
+        self._works = []
+        self._group = None
+
+    @torch.no_grad()
+    def divide(self, batch: int) -> None:
+        for parameter in self._params:
+            if parameter.grad is not None:
+                local(parameter.grad).div_(batch)
+
+    def abandon(self) -> None:
+        self._works = []
+        self._group = None
+        for parameter in self._params:
+            parameter.grad = None
+
+    def describe(self) -> dict[str, Any]:
+        return {"strategy": self.name, "shard_size": self._shard_size, "shard_rank": self._shard_rank}
