@@ -47,8 +47,11 @@ def write_atomically(path: Path, data: bytes) -> None:
 class AsyncCheckpointer:
     """Writes checkpoints off the step path, one at a time, keeping the newest `keep`."""
 
-    def __init__(self, directory: Path, keep: int = 2) -> None:
+    def __init__(self, directory: Path, keep: int = 2, siblings: tuple[Path, ...] = ()) -> None:
         self.directory = directory
+        # The folders of the other shards of a sharded replica: a step is loaded only when
+        # every shard has it, so that all shards resume from the same step.
+        self.siblings = siblings
         self.keep = max(1, keep)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._thread: threading.Thread | None = None
@@ -94,10 +97,18 @@ class AsyncCheckpointer:
         found = [int(match.group(1)) for entry in os.listdir(self.directory) if (match := NAME.match(entry))]
         return sorted(found)
 
+    def complete_steps(self) -> list[int]:
+        """Steps written here and by every sibling shard."""
+        steps = set(self.steps())
+        for sibling in self.siblings:
+            steps &= {int(match.group(1)) for entry in (os.listdir(sibling) if sibling.is_dir() else [])
+                      if (match := NAME.match(entry))}
+        return sorted(steps)
+
     def latest(self) -> dict[str, Any] | None:
-        """The newest checkpoint whose digest verifies, or None; a damaged one is skipped
-        with a warning."""
-        for step in reversed(self.steps()):
+        """The newest checkpoint (that every sibling shard also wrote) whose digest verifies,
+        or None; a damaged one is skipped with a warning."""
+        for step in reversed(self.complete_steps()):
             path = checkpoint_path(self.directory, step)
             try:
                 payload = deserialize_payload(path.read_bytes())

@@ -220,10 +220,16 @@ class Elastic:
         self.transfer_bucket_bytes = transfer_bucket_bytes
         self.checkpoint_every = checkpoint_every
         checkpoint_path = Path(checkpoint_dir) if checkpoint_dir and checkpoint_every else None
-        if checkpoint_path is not None and self.strategy.shard_size > 1:
-            # Each shard index keeps its own checkpoints (written by replica 0's worker).
-            checkpoint_path = checkpoint_path / f"shard-{self.strategy.shard_rank}-of-{self.strategy.shard_size}"
-        self.checkpointer = AsyncCheckpointer(checkpoint_path) if checkpoint_path is not None else None
+        self.checkpointer: AsyncCheckpointer | None = None
+        if checkpoint_path is not None:
+            shard_size = self.strategy.shard_size
+            if shard_size > 1:
+                # Each shard index keeps its own checkpoints, written by replica 0's worker.
+                folders = [checkpoint_path / f"shard-{k}-of-{shard_size}" for k in range(shard_size)]
+                mine = folders.pop(self.strategy.shard_rank)
+                self.checkpointer = AsyncCheckpointer(mine, siblings=tuple(folders))
+            else:
+                self.checkpointer = AsyncCheckpointer(checkpoint_path)
         self.ledger = Ledger(Path(ledger_dir) if ledger_dir else None)
         self.base_lrs = [group["lr"] for group in optimizer.param_groups]
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -473,6 +479,9 @@ class Elastic:
             replica_steps = steps[shard_rank::shard_size]
             # Nobody has state yet (a fresh job): replica 0's fresh one is everyone's.
             sources = [0] if target < 0 else [index for index, step in enumerate(replica_steps) if step == target]
+            if not sources:
+                raise StateMismatch(f"the shards of the replicas hold different steps ({steps} by rank): no replica "
+                                    f"holds shard {shard_rank} at step {target}")
             receivers = [index for index in range(groups.replicas) if index not in sources]
             source = sources[0]
             if receivers:
@@ -763,6 +772,7 @@ class Elastic:
         if now - self._progress_at >= PROGRESS_INTERVAL_S:
             self._progress_at = now
             report_progress(step)
-        if (self.checkpointer is not None and world.rank == 0 and step % self.checkpoint_every == 0):
+        if (self.checkpointer is not None and world.rank // self.strategy.shard_size == 0
+                and step % self.checkpoint_every == 0):
             self.checkpointer.save(capture(self.parts, self.counters), step)
 

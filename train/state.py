@@ -170,12 +170,20 @@ def apply_manifest(parts: TrainingParts, counters: Counters, manifest: Mapping[s
         group.update(loaded)
     if parts.scheduler is not None and "scheduler" in manifest:
         parts.scheduler.load_state_dict(manifest["scheduler"])
-    loaded_counters = manifest["counters"]
-    counters.step = int(loaded_counters["step"])
-    counters.position = int(loaded_counters["position"])
-    counters.global_batch = int(loaded_counters["global_batch"])
-    counters.samples = int(loaded_counters.get("samples", counters.step * counters.global_batch))
-    rng = manifest.get("rng", {})
+    apply_counters(counters, manifest["counters"])
+    apply_rng(manifest.get("rng", {}))
+    return destinations
+
+
+def apply_counters(counters: Counters, loaded: Mapping[str, Any]) -> None:
+    counters.step = int(loaded["step"])
+    counters.position = int(loaded["position"])
+    counters.global_batch = int(loaded["global_batch"])
+    # (Absent from checkpoints written before the count existed.)
+    counters.samples = int(loaded.get("samples", counters.step * counters.global_batch))
+
+
+def apply_rng(rng: Mapping[str, Any]) -> None:
     if "torch" in rng:
         torch.set_rng_state(rng["torch"])
     if "python" in rng:
@@ -183,7 +191,6 @@ def apply_manifest(parts: TrainingParts, counters: Counters, manifest: Mapping[s
         random.setstate((version, tuple(internal), gauss))
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
-    return destinations
 
 
 def _first_difference(got: list[str], expected: list[str]) -> str:
@@ -196,6 +203,9 @@ def _first_difference(got: list[str], expected: list[str]) -> str:
 @torch.no_grad()
 def restore(parts: TrainingParts, counters: Counters, state: Mapping[str, Any]) -> None:
     """Load a captured (or checkpointed) state into this worker, tensor by tensor in place."""
+    if _is_legacy(state):
+        _restore_legacy(parts, counters, state)
+        return
     destinations = apply_manifest(parts, counters, state["manifest"])
     sources = state["tensors"]
     if len(sources) != len(destinations):
@@ -224,7 +234,24 @@ def serialize(state: Mapping[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
+def _is_legacy(state: Mapping[str, Any]) -> bool:
+    """A whole-replica state as versions before tidal.train wrote it (fallback checkpoints of
+    jobs that ran then): {"model": state_dict, "optimizer": state_dict, "counters", "rng"}."""
+    return "manifest" not in state and all(key in state for key in ("model", "optimizer", "counters"))
+
+
+def _restore_legacy(parts: TrainingParts, counters: Counters, state: Mapping[str, Any]) -> None:
+    parts.model.load_state_dict(state["model"])
+    parts.optimizer.load_state_dict(state["optimizer"])
+    if parts.scheduler is not None and "scheduler" in state:
+        parts.scheduler.load_state_dict(state["scheduler"])
+    apply_counters(counters, state["counters"])
+    apply_rng(state.get("rng", {}))
+
+
 def validate(loaded: Any) -> dict[str, Any]:
+    if isinstance(loaded, dict) and _is_legacy(loaded):
+        return loaded
     if (not isinstance(loaded, dict) or not isinstance(loaded.get("manifest"), dict)
             or loaded["manifest"].get("format") != FORMAT or not isinstance(loaded.get("tensors"), list)):
         raise ValueError("not a Tidal training state")
@@ -270,6 +297,8 @@ def _canonical(value: Any) -> str:
 def digest(state: Mapping[str, Any]) -> str:
     """SHA-256 over a captured state: its manifest without the RNG states, then every
     tensor's exact bytes, read in place."""
+    if _is_legacy(state):
+        return _legacy_digest(state)
     hasher = hashlib.sha256()
     manifest = {key: value for key, value in state["manifest"].items() if key != "rng"}
     hasher.update(_canonical(manifest).encode())
@@ -282,3 +311,27 @@ def digest(state: Mapping[str, Any]) -> str:
 
 def state_bytes(state: Mapping[str, Any]) -> int:
     return sum(t.numel() * t.element_size() for t in state["tensors"])
+
+
+def _legacy_digest(state: Mapping[str, Any]) -> str:
+    """The digest earlier versions wrote beside a whole-replica checkpoint."""
+    hasher = hashlib.sha256()
+
+    def feed(name: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            hasher.update(f"{name}:tensor:{value.dtype}:{tuple(value.shape)}:".encode())
+            for buffer in tensor_buffers(value):
+                hasher.update(buffer)
+        elif isinstance(value, Mapping):
+            for key in sorted(value, key=str):
+                feed(f"{name}/{key}", value[key])
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                feed(f"{name}[{index}]", item)
+        else:
+            hasher.update(f"{name}={value!r};".encode())
+
+    for part in ("model", "optimizer", "scheduler", "counters"):
+        if part in state:
+            feed(part, state[part])
+    return hasher.hexdigest()

@@ -148,3 +148,47 @@ def test_hsdp_units_grow_lose_a_worker_and_leave_and_match_a_single_process_run(
     assert sorted(r["shard"] for r in received) == [0, 1] and all(r["bytes"] > 0 for r in received)
     first_commit = min(r["time"] for r in commits(records) if r["pid"] in pids["c"])
     assert all(r["time"] < first_commit for r in joined)
+
+
+def test_hsdp_with_every_unit_lost_resumes_every_shard_from_its_checkpoint_at_one_step(tidal_run: TidalRun,
+                                                                                        tmp_path: Path) -> None:
+    ledger = tmp_path / "ledger"
+    checkpoints = tmp_path / "checkpoints"
+    command = [*lm_command(tmp_path / "elastic.pt", ledger, "hsdp"), "--checkpoint-dir", str(checkpoints),
+               "--checkpoint-every", "25"]
+    tidal_run.submit(min_replicas=1, max_replicas=1, procs_per_node=2, mode=common_pb2.JOB_MODE_LIVE,
+                     command=command)
+    controller = tidal_run.controller
+    tidal_run.start_launcher("a")
+
+    def saved(shard: int) -> list[int]:
+        return sorted(int(p.name[5:17]) for p in (checkpoints / f"shard-{shard}-of-2").glob("step-*.tidal"))
+
+    def past_a_checkpoint() -> bool:
+        committed = tidal_run.job().step
+        return committed >= 30 and 3 <= committed % 25 <= 20 and saved(0)[-1:] == saved(1)[-1:] == [
+            committed // 25 * 25]
+
+    wait_until(past_a_checkpoint, 120, "the committed step a few steps past a checkpoint of both shards")
+    os.kill(sorted(tidal_run.launchers["a"].worker_pids())[0], signal.SIGKILL)
+    controller.wait_event(tidal_run.job_id, "job_degraded")
+    newest = saved(0)[-1]
+
+    tidal_run.start_launcher("b")
+    resumed = controller.wait_event(tidal_run.job_id, "resumed_from_checkpoint", timeout=120)
+    assert int(resumed.fields["checkpoint_step"]) == newest
+    controller.wait_event(tidal_run.job_id, "job_completed", timeout=300)
+    b_pids = set(tidal_run.launchers["b"].worker_pids())
+    first = {r["rank"]: r for r in read_ledger(ledger) if r["pid"] in b_pids and r["kind"] == "attempt"
+             and r["step"] == newest}
+    assert sorted(first) == [0, 1], "both of b's shards start at the checkpoint's step"
+
+    fixed_out = tmp_path / "fixed.pt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIDAL_", "RANK", "WORLD_SIZE", "MASTER_",
+                                                                    "LOCAL_"))}
+    subprocess.run(lm_command(fixed_out, tmp_path / "fixed-ledger", "dp"), check=True, env=env, timeout=600,
+                   stdout=subprocess.DEVNULL)
+    elastic_params = torch.load(tmp_path / "elastic.pt", weights_only=True)["model"]
+    for name, reference in torch.load(fixed_out, weights_only=True)["model"].items():
+        scale = float(reference.abs().max())
+        torch.testing.assert_close(elastic_params[name], reference, rtol=1e-9, atol=1e-9 * scale, msg=name)
