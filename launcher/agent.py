@@ -8,7 +8,7 @@ preemption notice) into a request to leave. Training goes on while the controlle
 One state machine (`AgentState`) and one loop (`Agent.run`); every input, from the
 controller, the workers, signals or the clock, is an event on one queue.
 
-In live mode (scripts using `tidal.train.elastic`) workers outlive generations: a world
+In live mode (scripts using `tidal.train`) workers outlive generations: a world
 change or a failure elsewhere reaches them over the control channel (`control`) and they
 re-form in-process; only a worker of a failed unit, or one that does not stop in time,
 is killed."""

@@ -1,4 +1,4 @@
-"""A tiny MLP regression trained with Tidal's live elasticity (`tidal.train.elastic`).
+"""A tiny MLP regression trained with Tidal's live elasticity (`tidal.train`).
 
 Run it under a Tidal launcher in live mode and it grows, shrinks and survives failures
 in-process; run it alone (`python train_mlp.py`) and it trains in a fixed world of one,
@@ -13,7 +13,7 @@ import time
 import torch
 from torch.utils.data import TensorDataset
 
-from tidal.train.elastic import Elastic
+from tidal.train import Elastic
 
 
 def make_dataset(size: int, features: int, seed: int, dtype: torch.dtype) -> TensorDataset:
