@@ -117,6 +117,9 @@ class DataParallel(Strategy):
     def attach(self, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
         if self._buckets:
             raise RuntimeError("a DataParallel strategy serves one model")
+        if any(hasattr(parameter, "to_local") for parameter in params):
+            raise ValueError("DataParallel: the model's parameters are sharded (DTensors); a sharded model trains "
+                             "with HybridSharded (strategy.shard(model) and Elastic(..., strategy=strategy))")
         # Reverse order: roughly the order in which the backward pass finishes gradients.
         current: list[torch.nn.Parameter] = []
         current_bytes = 0

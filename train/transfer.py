@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from tidal.train.state import Counters, TrainingParts, apply_manifest, capture
+from tidal.train.state import Counters, StateDoesNotFit, TrainingParts, apply_manifest, capture, local
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 # Tags of the manifest's two messages; items use tags from ITEM_TAG on.
@@ -103,9 +103,12 @@ def _encode(manifest: dict[str, Any]) -> bytes:
 
 
 def _decode(data: bytes) -> dict[str, Any]:
-    loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    try:
+        loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as error:  # torch.load raises many kinds on garbage
+        raise StateDoesNotFit(f"the state manifest a peer sent cannot be read: {error}") from error
     if not isinstance(loaded, dict):
-        raise ValueError("the state manifest a peer sent is not a manifest")
+        raise StateDoesNotFit("the state manifest a peer sent is not a manifest")
     return loaded
 
 
@@ -123,17 +126,18 @@ def send_state(group: Any, parts: TrainingParts, counters: Counters, *, me: int,
     state = capture(parts, counters)
     tensors = state["tensors"]
     stats = TransferStats()
+    # The group's tensors live where its backend wants them (NCCL: the GPU).
+    device = tensors[0].device if tensors else torch.device("cpu")
     if me == sources[0]:
         encoded = _encode(state["manifest"])
-        size = torch.tensor([len(encoded)], dtype=torch.int64)
-        payload = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+        size = torch.tensor([len(encoded)], dtype=torch.int64, device=device)
+        payload = torch.frombuffer(bytearray(encoded), dtype=torch.uint8).to(device)
         works = []
         for receiver in receivers:
             works.append(group.send([size], receiver, MANIFEST_SIZE_TAG))
             works.append(group.send([payload], receiver, MANIFEST_TAG))
         for work in works:
             work.wait()
-    device = tensors[0].device if tensors else torch.device("cpu")
     staging: torch.Tensor | None = None
     for number, item in enumerate(plan_items(_sizes(tensors), bucket_bytes)):
         if sources[number % len(sources)] != me:
@@ -165,14 +169,16 @@ def receive_state(group: Any, parts: TrainingParts, counters: Counters, *, me: i
     """Run on every receiver: take the manifest from the first source, apply it, and receive
     every tensor into place (each item from the source it is striped to)."""
     del me
-    size = torch.zeros(1, dtype=torch.int64)
+    # The model's device (NCCL groups carry device tensors); the manifest is read on the host.
+    device = next((local(p).device for p in parts.model.parameters()), torch.device("cpu"))
+    size = torch.zeros(1, dtype=torch.int64, device=device)
     group.recv([size], sources[0], MANIFEST_SIZE_TAG).wait()
-    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     group.recv([payload], sources[0], MANIFEST_TAG).wait()
+    payload = payload.cpu()
     manifest = _decode(ctypes.string_at(payload.data_ptr(), payload.numel()))
     destinations = apply_manifest(parts, counters, manifest)
     stats = TransferStats()
-    device = destinations[0].device if destinations else torch.device("cpu")
     staging: torch.Tensor | None = None
     for number, item in enumerate(plan_items(_sizes(destinations), bucket_bytes)):
         source = sources[number % len(sources)]

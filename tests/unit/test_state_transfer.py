@@ -3,6 +3,7 @@ gloo process groups in threads of this process (a HashStore between them)."""
 
 from __future__ import annotations
 
+import copy
 import datetime
 import threading
 from collections.abc import Callable
@@ -121,13 +122,13 @@ def test_bucketed_reduction_during_backward_sums_every_ranks_gradients(overlap: 
     torch.manual_seed(0)
     reference = torch.nn.Sequential(torch.nn.Linear(5, 30), torch.nn.Tanh(), torch.nn.Linear(30, 30),
                                     torch.nn.Tanh(), torch.nn.Linear(30, 2)).double()
+    # Each rank's copy is made here: the threads must not share the global RNG.
+    models = [copy.deepcopy(reference) for _ in range(2)]
     inputs = torch.randn(12, 5, dtype=torch.float64)
     reference(inputs).pow(2).sum().backward()
 
     def body(rank: int, group: Any) -> Any:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(5, 30), torch.nn.Tanh(), torch.nn.Linear(30, 30),
-                                    torch.nn.Tanh(), torch.nn.Linear(30, 2)).double()
+        model = models[rank]
         # Tiny buckets: several all-reduces, started as the backward pass finishes each.
         strategy = DataParallel(bucket_mb=0.004, overlap=overlap)
         strategy.attach(model, list(model.parameters()))
@@ -144,3 +145,10 @@ def test_bucketed_reduction_during_backward_sums_every_ranks_gradients(overlap: 
     for gradients in _in_threads(2, body):
         for got, parameter in zip(gradients, reference.parameters(), strict=True):
             torch.testing.assert_close(got, parameter.grad / 12, rtol=1e-12, atol=1e-15)
+
+
+def test_a_garbled_manifest_from_a_peer_is_refused_with_a_clear_error() -> None:
+    from tidal.train.transfer import _decode
+
+    with pytest.raises(StateDoesNotFit, match="cannot be read"):
+        _decode(b"\x00not a torch archive")
