@@ -7,7 +7,8 @@ import json
 
 from bench.common import REPO, RESULTS_DIR
 
-ORDER = ["detection", "recovery", "grow", "preemption", "overhead", "controller_scale", "goodput", "chaos"]
+ORDER = ["detection", "recovery", "grow", "preemption", "overhead", "reduction", "transfer", "controller_scale",
+         "goodput", "chaos"]
 
 
 def number(value: float | None, unit: str) -> str:

@@ -24,6 +24,10 @@ def test_items_are_bounded_large_tensors_sliced_and_small_ones_packed() -> None:
         [(0, 0, 10), (1, 0, 30)], [(3, 0, 40)], [(3, 40, 80)], [(3, 80, 100)], [(4, 0, 5), (5, 0, 5)]]
     assert all(item.nbytes <= 40 for item in items)
     assert [item.direct for item in items] == [False, True, True, True, False]
+    # Anything of direct_bytes or more travels alone, straight from and into its tensor.
+    items = plan_items([10, 30, 5, 5, 9], bucket_bytes=40, direct_bytes=8)
+    assert [[(p.tensor, p.start, p.end) for p in item.pieces] for item in items] == [
+        [(0, 0, 10)], [(1, 0, 30)], [(2, 0, 5), (3, 0, 5)], [(4, 0, 9)]]
     with pytest.raises(ValueError, match="positive"):
         plan_items([1], 0)
 
