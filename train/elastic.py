@@ -680,7 +680,7 @@ class Elastic:
             control, control_work = self._compute_gradients(samples, world)
             self._waiting = True
             try:
-                strategy.finish()
+                strategy.finish(batch_size)
                 if control_work is not None:
                     control_work.wait()
             except RuntimeError as error:
@@ -692,7 +692,6 @@ class Elastic:
             raise
         # Committed: every rank's contribution is in the sum.
         self._check_accounting(step, control, samples.step_indices)
-        strategy.divide(batch_size)
         self.parts.optimizer.step()
         if self.parts.scheduler is not None:
             self.parts.scheduler.step()

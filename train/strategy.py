@@ -34,6 +34,8 @@ from tidal.train.groups import fixed_world_store
 from tidal.train.state import local
 
 ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
+# The first gradient bucket's size (DDP's default first bucket too).
+FIRST_BUCKET_BYTES = 1 << 20
 
 
 class Strategy(abc.ABC):
@@ -69,13 +71,10 @@ class Strategy(abc.ABC):
         """The next backward pass is the step's last (its gradients get reduced) or not."""
 
     @abc.abstractmethod
-    def finish(self) -> None:
-        """Start what is left of the reduction and wait for all of it. Raises RuntimeError
-        when a collective failed (the step is then abandoned)."""
-
-    @abc.abstractmethod
-    def divide(self, batch: int) -> None:
-        """Divide the reduced gradients by the global batch."""
+    def finish(self, batch: int) -> None:
+        """Start what is left of the reduction, wait for all of it, and divide the reduced
+        gradients by the global batch `batch`. Raises RuntimeError when a collective failed
+        (the step is then abandoned: nothing of it is applied)."""
 
     @abc.abstractmethod
     def abandon(self) -> None:
@@ -120,12 +119,14 @@ class DataParallel(Strategy):
         if any(hasattr(parameter, "to_local") for parameter in params):
             raise ValueError("DataParallel: the model's parameters are sharded (DTensors); a sharded model trains "
                              "with HybridSharded (strategy.shard(model) and Elastic(..., strategy=strategy))")
-        # Reverse order: roughly the order in which the backward pass finishes gradients.
+        # Reverse order: roughly the order in which the backward pass finishes gradients. The
+        # first bucket is small (as DDP's): its all-reduce starts early in the backward pass.
         current: list[torch.nn.Parameter] = []
         current_bytes = 0
         for parameter in reversed(params):
             size = parameter.numel() * parameter.element_size()
-            if current and (current_bytes + size > self.bucket_bytes or parameter.dtype != current[0].dtype
+            cap = min(FIRST_BUCKET_BYTES, self.bucket_bytes) if not self._buckets else self.bucket_bytes
+            if current and (current_bytes + size > cap or parameter.dtype != current[0].dtype
                             or parameter.device != current[0].device):
                 self._add_bucket(current)
                 current, current_bytes = [], 0
@@ -182,16 +183,20 @@ class DataParallel(Strategy):
             # Seen by finish(): the backward pass is not the place to break the world.
             self._error = self._error or error
 
-    def finish(self) -> None:
+    def finish(self, batch: int) -> None:
         self._armed = False
         if self._group is None:
+            for bucket in self._buckets:
+                bucket.flat.div_(batch)
             return
         while self._launched < len(self._buckets):
             self._launch(self._launched)
         if self._error is not None:
             raise RuntimeError(f"a gradient bucket's all-reduce failed to start: {self._error}")
-        for work in self._works:
+        # Each bucket is divided as soon as its sum is in, while the later ones are in flight.
+        for bucket, work in zip(self._buckets, self._works, strict=True):
             work.wait()
+            bucket.flat.div_(batch)
         self._release()
 
     def _release(self) -> None:
@@ -200,10 +205,6 @@ class DataParallel(Strategy):
         # this rank from seeing it leave a broken world.
         self._works = []
         self._group = None
-
-    def divide(self, batch: int) -> None:
-        for bucket in self._buckets:
-            bucket.flat.div_(batch)
 
     def abandon(self) -> None:
         self._armed = False
@@ -329,16 +330,14 @@ class HybridSharded(Strategy):
         # Between micro-batches FSDP2 accumulates unsharded gradients; the last one reduces.
         self._root.set_requires_gradient_sync(last)
 
-    def finish(self) -> None:
+    @torch.no_grad()
+    def finish(self, batch: int) -> None:
         if self._error is not None:
             raise RuntimeError(f"a cross-replica all-reduce failed to start: {self._error}")
         for work in self._works:
             work.wait()
         self._works = []
         self._group = None
-
-    @torch.no_grad()
-    def divide(self, batch: int) -> None:
         for parameter in self._params:
             if parameter.grad is not None:
                 local(parameter.grad).div_(batch)

@@ -142,8 +142,7 @@ def test_bucketed_reduction_during_backward_sums_every_ranks_gradients(overlap: 
         for number, chunk in enumerate((share[:4], share[4:])):
             strategy.before_backward(last=number == 1)
             model(chunk).pow(2).sum().backward()
-        strategy.finish()
-        strategy.divide(12)
+        strategy.finish(12)
         return [p.grad.clone() for p in model.parameters()]
 
     for gradients in _in_threads(2, body):
