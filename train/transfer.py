@@ -117,8 +117,15 @@ class _InFlight:
             self._complete_oldest()
 
 
-def _staging_bytes(items: Sequence[Item]) -> int:
-    return max((item.nbytes for item in items if not item.direct), default=0)
+def _staging(current: torch.Tensor | None, items: Sequence[Item], stats: TransferStats, device: torch.device,
+             in_flight: _InFlight) -> torch.Tensor:
+    """The one staging buffer, made at its first use (sized to the largest packed item), or
+    free again once every message in flight completed."""
+    if current is not None:
+        in_flight.drain()
+        return current
+    stats.staging_bytes = max((item.nbytes for item in items if not item.direct), default=0)
+    return torch.empty(stats.staging_bytes, dtype=torch.uint8, device=device)
 
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -184,12 +191,8 @@ def send_state(group: Any, parts: TrainingParts, counters: Counters, *, me: int,
             piece = item.pieces[0]
             message = _flat_bytes(tensors[piece.tensor])[piece.start:piece.end]
         else:
-            if staging is None:
-                stats.staging_bytes = _staging_bytes(items)
-                staging = torch.empty(stats.staging_bytes, dtype=torch.uint8, device=device)
-            else:
-                # The staging buffer is refilled only once its last sends completed.
-                in_flight.drain()
+            # Refilled only once its last sends completed.
+            staging = _staging(staging, items, stats, device, in_flight)
             offset = 0
             for piece in item.pieces:
                 length = piece.end - piece.start
@@ -230,12 +233,8 @@ def receive_state(group: Any, parts: TrainingParts, counters: Counters, *, me: i
             in_flight.add(group.recv([_flat_bytes(destinations[piece.tensor])[piece.start:piece.end]], source,
                                      ITEM_TAG + number))
         else:
-            if staging is None:
-                stats.staging_bytes = _staging_bytes(items)
-                staging = torch.empty(stats.staging_bytes, dtype=torch.uint8, device=device)
-            else:
-                # The previous packed item is unpacked before the buffer takes the next.
-                in_flight.drain()
+            # The previous packed item is unpacked before the buffer takes the next.
+            staging = _staging(staging, items, stats, device, in_flight)
             message = staging[:item.nbytes]
             in_flight.add(group.recv([message], source, ITEM_TAG + number),
                           then=_unpacker(item, message, destinations))
