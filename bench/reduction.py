@@ -296,27 +296,30 @@ def main() -> None:
                       f"both at once {probe['concurrent_s']:.3f} s against {alone:.3f} s one after the other (the "
                       f"most overlap can save on this machine: {alone - probe['concurrent_s']:+.3f} s a step), "
                       f"optimizer {probe['optimizer_s']:.3f} s")
+    def row(results: list[dict[str, Any]], against: str, metric: str, baseline_name: str, pairs: str,
+            note: str) -> Row:
+        """Tidal with overlap against `against` ("tidal-no-overlap" or "ddp") over `results`."""
+        ratio_name = "overlap_vs_no_overlap" if against == "tidal-no-overlap" else "overlap_vs_ddp"
+        ratio = median(ratios(results, ratio_name))
+        goal, met = (("faster: ratio > 1", ratio > 1) if against == "tidal-no-overlap"
+                     else (f"≥ {DDP_GOAL:g} × DDP's steps/s", ratio >= DDP_GOAL))
+        versus = "overlap / no overlap" if against == "tidal-no-overlap" else "Tidal (overlap) / DDP"
+        return Row(benchmark="reduction", metric=metric, unit="steps/s",
+                   tidal=median(rates_of(results, "tidal-overlap")), baseline=median(rates_of(results, against)),
+                   baseline_name=baseline_name, goal=goal, met=met, tidal_samples=rates_of(results, "tidal-overlap"),
+                   baseline_samples=rates_of(results, against), ratio=ratio,
+                   ratio_meaning=f"{versus} steps/s (median of {pairs})", note=note)
+
+    prefix = f"steps/s, wide MLP, world {WORLD}"
     rows = [
-        Row(benchmark="reduction", metric=f"steps/s, wide MLP, world {WORLD}: DataParallel with overlapped "
-                                          "reduction vs without", unit="steps/s",
-            tidal=median(rates_of(separate, "tidal-overlap")), baseline=median(rates_of(separate, "tidal-no-overlap")),
-            baseline_name="DataParallel(overlap=False)", goal="faster: ratio > 1",
-            met=median(ratios(separate, "overlap_vs_no_overlap")) > 1,
-            tidal_samples=rates_of(separate, "tidal-overlap"), baseline_samples=rates_of(separate, "tidal-no-overlap"),
-            ratio=median(ratios(separate, "overlap_vs_no_overlap")),
-            ratio_meaning="overlap / no overlap steps/s (median of per-round pairs)",
-            note=f"ratio {spread(ratios(separate, 'overlap_vs_no_overlap'))}; {common}; {separate_note}; "
-                 f"{backward_note(separate)}; {cpu_note(separate)}{probe_note}"),
-        Row(benchmark="reduction", metric=f"steps/s, wide MLP, world {WORLD}: DataParallel (overlapped) vs plain "
-                                          "DDP", unit="steps/s",
-            tidal=median(rates_of(separate, "tidal-overlap")), baseline=median(rates_of(separate, "ddp")),
-            baseline_name="plain DDP (gloo, no_sync)", goal=f"≥ {DDP_GOAL:g} × DDP's steps/s",
-            met=median(ratios(separate, "overlap_vs_ddp")) >= DDP_GOAL,
-            tidal_samples=rates_of(separate, "tidal-overlap"), baseline_samples=rates_of(separate, "ddp"),
-            ratio=median(ratios(separate, "overlap_vs_ddp")),
-            ratio_meaning="Tidal (overlap) / DDP steps/s (median of per-round pairs)",
-            note=f"ratio {spread(ratios(separate, 'overlap_vs_ddp'))}; without overlap / DDP: "
-                 f"{spread(ratios(separate, 'no_overlap_vs_ddp'))}; {common}; {separate_note}"),
+        row(separate, "tidal-no-overlap", f"{prefix}: DataParallel with overlapped reduction vs without",
+            "DataParallel(overlap=False)", "per-round pairs",
+            f"ratio {spread(ratios(separate, 'overlap_vs_no_overlap'))}; {common}; {separate_note}; "
+            f"{backward_note(separate)}; {cpu_note(separate)}{probe_note}"),
+        row(separate, "ddp", f"{prefix}: DataParallel (overlapped) vs plain DDP", "plain DDP (gloo, no_sync)",
+            "per-round pairs",
+            f"ratio {spread(ratios(separate, 'overlap_vs_ddp'))}; without overlap / DDP: "
+            f"{spread(ratios(separate, 'no_overlap_vs_ddp'))}; {common}; {separate_note}"),
     ]
     if interleaved:
         cycles_note = (f"{len(interleaved)} runs of {settings.cycles} cycles (one step of each mode, order rotated), "
@@ -325,31 +328,18 @@ def main() -> None:
         def cycle_ratios(name: str) -> list[float]:
             return [value for r in interleaved for value in r["cycle_ratios"][name]]
 
+        interleaved_prefix = f"{prefix}, steps interleaved in one process pair"
         rows += [
-            Row(benchmark="reduction", metric=f"steps/s, wide MLP, world {WORLD}, steps interleaved in one process "
-                                              "pair: DataParallel with overlapped reduction vs without",
-                unit="steps/s", tidal=median(rates_of(interleaved, "tidal-overlap")),
-                baseline=median(rates_of(interleaved, "tidal-no-overlap")),
-                baseline_name="DataParallel(overlap=False), steps interleaved", goal="faster: ratio > 1",
-                met=median(ratios(interleaved, "overlap_vs_no_overlap")) > 1,
-                tidal_samples=rates_of(interleaved, "tidal-overlap"),
-                baseline_samples=rates_of(interleaved, "tidal-no-overlap"),
-                ratio=median(ratios(interleaved, "overlap_vs_no_overlap")),
-                ratio_meaning="overlap / no overlap steps/s (median of per-run ratios)",
-                note=f"ratio {spread(ratios(interleaved, 'overlap_vs_no_overlap'), 'per-run')}; per cycle "
-                     f"{spread(cycle_ratios('overlap_vs_no_overlap'), 'per-cycle')}; {common}; {cycles_note}; "
-                     f"{backward_note(interleaved)}; {cpu_note(interleaved)}"),
-            Row(benchmark="reduction", metric=f"steps/s, wide MLP, world {WORLD}, steps interleaved in one process "
-                                              "pair: DataParallel (overlapped) vs plain DDP", unit="steps/s",
-                tidal=median(rates_of(interleaved, "tidal-overlap")), baseline=median(rates_of(interleaved, "ddp")),
-                baseline_name="plain DDP (gloo, no_sync), steps interleaved", goal=f"≥ {DDP_GOAL:g} × DDP's steps/s",
-                met=median(ratios(interleaved, "overlap_vs_ddp")) >= DDP_GOAL,
-                tidal_samples=rates_of(interleaved, "tidal-overlap"), baseline_samples=rates_of(interleaved, "ddp"),
-                ratio=median(ratios(interleaved, "overlap_vs_ddp")),
-                ratio_meaning="Tidal (overlap) / DDP steps/s (median of per-run ratios)",
-                note=f"ratio {spread(ratios(interleaved, 'overlap_vs_ddp'), 'per-run')}; per cycle "
-                     f"{spread(cycle_ratios('overlap_vs_ddp'), 'per-cycle')}; without overlap / DDP: "
-                     f"{spread(ratios(interleaved, 'no_overlap_vs_ddp'), 'per-run')}; {common}; {cycles_note}"),
+            row(interleaved, "tidal-no-overlap", f"{interleaved_prefix}: DataParallel with overlapped reduction vs "
+                "without", "DataParallel(overlap=False), steps interleaved", "per-run ratios",
+                f"ratio {spread(ratios(interleaved, 'overlap_vs_no_overlap'), 'per-run')}; per cycle "
+                f"{spread(cycle_ratios('overlap_vs_no_overlap'), 'per-cycle')}; {common}; {cycles_note}; "
+                f"{backward_note(interleaved)}; {cpu_note(interleaved)}"),
+            row(interleaved, "ddp", f"{interleaved_prefix}: DataParallel (overlapped) vs plain DDP",
+                "plain DDP (gloo, no_sync), steps interleaved", "per-run ratios",
+                f"ratio {spread(ratios(interleaved, 'overlap_vs_ddp'), 'per-run')}; per cycle "
+                f"{spread(cycle_ratios('overlap_vs_ddp'), 'per-cycle')}; without overlap / DDP: "
+                f"{spread(ratios(interleaved, 'no_overlap_vs_ddp'), 'per-run')}; {common}; {cycles_note}"),
         ]
     write_result("reduction", rows, quick=args.quick,
                  settings={"world": WORLD, "model": f"MLP {settings.depth} × Linear({settings.width}, "

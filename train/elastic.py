@@ -34,6 +34,7 @@ the reference an elastic run must reproduce."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import faulthandler
@@ -69,7 +70,7 @@ from tidal.train.checkpoint import AsyncCheckpointer
 from tidal.train.data import GlobalOrder, StepSamples, micro_batches, step_samples
 from tidal.train.groups import Groups, fixed_world_store, form_groups
 from tidal.train.progress import report_progress
-from tidal.train.state import Counters, StateDoesNotFit, TrainingParts, capture, digest, restore, state_bytes
+from tidal.train.state import Counters, StateDoesNotFit, TrainingParts, capture, digest, restore
 from tidal.train.strategy import DataParallel, Strategy
 from tidal.train.transfer import DEFAULT_BUCKET_BYTES, receive_state, send_state
 
@@ -510,8 +511,7 @@ class Elastic:
                       seconds=round(seconds, 4))
         self.ledger.write("transfer", epoch=self.world.generation if self.world else 0, shard=groups.shard_rank,
                           role="source" if me in sources else "receiver", sources=sources, receivers=receivers,
-                          bytes=stats.bytes, items=stats.items, staging_bytes=stats.staging_bytes,
-                          state_bytes=state_bytes(capture(self.parts, self.counters)), seconds=seconds)
+                          bytes=stats.bytes, items=stats.items, staging_bytes=stats.staging_bytes, seconds=seconds)
 
     def _check_digests(self, groups: Groups, state_digest: str) -> None:
         """Every replica's copy of each shard must be bit-identical."""
@@ -535,15 +535,21 @@ class Elastic:
                                                      [torch.tensor([mine], dtype=torch.int64, device=self.device)]))
         return [int(t.item()) for t in gathered]
 
-    def _collective(self, work: Any) -> None:
-        """Wait for a collective of this generation; a failure breaks the world."""
+    @contextlib.contextmanager
+    def _in_collective(self) -> Iterator[None]:
+        """Around a wait for this generation's collectives: the beat thread says this rank is
+        blocked in one, and a failure breaks the world."""
         self._waiting = True
         try:
-            work.wait()
+            yield
         except RuntimeError as error:
             raise WorldBroken(f"a collective failed: {error}") from error
         finally:
             self._waiting = False
+
+    def _collective(self, work: Any) -> None:
+        with self._in_collective():
+            work.wait()
 
     def _check_target_step(self, held: int) -> None:
         """The world's state must be at the job's committed step (the generation's target)
@@ -578,8 +584,6 @@ class Elastic:
         if self.channel is not None and self.rank == 0:
             self.channel.send(Resumed(generation=self.world.generation, step=held, target_step=target_step,
                                       detail=detail))
-
-
 
     def _apply_batch_policy(self) -> None:
         self.counters.global_batch = self.policy.batch_for(self.world_size)
@@ -648,8 +652,6 @@ class Elastic:
         if self.channel is not None and self.world is not None and self.channel.stop_requested(self.world.generation):
             raise WorldBroken(f"the launcher stopped generation {self.world.generation}")
 
-
-
     def _micro_batches(self, samples: StepSamples) -> list[list[int]]:
         """This rank's share in micro-batches. Under a strategy whose ranks must run the
         same number of them (FSDP's collectives within a unit), that number is the largest
@@ -678,15 +680,10 @@ class Elastic:
         strategy.begin_step(groups.replica if groups is not None else None)
         try:
             control, control_work = self._compute_gradients(samples, world)
-            self._waiting = True
-            try:
+            with self._in_collective():
                 strategy.finish(batch_size)
                 if control_work is not None:
                     control_work.wait()
-            except RuntimeError as error:
-                raise WorldBroken(f"a collective failed: {error}") from error
-            finally:
-                self._waiting = False
         except WorldBroken:
             strategy.abandon()
             raise
@@ -707,30 +704,12 @@ class Elastic:
 
     def _compute_gradients(self, samples: StepSamples, world: World) -> tuple[torch.Tensor, Any]:
         """Forward and backward over this rank's micro-batches; the strategy starts reducing
-        gradients during the last backward pass. Returns the step's control tensor (sample
-        count, index checksums, whether a world change is wanted, summed loss) and its
+        gradients during the last backward pass. Returns the step's control tensor and its
         all-reduce in flight (None in a world of one)."""
         strategy = self.strategy
-        chunks = self._micro_batches(samples)
         loss_sum = torch.zeros((), dtype=torch.float64)
-        control: torch.Tensor | None = None
-        control_work: Any = None
-
-        def start_control() -> None:
-            nonlocal control, control_work
-            # Under HybridSharded a stop is only taken here, after the backward pass: every
-            # worker of a unit has then run the same FSDP collectives.
-            self._check_stop()
-            change_wanted = self.channel is not None and self.channel.next_world(world.generation) is not None
-            index_sum, index_square_sum = _index_checksums(samples.indices)
-            control = torch.tensor([len(samples.indices), index_sum, index_square_sum, float(change_wanted),
-                                    loss_sum.item()], dtype=torch.float64, device=self.device)
-            if self.groups is not None:
-                try:
-                    control_work = self.groups.world.allreduce([control])
-                except RuntimeError as error:
-                    raise WorldBroken(f"a collective failed: {error}") from error
-
+        control: tuple[torch.Tensor, Any] | None = None
+        chunks = self._micro_batches(samples)
         for number, chunk in enumerate(chunks):
             last = number == len(chunks) - 1
             if strategy.stops_within_step:
@@ -745,12 +724,24 @@ class Elastic:
             if last and strategy.stops_within_step:
                 # The control all-reduce goes first on every rank, then the gradient buckets,
                 # in the same order everywhere (they share the world's group).
-                start_control()
+                control = self._start_control(samples, world, loss_sum)
             loss.backward()
-        if control is None:
-            start_control()
-        assert control is not None
-        return control, control_work
+        # Under HybridSharded a stop is only taken here, after the backward pass: every
+        # worker of a unit has then run the same FSDP collectives.
+        return control or self._start_control(samples, world, loss_sum)
+
+    def _start_control(self, samples: StepSamples, world: World, loss_sum: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """The step's control vector (sample count, index checksums, whether a world change
+        is wanted, summed loss), its all-reduce started (None in a world of one)."""
+        self._check_stop()
+        change_wanted = self.channel is not None and self.channel.next_world(world.generation) is not None
+        index_sum, index_square_sum = _index_checksums(samples.indices)
+        control = torch.tensor([len(samples.indices), index_sum, index_square_sum, float(change_wanted),
+                                loss_sum.item()], dtype=torch.float64, device=self.device)
+        if self.groups is None:
+            return control, None
+        with self._in_collective():
+            return control, self.groups.world.allreduce([control])
 
     def _check_accounting(self, step: int, control: torch.Tensor, expected: list[int]) -> None:
         index_sum, index_square_sum = _index_checksums(expected)

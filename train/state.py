@@ -73,6 +73,10 @@ def _describe(tensor: torch.Tensor) -> dict[str, Any]:
     return {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch.")}
 
 
+def _fits(tensor: torch.Tensor, description: Mapping[str, Any]) -> bool:
+    return _describe(tensor) == {"shape": description["shape"], "dtype": description["dtype"]}
+
+
 def capture(parts: TrainingParts, counters: Counters) -> dict[str, Any]:
     """This worker's state: the manifest and its live local tensors (references, not copies)."""
     tensors: list[torch.Tensor] = []
@@ -142,8 +146,7 @@ def apply_manifest(parts: TrainingParts, counters: Counters, manifest: Mapping[s
             continue
         description = described[len(destinations)]
         current = parts.optimizer.state.get(parameter, {}).get(entry["key"])
-        if isinstance(current, torch.Tensor) and list(local(current).shape) == description["shape"] \
-                and str(local(current).dtype).removeprefix("torch.") == description["dtype"]:
+        if isinstance(current, torch.Tensor) and _fits(local(current), description):
             value = current
         elif entry["like_param"]:
             value = torch.empty_like(parameter.detach(), dtype=getattr(torch, description["dtype"]))
@@ -158,8 +161,7 @@ def apply_manifest(parts: TrainingParts, counters: Counters, manifest: Mapping[s
         raise StateDoesNotFit("the state's tensors do not match this model and optimizer: "
                               + _first_difference(names, expected_names))
     for description, tensor in zip(described, destinations, strict=True):
-        if list(tensor.shape) != description["shape"] or str(tensor.dtype).removeprefix("torch.") != \
-                description["dtype"]:
+        if not _fits(tensor, description):
             raise StateDoesNotFit(f"{description['name']}: the state's is {description['dtype']}"
                                   f"{description['shape']}, this worker's {tensor.dtype}{list(tensor.shape)}")
     # Everything fits: apply.
@@ -309,10 +311,6 @@ def digest(state: Mapping[str, Any]) -> str:
     return hasher.hexdigest()
 
 
-def state_bytes(state: Mapping[str, Any]) -> int:
-    return sum(t.numel() * t.element_size() for t in state["tensors"])
-
-
 def _legacy_digest(state: Mapping[str, Any]) -> str:
     """The digest earlier versions wrote beside a whole-replica checkpoint."""
     hasher = hashlib.sha256()
@@ -335,3 +333,8 @@ def _legacy_digest(state: Mapping[str, Any]) -> str:
         if part in state:
             feed(part, state[part])
     return hasher.hexdigest()
+
+
+def state_bytes(state: Mapping[str, Any]) -> int:
+    """The bytes of a captured state's tensors."""
+    return sum(t.numel() * t.element_size() for t in state["tensors"])

@@ -39,7 +39,6 @@ FIRST_BUCKET_BYTES = 1 << 20
 
 
 class Strategy(abc.ABC):
-    name: ClassVar[str]
     # Whether a rank may abandon a step between micro-batches when its launcher says stop.
     # Under HybridSharded it may not: its unit peers would wait in FSDP's collectives.
     stops_within_step: ClassVar[bool]
@@ -80,9 +79,6 @@ class Strategy(abc.ABC):
     def abandon(self) -> None:
         """The step will not be applied: drop in-flight reductions and gradients."""
 
-    def describe(self) -> dict[str, Any]:
-        return {"strategy": self.name}
-
 
 @dataclasses.dataclass
 class _Bucket:
@@ -95,7 +91,6 @@ class DataParallel(Strategy):
     """Every worker a whole replica; gradients reduced in buckets during the backward pass.
     `overlap=False` reduces the same buckets after the backward pass instead (for comparison)."""
 
-    name = "data_parallel"
     stops_within_step = True
     uniform_micro_batches = False
 
@@ -213,9 +208,6 @@ class DataParallel(Strategy):
             for parameter in bucket.params:
                 parameter.grad = None
 
-    def describe(self) -> dict[str, Any]:
-        return {"strategy": self.name, "buckets": len(self._buckets), "overlap": self.overlap}
-
 
 def _device_type() -> str:
     return "cuda" if torch.cuda.is_available() and dist.is_nccl_available() else "cpu"
@@ -259,7 +251,6 @@ class HybridSharded(Strategy):
         job = Elastic(model, optimizer, dataset, strategy=strategy, ...)
     """
 
-    name = "hybrid_sharded"
     stops_within_step = False
     uniform_micro_batches = True
 
@@ -347,6 +338,3 @@ class HybridSharded(Strategy):
         self._group = None
         for parameter in self._params:
             parameter.grad = None
-
-    def describe(self) -> dict[str, Any]:
-        return {"strategy": self.name, "shard_size": self._shard_size, "shard_rank": self._shard_rank}
