@@ -45,8 +45,8 @@ class AdminClient:
     def close(self) -> None:
         self._channel.close()
 
-    def submit(self, spec: admin_pb2.JobSpec) -> admin_pb2.SubmitJobResponse:
-        return self.stub.SubmitJob(admin_pb2.SubmitJobRequest(spec=spec), timeout=self.timeout_s,
+    def submit(self, spec: admin_pb2.JobSpec, owner: str = "") -> admin_pb2.SubmitJobResponse:
+        return self.stub.SubmitJob(admin_pb2.SubmitJobRequest(spec=spec, owner=owner), timeout=self.timeout_s,
                                    metadata=self._metadata)
 
     def job(self, job_id: str) -> admin_pb2.Job:

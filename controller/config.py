@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from tidal.controller.owners import unit_folder
+
 DEFAULT_CONFIG_FILE = Path("/etc/tidal/controller.toml")
 ENV_PREFIX = "TIDAL_"
 
@@ -72,6 +74,16 @@ class ControllerConfig:
     slurm_units: bool = False
     # Seconds between two cluster-wide polls of Slurm (one squeue and one sinfo each).
     slurm_poll_interval_s: float = 30.0
+    # Where a unit's Slurm output (and, for a job of another user, the job's secret) goes:
+    # `~` is the job owner's home, `{job}` the job id, `{user}` the owner's name; a relative
+    # path is taken from the owner's home. Made by the owner, mode 0700.
+    unit_output_dir: str = "~/.tidal/{job}"
+    # Whose jobs this controller takes. Accounts below this uid are system users; their jobs
+    # and root's are refused unless allowed here. A controller that is not root serves its
+    # own user only.
+    min_owner_uid: int = 1000
+    allow_root_jobs: bool = False
+    allow_system_user_jobs: bool = False
     # What a unit's launcher dials; empty: `listen` with a wildcard host replaced by this
     # machine's name.
     unit_controller_address: str = ""
@@ -109,6 +121,12 @@ class ControllerConfig:
                               f"heartbeat_interval_s ({self.heartbeat_interval_s})")
         if not 1024 <= self.max_message_bytes <= 64 << 20:
             raise ConfigError(f"max_message_bytes must be within 1 KiB..64 MiB, got {self.max_message_bytes}")
+        try:
+            unit_folder(self.unit_output_dir, home="/home/user", user="user", job_id="job")
+        except ValueError as error:
+            raise ConfigError(f"unit_output_dir: {error}") from None
+        if self.min_owner_uid < 0:
+            raise ConfigError(f"min_owner_uid must be >= 0, got {self.min_owner_uid}")
         if self.launcher_message_burst < 1:
             raise ConfigError("launcher_message_burst must be >= 1")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):

@@ -159,8 +159,7 @@ async def serve(config: ControllerConfig, ready_file: Path | None = None) -> int
             client=client, launcher=tuple(shlex.split(config.unit_launcher)) or (
                 sys.executable, "-m", "tidal.launcher.agent"),
             controller_address=config.unit_controller_address or unit_address(config.listen, tcp_port),
-            output_dir=config.state_dir / "units", secrets_dir=config.secrets_dir))
-        (config.state_dir / "units").mkdir(parents=True, exist_ok=True)
+            output_template=config.unit_output_dir, secrets_dir=config.secrets_dir))
         background.append(asyncio.create_task(controller.poll_slurm_forever(ClusterPoll(client)), name="slurm-poll"))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

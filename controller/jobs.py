@@ -13,13 +13,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import os
+import subprocess
 import time
 from pathlib import Path
 
 import grpc
 import structlog
 
-from tidal.controller import units
+from tidal.controller import owners, units
 from tidal.controller.config import ControllerConfig
 from tidal.controller.core import job as core
 from tidal.controller.core import sharing
@@ -41,6 +43,7 @@ from tidal.controller.store import StateStore
 from tidal.proto import admin_pb2, launcher_pb2
 from tidal.slurm.client import SlurmClient
 from tidal.slurm.errors import SlurmError
+from tidal.slurm.models import UnitOwner
 from tidal.slurm.snapshot import ClusterView
 
 log = structlog.get_logger("tidal.controller.jobs")
@@ -101,8 +104,13 @@ class SlurmUnits:
     client: SlurmClient
     launcher: tuple[str, ...]
     controller_address: str
-    output_dir: Path
+    # Where a job's units write (a template for each owner: config.unit_output_dir).
+    output_template: str
     secrets_dir: Path
+
+    def files(self, owner: UnitOwner, job_id: str) -> owners.JobFiles:
+        return owners.job_files(owner, job_id, output_template=self.output_template, secrets_dir=self.secrets_dir,
+                                controller_uid=os.geteuid())
 
 
 JobInput = (Connected | Said | Disconnected | Tick | CancelRequested | DrainRequested | ResizeRequested | Barrier
@@ -382,16 +390,21 @@ class JobActor:
         if slurm is None:
             self.put(UnitSubmitted(unit_id, 0, "this controller runs no units in Slurm"))
             return
-        job_id = self.job.job_id
-        submission = units.unit_submission(
-            self.job.spec, job_id=job_id, unit_id=unit_id, launcher=slurm.launcher,
-            controller=slurm.controller_address, secret_path=slurm.secrets_dir / f"{job_id}.secret",
-            output_dir=slurm.output_dir, exclude=excluded)
+        job_id, spec, owner_uid = self.job.job_id, self.job.spec, self.job.owner_uid
 
         def submit() -> None:
+            # As the job's owner: the account is read when the unit is submitted, the unit's
+            # output folder made (by the owner) if it went missing.
             try:
+                owner = owners.account(owner_uid)
+                files = slurm.files(owner, job_id)
+                owners.make_private_folder(owner, files.folder)
+                submission = units.unit_submission(
+                    spec, job_id=job_id, unit_id=unit_id, launcher=slurm.launcher,
+                    controller=slurm.controller_address, secret_path=files.secret, output_dir=files.folder,
+                    exclude=excluded, owner=owner)
                 self.put(UnitSubmitted(unit_id, slurm.client.submit(submission)))
-            except (SlurmError, OSError) as error:
+            except (SlurmError, OSError, owners.UnknownOwner, subprocess.SubprocessError) as error:
                 self.put(UnitSubmitted(unit_id, 0, str(error)))
 
         asyncio.get_running_loop().run_in_executor(None, submit)

@@ -15,7 +15,7 @@ import grpc
 import structlog
 from google.protobuf.message import DecodeError
 
-from tidal.controller import units
+from tidal.controller import owners, units
 from tidal.controller.config import ControllerConfig
 from tidal.controller.core import sharing
 from tidal.controller.core.health import TokenBucket
@@ -43,6 +43,7 @@ from tidal.controller.store import StateStore
 from tidal.proto import admin_pb2, admin_pb2_grpc, common_pb2, launcher_pb2, launcher_pb2_grpc
 from tidal.slurm import SlurmError, default_client
 from tidal.slurm.errors import SlurmCommandFailed
+from tidal.slurm.models import UnitOwner
 from tidal.slurm.snapshot import ClusterPoll, ClusterView
 
 log = structlog.get_logger("tidal.controller.server")
@@ -144,7 +145,7 @@ class Controller:
                 if not actor.job.state.is_final:
                     actor.put(Tick())
 
-    def check_with_slurm(self, spec: admin_pb2.JobSpec) -> None:
+    def check_with_slurm(self, spec: admin_pb2.JobSpec, owner: UnitOwner) -> None:
         """Before a job is accepted, ask Slurm whether it would take the job's units (runs
         sbatch, so off the event loop): SpecError naming the field if not, SlurmError if
         Slurm does not answer. Nothing is submitted."""
@@ -156,32 +157,46 @@ class Controller:
             if spec.partition not in known:
                 raise SpecError(f"partition: {spec.partition!r} is not a partition of this cluster "
                                 f"(known: {', '.join(known)})")
+        files = self.slurm_units.files(owner, f"{spec.name}-check")
         probe = units.unit_submission(spec, job_id=f"{spec.name}-check", unit_id="u0",
                                       launcher=self.slurm_units.launcher,
                                       controller=self.slurm_units.controller_address,
-                                      secret_path=self.config.secrets_dir / "check.secret",
-                                      output_dir=self.slurm_units.output_dir)
+                                      secret_path=files.secret, output_dir=files.folder, owner=owner)
         try:
             client.check(probe)
         except SlurmCommandFailed as error:
             said = "; ".join(line.strip() for line in error.stderr.splitlines() if line.strip())
             raise SpecError(f"sbatch_options: Slurm would refuse the job's units: {said}") from None
 
-    def submit(self, spec: admin_pb2.JobSpec, owner_uid: int) -> tuple[JobActor, Path]:
-        """Persist a new job and write its secret for the owner; SpecError if invalid."""
+    @property
+    def owner_policy(self) -> owners.OwnerPolicy:
+        return owners.OwnerPolicy(controller_uid=os.geteuid(), min_uid=self.config.min_owner_uid,
+                                  allow_root=self.config.allow_root_jobs,
+                                  allow_system_users=self.config.allow_system_user_jobs)
+
+    async def submit(self, spec: admin_pb2.JobSpec, owner: UnitOwner) -> tuple[JobActor, Path]:
+        """Persist a new job and write its secret for the owner (as the owner, in the
+        owner's job folder, when the owner is another user); SpecError if invalid,
+        OwnerActionFailed if the owner's folder cannot be made."""
         spec = normalized_spec(spec)
         job_id = f"{spec.name}-{secrets.token_hex(3)}"
         secret = new_secret()
         now = time.time()
-        job = JobRecord(job_id=job_id, spec=spec, state=JobState.PENDING, owner_uid=owner_uid,
+        job = JobRecord(job_id=job_id, spec=spec, state=JobState.PENDING, owner_uid=owner.uid,
                         secret_sha256=secret_digest(secret), created_at=now, updated_at=now)
-        secret_path = self.config.secrets_dir / f"{job_id}.secret"
-        self.config.secrets_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.config.secrets_dir, 0o711)
-        write_private_file(secret_path, secret + "\n", owner_uid=owner_uid)
+        files = owners.job_files(owner, job_id, output_template=self.config.unit_output_dir,
+                                 secrets_dir=self.config.secrets_dir, controller_uid=os.geteuid())
+        secret_path = files.secret
+        if owners.is_self(owner):
+            self.config.secrets_dir.mkdir(parents=True, exist_ok=True)
+            os.chmod(self.config.secrets_dir, 0o711)
+            write_private_file(secret_path, secret + "\n", owner_uid=owner.uid)
+        else:
+            # Another user writes into their own space (a command run as them, off the loop).
+            await asyncio.to_thread(owners.write_private_file_as, owner, secret_path, secret + "\n")
         with self.store.transaction():
             self.store.insert_job(job)
-            self.events.record(job_id, "job_submitted", f"by uid {owner_uid}",
+            self.events.record(job_id, "job_submitted", f"by {owner.name} (uid {owner.uid})",
                                fields={"min_replicas": spec.min_replicas, "max_replicas": spec.max_replicas,
                                        "mode": common_pb2.JobMode.Name(spec.mode).removeprefix("JOB_MODE_").lower()})
         actor = JobActor(job, [], None, generation_stopped=False, config=self.config, store=self.store,
@@ -309,11 +324,15 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         if self.relay is not None:
             uid = self.relay.uid_for_peer(context.peer())
             if uid is not None:
+                turned_away = owners.serves(self.controller.owner_policy, uid)
+                if turned_away is not None:
+                    await context.abort(grpc.StatusCode.PERMISSION_DENIED, turned_away)
                 return Caller(uid=uid, is_admin=uid == 0, via="unix")
         metadata = dict(context.invocation_metadata() or ())
         presented = str(metadata.get("authorization", "")).removeprefix("Bearer ").strip()
         if presented and hmac.compare_digest(presented.encode(), self.admin_token.encode()):
-            return Caller(uid=0, is_admin=True, via="token")
+            # The token's holder acts as the controller's own user (an admin).
+            return Caller(uid=os.geteuid(), is_admin=True, via="token")
         await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                             "admin calls need the controller's Unix socket or its admin token over TCP")
         raise AssertionError("unreachable")
@@ -328,13 +347,37 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                                 f"job {job_id} belongs to uid {actor.job.owner_uid}, not to uid {caller.uid}")
         return actor
 
+    async def _owner(self, context: grpc.aio.ServicerContext, request: admin_pb2.SubmitJobRequest,
+                     caller: Caller) -> UnitOwner:
+        """The account a new job runs as: the caller, or the user an admin names; refused
+        (PERMISSION_DENIED, saying why) where the controller does not take that user's jobs."""
+        try:
+            if request.owner and not caller.is_admin:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                    f"only an admin submits a job for another user (owner {request.owner!r})")
+            owner = owners.account_named(request.owner) if request.owner else owners.account(caller.uid)
+        except owners.UnknownOwner as error:
+            code = grpc.StatusCode.INVALID_ARGUMENT if request.owner else grpc.StatusCode.PERMISSION_DENIED
+            await context.abort(code, str(error))
+            raise
+        refused = owners.refusal(self.controller.owner_policy, owner.uid, owner.name)
+        if refused is not None:
+            self.controller.metrics.refused_calls.labels(code=grpc.StatusCode.PERMISSION_DENIED.name).inc()
+            log.warning("submission_refused", uid=owner.uid, user=owner.name, reason=refused)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"job refused: {refused}")
+        return owner
+
     async def SubmitJob(self, request: admin_pb2.SubmitJobRequest,
                         context: grpc.aio.ServicerContext) -> admin_pb2.SubmitJobResponse:
         caller = await self._caller(context)
+        owner = await self._owner(context, request, caller)
         try:
             spec = normalized_spec(request.spec)
-            await asyncio.to_thread(self.controller.check_with_slurm, spec)
-            actor, secret_path = self.controller.submit(spec, caller.uid)
+            await asyncio.to_thread(self.controller.check_with_slurm, spec, owner)
+            actor, secret_path = await self.controller.submit(spec, owner)
+        except owners.OwnerActionFailed as error:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the job's folder could not be made: {error}")
+            raise
         except SpecError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid job spec: {error}")
             raise

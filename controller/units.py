@@ -16,7 +16,7 @@ from pathlib import Path
 from tidal.controller.core.planning import allowed_sizes
 from tidal.controller.submission import sbatch_value
 from tidal.proto import admin_pb2
-from tidal.slurm.models import Gres, Job, JobState, Node, NodeFlag, UnitSubmission
+from tidal.slurm.models import Gres, Job, JobState, Node, NodeFlag, UnitOwner, UnitSubmission
 from tidal.slurm.snapshot import ClusterView
 
 # Slurm's pending reasons that mean "waits for nodes" (not a dependency, a hold, a limit).
@@ -208,11 +208,12 @@ def unit_script(launcher: Sequence[str], *, controller: str, job_id: str, unit_i
 
 
 def unit_submission(spec: admin_pb2.JobSpec, *, job_id: str, unit_id: str, launcher: Sequence[str], controller: str,
-                    secret_path: Path, output_dir: Path, exclude: Sequence[str] = ()) -> UnitSubmission:
+                    secret_path: Path, output_dir: Path, exclude: Sequence[str] = (),
+                    owner: UnitOwner | None = None) -> UnitSubmission:
     return UnitSubmission(
         name=f"tidal-{job_id}-{unit_id}", script=unit_script(launcher, controller=controller, job_id=job_id,
                                                              unit_id=unit_id),
         partition=spec.partition, nodes=max(1, spec.nodes_per_replica), exclusive=True,
         working_dir=spec.working_dir, output=str(output_dir / f"{job_id}-{unit_id}-%j.out"),
         comment=f"tidal job={job_id} unit={unit_id}", requeue=False, exclude_nodes=tuple(exclude),
-        extra_options=tuple(spec.sbatch_options), environment={"TIDAL_SECRET_FILE": str(secret_path)})
+        extra_options=tuple(spec.sbatch_options), environment={"TIDAL_SECRET_FILE": str(secret_path)}, owner=owner)

@@ -188,10 +188,12 @@ class Node(_message.Message):
     def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., flags: _Optional[_Iterable[str]] = ..., partitions: _Optional[_Iterable[str]] = ..., cpus: _Optional[int] = ..., gres: _Optional[str] = ..., reason: _Optional[str] = ..., job_id: _Optional[str] = ..., unit_id: _Optional[str] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
-    __slots__ = ("spec",)
+    __slots__ = ("spec", "owner")
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     spec: JobSpec
-    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
+    owner: str
+    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class SubmitJobResponse(_message.Message):
     __slots__ = ("job", "secret_path")

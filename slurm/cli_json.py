@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from tidal.slurm import parse
 from tidal.slurm.errors import (
@@ -21,7 +22,7 @@ from tidal.slurm.errors import (
     UnsupportedSlurmVersion,
 )
 from tidal.slurm.hostlist import compress
-from tidal.slurm.models import Job, Node, Partition, SlurmVersion, UnitSubmission
+from tidal.slurm.models import Job, Node, Partition, SlurmVersion, UnitOwner, UnitSubmission
 
 DEFAULT_TIMEOUT_S = 10.0
 
@@ -48,12 +49,21 @@ class CliJsonSlurmClient:
         return env
 
     def _run(self, argv: Sequence[str], *, stdin: str | None = None,
-             env: Mapping[str, str] | None = None) -> str:
+             env: Mapping[str, str] | None = None, owner: UnitOwner | None = None) -> str:
+        """Run a Slurm command; as `owner` (uid, gid, groups, umask 077, an environment of
+        the owner's own plus where Slurm is) when given."""
         program = os.path.join(self.bin_dir, argv[0]) if self.bin_dir else argv[0]
         command = [program, *argv[1:]]
+        as_owner: dict[str, Any] = {}
+        if owner is not None:
+            slurm_conf = self._environment().get("SLURM_CONF")
+            env = {**owner.environment(), "PATH": os.environ.get("PATH", owner.environment()["PATH"]),
+                   **({"SLURM_CONF": slurm_conf} if slurm_conf else {})}
+            as_owner = {"user": owner.uid, "group": owner.gid, "extra_groups": list(owner.groups), "umask": 0o077,
+                        "cwd": owner.home if os.path.isdir(owner.home) else "/"}
         try:
             result = subprocess.run(command, input=stdin, capture_output=True, text=True,
-                                    timeout=self.timeout_s, env=dict(env or self._environment()))
+                                    timeout=self.timeout_s, env=dict(env or self._environment()), **as_owner)
         except FileNotFoundError:
             raise SlurmNotInstalled(argv[0]) from None
         except subprocess.TimeoutExpired:
@@ -104,17 +114,28 @@ class CliJsonSlurmClient:
     # ------------------------------------------------------------------ writes
 
     def submit(self, unit: UnitSubmission) -> int:
-        # The unit's environment (the job secret among it) travels in sbatch's own
-        # environment, which --export=ALL hands to the job; it never appears in argv.
-        output = self._run(["sbatch", "--parsable", *self._sbatch_options(unit)], stdin=unit.script,
-                           env=self._environment(unit.environment))
+        if self._for_owner(unit):
+            # Another user's unit: sbatch runs as that user with --export=NONE, and the
+            # script sets the unit's whole environment itself.
+            output = self._run(["sbatch", "--parsable", *self._sbatch_options(unit)], stdin=unit.script_for_owner(),
+                               owner=unit.owner)
+        else:
+            # The unit's environment (the path of the job's secret among it) travels in
+            # sbatch's own environment, which --export=ALL hands to the job; never in argv.
+            output = self._run(["sbatch", "--parsable", *self._sbatch_options(unit)], stdin=unit.script,
+                               env=self._environment(unit.environment))
         return parse.parse_sbatch_parsable(output)
 
     def check(self, unit: UnitSubmission) -> None:
         # `sbatch --test-only` validates everything sbatch and slurmctld check at submission
-        # (partition, nodes, GRES, constraint, limits) and answers when the job would
-        # start; it creates no job.
-        self._run(["sbatch", "--test-only", *self._sbatch_options(unit)], stdin=unit.script)
+        # (partition, nodes, GRES, constraint, limits; as the owner: the owner's access)
+        # and answers when the job would start; it creates no job.
+        self._run(["sbatch", "--test-only", *self._sbatch_options(unit)], stdin=unit.script,
+                  owner=unit.owner if self._for_owner(unit) else None)
+
+    @staticmethod
+    def _for_owner(unit: UnitSubmission) -> bool:
+        return unit.owner is not None and unit.owner.uid != os.geteuid()
 
     @staticmethod
     def _sbatch_options(unit: UnitSubmission) -> list[str]:
@@ -130,7 +151,7 @@ class CliJsonSlurmClient:
         argv += [f"{option}={value}" for option, value in optional.items() if value]
         if unit.exclude_nodes:
             argv.append(f"--exclude={compress(unit.exclude_nodes)}")
-        argv.append("--export=ALL")
+        argv.append("--export=NONE" if CliJsonSlurmClient._for_owner(unit) else "--export=ALL")
         return argv
 
     def cancel(self, job_id: int, signal: str | None = None, *, batch_only: bool = False) -> None:

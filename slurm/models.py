@@ -7,6 +7,7 @@ does not depend on which Slurm release or access path produced them.
 from __future__ import annotations
 
 import enum
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -213,6 +214,24 @@ class Partition:
 
 
 @dataclass(frozen=True)
+class UnitOwner:
+    """The Unix account a unit is submitted as: sbatch runs with its uid, gid and groups."""
+
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+    name: str
+    home: str
+    shell: str = "/bin/sh"
+
+    def environment(self) -> dict[str, str]:
+        """What anything run as this account starts with: its identity and a plain PATH,
+        never the controller's environment."""
+        return {"HOME": self.home, "USER": self.name, "LOGNAME": self.name, "SHELL": self.shell or "/bin/sh",
+                "PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+
+
+@dataclass(frozen=True)
 class UnitSubmission:
     """One unit (replica) to submit as a Slurm batch job.
 
@@ -236,3 +255,26 @@ class UnitSubmission:
     requeue: bool = True
     extra_options: tuple[str, ...] = ()
     environment: Mapping[str, str] = field(default_factory=dict)
+    # Submitted as this account (another user's job under a root controller): sbatch runs
+    # with its ids and `--export=NONE`, and `environment` is set by the batch script itself.
+    # None: as the controller's own user, with its environment (`--export=ALL`).
+    owner: UnitOwner | None = None
+
+    def owner_environment(self) -> dict[str, str]:
+        """The whole environment a unit submitted for its owner starts with: the owner's
+        identity, a plain PATH, then the unit's own variables."""
+        assert self.owner is not None
+        return {**self.owner.environment(), **self.environment}
+
+    def script_for_owner(self) -> str:
+        """The batch script with the owner environment set at its top (after `#!` and the
+        `#SBATCH` lines): with `--export=NONE` nothing else reaches the job. Steps the script
+        starts with `srun` inherit it (SLURM_EXPORT_ENV=ALL)."""
+        lines = self.script.splitlines()
+        at = 1 if lines and lines[0].startswith("#!") else 0
+        while at < len(lines) and lines[at].startswith("#SBATCH"):
+            at += 1
+        exports = ["# The unit's environment (sbatch --export=NONE: nothing else of the submitter's)."]
+        exports += [f"export {key}={shlex.quote(value)}" for key, value in self.owner_environment().items()]
+        exports.append("export SLURM_EXPORT_ENV=ALL")
+        return "\n".join([*lines[:at], *exports, *lines[at:]]) + "\n"

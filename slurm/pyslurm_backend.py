@@ -133,6 +133,7 @@ class PyslurmSlurmClient:
             raise SlurmCommandFailed(["pyslurm", "Job.load"], 1, str(error)) from error
 
     def submit(self, unit: UnitSubmission) -> int:
+        for_owner = unit.owner is not None and unit.owner.uid != os.geteuid()
         description = self._pyslurm.JobSubmitDescription(
             name=unit.name,
             nodes=unit.nodes,
@@ -149,8 +150,11 @@ class PyslurmSlurmClient:
             comment=unit.comment or None,
             is_requeueable=unit.requeue,
             script=unit.script,
-            # The secret stays in this process's memory and Slurm's job record.
-            environment={**os.environ, **unit.environment},
+            # The path of the job's secret stays in this process's memory and Slurm's job
+            # record. Another user's unit gets that user's ids and an environment of its own.
+            environment=unit.owner_environment() if for_owner else {**os.environ, **unit.environment},
+            **({"user_id": unit.owner.uid, "group_id": unit.owner.gid}
+               if for_owner and unit.owner is not None else {}),
         )
         if unit.extra_options:
             description.load_sbatch_options(list(unit.extra_options))

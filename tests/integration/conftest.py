@@ -67,7 +67,9 @@ class ControllerProcess:
         self.socket_dir.chmod(0o755)
         self.socket = self.socket_dir / "controller.sock"
         self.state_dir = directory / "state"
-        self.settings = settings
+        # The tests submit as root (allowed here, refused by default), and keep unit output
+        # under the test's folder rather than in root's home.
+        self.settings = {"allow_root_jobs": "true", "unit_output_dir": str(self.state_dir / "units"), **settings}
         self.extra_env: dict[str, str] = {}
         self.process: subprocess.Popen[bytes] | None = None
         self.ready: dict[str, Any] = {}

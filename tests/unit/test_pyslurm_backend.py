@@ -4,11 +4,13 @@ pyslurm 25.11's Job, Node and Partition; the backend has not talked to a real sl
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
 
 from tidal.slurm import JobFlag, JobState, NodeFlag, NodeState, PreemptMode, SlurmCommandFailed, SlurmVersion
+from tidal.slurm.models import UnitOwner, UnitSubmission
 from tidal.slurm.pyslurm_backend import (
     PyslurmSlurmClient,
     job_from_pyslurm,
@@ -65,3 +67,32 @@ def test_client_lists_through_pyslurm_collections() -> None:
     jobs = {7: pyslurm_job(), 8: pyslurm_job(id=8, user_name="bob")}
     module = SimpleNamespace(__version__="25.11.1", Jobs=SimpleNamespace(load=lambda: jobs))
     assert [j.job_id for j in PyslurmSlurmClient(module).list_jobs(user="bob")] == [8]
+
+
+def test_a_unit_of_another_user_is_submitted_with_that_users_ids_and_environment() -> None:
+    """pyslurm's JobSubmitDescription takes user_id/group_id; the environment is the
+    owner's own plus the unit's, none of the controller's."""
+    described: list[dict[str, object]] = []
+
+    class JobSubmitDescription:
+        def __init__(self, **fields: object) -> None:
+            described.append(fields)
+
+        def submit(self) -> int:
+            return 41
+
+    module = SimpleNamespace(__version__="25.11.0", JobSubmitDescription=JobSubmitDescription)
+    owner = UnitOwner(uid=os.geteuid() + 4242, gid=4242, groups=(4242, 27), name="alice", home="/home/alice")
+    unit = UnitSubmission(name="tidal-j-u1", script="#!/bin/bash\nexec true\n", environment={"TIDAL_SECRET_FILE": "/s"},
+                          owner=owner)
+    assert PyslurmSlurmClient(module).submit(unit) == 41
+    fields = described[0]
+    assert (fields["user_id"], fields["group_id"]) == (owner.uid, 4242)
+    environment = fields["environment"]
+    assert isinstance(environment, dict)
+    assert environment["HOME"] == "/home/alice" and environment["USER"] == "alice"
+    assert environment["TIDAL_SECRET_FILE"] == "/s" and "SLURM_CONF" not in environment
+    assert not set(environment) - {"HOME", "USER", "LOGNAME", "SHELL", "PATH", "LANG", "TIDAL_SECRET_FILE"}
+    # The controller's own units keep its environment and its ids.
+    PyslurmSlurmClient(module).submit(UnitSubmission(name="tidal-j-u2", script="#!/bin/bash\n"))
+    assert "user_id" not in described[1]
