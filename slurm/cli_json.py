@@ -26,6 +26,34 @@ from tidal.slurm.models import Job, Node, Partition, SlurmVersion, UnitOwner, Un
 
 DEFAULT_TIMEOUT_S = 10.0
 
+# The newest JSON schema Tidal reads that each release prints, newest release first: a
+# release prints its own data_parser version and the two or three before it (24.05:
+# v0.0.39-41, 25.11: v0.0.42-44, 26.05: v0.0.42-45).
+_PINNED_SCHEMAS = (
+    (SlurmVersion(26, 5), "v0.0.45"),
+    (SlurmVersion(25, 11), "v0.0.44"),
+    (SlurmVersion(25, 5), "v0.0.43"),
+    (SlurmVersion(24, 11), "v0.0.42"),
+    (SlurmVersion(24, 5), "v0.0.41"),
+    (SlurmVersion(23, 11), "v0.0.40"),
+)
+
+
+def json_flag(version: SlurmVersion) -> str:
+    """The --json option that asks Slurm `version` for the newest schema Tidal reads.
+
+    21.08/22.05 print openapi v0.0.37/38 and take no version; 23.02 prints only v0.0.39,
+    which Tidal does not read (UnsupportedSlurmVersion); releases after 26.05 are asked
+    for v0.0.45 for as long as they still print it."""
+    for first_release, schema in _PINNED_SCHEMAS:
+        if version >= first_release:
+            return f"--json={schema}"
+    if version < SlurmVersion(23, 2):
+        return "--json"
+    raise UnsupportedSlurmVersion(
+        f"Slurm {version} prints JSON schema v0.0.39, which Tidal does not read; "
+        "use 22.05, or 23.11 and later")
+
 
 class CliJsonSlurmClient:
     """SlurmClient over the CLI. `bin_dir` picks the Slurm commands (default: PATH);
@@ -74,16 +102,7 @@ class CliJsonSlurmClient:
         return result.stdout
 
     def _json_flag(self) -> str:
-        version = self.version()
-        if version < SlurmVersion(23, 2):
-            return "--json"  # 21.08/22.05: openapi v0.0.37/38, no choice of version
-        if version < SlurmVersion(23, 11):
-            raise UnsupportedSlurmVersion(
-                f"Slurm {version} prints JSON schema v0.0.39, which Tidal does not read; "
-                "use 22.05, or 23.11 and later")
-        if version < SlurmVersion(24, 11):
-            return "--json=v0.0.40"
-        return "--json=v0.0.42"
+        return json_flag(self.version())
 
     # ------------------------------------------------------------------ reads
 

@@ -1,16 +1,23 @@
 """Pure parsers from what Slurm prints to Tidal's models. Tested on recorded real output
-(tests/data/slurm-*/), never on hand-written JSON.
+(tests/data/slurm-*/, and the slurmrestd recordings of 23.11-25.11 in shared/slurm-json/),
+never on hand-written JSON.
 
-Two JSON schemas are understood:
+Two families of JSON schema are understood:
 
-- openapi v0.0.37/v0.0.38 (Slurm 21.08–22.05): `job_state` is a string that names a flag
+- openapi v0.0.37/v0.0.38 (Slurm 21.08-22.05): `job_state` is a string that names a flag
   instead of the base state while a flag is set; node `state` is a lower-case base state
   with a separate `state_flags` list; numbers are plain integers.
-- data_parser v0.0.40–v0.0.42 (Slurm 23.11–24.11+, pinned with --json=v0.0.42 where the
-  release knows it): states are lists, base first (`["PENDING", "COMPLETING"]`); a number
-  that can be unset is `{"set": bool, "infinite": bool, "number": int}`.
+- data_parser v0.0.40-v0.0.45 (Slurm 23.11 and later: 23.11 prints v0.0.40, 24.05 v0.0.41,
+  24.11 v0.0.42, 25.05 v0.0.43, 25.11 v0.0.44, 26.05 v0.0.45; the CLI client pins the
+  newest one the release knows): states are lists, base first (`["PENDING",
+  "COMPLETING"]`); a number that can be unset is `{"set": bool, "infinite": bool,
+  "number": int}`. The fields Tidal reads are the same in all six.
 
-Anything that is not the document a schema promises raises SlurmParseError.
+Slurm 23.02's v0.0.39 and anything newer than v0.0.45 are refused with SlurmParseError.
+Within a supported schema a newer release's state or flag word that Tidal does not know
+is ignored, and a field a newer schema dropped reads as empty (no name, no nodes, state
+UNKNOWN); only a job without `job_id` or a node without `name` is not a record. Anything
+that is not a Slurm document raises SlurmParseError.
 """
 
 from __future__ import annotations
@@ -58,12 +65,22 @@ def parse_version(text: str) -> SlurmVersion:
     return SlurmVersion(int(match[1]), int(match[2]), int(match[3]))
 
 
+#: The JSON schemas Tidal reads, by their v0.0.N number.
+OPENAPI_SCHEMAS = frozenset({37, 38})
+DATA_PARSER_SCHEMAS = frozenset(range(40, 46))
+_SUPPORTED_TEXT = "v0.0.37-38 (Slurm 21.08-22.05) and v0.0.40-45 (Slurm 23.11-26.05)"
+
+
 def load_document(text: str, key: str) -> tuple[str, list[Mapping[str, Any]]]:
-    """Parse a Slurm JSON document; return (schema, records under `key`)."""
+    """Parse a Slurm JSON document; return (schema, records under `key`). A document of a
+    schema Tidal does not read is refused by its schema before anything else is looked at."""
     try:
         document = json.loads(text)
     except ValueError as error:
         raise SlurmParseError(f"Slurm printed no valid JSON: {error}") from None
+    named = named_schema(document) if isinstance(document, dict) else None
+    if named is not None:
+        supported_schema(named)
     if not isinstance(document, dict) or not isinstance(document.get(key), list):
         raise SlurmParseError(f"Slurm's JSON has no '{key}' list")
     errors = [e for e in document.get("errors") or [] if e]
@@ -74,19 +91,37 @@ def load_document(text: str, key: str) -> tuple[str, list[Mapping[str, Any]]]:
     return schema_of(document), document[key]
 
 
+def named_schema(document: Mapping[str, Any]) -> int | None:
+    """N of the `v0.0.N` the document's meta block names (`meta.plugin`; 23.02's v0.0.39
+    says `meta.plugins`), or None when it names none."""
+    meta = document.get("meta")
+    if not isinstance(meta, Mapping):
+        return None
+    for plugin in (meta.get("plugin"), meta.get("plugins")):
+        if not isinstance(plugin, Mapping):
+            continue
+        for candidate in (plugin.get("data_parser"), plugin.get("type")):
+            match = re.search(r"v0\.0\.(\d+)", str(candidate or ""))
+            if match:
+                return int(match[1])
+    return None
+
+
+def supported_schema(version: int) -> str:
+    """'v0.0.N' when Tidal reads schema v0.0.N; SlurmParseError naming what it reads otherwise."""
+    if version in OPENAPI_SCHEMAS or version in DATA_PARSER_SCHEMAS:
+        return f"v0.0.{version}"
+    release = " (Slurm 23.02's)" if version == 39 else ""
+    raise SlurmParseError(f"unsupported Slurm JSON schema v0.0.{version}{release}; "
+                          f"Tidal reads {_SUPPORTED_TEXT}")
+
+
 def schema_of(document: Mapping[str, Any]) -> str:
-    """'v0.0.38' or 'v0.0.40'…'v0.0.42', from the document's meta block."""
-    meta = document.get("meta") or {}
-    plugin = meta.get("plugin") or {}
-    for candidate in (plugin.get("data_parser", ""), plugin.get("type", "")):
-        match = re.search(r"v0\.0\.(\d+)", candidate or "")
-        if match:
-            version = int(match[1])
-            if version in (37, 38) or 40 <= version <= 42:
-                return f"v0.0.{version}"
-            raise SlurmParseError(f"unsupported Slurm JSON schema v0.0.{version} "
-                                  "(supported: v0.0.37-38, v0.0.40-42)")
-    raise SlurmParseError("Slurm's JSON names no schema version in meta.plugin")
+    """'v0.0.38', 'v0.0.40'…'v0.0.45': the supported schema the document's meta block names."""
+    version = named_schema(document)
+    if version is None:
+        raise SlurmParseError("Slurm's JSON names no schema version in meta.plugin")
+    return supported_schema(version)
 
 
 def number(value: Any) -> int | None:
@@ -178,6 +213,23 @@ def node_state_from_names(names: Iterable[str]) -> tuple[NodeState, frozenset[No
     return base, frozenset(flags)
 
 
+def state_words(value: Any) -> list[str]:
+    """A state as printed: one word (v0.0.38), a list of words (v0.0.40+), or absent."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        return [str(word) for word in value]
+    raise TypeError(f"a state is a word or a list of words, not {value!r}")
+
+
+def _text(record: Mapping[str, Any], key: str) -> str:
+    """A text field; absent or null (a field a newer schema dropped) reads as ""."""
+    value = record.get(key)
+    return "" if value is None else str(value)
+
+
 def _as_list(value: Any) -> list[str]:
     if value is None:
         return []
@@ -200,16 +252,15 @@ def parse_jobs(text: str) -> list[Job]:
 
 
 def _job(record: Mapping[str, Any]) -> Job:
-    raw_state = record["job_state"]
-    state, flags = job_state_from_names([raw_state] if isinstance(raw_state, str) else raw_state)
+    state, flags = job_state_from_names(state_words(record.get("job_state")))
     nodes_field = record.get("nodes") or ""
     return Job(
         job_id=int(record["job_id"]),
-        name=str(record.get("name", "")),
-        user=str(record.get("user_name", "")),
+        name=_text(record, "name"),
+        user=_text(record, "user_name"),
         state=state,
         flags=flags,
-        partition=str(record.get("partition", "")),
+        partition=_text(record, "partition"),
         nodes=expand(nodes_field if isinstance(nodes_field, str) else ""),
         node_count=number(record.get("node_count")) or 0,
         priority=number(record.get("priority")) or 0,
@@ -218,8 +269,8 @@ def _job(record: Mapping[str, Any]) -> Job:
         end_time=timestamp(record.get("end_time")),
         preempt_time=timestamp(record.get("preempt_time")),
         requeue_count=number(record.get("restart_cnt")) or 0,
-        reason=str(record.get("state_reason") or ""),
-        comment=str(record.get("comment") or ""),
+        reason=_text(record, "state_reason"),
+        comment=_text(record, "comment"),
     )
 
 
@@ -229,10 +280,8 @@ def parse_nodes(text: str) -> list[Node]:
 
 
 def _node(record: Mapping[str, Any]) -> Node:
-    raw_state = record.get("state", "")
-    words = [raw_state] if isinstance(raw_state, str) else list(raw_state)
-    words += list(record.get("state_flags") or [])  # v0.0.38 keeps flags apart
-    state, flags = node_state_from_names(words)
+    # v0.0.38 keeps the flags apart, in `state_flags`.
+    state, flags = node_state_from_names(state_words(record.get("state")) + state_words(record.get("state_flags")))
     return Node(
         name=str(record["name"]),
         state=state,
@@ -241,8 +290,8 @@ def _node(record: Mapping[str, Any]) -> Node:
         cpus=number(record.get("cpus")) or 0,
         gres=parse_gres(record.get("gres")),
         features=tuple(_as_list(record.get("features"))),
-        reason=str(record.get("reason") or ""),
-        address=str(record.get("address") or ""),
+        reason=_text(record, "reason"),
+        address=_text(record, "address"),
     )
 
 

@@ -5,14 +5,17 @@ same: the same jobs in the same states, the same nodes, the same partitions."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import UTC
 from pathlib import Path
 
 import pytest
 
 from tidal.slurm import (
+    Job,
     JobFlag,
     JobState,
+    Node,
     NodeFlag,
     NodeState,
     PreemptMode,
@@ -125,13 +128,36 @@ def test_partitions(release: str) -> None:
     assert train.nodes == urgent.nodes == ("n1", "n2", "n3", "n4")
 
 
+def as_printed_by_26_05(line: str) -> str:
+    """A 24.11 partition line as 26.05 prints the same partition (slurm_sprint_partition_info
+    in src/api/partition_info.c, tag slurm-26-05-3-1): one `Exclusive=` for ExclusiveUser and
+    ExclusiveTopo, NODE where OverSubscribe was EXCLUSIVE, which now reads NO; and a
+    `Topology=` where the partition names one."""
+    line = line.replace("ExclusiveUser=NO ExclusiveTopo=NO", "Exclusive=NODE")
+    return line.replace("OverSubscribe=EXCLUSIVE", "OverSubscribe=NO") + " Topology=default"
+
+
+def test_partitions_as_26_05_prints_them_read_the_same() -> None:
+    text = recorded("24.11.5", "partitions.txt")
+    changed = "\n".join(as_printed_by_26_05(line) for line in text.splitlines() if line.strip())
+    assert "Exclusive=NODE" in changed and "OverSubscribe=EXCLUSIVE" not in changed
+    assert parse.parse_partitions_oneliner(changed) == parse.parse_partitions_oneliner(text)
+
+
 @pytest.mark.parametrize("text, message", [
     ("", "no valid JSON"),
     ("squeue: error: Unable to contact slurm controller", "no valid JSON"),
     ('{"meta": {}, "jobs": "nope"}', "no 'jobs' list"),
     ('{"meta": {"plugin": {"type": "openapi/v0.0.39"}}, "jobs": []}', "unsupported Slurm JSON schema v0.0.39"),
+    ('{"meta": {"plugin": {"data_parser": "data_parser/v0.0.46"}}, "jobs": []}',
+     r"unsupported Slurm JSON schema v0.0.46; Tidal reads .* v0.0.40-45"),
+    ('{"meta": {"plugins": {"data_parser": "data_parser/v0.0.39"}}, "sinfo": []}',
+     r"schema v0.0.39 \(Slurm 23.02's\)"),
+    ("[1, 2]", "no 'jobs' list"),
     ('{"meta": {}, "jobs": []}', "names no schema version"),
     ('{"meta": {"plugin": {"type": "openapi/v0.0.38"}}, "jobs": [{"name": "no id"}]}', "unexpected jobs record"),
+    ('{"meta": {"plugin": {"data_parser": "data_parser/v0.0.45"}}, "jobs": [{"job_id": 1, "job_state": {}}]}',
+     "unexpected jobs record in v0.0.45"),
 ])
 def test_nonsense_is_a_typed_error(text: str, message: str) -> None:
     with pytest.raises(SlurmParseError, match=message):
@@ -175,6 +201,12 @@ def test_gres_strings() -> None:
     (["drained"], NodeState.IDLE, {NodeFlag.DRAIN}),
     (["down*"], NodeState.DOWN, {NodeFlag.NOT_RESPONDING}),
     (["MIXED", "PLANNED"], NodeState.MIXED, {NodeFlag.PLANNED}),
+    # v0.0.44 (25.11) adds EXTERNAL and BLOCKED; v0.0.45 (26.05) adds POWER_DOWN_ASAP and
+    # POWER_DOWN_FORCE, printed beside the bits they stand for, which carry the meaning.
+    (["IDLE", "EXTERNAL", "BLOCKED"], NodeState.IDLE, {NodeFlag.EXTERNAL, NodeFlag.BLOCKED}),
+    (["IDLE", "POWER_DOWN", "POWER_DRAIN", "POWER_DOWN_ASAP"], NodeState.IDLE,
+     {NodeFlag.POWER_DOWN, NodeFlag.POWER_DRAIN}),
+    (["DOWN", "SOME_FUTURE_FLAG"], NodeState.DOWN, set()),
 ])
 def test_node_state_spellings(words: list[str], base: NodeState, flags: set[NodeFlag]) -> None:
     assert parse.node_state_from_names(words) == (base, frozenset(flags))
@@ -183,6 +215,19 @@ def test_node_state_spellings(words: list[str], base: NodeState, flags: set[Node
 def test_unknown_state_words_do_not_stop_parsing() -> None:
     assert parse.job_state_from_names(["RUNNING", "SOME_FUTURE_FLAG"]) == (JobState.RUNNING, frozenset())
     assert parse.job_state_from_names(["COMPLETING"]) == (JobState.UNKNOWN, frozenset({JobFlag.COMPLETING}))
+
+
+@pytest.mark.parametrize("release", RECORDED_RELEASES)
+@pytest.mark.parametrize("name, key, identity", [("jobs-running.json", "jobs", "job_id"),
+                                                 ("nodes-busy.json", "nodes", "name")])
+def test_fields_a_newer_schema_drops_read_as_empty(release: str, name: str, key: str, identity: str) -> None:
+    """Recorded records with every field but their identity taken away, as a later schema
+    might: they still parse, to an unknown state and empty values, not a KeyError."""
+    document = json.loads(recorded(release, name))
+    document[key] = [{identity: record[identity]} for record in document[key]]
+    parsed: Sequence[Job | Node] = (parse.parse_jobs if key == "jobs" else parse.parse_nodes)(json.dumps(document))
+    assert parsed and all(getattr(item, identity) for item in parsed)
+    assert all(item.state.value == "UNKNOWN" and not item.flags and not item.reason for item in parsed)
 
 
 def test_sbatch_output() -> None:

@@ -1,0 +1,52 @@
+"""Which JSON schema the CLI client asks each Slurm release for. No Slurm is needed: the
+choice is a pure function of the version, and the client's wiring is checked with stand-in
+`scontrol` and `squeue` scripts in its bin_dir."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tidal.slurm import CliJsonSlurmClient, SlurmVersion, UnsupportedSlurmVersion, parse
+from tidal.slurm.cli_json import json_flag
+
+RECORDED_JOBS = Path(__file__).resolve().parent.parent / "data" / "slurm-24.11.5" / "jobs-running.json"
+
+
+@pytest.mark.parametrize("release, flag", [
+    ("21.08.8", "--json"),
+    ("22.05.8", "--json"),
+    ("23.11.0", "--json=v0.0.40"),
+    ("23.11.10", "--json=v0.0.40"),
+    ("24.05.3", "--json=v0.0.41"),
+    ("24.11.5", "--json=v0.0.42"),
+    ("25.05.4", "--json=v0.0.43"),
+    ("25.11.0", "--json=v0.0.44"),
+    ("26.05.5", "--json=v0.0.45"),
+    ("26.11.0", "--json=v0.0.45"),
+    ("27.05.1", "--json=v0.0.45"),
+])
+def test_each_release_is_asked_for_the_newest_schema_tidal_reads(release: str, flag: str) -> None:
+    assert json_flag(parse.parse_version(f"slurm {release}")) == flag
+    if flag != "--json":
+        assert int(flag.rsplit(".", 1)[1]) in parse.DATA_PARSER_SCHEMAS
+
+
+def test_slurm_23_02_is_refused_before_anything_is_asked() -> None:
+    with pytest.raises(UnsupportedSlurmVersion, match=r"23\.02\.5 prints JSON schema v0\.0\.39"):
+        json_flag(SlurmVersion(23, 2, 5))
+
+
+def stand_in(folder: Path, name: str, body: str) -> None:
+    script = folder / name
+    script.write_text(f"#!/bin/sh\n{body}\n")
+    script.chmod(0o755)
+
+
+def test_the_client_asks_the_release_it_finds(tmp_path: Path) -> None:
+    stand_in(tmp_path, "scontrol", 'echo "slurm 25.11.2"')
+    stand_in(tmp_path, "squeue", f'echo "$@" > "{tmp_path}/squeue-args"\ncat "{RECORDED_JOBS}"')
+    jobs = CliJsonSlurmClient(bin_dir=str(tmp_path), timeout_s=10).list_jobs()
+    assert (tmp_path / "squeue-args").read_text().split() == ["--json=v0.0.44"]
+    assert {j.name for j in jobs} == {"unit-a", "pair-b", "waits-c"}
