@@ -143,7 +143,7 @@ def slurm_actor(tmp_path: Path, fake: FakeSlurmClient, **spec_fields: object) ->
                     created_at=time.time(), updated_at=time.time())
     store.insert_job(job)
     units = SlurmUnits(client=fake, launcher=("tidal-launcher",), controller_address="127.0.0.1:1",
-                       output_dir=tmp_path, secrets_dir=tmp_path)
+                       output_template=str(tmp_path / "units"), secrets_dir=tmp_path)
     return JobActor(job, [], None, generation_stopped=False, config=ControllerConfig(state_dir=tmp_path), store=store,
                     events=EventLog(store), metrics=ControllerMetrics(), started_at=time.monotonic(), slurm=units)
 
