@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.integration.conftest import TidalRun, alive
+from tests.integration.conftest import ControllerProcess, TidalRun, alive
 from tidal.controller.client import AdminClient
 from tidal.proto import admin_pb2, launcher_pb2
 
@@ -137,3 +137,28 @@ def test_admin_calls_are_checked_by_uid_and_token(tidal_run: TidalRun) -> None:
     assert result.stdout.startswith("PERMISSION_DENIED"), result.stdout + result.stderr
     assert "belongs to uid 0, not to uid 65534" in result.stdout
     assert tidal_run.job().state != admin_pb2.JOB_STATE_CANCELLED
+
+
+def test_roots_jobs_are_refused_unless_the_config_allows_them(tmp_path: Path) -> None:
+    """The shared service's default: training runs as the user it belongs to, never as
+    root; the refusal says how an admin would allow it, and nothing is kept."""
+    if os.geteuid() != 0:
+        pytest.skip("the caller must be root")
+    controller = ControllerProcess(tmp_path, {"allow_root_jobs": "false"})
+    controller.start()
+    try:
+        with controller.admin() as admin, pytest.raises(grpc.RpcError) as refused:
+            admin.submit(admin_pb2.JobSpec(name="as-root", min_replicas=1, max_replicas=1, command=["true"]))
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "jobs of root are refused" in (refused.value.details() or "")
+        assert "allow_root_jobs = true" in (refused.value.details() or "")
+        with controller.admin() as admin:
+            assert admin.jobs(include_finished=True) == []
+            # An admin names the user a job runs as; an unknown name is a clear error.
+            with pytest.raises(grpc.RpcError) as unknown:
+                admin.submit(admin_pb2.JobSpec(name="x", min_replicas=1, max_replicas=1, command=["true"]),
+                             owner="no-such-user-here")
+        assert unknown.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "no account named 'no-such-user-here'" in (unknown.value.details() or "")
+    finally:
+        controller.stop()
