@@ -11,7 +11,7 @@ import pytest
 from tidal.slurm import CliJsonSlurmClient, SlurmVersion, UnsupportedSlurmVersion, parse
 from tidal.slurm.cli_json import json_flag
 
-RECORDED_JOBS = Path(__file__).resolve().parent.parent / "data" / "slurm-24.11.5" / "jobs-running.json"
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 
 
 @pytest.mark.parametrize("release, flag", [
@@ -44,9 +44,15 @@ def stand_in(folder: Path, name: str, body: str) -> None:
     script.chmod(0o755)
 
 
-def test_the_client_asks_the_release_it_finds(tmp_path: Path) -> None:
-    stand_in(tmp_path, "scontrol", 'echo "slurm 25.11.2"')
-    stand_in(tmp_path, "squeue", f'echo "$@" > "{tmp_path}/squeue-args"\ncat "{RECORDED_JOBS}"')
+@pytest.mark.parametrize("version, recording, flag", [
+    ("slurm 25.11.2", "slurm-24.11.5", "--json=v0.0.44"),
+    # Debian's 26.05.5 and what it printed (tests/data/slurm-26.05.5/version.txt).
+    ("slurm-wlm 26.05.5", "slurm-26.05.5", "--json=v0.0.45"),
+])
+def test_the_client_asks_the_release_it_finds(tmp_path: Path, version: str, recording: str, flag: str) -> None:
+    stand_in(tmp_path, "scontrol", f'echo "{version}"')
+    jobs_file = DATA_DIR / recording / "jobs-running.json"
+    stand_in(tmp_path, "squeue", f'echo "$@" > "{tmp_path}/squeue-args"\ncat "{jobs_file}"')
     jobs = CliJsonSlurmClient(bin_dir=str(tmp_path), timeout_s=10).list_jobs()
-    assert (tmp_path / "squeue-args").read_text().split() == ["--json=v0.0.44"]
+    assert (tmp_path / "squeue-args").read_text().split() == [flag]
     assert {j.name for j in jobs} == {"unit-a", "pair-b", "waits-c"}

@@ -1,6 +1,7 @@
 """The parsers on JSON recorded from real Slurm releases (tests/data/slurm-*/, made by
-scripts/record-slurm-json). Both releases play the same scenario, so both must read the
-same: the same jobs in the same states, the same nodes, the same partitions."""
+scripts/record-slurm-json): 22.05.8 (openapi v0.0.38), 24.11.5 (data_parser v0.0.42) and
+26.05.5 (v0.0.45). Every release plays the same scenario, so all must read the same: the
+same jobs in the same states, the same nodes, the same partitions."""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ from tidal.slurm import (
     PreemptMode,
     SlurmParseError,
     SlurmReportedError,
+    SlurmVersion,
     parse,
 )
+from tidal.slurm.cli_json import json_flag
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 RECORDED_RELEASES = sorted(p.name.removeprefix("slurm-") for p in DATA_DIR.glob("slurm-*"))
@@ -36,10 +39,22 @@ def preemption_snapshots(release: str) -> list[Path]:
     return sorted((DATA_DIR / f"slurm-{release}").glob("jobs-preempt-*.json"))
 
 
-def test_both_schemas_are_recorded() -> None:
-    assert "22.05.8" in RECORDED_RELEASES and "24.11.5" in RECORDED_RELEASES
+def test_each_schema_family_is_recorded() -> None:
+    assert {"22.05.8", "24.11.5", "26.05.5"} <= set(RECORDED_RELEASES)
     schemas = {parse.schema_of(json.loads(recorded(r, "jobs-running.json"))) for r in RECORDED_RELEASES}
-    assert schemas == {"v0.0.38", "v0.0.42"}
+    assert schemas == {"v0.0.38", "v0.0.42", "v0.0.45"}
+
+
+@pytest.mark.parametrize("release", RECORDED_RELEASES)
+def test_recording_has_the_schema_the_client_asks_for(release: str) -> None:
+    """Each recording holds what CliJsonSlurmClient reads on that release: the recorder asks
+    with the client's own json_flag, and the release printed that schema."""
+    version = parse.parse_version(recorded(release, "version.txt"))
+    for name in ("jobs-running.json", "nodes-busy.json"):
+        schema = parse.schema_of(json.loads(recorded(release, name)))
+        # 21.08/22.05 take no schema version: their own openapi one is printed.
+        expected = "--json" if version < SlurmVersion(23, 11) else f"--json={schema}"
+        assert json_flag(version) == expected
 
 
 @pytest.mark.parametrize("release", RECORDED_RELEASES)
@@ -88,16 +103,19 @@ def test_preemption_is_seen_then_requeue(release: str) -> None:
     assert last["urgent-u"].state is JobState.RUNNING and len(last["urgent-u"].nodes) == 3
 
 
-def test_completing_while_requeued_job_is_killed() -> None:
+@pytest.mark.parametrize("new_release", ["24.11.5", "26.05.5"])
+def test_completing_while_requeued_job_is_killed(new_release: str) -> None:
     """unit-a ignores SIGTERM, so after preemption it stays COMPLETING for KillWait.
-    24.11 lists the flag beside the base state (["PENDING", "COMPLETING"]); 22.05 prints
-    the flag's name alone, so the base state is not visible then."""
+    24.11 and 26.05 list the flag beside the base state (["PENDING", "COMPLETING"]); 22.05
+    prints the flag's name alone, so the base state is not visible then."""
     def completing(release: str) -> list:
         return [j for s in preemption_snapshots(release) for j in parse.parse_jobs(s.read_text())
                 if JobFlag.COMPLETING in j.flags]
 
-    new = completing("24.11.5")
+    new = completing(new_release)
     assert new and all(j.state is JobState.PENDING and j.requeue_count == 1 for j in new)
+    # Still preempted while it holds its node: the controller must not count it as gone.
+    assert all(j.is_being_preempted and j.nodes for j in new)
     old = completing("22.05.8")
     assert old and all(j.state is JobState.UNKNOWN for j in old)
     assert all(j.is_active for j in new + old)
@@ -142,6 +160,15 @@ def test_partitions_as_26_05_prints_them_read_the_same() -> None:
     changed = "\n".join(as_printed_by_26_05(line) for line in text.splitlines() if line.strip())
     assert "Exclusive=NODE" in changed and "OverSubscribe=EXCLUSIVE" not in changed
     assert parse.parse_partitions_oneliner(changed) == parse.parse_partitions_oneliner(text)
+
+
+def test_recorded_26_05_partitions_are_the_24_11_lines_as_the_source_said() -> None:
+    """The real 26.05.5 text is the 24.11.5 text changed exactly as as_printed_by_26_05 says
+    (the mini cluster's partitions name no topology, so no `Topology=`), and reads the same."""
+    old, new = recorded("24.11.5", "partitions.txt"), recorded("26.05.5", "partitions.txt")
+    predicted = [as_printed_by_26_05(line).removesuffix(" Topology=default") for line in old.splitlines()]
+    assert new.splitlines() == predicted
+    assert parse.parse_partitions_oneliner(new) == parse.parse_partitions_oneliner(old)
 
 
 @pytest.mark.parametrize("text, message", [

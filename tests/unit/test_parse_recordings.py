@@ -58,7 +58,7 @@ def test_recordings_cover_every_release_since_23_11() -> None:
     releases = {p.parent.name for p in RECORDINGS.glob("*/0.0.4*")}
     assert {40, 41, 42, 43, 44} <= schemas
     assert {"23.11", "24.05", "24.11", "25.05", "25.11"} <= releases
-    # v0.0.45 (26.05) is read too, but no recording of it is at hand.
+    # v0.0.45 (26.05) is read too: its recording is tests/data/slurm-26.05.5 (test_parse.py).
     assert schemas - {39} <= parse.DATA_PARSER_SCHEMAS
 
 
