@@ -195,14 +195,30 @@ def units_to_submit(spec: admin_pb2.JobSpec, *, alive: int, idle_nodes: int, now
     return UnitDemand(count, f"{idle_nodes} idle node(s) fit; growing toward max_replicas {spec.max_replicas}")
 
 
-def unit_script(launcher: Sequence[str], *, controller: str, job_id: str, unit_id: str) -> str:
+def unit_script(launcher: Sequence[str], *, controller: str, job_id: str, unit_id: str, nodes: int = 1) -> str:
     """The unit's batch script: the launcher, nothing else; the job's secret reaches it
-    through the environment (a file path), never the script or argv."""
+    through the environment (a file path), never the script or argv.
+
+    A unit spanning `nodes` > 1 nodes runs one launcher per node with srun (the one on the
+    job's first node, where this script runs, leads the unit; `launcher.nodes`). srun does
+    not kill the other launchers when one fails (`--kill-on-bad-exit=0`): the leader must
+    live to report a lost node, and a follower that loses its leader exits by itself;
+    `--wait` ends the step should one launcher outlive the others by a minute."""
     command = [*launcher, "--controller", controller, "--job", job_id, "--unit", unit_id]
+    if nodes <= 1:
+        return "\n".join([
+            "#!/bin/bash",
+            f"# Tidal unit {unit_id} of elastic job {job_id}: one data-parallel replica.",
+            f"exec {shlex.join(command)}",
+            "",
+        ])
+    step = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=0",
+            "--wait=60"]
     return "\n".join([
         "#!/bin/bash",
-        f"# Tidal unit {unit_id} of elastic job {job_id}: one data-parallel replica.",
-        f"exec {shlex.join(command)}",
+        f"# Tidal unit {unit_id} of elastic job {job_id}: one data-parallel replica over {nodes} nodes,",
+        "# one launcher per node; the first node's leads the unit.",
+        f"exec {shlex.join([*step, *command, '--unit-nodes', str(nodes)])}",
         "",
     ])
 
@@ -212,7 +228,7 @@ def unit_submission(spec: admin_pb2.JobSpec, *, job_id: str, unit_id: str, launc
                     owner: UnitOwner | None = None) -> UnitSubmission:
     return UnitSubmission(
         name=f"tidal-{job_id}-{unit_id}", script=unit_script(launcher, controller=controller, job_id=job_id,
-                                                             unit_id=unit_id),
+                                                             unit_id=unit_id, nodes=max(1, spec.nodes_per_replica)),
         partition=spec.partition, nodes=max(1, spec.nodes_per_replica), exclusive=True,
         working_dir=spec.working_dir, output=str(output_dir / f"{job_id}-{unit_id}-%j.out"),
         comment=f"tidal job={job_id} unit={unit_id}", requeue=False, exclude_nodes=tuple(exclude),

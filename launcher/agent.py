@@ -51,10 +51,21 @@ from tidal.launcher.control import (
     WorkerToLauncher,
     World,
 )
+from tidal.launcher.follower import Follower, FollowerOptions
 from tidal.launcher.link import ControllerLink, ControllerSaid, LinkDown, LinkEvent, LinkRefused, LinkUp
 from tidal.launcher.liveness import ProcessSample, Silence, group_members, read_group_sample, silence_verdict
+from tidal.launcher.nodes import (
+    DEFAULT_PORT_BASE,
+    FollowerHub,
+    FollowerJoined,
+    FollowerLost,
+    FollowerSaid,
+    NodeEvent,
+    UnitNodes,
+    node_placement,
+    unit_nodes,
+)
 from tidal.launcher.workers import (
-    Placement,
     Worker,
     WorkerGroup,
     exit_status,
@@ -121,7 +132,7 @@ class Tick:
     pass
 
 
-AgentEvent = LinkEvent | WorkerExit | WorkersStopped | SignalReceived | Tick | WorkerSaid
+AgentEvent = LinkEvent | WorkerExit | WorkersStopped | SignalReceived | Tick | WorkerSaid | NodeEvent
 
 
 @dataclasses.dataclass
@@ -180,6 +191,11 @@ class LauncherOptions:
     # names it (they import torch, build the model and wait), so that joining a running
     # world costs the rendezvous and the state transfer, not the workers' start.
     prestart_workers: bool = True
+    # A unit spanning several nodes: this launcher leads it (node 0 of `unit_nodes`); the
+    # followers connect to it (`nodes`). None: a one-node unit.
+    unit_nodes: UnitNodes | None = None
+    # A follower silent this long (or whose connection breaks) is lost, and the replica with it.
+    node_timeout_s: float = 10.0
 
 
 class Agent:
@@ -216,6 +232,16 @@ class Agent:
         self.log = log.bind(job=options.job_id, unit=options.unit_id)
         self.link = ControllerLink(options.controller, register=self._register_message, post=self.events.put_nowait,
                                    tls_ca=options.tls_ca)
+        self.link_task: asyncio.Task[None] | None = None
+        # A multi-node unit's followers (the leader registers once all of them joined), and
+        # what each last reported of its workers, by node index.
+        layout = options.unit_nodes
+        self.hub = (FollowerHub(layout, job_id=options.job_id, unit_id=options.unit_id,
+                                slurm_job_id=options.slurm_job_id, secret=options.secret,
+                                post=self.events.put_nowait, node_timeout_s=options.node_timeout_s)
+                    if layout is not None and len(layout.nodes) > 1 else None)
+        self.node_progress: dict[int, list[launcher_pb2.WorkerProgress]] = {}
+        self.stopping_nodes: asyncio.Task[None] | None = None
 
     # Setup and teardown.
 
@@ -235,12 +261,13 @@ class Agent:
 
     def _register_message(self) -> launcher_pb2.Register:
         running = self.workers is not None and not self.workers.all_exited
+        followers = [w.pid for workers in self.node_progress.values() for w in workers]
         return launcher_pb2.Register(
             job_id=self.options.job_id, unit_id=self.options.unit_id, secret=self.options.secret,
             nodes=list(self.options.nodes), address=self.options.address,
             procs_per_node=self.registered.procs_per_node if self.registered else 0,
             slurm_job_id=self.options.slurm_job_id, last_epoch=self.generation,
-            worker_pids=self.workers.pids if running and self.workers else [],
+            worker_pids=(self.workers.pids if running and self.workers else []) + followers,
             launcher_version=_version(), store_port=self.store_port)
 
     async def run(self) -> int:
@@ -249,10 +276,15 @@ class Agent:
             loop.add_signal_handler(signum, self.events.put_nowait, SignalReceived(signum))
         self._new_store()
         await self.channel.start()
-        link_task = asyncio.create_task(self.link.run(), name="link")
+        if self.hub is None:
+            self._open_link()
+        else:
+            # The unit registers once every node is there: the controller then sees whole
+            # replicas only.
+            await self.hub.start()
         ticker = asyncio.create_task(self._tick_forever(), name="ticker")
         self.log.info("launcher_started", controller=self.options.controller, address=self.options.address,
-                      store_port=self.store_port, pid=os.getpid())
+                      store_port=self.store_port, pid=os.getpid(), nodes=list(self.options.nodes))
         try:
             while not self.state.is_final:
                 event = await self.events.get()
@@ -265,13 +297,20 @@ class Agent:
             ticker.cancel()
             if self.workers is not None and not self.workers.all_exited:
                 await self.workers.stop(grace_s=1.0)
+            if self.hub is not None:
+                await self.hub.close(self.exit_code, self.exit_reason)
             await self.channel.close()
             self.link.close()
-            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(link_task, timeout=2.0)
+            if self.link_task is not None:
+                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                    await asyncio.wait_for(self.link_task, timeout=2.0)
             shutil.rmtree(self.run_dir, ignore_errors=True)
         self.log.info("launcher_exited", state=self.state.value, exit_code=self.exit_code, reason=self.exit_reason)
         return self.exit_code
+
+    def _open_link(self) -> None:
+        if self.link_task is None:
+            self.link_task = asyncio.create_task(self.link.run(), name="link")
 
     async def _tick_forever(self) -> None:
         # Ticks come faster than heartbeats, so that a silent worker is found within a
@@ -303,6 +342,12 @@ class Agent:
                 self._on_tick()
             case WorkerSaid(local_rank, said):
                 self._on_worker_said(local_rank, said)
+            case FollowerJoined(index, node):
+                self._on_follower_joined(index, node)
+            case FollowerSaid(index, message):
+                self._on_follower_said(index, message)
+            case FollowerLost(index, node, reason):
+                self._on_follower_lost(index, node, reason)
 
     @property
     def live_mode(self) -> bool:
@@ -317,6 +362,11 @@ class Agent:
 
     def _on_registered(self, registered: launcher_pb2.Registered) -> None:
         self.registered = registered
+        if self.hub is not None and registered.mode == common_pb2.JOB_MODE_LIVE:
+            # The controller refuses such a job at submit; a launcher started by hand gets here.
+            self._finish(AgentState.FAILED, EXIT_REFUSED, "a unit spanning several nodes runs in restart mode only "
+                         "(live mode is not supported there yet)")
+            return
         if self.state is AgentState.CONNECTING:
             self.state = AgentState.WAITING
         self.log.info("registered", controller_generation=registered.current_epoch, own_generation=self.generation,
@@ -411,17 +461,13 @@ class Agent:
     def _start(self, start: launcher_pb2.StartEpoch, joining: bool = False, standby: bool = False) -> None:
         assert self.registered is not None
         mine = next((a for a in start.rank_table.assignments if a.unit_id == self.options.unit_id), None)
-        if mine is None:
+        placement = node_placement(start, self.options.unit_id)
+        if mine is None or placement is None:
             self.log.warning("not_in_rank_table", generation=start.epoch)
             return
         serving = (self.store_port, int(self.serving_store.port) if self.serving_store is not None else 0)
         if start.rendezvous.host_unit_id == self.options.unit_id and start.rendezvous.port not in serving:
             self.log.warning("rendezvous_port_mismatch", named=start.rendezvous.port, serving=self.store_port)
-        placement = Placement(generation=start.epoch, first_rank=mine.first_rank, group_rank=mine.group_rank,
-                              group_world_size=start.rank_table.groups or len(start.rank_table.assignments),
-                              procs_per_node=mine.procs_per_node, world_size=start.rank_table.world_size,
-                              master_addr=start.rendezvous.host, master_port=start.rendezvous.port,
-                              target_step=start.resume_step)
         progress = [self.run_dir / f"progress-{local}" for local in range(mine.procs_per_node)]
         extra = dict(self.registered.environment)
         if self.live_mode:
@@ -451,6 +497,10 @@ class Agent:
                 epoch=generation, local_rank=0, pid=0, exit_code=127)))
             self.state = AgentState.WAITING
             return
+        if self.hub is not None:
+            # The other nodes of the unit start theirs from the same message.
+            self.hub.send_all(launcher_pb2.LeaderMessage(start=launcher_pb2.NodeStart(registered=self.registered,
+                                                                                      start=start)))
         if standby:
             self.standby = True
             self.log.info("workers_on_standby", pids=[w.pid for w in self.workers.workers])
@@ -476,6 +526,9 @@ class Agent:
         self.state = next_state
         group = self.workers
         generation = self.generation
+        if self.hub is not None:
+            self._stop_unit_workers(group, generation, grace_s)
+            return
         if group is None or group.all_exited:
             if not already_stopping:
                 self.events.put_nowait(WorkersStopped(generation))
@@ -488,6 +541,22 @@ class Agent:
             self.events.put_nowait(WorkersStopped(generation))
 
         asyncio.get_running_loop().create_task(stop())
+
+    def _stop_unit_workers(self, group: WorkerGroup | None, generation: int, grace_s: float) -> None:
+        """A multi-node unit: stop this node's workers and every follower's, together;
+        WorkersStopped follows once all are gone (or their nodes lost)."""
+        hub = self.hub
+        assert hub is not None
+        if self.stopping_nodes is not None and not self.stopping_nodes.done():
+            return
+
+        async def stop() -> None:
+            local = group is not None and not group.all_exited and not group.stopping
+            await asyncio.gather(group.stop(grace_s) if local and group is not None else asyncio.sleep(0),
+                                 hub.stop_workers(generation, grace_s))
+            self.events.put_nowait(WorkersStopped(generation))
+
+        self.stopping_nodes = asyncio.get_running_loop().create_task(stop())
 
     def _on_workers_stopped(self, generation: int) -> None:
         if self.state.is_final:
@@ -664,7 +733,69 @@ class Agent:
                     entry.waiting = last_beat[1]
                     entry.samples = last_beat[2]
                 beat.workers.append(entry)
+        per_node = self.registered.procs_per_node if self.registered is not None else 0
+        for index, entries in sorted(self.node_progress.items()):
+            for relayed in entries:
+                entry = launcher_pb2.WorkerProgress()
+                entry.CopyFrom(relayed)
+                entry.local_rank = index * per_node + relayed.local_rank
+                beat.workers.append(entry)
         return beat
+
+    # The unit's other nodes (a multi-node unit's leader only).
+
+    def _on_follower_joined(self, index: int, node: str) -> None:
+        assert self.hub is not None
+        self.log.info("node_joined", node=node, node_index=index)
+        if self.hub.complete and self.state is AgentState.CONNECTING:
+            self.log.info("unit_nodes_complete", nodes=list(self.options.nodes))
+            self._open_link()
+
+    def _on_follower_said(self, index: int, message: launcher_pb2.FollowerMessage) -> None:
+        kind = message.WhichOneof("body")
+        if kind == "report":
+            if self.stopping_nodes is None or self.stopping_nodes.done():
+                self.node_progress[index] = list(message.report.workers)
+        elif kind == "stopped":
+            self.node_progress.pop(index, None)
+        elif kind == "worker_exited":
+            self._on_follower_worker_exit(index, message.worker_exited)
+
+    def _on_follower_worker_exit(self, index: int, exited: launcher_pb2.WorkerExited) -> None:
+        """A worker of a follower's node exited on its own: a worker exit of this unit (its
+        local rank counted over the unit's nodes)."""
+        if self.state.is_final or exited.epoch != self.generation:
+            return
+        if self.stopping_nodes is not None and not self.stopping_nodes.done():
+            return
+        per_node = self.registered.procs_per_node if self.registered is not None else 0
+        node = self.options.nodes[index]
+        forwarded = launcher_pb2.WorkerExited()
+        forwarded.CopyFrom(exited)
+        forwarded.local_rank = index * per_node + exited.local_rank
+        self.log.info("node_worker_exited", node=node, generation=exited.epoch, local_rank=forwarded.local_rank,
+                      pid=exited.pid, exit_code=exited.exit_code, signal=exited.signal)
+        self.link.send(launcher_pb2.LauncherMessage(worker_exited=forwarded))
+
+    def _on_follower_lost(self, index: int, node: str, reason: str) -> None:
+        """A node of the unit is gone, and the replica with it: say so as a worker exit of
+        the unit (the controller drops the replica, cancels its Slurm job and cools the
+        nodes down), stop this node's workers and exit non-zero."""
+        self.node_progress.pop(index, None)
+        if self.state.is_final or self.state is AgentState.LEAVING:
+            return
+        what = f"node {node} lost: {reason}"
+        self.log.warning("node_lost", node=node, node_index=index, reason=reason, state=self.state.value)
+        if self.state is AgentState.CONNECTING:
+            self._finish(AgentState.FAILED, EXIT_UNIT_FAILED, f"{what} (before the unit registered)")
+            return
+        per_node = self.registered.procs_per_node if self.registered is not None else 0
+        exited = launcher_pb2.WorkerExited(epoch=self.generation, local_rank=index * per_node, pid=0,
+                                           signal=signal.SIGKILL, detail=what)
+        exited.exited_at.GetCurrentTime()
+        self.link.send(launcher_pb2.LauncherMessage(worker_exited=exited))
+        self.failed_self = True
+        self._stop_workers(AgentState.STOPPING, 1.0)
 
     # Live mode.
 
@@ -840,6 +971,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stop-grace", type=float, default=10.0, help="SIGTERM-to-SIGKILL grace for workers")
     parser.add_argument("--no-prestart", action="store_true",
                         help="live mode: start workers only once a world names this unit")
+    parser.add_argument("--unit-nodes", type=int, default=int(env("TIDAL_UNIT_NODES") or 1),
+                        help="nodes the unit spans ($TIDAL_UNIT_NODES): with more than one, srun starts one "
+                        "launcher per node; the one on SLURM_NODEID 0 leads, the others follow it")
+    parser.add_argument("--node-port-base", type=int, default=int(env("TIDAL_NODE_PORT_BASE") or DEFAULT_PORT_BASE),
+                        help="multi-node units: the leader serves its followers on a port from this base "
+                        "(derived from SLURM_JOB_ID, the first free of a few) ($TIDAL_NODE_PORT_BASE)")
+    parser.add_argument("--node-timeout", type=float, default=10.0,
+                        help="multi-node units: a node silent this many seconds is lost, and the replica with it")
     parser.add_argument("--worker-silence-timeout", type=float, default=2.0,
                         help="live mode: a worker whose beats stopped this many seconds ago is killed if it is "
                         "frozen (stopped, or no CPU time since), never if it is busy; a limit the controller "
@@ -866,12 +1005,26 @@ def main(argv: list[str] | None = None) -> int:
     host = socket.gethostname()
     slurm_job_id = int(os.environ.get("SLURM_JOB_ID", "0") or 0)
     nodename = os.environ.get("SLURMD_NODENAME", host)
+    layout: UnitNodes | None = None
+    if args.unit_nodes > 1:
+        try:
+            layout = unit_nodes(os.environ, args.unit_nodes, args.node_port_base)
+        except ValueError as error:
+            print(f"tidal-launcher: {error}", file=sys.stderr)
+            return EXIT_USAGE
+    unit_id = args.unit or f"{layout.nodes[0] if layout else nodename}-{slurm_job_id or os.getpid()}"
+    if layout is not None and not layout.is_leader:
+        return asyncio.run(Follower(FollowerOptions(
+            job_id=args.job, unit_id=unit_id, secret=secret, layout=layout, slurm_job_id=slurm_job_id,
+            connect_timeout_s=args.connect_timeout, node_timeout_s=args.node_timeout,
+            stop_grace_s=args.stop_grace, leave_timeout_s=args.leave_timeout)).run())
     options = LauncherOptions(
-        controller=args.controller, job_id=args.job, unit_id=args.unit or f"{nodename}-{slurm_job_id or os.getpid()}",
-        secret=secret, address=args.address or host, nodes=(nodename,), slurm_job_id=slurm_job_id,
-        tls_ca=args.tls_ca, leave_timeout_s=args.leave_timeout, connect_timeout_s=args.connect_timeout,
-        stop_grace_s=args.stop_grace, worker_silence_timeout_s=args.worker_silence_timeout,
-        prestart_workers=not args.no_prestart)
+        controller=args.controller, job_id=args.job, unit_id=unit_id,
+        secret=secret, address=args.address or host, nodes=layout.nodes if layout else (nodename,),
+        slurm_job_id=slurm_job_id, tls_ca=args.tls_ca, leave_timeout_s=args.leave_timeout,
+        connect_timeout_s=args.connect_timeout, stop_grace_s=args.stop_grace,
+        worker_silence_timeout_s=args.worker_silence_timeout, prestart_workers=not args.no_prestart,
+        unit_nodes=layout, node_timeout_s=args.node_timeout)
     return asyncio.run(Agent(options).run())
 
 

@@ -260,3 +260,107 @@ class Leave(_message.Message):
     epoch: int
     reason: str
     def __init__(self, epoch: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class FollowerMessage(_message.Message):
+    __slots__ = ("hello", "proof", "report", "worker_exited", "stopped")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_EXITED_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_FIELD_NUMBER: _ClassVar[int]
+    hello: FollowerHello
+    proof: NodeProof
+    report: NodeReport
+    worker_exited: WorkerExited
+    stopped: NodeStopped
+    def __init__(self, hello: _Optional[_Union[FollowerHello, _Mapping]] = ..., proof: _Optional[_Union[NodeProof, _Mapping]] = ..., report: _Optional[_Union[NodeReport, _Mapping]] = ..., worker_exited: _Optional[_Union[WorkerExited, _Mapping]] = ..., stopped: _Optional[_Union[NodeStopped, _Mapping]] = ...) -> None: ...
+
+class LeaderMessage(_message.Message):
+    __slots__ = ("challenge", "accepted", "start", "stop", "beat", "done")
+    CHALLENGE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    BEAT_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    challenge: LeaderChallenge
+    accepted: NodeAccepted
+    start: NodeStart
+    stop: NodeStop
+    beat: NodeBeat
+    done: NodeDone
+    def __init__(self, challenge: _Optional[_Union[LeaderChallenge, _Mapping]] = ..., accepted: _Optional[_Union[NodeAccepted, _Mapping]] = ..., start: _Optional[_Union[NodeStart, _Mapping]] = ..., stop: _Optional[_Union[NodeStop, _Mapping]] = ..., beat: _Optional[_Union[NodeBeat, _Mapping]] = ..., done: _Optional[_Union[NodeDone, _Mapping]] = ...) -> None: ...
+
+class FollowerHello(_message.Message):
+    __slots__ = ("job_id", "unit_id", "slurm_job_id", "node_index", "node", "nonce")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    UNIT_ID_FIELD_NUMBER: _ClassVar[int]
+    SLURM_JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    unit_id: str
+    slurm_job_id: int
+    node_index: int
+    node: str
+    nonce: bytes
+    def __init__(self, job_id: _Optional[str] = ..., unit_id: _Optional[str] = ..., slurm_job_id: _Optional[int] = ..., node_index: _Optional[int] = ..., node: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
+class LeaderChallenge(_message.Message):
+    __slots__ = ("nonce", "proof")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    proof: bytes
+    def __init__(self, nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ...) -> None: ...
+
+class NodeProof(_message.Message):
+    __slots__ = ("proof",)
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    proof: bytes
+    def __init__(self, proof: _Optional[bytes] = ...) -> None: ...
+
+class NodeAccepted(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeStart(_message.Message):
+    __slots__ = ("registered", "start")
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    registered: Registered
+    start: StartEpoch
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., start: _Optional[_Union[StartEpoch, _Mapping]] = ...) -> None: ...
+
+class NodeStop(_message.Message):
+    __slots__ = ("epoch", "grace")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    GRACE_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    grace: _duration_pb2.Duration
+    def __init__(self, epoch: _Optional[int] = ..., grace: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class NodeStopped(_message.Message):
+    __slots__ = ("epoch",)
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
+
+class NodeReport(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerProgress]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerProgress, _Mapping]]] = ...) -> None: ...
+
+class NodeBeat(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeDone(_message.Message):
+    __slots__ = ("exit_code", "reason")
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    exit_code: int
+    reason: str
+    def __init__(self, exit_code: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...

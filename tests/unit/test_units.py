@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from tidal.controller.config import ControllerConfig
 from tidal.controller.events import EventLog
 from tidal.controller.jobs import (
@@ -23,13 +25,14 @@ from tidal.controller.metrics import ControllerMetrics
 from tidal.controller.model import JobRecord, JobState, UnitState
 from tidal.controller.security import secret_digest
 from tidal.controller.sessions import LauncherSession
-from tidal.controller.spec import normalized_spec
+from tidal.controller.spec import SpecError, normalized_spec
 from tidal.controller.store import StateStore
 from tidal.controller.units import (
     NodeNeeds,
     idle_nodes_for,
     node_needs,
     releasing,
+    unit_script,
     unit_submission,
     units_to_submit,
 )
@@ -132,6 +135,36 @@ def test_a_units_batch_script_starts_the_launcher_and_carries_no_secret(tmp_path
     assert submission.environment == {"TIDAL_SECRET_FILE": str(tmp_path / "lm-1a2b3c.secret")}
     assert submission.name == "tidal-lm-1a2b3c-u7" and submission.exclusive and not submission.requeue
     assert submission.extra_options == ("--time=10:00", "-A", "ml") and submission.partition == "train"
+
+
+def test_a_one_node_units_script_is_the_launcher_itself_and_a_two_node_units_runs_one_launcher_per_node_with_srun(
+        tmp_path: Path) -> None:
+    launcher = ("/venv/bin/python", "-m", "tidal.launcher.agent")
+    one = unit_script(launcher, controller="ctl:7420", job_id="lm-1a2b3c", unit_id="u7")
+    assert one == unit_script(launcher, controller="ctl:7420", job_id="lm-1a2b3c", unit_id="u7", nodes=1) == (
+        "#!/bin/bash\n# Tidal unit u7 of elastic job lm-1a2b3c: one data-parallel replica.\n"
+        "exec /venv/bin/python -m tidal.launcher.agent --controller ctl:7420 --job lm-1a2b3c --unit u7\n")
+    spec = admin_pb2.JobSpec(nodes_per_replica=2, mode=common_pb2.JOB_MODE_RESTART)
+    submission = unit_submission(spec, job_id="lm-1a2b3c", unit_id="u7", launcher=launcher, controller="ctl:7420",
+                                 secret_path=tmp_path / "lm-1a2b3c.secret", output_dir=tmp_path)
+    assert submission.nodes == 2
+    lines = submission.script.splitlines()
+    assert lines[0] == "#!/bin/bash" and all(line.startswith("#") for line in lines[:-1])
+    assert lines[-1] == ("exec srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=0 --wait=60 "
+                         "/venv/bin/python -m tidal.launcher.agent --controller ctl:7420 --job lm-1a2b3c --unit u7 "
+                         "--unit-nodes 2")
+    assert "secret" not in submission.script.lower()
+    assert submission.environment == {"TIDAL_SECRET_FILE": str(tmp_path / "lm-1a2b3c.secret")}
+
+
+def test_replicas_spanning_nodes_are_accepted_in_restart_mode_and_refused_in_live_mode() -> None:
+    spec = normalized_spec(admin_pb2.JobSpec(command=["train"], nodes_per_replica=2,
+                                             mode=common_pb2.JOB_MODE_RESTART))
+    assert spec.nodes_per_replica == 2
+    with pytest.raises(SpecError, match="live mode with replicas spanning nodes is not supported yet"):
+        normalized_spec(admin_pb2.JobSpec(command=["train"], nodes_per_replica=2, mode=common_pb2.JOB_MODE_LIVE))
+    with pytest.raises(SpecError, match="nodes_per_replica: must be >= 1"):
+        normalized_spec(admin_pb2.JobSpec(command=["train"], nodes_per_replica=-1))
 
 
 def slurm_actor(tmp_path: Path, fake: FakeSlurmClient, **spec_fields: object) -> JobActor:

@@ -1,0 +1,166 @@
+"""A unit spanning several nodes: where each node sits (pure), and the leader/follower
+channel on loopback (real sockets): only a follower holding the job's secret gets in,
+and the leader stays up for the right one after refusing a wrong one."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from tidal.launcher.nodes import (
+    FollowerHub,
+    FollowerJoined,
+    FollowerLost,
+    FollowerSaid,
+    LeaderRefused,
+    NodeEvent,
+    UnitNodes,
+    connect_to_leader,
+    leader_ports,
+    node_placement,
+    read_frame,
+    unit_nodes,
+    write_frame,
+)
+from tidal.launcher.workers import worker_environment
+from tidal.proto import common_pb2, launcher_pb2
+
+
+def test_the_leaders_ports_derive_from_the_slurm_job_id_and_neighbouring_jobs_do_not_share_any() -> None:
+    ports = leader_ports(41, base=20000, span=8000, count=8)
+    assert ports == leader_ports(41, base=20000, span=8000, count=8) and len(set(ports)) == 8
+    assert all(20000 <= p < 28000 for p in ports)
+    assert not set(ports) & set(leader_ports(42, base=20000, span=8000, count=8))
+
+
+def test_a_launcher_finds_its_node_and_its_leader_in_what_srun_sets() -> None:
+    env = {"SLURM_JOB_NODELIST": "n[2-3]", "SLURM_NODEID": "1", "SLURM_JOB_ID": "7",
+           "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.2"}
+    layout = unit_nodes(env, 2, port_base=20000)
+    assert layout == UnitNodes(nodes=("n2", "n3"), index=1, leader_address="10.0.0.2",
+                               ports=leader_ports(7, base=20000))
+    assert not layout.is_leader and layout.node == "n3"
+    assert unit_nodes({**env, "SLURM_NODEID": "0"}, 2).is_leader
+    # Without srun's address, the job's first node.
+    assert unit_nodes({k: v for k, v in env.items() if k != "SLURM_LAUNCH_NODE_IPADDR"}, 2).leader_address == "n2"
+    with pytest.raises(ValueError, match="asks for 3 nodes, but its Slurm job has 2"):
+        unit_nodes(env, 3)
+    with pytest.raises(ValueError, match="with srun"):
+        unit_nodes({"SLURM_JOB_ID": "7"}, 2)
+
+
+def start_epoch(unit_nodes_: list[str], first_rank: int, world_size: int, procs: int = 2) -> launcher_pb2.StartEpoch:
+    return launcher_pb2.StartEpoch(
+        epoch=3, resume_step=40,
+        rank_table=common_pb2.RankTable(world_size=world_size, groups=2, assignments=[common_pb2.RankAssignment(
+            unit_id="u2", nodes=unit_nodes_, group_rank=1, first_rank=first_rank, procs_per_node=procs)]),
+        rendezvous=common_pb2.Rendezvous(host="hostA", port=1234, host_unit_id="u1"))
+
+
+def test_a_two_node_units_ranks_are_laid_out_node_by_node_with_torchruns_node_rank() -> None:
+    # Two units of 2 nodes x 2 processes: u2 holds ranks 4..7, node n3 the first two.
+    start = start_epoch(["n3", "n4"], first_rank=4, world_size=8)
+    leader, follower = node_placement(start, "u2", 0), node_placement(start, "u2", 1)
+    assert leader is not None and follower is not None
+    assert (leader.first_rank, leader.group_rank, leader.group_world_size) == (4, 2, 4)
+    assert (follower.first_rank, follower.group_rank, follower.group_world_size) == (6, 3, 4)
+    assert node_placement(start, "u9", 0) is None
+    envs = [worker_environment({"TIDAL_SECRET_FILE": "/s", "PATH": "/bin"}, {}, placement=follower, local_rank=local,
+                               job_id="j", unit_id="u2", progress_file=Path("/p")) for local in (0, 1)]
+    assert [(e["RANK"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"], e["WORLD_SIZE"]) for e in envs] == [
+        ("6", "0", "2", "8"), ("7", "1", "2", "8")]
+    assert all(e["MASTER_ADDR"] == "hostA" and e["MASTER_PORT"] == "1234" and e["GROUP_RANK"] == "3"
+               and "TIDAL_SECRET_FILE" not in e for e in envs)
+    # A one-node unit keeps the unit's group rank and the number of units, as before.
+    single = node_placement(start_epoch(["n3"], first_rank=2, world_size=4), "u2")
+    assert single is not None and (single.first_rank, single.group_rank, single.group_world_size) == (2, 1, 2)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def layout(index: int, port: int) -> UnitNodes:
+    return UnitNodes(nodes=("n1", "n2"), index=index, leader_address="127.0.0.1", ports=(port,))
+
+
+IDENTITY = {"job_id": "lm-1", "unit_id": "u3", "slurm_job_id": 12}
+
+
+def test_a_follower_without_the_jobs_secret_is_refused_and_the_leader_then_admits_the_right_one() -> None:
+    async def scenario() -> None:
+        events: list[NodeEvent] = []
+        port = free_port()
+        hub = FollowerHub(layout(0, port), secret="right", post=events.append, bind_host="127.0.0.1",
+                          node_timeout_s=5.0, **IDENTITY)
+        await hub.start()
+        try:
+            # A peer that does not hold the secret answers the challenge with a wrong proof.
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            hello = launcher_pb2.FollowerHello(node_index=1, node="n2", nonce=os.urandom(32), **IDENTITY)
+            await write_frame(writer, launcher_pb2.FollowerMessage(hello=hello))
+            challenge = await read_frame(reader, launcher_pb2.LeaderMessage)
+            assert challenge.WhichOneof("body") == "challenge" and len(challenge.challenge.proof) == 32
+            await write_frame(writer, launcher_pb2.FollowerMessage(proof=launcher_pb2.NodeProof(proof=b"x" * 32)))
+            with pytest.raises(EOFError):
+                await read_frame(reader, launcher_pb2.LeaderMessage)
+            writer.close()
+            assert hub.refused == 1 and not hub.followers and not events
+            # A follower with a wrong secret does not take the leader for its own, and finds none.
+            with pytest.raises(TimeoutError, match="no leader of unit u3"):
+                await connect_to_leader(layout(1, port), secret="wrong", timeout_s=0.2, **IDENTITY)
+            # A hello for another unit is refused before any proof.
+            with pytest.raises(TimeoutError):
+                await connect_to_leader(layout(1, port), secret="right", timeout_s=0.2,
+                                        **{**IDENTITY, "unit_id": "u4"})
+            assert hub.refused >= 3 and not hub.followers
+
+            # The leader is still up: the right follower gets in, hears the leader, and its
+            # reports reach the leader.
+            reader, writer = await connect_to_leader(layout(1, port), secret="right", timeout_s=5.0, **IDENTITY)
+            await asyncio.sleep(0.05)
+            assert events == [FollowerJoined(1, "n2")] and hub.complete
+            hub.send_all(launcher_pb2.LeaderMessage(stop=launcher_pb2.NodeStop(epoch=4)))
+            relayed = await read_frame(reader, launcher_pb2.LeaderMessage)
+            assert relayed.WhichOneof("body") == "stop" and relayed.stop.epoch == 4
+            await write_frame(writer, launcher_pb2.FollowerMessage(stopped=launcher_pb2.NodeStopped(epoch=4)))
+            await asyncio.sleep(0.05)
+            assert isinstance(events[-1], FollowerSaid) and events[-1].message.stopped.epoch == 4
+            # The same node cannot join twice.
+            with pytest.raises((LeaderRefused, TimeoutError)):
+                await connect_to_leader(layout(1, port), secret="right", timeout_s=0.2, **IDENTITY)
+
+            # Its connection breaking loses the node, once.
+            writer.close()
+            await asyncio.sleep(0.1)
+            assert events[-1] == FollowerLost(1, "n2", "connection closed") and not hub.complete
+            assert sum(isinstance(e, FollowerLost) for e in events) == 1
+        finally:
+            await hub.close(0, "test over")
+
+    asyncio.run(scenario())
+
+
+def test_a_silent_follower_is_lost_after_the_node_timeout() -> None:
+    async def scenario() -> None:
+        events: list[NodeEvent] = []
+        port = free_port()
+        hub = FollowerHub(layout(0, port), secret="s", post=events.append, bind_host="127.0.0.1",
+                          node_timeout_s=1.5, **IDENTITY)
+        await hub.start()
+        try:
+            _, writer = await connect_to_leader(layout(1, port), secret="s", timeout_s=5.0, **IDENTITY)
+            await asyncio.sleep(3.5)
+            lost = [e for e in events if isinstance(e, FollowerLost)]
+            assert len(lost) == 1 and lost[0].reason.startswith("silent for"), events
+            writer.close()
+        finally:
+            await hub.close(0, "test over")
+
+    asyncio.run(scenario())
