@@ -59,6 +59,7 @@ from tidal.launcher.workers import (
     WorkerGroup,
     exit_status,
     read_progress,
+    read_worker_error,
     start_workers,
     worker_environment,
 )
@@ -423,6 +424,7 @@ class Agent:
                               master_addr=start.rendezvous.host, master_port=start.rendezvous.port,
                               target_step=start.resume_step)
         progress = [self.run_dir / f"progress-{local}" for local in range(mine.procs_per_node)]
+        errors = self._error_files(start.epoch, mine.procs_per_node)
         extra = dict(self.registered.environment)
         if self.live_mode:
             self.channel.reset()
@@ -436,13 +438,14 @@ class Agent:
                           "TIDAL_UNIT_GROUP": f"{self.options.unit_id}/{start.epoch}/{int(time.time() * 1000)}"})
         environments = [worker_environment(os.environ, extra, placement=placement,
                                            local_rank=local, job_id=self.options.job_id,
-                                           unit_id=self.options.unit_id, progress_file=progress[local])
+                                           unit_id=self.options.unit_id, progress_file=progress[local],
+                                           error_file=errors[local])
                         for local in range(mine.procs_per_node)]
         generation = start.epoch
         try:
             self.workers = start_workers(
                 list(self.registered.command), environments, generation=generation, first_rank=mine.first_rank,
-                working_dir=self.registered.working_dir, progress_files=progress,
+                working_dir=self.registered.working_dir, progress_files=progress, error_files=errors,
                 on_exit=lambda worker, code: self.events.put_nowait(WorkerExit(generation, worker, code)))
         except OSError as error:
             self.log.error("workers_not_started", generation=generation, error=str(error))
@@ -467,6 +470,14 @@ class Agent:
                          store_port=self.store_port)
         self.log.info("generation_started", generation=generation, rank=mine.first_rank,
                       world_size=placement.world_size, master=f"{placement.master_addr}:{placement.master_port}")
+
+    def _error_files(self, generation: int, procs: int) -> list[Path]:
+        """Each worker's TORCHELASTIC_ERROR_FILE, in a folder per generation, as torchrun's
+        `<log_dir>/attempt_<n>/<local rank>/error.json`. Only the new generation's folder is
+        kept: every earlier worker has exited and its exit was read."""
+        root = self.run_dir / "errors"
+        shutil.rmtree(root, ignore_errors=True)
+        return [root / f"generation-{generation}" / f"local-rank-{local}.json" for local in range(procs)]
 
     def _stop_workers(self, next_state: AgentState, grace_s: float) -> None:
         """Move to STOPPING or LEAVING; WorkersStopped follows once every worker is gone."""
@@ -526,11 +537,14 @@ class Agent:
             # Slurm signals the whole allocation; a worker ended by that SIGTERM is leaving too.
             self.log.info("worker_terminated_with_launcher", generation=generation, rank=worker.rank, pid=worker.pid)
             return
+        error = read_worker_error(worker.error_file) if returncode != 0 else None
         self.log.info("worker_exited", generation=generation, rank=worker.rank, pid=worker.pid, exit_code=exit_code,
-                      signal=signum)
+                      signal=signum, error=error.message if error is not None else None)
         exited = launcher_pb2.WorkerExited(epoch=self.generation, local_rank=worker.local_rank, pid=worker.pid,
                                            exit_code=exit_code, signal=signum,
-                                           detail=self.live.silenced.get(worker.local_rank, ""))
+                                           detail=self.live.silenced.get(worker.local_rank, ""),
+                                           error=error.message if error is not None else "",
+                                           traceback=error.traceback if error is not None else "")
         exited.exited_at.GetCurrentTime()
         self.link.send(launcher_pb2.LauncherMessage(worker_exited=exited))
         if self.live_mode and self.state is AgentState.STOPPING:
