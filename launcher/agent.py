@@ -221,17 +221,16 @@ class Agent:
     # Setup and teardown.
 
     def _new_store(self) -> None:
-        """A fresh rendezvous store for the next generation hosted here. Live mode serves one
+        """A fresh rendezvous store for the next generation hosted here, listening on this
+        unit's address only (`serve_store`). Live mode serves one
         for the launcher's life: its workers meet under a prefix per generation (`gen/<n>`).
         Restart mode needs a fresh one per generation, as under torchrun: an unmodified
         script's env:// rendezvous writes the same keys in every generation and cannot be
         given a prefix. So once a generation starts on this unit's store, a spare is made at
         once and its port reported with STARTED: the controller can plan the next
         generation and send it in one message, without a stop round first."""
-        from torch.distributed import TCPStore
-
         self.store = None
-        self.store = TCPStore(host_name=self.options.address, port=0, is_master=True, wait_for_workers=False)
+        self.store = serve_store(self.options.address)
         self.store_port = int(self.store.port)
 
     def _register_message(self) -> launcher_pb2.Register:
@@ -248,7 +247,14 @@ class Agent:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.events.put_nowait, SignalReceived(signum))
-        self._new_store()
+        try:
+            self._new_store()
+        except OSError as error:
+            self.log.error("store_not_served", address=self.options.address, error=str(error))
+            print(f"tidal-launcher: cannot serve the rendezvous store on {self.options.address}: {error} "
+                  "(--address must be an address of this node)", file=sys.stderr)
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            return EXIT_USAGE
         await self.channel.start()
         link_task = asyncio.create_task(self.link.run(), name="link")
         ticker = asyncio.create_task(self._tick_forever(), name="ticker")
@@ -816,6 +822,27 @@ class Agent:
         self.state = state
         self.exit_code = exit_code
         self.exit_reason = reason
+
+
+def serve_store(address: str) -> Any:
+    """A torch TCPStore server listening on `address` only (a host name is resolved; the
+    first address it resolves to, as a peer resolving it tries first), on a free port.
+    torch 2.13's TCPStore binds every interface; handed a socket already bound
+    (`master_listen_fd`), it listens on that one and owns it. Raises OSError when
+    `address` is not one of this node's."""
+    from torch.distributed import TCPStore
+
+    family, kind, protocol, _, where = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, protocol)
+    try:
+        listener.bind(where)
+        listener.listen(socket.SOMAXCONN)
+    except OSError:
+        listener.close()
+        raise
+    port = int(listener.getsockname()[1])
+    return TCPStore(host_name=address, port=port, is_master=True, wait_for_workers=False,
+                    master_listen_fd=listener.detach())
 
 
 def _version() -> str:
