@@ -248,9 +248,16 @@ def command_status(args: argparse.Namespace) -> int:
 
 
 def _event_line(event: admin_pb2.Event) -> str:
+    """One line per event; a field of several lines (a worker's traceback) follows it,
+    indented."""
     at = datetime.datetime.fromtimestamp(event.time.ToNanoseconds() / 1e9).strftime("%H:%M:%S.%f")[:-3]
-    fields = " ".join(f"{k}={v}" for k, v in sorted(event.fields.items()))
-    return f"{at}  {event.epoch:>3}  {event.kind:<22} {event.unit_id or '-':<10} {event.reason}  {fields}".rstrip()
+    items = sorted(event.fields.items())
+    fields = " ".join(f"{k}={v}" for k, v in items if "\n" not in v)
+    line = f"{at}  {event.epoch:>3}  {event.kind:<22} {event.unit_id or '-':<10} {event.reason}  {fields}".rstrip()
+    for key, value in items:
+        if "\n" in value:
+            line += f"\n    {key}:\n" + "\n".join(f"      {text}" for text in value.splitlines())
+    return line
 
 
 def command_events(args: argparse.Namespace) -> int:

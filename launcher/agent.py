@@ -68,8 +68,10 @@ from tidal.launcher.nodes import (
 from tidal.launcher.workers import (
     Worker,
     WorkerGroup,
+    error_files,
     exit_status,
     read_progress,
+    read_worker_error,
     start_workers,
     worker_environment,
 )
@@ -246,17 +248,16 @@ class Agent:
     # Setup and teardown.
 
     def _new_store(self) -> None:
-        """A fresh rendezvous store for the next generation hosted here. Live mode serves one
+        """A fresh rendezvous store for the next generation hosted here, listening on this
+        unit's address only (`serve_store`). Live mode serves one
         for the launcher's life: its workers meet under a prefix per generation (`gen/<n>`).
         Restart mode needs a fresh one per generation, as under torchrun: an unmodified
         script's env:// rendezvous writes the same keys in every generation and cannot be
         given a prefix. So once a generation starts on this unit's store, a spare is made at
         once and its port reported with STARTED: the controller can plan the next
         generation and send it in one message, without a stop round first."""
-        from torch.distributed import TCPStore
-
         self.store = None
-        self.store = TCPStore(host_name=self.options.address, port=0, is_master=True, wait_for_workers=False)
+        self.store = serve_store(self.options.address)
         self.store_port = int(self.store.port)
 
     def _register_message(self) -> launcher_pb2.Register:
@@ -274,7 +275,14 @@ class Agent:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.events.put_nowait, SignalReceived(signum))
-        self._new_store()
+        try:
+            self._new_store()
+        except OSError as error:
+            self.log.error("store_not_served", address=self.options.address, error=str(error))
+            print(f"tidal-launcher: cannot serve the rendezvous store on {self.options.address}: {error} "
+                  "(--address must be an address of this node)", file=sys.stderr)
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            return EXIT_USAGE
         await self.channel.start()
         if self.hub is None:
             self._open_link()
@@ -469,6 +477,7 @@ class Agent:
         if start.rendezvous.host_unit_id == self.options.unit_id and start.rendezvous.port not in serving:
             self.log.warning("rendezvous_port_mismatch", named=start.rendezvous.port, serving=self.store_port)
         progress = [self.run_dir / f"progress-{local}" for local in range(mine.procs_per_node)]
+        errors = error_files(self.run_dir, start.epoch, mine.procs_per_node)
         extra = dict(self.registered.environment)
         if self.live_mode:
             self.channel.reset()
@@ -482,13 +491,14 @@ class Agent:
                           "TIDAL_UNIT_GROUP": f"{self.options.unit_id}/{start.epoch}/{int(time.time() * 1000)}"})
         environments = [worker_environment(os.environ, extra, placement=placement,
                                            local_rank=local, job_id=self.options.job_id,
-                                           unit_id=self.options.unit_id, progress_file=progress[local])
+                                           unit_id=self.options.unit_id, progress_file=progress[local],
+                                           error_file=errors[local])
                         for local in range(mine.procs_per_node)]
         generation = start.epoch
         try:
             self.workers = start_workers(
                 list(self.registered.command), environments, generation=generation, first_rank=mine.first_rank,
-                working_dir=self.registered.working_dir, progress_files=progress,
+                working_dir=self.registered.working_dir, progress_files=progress, error_files=errors,
                 on_exit=lambda worker, code: self.events.put_nowait(WorkerExit(generation, worker, code)))
         except OSError as error:
             self.log.error("workers_not_started", generation=generation, error=str(error))
@@ -595,11 +605,14 @@ class Agent:
             # Slurm signals the whole allocation; a worker ended by that SIGTERM is leaving too.
             self.log.info("worker_terminated_with_launcher", generation=generation, rank=worker.rank, pid=worker.pid)
             return
+        error = read_worker_error(worker.error_file) if returncode != 0 else None
         self.log.info("worker_exited", generation=generation, rank=worker.rank, pid=worker.pid, exit_code=exit_code,
-                      signal=signum)
+                      signal=signum, error=error.message if error is not None else None)
         exited = launcher_pb2.WorkerExited(epoch=self.generation, local_rank=worker.local_rank, pid=worker.pid,
                                            exit_code=exit_code, signal=signum,
-                                           detail=self.live.silenced.get(worker.local_rank, ""))
+                                           detail=self.live.silenced.get(worker.local_rank, ""),
+                                           error=error.message if error is not None else "",
+                                           traceback=error.traceback if error is not None else "")
         exited.exited_at.GetCurrentTime()
         self.link.send(launcher_pb2.LauncherMessage(worker_exited=exited))
         if self.live_mode and self.state is AgentState.STOPPING:
@@ -933,6 +946,27 @@ class Agent:
         self.state = state
         self.exit_code = exit_code
         self.exit_reason = reason
+
+
+def serve_store(address: str) -> Any:
+    """A torch TCPStore server listening on `address` only (a host name is resolved; the
+    first address it resolves to, as a peer resolving it tries first), on a free port.
+    torch 2.13's TCPStore binds every interface; handed a socket already bound
+    (`master_listen_fd`), it listens on that one and owns it. Raises OSError when
+    `address` is not one of this node's."""
+    from torch.distributed import TCPStore
+
+    family, kind, protocol, _, where = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, protocol)
+    try:
+        listener.bind(where)
+        listener.listen(socket.SOMAXCONN)
+    except OSError:
+        listener.close()
+        raise
+    port = int(listener.getsockname()[1])
+    return TCPStore(host_name=address, port=port, is_master=True, wait_for_workers=False,
+                    master_listen_fd=listener.detach())
 
 
 def _version() -> str:

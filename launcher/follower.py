@@ -24,7 +24,16 @@ from pathlib import Path
 import structlog
 
 from tidal.launcher.nodes import LeaderRefused, UnitNodes, connect_to_leader, node_placement, read_frame
-from tidal.launcher.workers import Worker, WorkerGroup, exit_status, read_progress, start_workers, worker_environment
+from tidal.launcher.workers import (
+    Worker,
+    WorkerGroup,
+    error_files,
+    exit_status,
+    read_progress,
+    read_worker_error,
+    start_workers,
+    worker_environment,
+)
 from tidal.proto import launcher_pb2
 
 log = structlog.get_logger("tidal.launcher.follower")
@@ -245,16 +254,17 @@ class Follower:
             return
         registered = relayed.registered
         progress = [self.run_dir / f"progress-{local}" for local in range(placement.procs_per_node)]
+        errors = error_files(self.run_dir, start.epoch, placement.procs_per_node)
         environments = [worker_environment(os.environ, dict(registered.environment), placement=placement,
                                            local_rank=local, job_id=options.job_id, unit_id=options.unit_id,
-                                           progress_file=progress[local])
+                                           progress_file=progress[local], error_file=errors[local])
                         for local in range(placement.procs_per_node)]
         generation = start.epoch
         self.generation = generation
         try:
             self.workers = start_workers(
                 list(registered.command), environments, generation=generation, first_rank=placement.first_rank,
-                working_dir=registered.working_dir, progress_files=progress,
+                working_dir=registered.working_dir, progress_files=progress, error_files=errors,
                 on_exit=lambda worker, code: self.events.put_nowait(WorkerExit(generation, worker, code)))
         except OSError as error:
             self.log.error("workers_not_started", generation=generation, error=str(error))
@@ -309,10 +319,13 @@ class Follower:
             # Slurm signals the whole allocation; a worker ended by that SIGTERM is leaving too.
             self.log.info("worker_terminated_with_launcher", generation=generation, rank=worker.rank, pid=worker.pid)
             return
+        error = read_worker_error(worker.error_file) if returncode != 0 else None
         self.log.info("worker_exited", generation=generation, rank=worker.rank, pid=worker.pid, exit_code=exit_code,
-                      signal=signum)
+                      signal=signum, error=error.message if error is not None else None)
         exited = launcher_pb2.WorkerExited(epoch=generation, local_rank=worker.local_rank, pid=worker.pid,
-                                           exit_code=exit_code, signal=signum)
+                                           exit_code=exit_code, signal=signum,
+                                           error=error.message if error is not None else "",
+                                           traceback=error.traceback if error is not None else "")
         exited.exited_at.GetCurrentTime()
         self._send(launcher_pb2.FollowerMessage(worker_exited=exited))
 

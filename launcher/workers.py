@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +25,14 @@ log = structlog.get_logger("tidal.launcher.workers")
 
 # Variables a worker must not inherit from its launcher.
 PRIVATE_VARIABLES = frozenset({"TIDAL_JOB_SECRET", "TIDAL_SECRET_FILE"})
+# torchrun's TORCHELASTIC_MAX_RESTARTS is never negative; Tidal restarts a job's workers
+# without a limit, so it says the largest count a 32-bit reader takes.
+UNLIMITED_RESTARTS = 2**31 - 1
+# What of a failed worker's error file travels to the controller: the exception line, and
+# the last lines of its traceback, within a few KiB.
+MAX_ERROR_MESSAGE_CHARS = 500
+MAX_TRACEBACK_LINES = 20
+MAX_TRACEBACK_CHARS = 3000
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
@@ -41,14 +51,20 @@ class Placement:
 
 
 def worker_environment(base: Mapping[str, str], extra: Mapping[str, str], *, placement: Placement, local_rank: int,
-                       job_id: str, unit_id: str, progress_file: Path) -> dict[str, str]:
+                       job_id: str, unit_id: str, progress_file: Path, error_file: Path) -> dict[str, str]:
     """The environment of one worker: the launcher's (minus its secrets), the job's own
-    variables, then what torchrun would set, then Tidal's. A script written for torchrun
-    (env:// rendezvous) runs unmodified; TORCHELASTIC_USE_AGENT_STORE makes every rank a
-    client of the store the generation's host launcher serves, as under torchrun."""
+    variables, then what torchrun 2.13's agent sets, then Tidal's. A script written for
+    torchrun (env:// rendezvous) runs unmodified; TORCHELASTIC_USE_AGENT_STORE makes every
+    rank a client of the store the generation's host launcher serves, as under torchrun.
+    One role ("default"): ROLE_RANK and ROLE_WORLD_SIZE are the global rank and world
+    size. TORCHELASTIC_RESTART_COUNT counts every restart (generation - 1), where torchrun
+    counts those after a failure only. TORCHELASTIC_ERROR_FILE is where torch's `@record`
+    writes a failing worker's exception (`read_worker_error`)."""
     env = {k: v for k, v in base.items() if k not in PRIVATE_VARIABLES}
     env.update(extra)
     rank = placement.first_rank + local_rank
+    # torchrun keeps a value its own environment sets, else "1".
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     env.update({
         "RANK": str(rank),
         "LOCAL_RANK": str(local_rank),
@@ -62,9 +78,10 @@ def worker_environment(base: Mapping[str, str], extra: Mapping[str, str], *, pla
         "MASTER_ADDR": placement.master_addr,
         "MASTER_PORT": str(placement.master_port),
         "TORCHELASTIC_RESTART_COUNT": str(placement.generation - 1),
-        "TORCHELASTIC_MAX_RESTARTS": "-1",
+        "TORCHELASTIC_MAX_RESTARTS": str(UNLIMITED_RESTARTS),
         "TORCHELASTIC_RUN_ID": job_id,
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_USE_AGENT_STORE": str(True),
+        "TORCHELASTIC_ERROR_FILE": str(error_file),
         "TIDAL_JOB_ID": job_id,
         "TIDAL_UNIT_ID": unit_id,
         "TIDAL_EPOCH": str(placement.generation),
@@ -91,6 +108,59 @@ def read_progress(path: Path) -> WorkerProgress | None:
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class WorkerError:
+    """A failed worker's own account, from the error file torch's `@record` wrote."""
+
+    # The exception line ("ValueError: boom 42"), at most MAX_ERROR_MESSAGE_CHARS.
+    message: str
+    # The end of its traceback: at most MAX_TRACEBACK_LINES lines, MAX_TRACEBACK_CHARS.
+    traceback: str
+
+
+def error_files(run_dir: Path, generation: int, procs: int) -> list[Path]:
+    """Each worker's TORCHELASTIC_ERROR_FILE, in a folder per generation, as torchrun's
+    `<log_dir>/attempt_<n>/<local rank>/error.json`. Only the new generation's folder is
+    kept: every earlier worker has exited and its exit was read."""
+    root = run_dir / "errors"
+    shutil.rmtree(root, ignore_errors=True)
+    return [root / f"generation-{generation}" / f"local-rank-{local}.json" for local in range(procs)]
+
+
+def read_worker_error(path: Path) -> WorkerError | None:
+    """What torch's ErrorHandler wrote into `path` (TORCHELASTIC_ERROR_FILE), read as
+    torchrun's ProcessFailure reads it: {"message": {"message": ..., "extraInfo":
+    {"py_callstack": ...}}}, or {"message": "..."}. None when there is no file (the worker
+    did not use `@record`, or died by a signal) or it holds no such JSON (logged)."""
+    try:
+        data = json.loads(path.read_text(errors="replace"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as error:
+        log.warning("error_file_unreadable", path=str(path), error=str(error))
+        return None
+    found = data.get("message") if isinstance(data, dict) else None
+    if isinstance(found, str):
+        return WorkerError(message=_bounded_message(found), traceback="")
+    if not isinstance(found, dict) or not isinstance(found.get("message"), str):
+        log.warning("error_file_unreadable", path=str(path), error="no message in it")
+        return None
+    extra = found.get("extraInfo")
+    callstack = extra.get("py_callstack") if isinstance(extra, dict) else None
+    return WorkerError(message=_bounded_message(found["message"]),
+                       traceback=_traceback_tail(callstack) if isinstance(callstack, str) else "")
+
+
+def _bounded_message(message: str) -> str:
+    return message.strip()[:MAX_ERROR_MESSAGE_CHARS]
+
+
+def _traceback_tail(callstack: str) -> str:
+    """The last MAX_TRACEBACK_LINES lines, within MAX_TRACEBACK_CHARS (the end kept)."""
+    tail = "\n".join(callstack.rstrip().splitlines()[-MAX_TRACEBACK_LINES:])
+    return tail[-MAX_TRACEBACK_CHARS:]
+
+
 @dataclasses.dataclass
 class Worker:
     local_rank: int
@@ -98,6 +168,8 @@ class Worker:
     process: subprocess.Popen[bytes]
     progress_file: Path
     exited: asyncio.Future[int]
+    # Where torch's `@record` writes its exception (TORCHELASTIC_ERROR_FILE).
+    error_file: Path
 
     @property
     def pid(self) -> int:
@@ -142,22 +214,28 @@ def _signal_group(pid: int, signum: int) -> None:
 
 
 def start_workers(command: Sequence[str], environments: Sequence[dict[str, str]], *, generation: int, first_rank: int,
-                  working_dir: str, progress_files: Sequence[Path],
+                  working_dir: str, progress_files: Sequence[Path], error_files: Sequence[Path],
                   on_exit: Callable[[Worker, int], None]) -> WorkerGroup:
     """Start one process per environment; `on_exit(worker, returncode)` runs on the event
-    loop when one exits (negative: killed by that signal). Raises OSError if the command
-    cannot be started (after stopping the ones already started)."""
+    loop when one exits (negative: killed by that signal). Each worker's error file
+    (`error_files`, named in its environment) is absent, and its folder there, when it
+    starts. Raises OSError if the command cannot be started (after stopping the ones
+    already started)."""
     loop = asyncio.get_running_loop()
     workers: list[Worker] = []
     try:
         for local_rank, env in enumerate(environments):
             with contextlib.suppress(FileNotFoundError):
                 progress_files[local_rank].unlink()
+            error_file = error_files[local_rank]
+            error_file.parent.mkdir(parents=True, exist_ok=True)
+            error_file.unlink(missing_ok=True)
             wrapped = [sys.executable, "-m", "tidal.launcher.deathsig", str(os.getpid()), *command]
             process = subprocess.Popen(wrapped, env=env, cwd=working_dir or None, start_new_session=True,
                                        stdin=subprocess.DEVNULL)
             worker = Worker(local_rank=local_rank, rank=first_rank + local_rank, process=process,
-                            progress_file=progress_files[local_rank], exited=loop.create_future())
+                            progress_file=progress_files[local_rank], exited=loop.create_future(),
+                            error_file=error_file)
             workers.append(worker)
             _watch_exit(loop, worker, on_exit)
     except OSError:

@@ -117,7 +117,7 @@ class Heartbeat(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., sequence: _Optional[int] = ..., sent_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerProgress, _Mapping]]] = ...) -> None: ...
 
 class WorkerExited(_message.Message):
-    __slots__ = ("epoch", "local_rank", "pid", "exit_code", "signal", "exited_at", "detail")
+    __slots__ = ("epoch", "local_rank", "pid", "exit_code", "signal", "exited_at", "detail", "error", "traceback")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,8 @@ class WorkerExited(_message.Message):
     SIGNAL_FIELD_NUMBER: _ClassVar[int]
     EXITED_AT_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    TRACEBACK_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     local_rank: int
     pid: int
@@ -132,7 +134,9 @@ class WorkerExited(_message.Message):
     signal: int
     exited_at: _timestamp_pb2.Timestamp
     detail: str
-    def __init__(self, epoch: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., exited_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., detail: _Optional[str] = ...) -> None: ...
+    error: str
+    traceback: str
+    def __init__(self, epoch: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., exited_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., detail: _Optional[str] = ..., error: _Optional[str] = ..., traceback: _Optional[str] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("epoch", "cause", "deadline", "detail")

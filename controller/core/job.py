@@ -480,6 +480,33 @@ def describe_exit(exit_code: int, signal_number: int) -> str:
     return f"exit code {exit_code}"
 
 
+# A launcher's account of a worker's exception goes into events within these bounds,
+# whatever the launcher sent.
+MAX_WORKER_ERROR_CHARS = 500
+MAX_WORKER_TRACEBACK_CHARS = 4000
+
+
+def describe_worker_exit(exited: launcher_pb2.WorkerExited) -> str:
+    """How a worker exited, with why its launcher ended it and the exception it raised:
+    'exit code 1: ValueError: boom 42'."""
+    how = describe_exit(exited.exit_code, exited.signal)
+    if exited.detail:
+        how += f" ({exited.detail})"
+    if exited.error:
+        how += f": {exited.error[:MAX_WORKER_ERROR_CHARS]}"
+    return how
+
+
+def worker_error_fields(exited: launcher_pb2.WorkerExited) -> dict[str, str]:
+    """The event fields of a worker's exception (its error file): `error`, `traceback`."""
+    fields = {}
+    if exited.error:
+        fields["error"] = exited.error[:MAX_WORKER_ERROR_CHARS]
+    if exited.traceback:
+        fields["traceback"] = exited.traceback[-MAX_WORKER_TRACEBACK_CHARS:]
+    return fields
+
+
 def duration(seconds: float) -> duration_pb2.Duration:
     value = duration_pb2.Duration()
     value.FromNanoseconds(int(seconds * 1e9))
@@ -684,11 +711,10 @@ class _Transition:
             self._begin_finishing(unit_id, exited.epoch, self.job.step, f"rank {rank} (pid {exited.pid}) exited 0")
             self._on_exit_after_finish(unit_id, exited)
             return
-        detail = f" ({exited.detail})" if exited.detail else ""
-        self._fail(unit_id, f"worker rank {rank} (pid {exited.pid}) "
-                   f"{describe_exit(exited.exit_code, exited.signal)}{detail}",
+        self._fail(unit_id, f"worker rank {rank} (pid {exited.pid}) {describe_worker_exit(exited)}",
                    "silent" if exited.detail else "worker_exit", self.now.monotonic,
-                   failed_at=exited.exited_at.ToNanoseconds() / 1e9 if exited.HasField("exited_at") else None)
+                   failed_at=exited.exited_at.ToNanoseconds() / 1e9 if exited.HasField("exited_at") else None,
+                   fields=worker_error_fields(exited))
 
     def _on_disconnected(self, unit_id: str, reason: str) -> None:
         state = self.state
@@ -843,11 +869,13 @@ class _Transition:
     # Failure and stop.
 
     def _fail(self, unit_id: str, reason: str, cause: str, detected_at: float,
-              failed_at: float | None = None, regroup: bool = True) -> bool:
+              failed_at: float | None = None, regroup: bool = True,
+              fields: Mapping[str, str] | None = None) -> bool:
         """The one failure path: record, tell the failed unit to kill its workers, and move
         the others to the next generation (`_regroup`; with `regroup` False the caller does,
         once for failures found together). `failed_at` (wall clock) is when the failure
-        happened, where known; the survivors' first step after it ends the recovery.
+        happened, where known; the survivors' first step after it ends the recovery;
+        `fields` go into the failure's event besides its cause (a worker's exception).
         Whether the running world must re-form without the unit."""
         state = self.state
         unit = state.units.get(unit_id)
@@ -866,7 +894,7 @@ class _Transition:
         unit.state = UnitState.FAILED
         unit.reason = reason
         self.emit(SaveUnit(unit), Record("failure_detected", reason, unit_id=unit_id, generation=number,
-                                         fields={"cause": cause}), Metric("failures", label=cause))
+                                         fields={"cause": cause, **(fields or {})}), Metric("failures", label=cause))
         if state.slurm_units:
             self._cool_down(unit, detected_at)
             # A failed unit never comes back: whatever is left of it (a hung launcher, a
@@ -1476,11 +1504,12 @@ class _Transition:
             self.record("worker_finished", f"local rank {exited.local_rank} (pid {exited.pid}) exited 0",
                         unit_id=unit_id)
         else:
-            how = describe_exit(exited.exit_code, exited.signal) + (f" ({exited.detail})" if exited.detail else "")
+            how = describe_worker_exit(exited)
             state.exited_failed.setdefault(unit_id, {})[exited.local_rank] = how
             self.record("worker_failed_after_training",
                         f"local rank {exited.local_rank} (pid {exited.pid}) {how} after the last step; "
-                        "training is complete, so nothing re-forms", unit_id=unit_id)
+                        "training is complete, so nothing re-forms", unit_id=unit_id,
+                        fields=worker_error_fields(exited))
         self._maybe_complete()
 
     def _maybe_complete(self) -> None:

@@ -128,13 +128,26 @@ def test_worker_environment_is_torchrun_compatible_and_holds_no_secret(tmp_path:
     placement = Placement(generation=3, first_rank=4, group_rank=2, group_world_size=3, procs_per_node=2, world_size=6,
                           master_addr="n1", master_port=29400)
     env = worker_environment({"PATH": "/bin", "TIDAL_JOB_SECRET": "s", "TIDAL_SECRET_FILE": "/s"}, {"FOO": "bar"},
-                             placement=placement, local_rank=1, job_id="j", unit_id="u", progress_file=tmp_path / "p")
-    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                                "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")} == {
+                             placement=placement, local_rank=1, job_id="j", unit_id="u", progress_file=tmp_path / "p",
+                             error_file=tmp_path / "e.json")
+    # Every variable torchrun 2.13's agent sets (LocalElasticAgent._start_workers), one role.
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                                "GROUP_WORLD_SIZE", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR",
+                                "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+                                "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+                                "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_ERROR_FILE")} == {
         "RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "2",
-        "MASTER_ADDR": "n1", "MASTER_PORT": "29400", "TORCHELASTIC_RESTART_COUNT": "2"}
-    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True" and env["TIDAL_EPOCH"] == "3" and env["FOO"] == "bar"
+        "GROUP_WORLD_SIZE": "3", "ROLE_NAME": "default", "ROLE_RANK": "5", "ROLE_WORLD_SIZE": "6",
+        "MASTER_ADDR": "n1", "MASTER_PORT": "29400", "TORCHELASTIC_RESTART_COUNT": "2",
+        "TORCHELASTIC_MAX_RESTARTS": "2147483647", "TORCHELASTIC_RUN_ID": "j", "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCHELASTIC_ERROR_FILE": str(tmp_path / "e.json")}
+    assert env["TIDAL_EPOCH"] == "3" and env["FOO"] == "bar"
     assert "TIDAL_JOB_SECRET" not in env and "TIDAL_SECRET_FILE" not in env and env["OMP_NUM_THREADS"] == "1"
+    # As under torchrun, a value the job sets wins over the default.
+    own = worker_environment({}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "OMP_NUM_THREADS": "4"},
+                             placement=placement, local_rank=0, job_id="j", unit_id="u", progress_file=tmp_path / "p",
+                             error_file=tmp_path / "e.json")
+    assert own["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and own["OMP_NUM_THREADS"] == "4"
 
 
 def test_progress_file_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

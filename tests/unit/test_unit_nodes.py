@@ -70,7 +70,8 @@ def test_a_two_node_units_ranks_are_laid_out_node_by_node_with_torchruns_node_ra
     assert (follower.first_rank, follower.group_rank, follower.group_world_size) == (6, 3, 4)
     assert node_placement(start, "u9", 0) is None
     envs = [worker_environment({"TIDAL_SECRET_FILE": "/s", "PATH": "/bin"}, {}, placement=follower, local_rank=local,
-                               job_id="j", unit_id="u2", progress_file=Path("/p")) for local in (0, 1)]
+                               job_id="j", unit_id="u2", progress_file=Path("/p"), error_file=Path("/e"))
+            for local in (0, 1)]
     assert [(e["RANK"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"], e["WORLD_SIZE"]) for e in envs] == [
         ("6", "0", "2", "8"), ("7", "1", "2", "8")]
     assert all(e["MASTER_ADDR"] == "hostA" and e["MASTER_PORT"] == "1234" and e["GROUP_RANK"] == "3"
