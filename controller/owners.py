@@ -131,9 +131,8 @@ def run_as(owner: UnitOwner, argv: list[str], *, stdin: str | None = None,
     if is_self(owner):
         return subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=timeout_s, cwd=home,
                               umask=0o077, env=owner.environment())
-    return subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=timeout_s, cwd=home,
-                          umask=0o077, env=owner.environment(), user=owner.uid, group=owner.gid,
-                          extra_groups=list(owner.groups))
+    return subprocess.run(owner.command(argv), input=stdin, capture_output=True, text=True, timeout=timeout_s,
+                          cwd=home, umask=0o077, env=owner.environment())
 
 
 class OwnerActionFailed(OSError):
@@ -148,7 +147,8 @@ def make_private_folder(owner: UnitOwner, folder: Path) -> None:
         return
     result = run_as(owner, ["mkdir", "-p", "-m", "700", "--", str(folder)])
     if result.returncode != 0:
-        raise OwnerActionFailed(f"{owner.name} could not make {folder}: {result.stderr.strip()}")
+        raise OwnerActionFailed(f"{owner.name} could not make {folder}: exit {result.returncode}: "
+                                f"{(result.stderr or result.stdout).strip()}")
 
 
 def write_private_file_as(owner: UnitOwner, path: Path, content: str) -> None:
@@ -159,4 +159,5 @@ def write_private_file_as(owner: UnitOwner, path: Path, content: str) -> None:
     script = 'umask 077 && cat > "$1" && mv -f -- "$1" "$2"'
     result = run_as(owner, ["/bin/sh", "-c", script, "sh", str(temporary), str(path)], stdin=content)
     if result.returncode != 0:
-        raise OwnerActionFailed(f"{owner.name} could not write {path}: {result.stderr.strip()}")
+        raise OwnerActionFailed(f"{owner.name} could not write {path}: exit {result.returncode}: "
+                                f"{(result.stderr or result.stdout).strip()}")

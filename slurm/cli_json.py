@@ -87,8 +87,8 @@ class CliJsonSlurmClient:
             slurm_conf = self._environment().get("SLURM_CONF")
             env = {**owner.environment(), "PATH": os.environ.get("PATH", owner.environment()["PATH"]),
                    **({"SLURM_CONF": slurm_conf} if slurm_conf else {})}
-            as_owner = {"user": owner.uid, "group": owner.gid, "extra_groups": list(owner.groups), "umask": 0o077,
-                        "cwd": owner.home if os.path.isdir(owner.home) else "/"}
+            command = owner.command(command)
+            as_owner = {"umask": 0o077, "cwd": owner.home if os.path.isdir(owner.home) else "/"}
         try:
             result = subprocess.run(command, input=stdin, capture_output=True, text=True,
                                     timeout=self.timeout_s, env=dict(env or self._environment()), **as_owner)

@@ -224,6 +224,13 @@ class UnitOwner:
     home: str
     shell: str = "/bin/sh"
 
+    def command(self, argv: list[str]) -> list[str]:
+        """`argv` run as this account by util-linux's setpriv (uid, gid, supplementary
+        groups), not by Python's own `subprocess(user=...)`: changing ids in a child forked
+        from the controller's many-threaded process crashed it (SIGSEGV) here."""
+        groups = f"--groups={','.join(map(str, self.groups))}" if self.groups else "--clear-groups"
+        return ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", groups, "--", *argv]
+
     def environment(self) -> dict[str, str]:
         """What anything run as this account starts with: its identity and a plain PATH,
         never the controller's environment."""
