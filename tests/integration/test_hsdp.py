@@ -30,6 +30,9 @@ pytestmark = pytest.mark.integration
 
 LM_EXAMPLE = REPO / "examples" / "live_mode" / "train_lm.py"
 STEPS = 120
+# The grow test's run: long enough that a joiner still importing torch and building its
+# FSDP model (about 11 s under a full test run here) joins well before the last step.
+GROW_STEPS = 300
 GLOBAL_BATCH = 24
 SEED = 3
 CONTEXT = 16
@@ -44,8 +47,8 @@ def lm_dataset_size() -> int:
     return len(module.CharWindows(module.generate_text(CHARACTERS, SEED), CONTEXT))
 
 
-def lm_command(out: Path, ledger: Path, strategy: str) -> list[str]:
-    return [sys.executable, str(LM_EXAMPLE), "--strategy", strategy, "--dtype", "float64", "--steps", str(STEPS),
+def lm_command(out: Path, ledger: Path, strategy: str, steps: int = STEPS) -> list[str]:
+    return [sys.executable, str(LM_EXAMPLE), "--strategy", strategy, "--dtype", "float64", "--steps", str(steps),
             "--global-batch", str(GLOBAL_BATCH), "--micro-batch", "2", "--context", str(CONTEXT), "--width", "32",
             "--layers", "2", "--characters", str(CHARACTERS), "--seed", str(SEED), "--log-every", "1000",
             "--ledger-dir", str(ledger), "--out", str(out)]
@@ -56,7 +59,7 @@ def test_hsdp_units_grow_lose_a_worker_and_leave_and_match_a_single_process_run(
     ledger = tmp_path / "ledger"
     elastic_out = tmp_path / "elastic.pt"
     tidal_run.submit(min_replicas=1, max_replicas=3, procs_per_node=2, mode=common_pb2.JOB_MODE_LIVE,
-                     command=lm_command(elastic_out, ledger, "hsdp"))
+                     command=lm_command(elastic_out, ledger, "hsdp", GROW_STEPS))
     controller = tidal_run.controller
     job_id = tidal_run.job_id
 
@@ -94,7 +97,7 @@ def test_hsdp_units_grow_lose_a_worker_and_leave_and_match_a_single_process_run(
     fixed_out = tmp_path / "fixed.pt"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TIDAL_", "RANK", "WORLD_SIZE", "MASTER_",
                                                                     "LOCAL_"))}
-    subprocess.run(lm_command(fixed_out, fixed_ledger, "dp"), check=True, env=env, timeout=600,
+    subprocess.run(lm_command(fixed_out, fixed_ledger, "dp", GROW_STEPS), check=True, env=env, timeout=600,
                    stdout=subprocess.DEVNULL)
     records = read_ledger(ledger)
     fixed = read_ledger(fixed_ledger)
@@ -110,7 +113,7 @@ def test_hsdp_units_grow_lose_a_worker_and_leave_and_match_a_single_process_run(
         torch.testing.assert_close(elastic_params[name], reference, rtol=1e-9, atol=1e-9 * scale, msg=name)
     fixed_loss = {r["step"]: r["loss"] for r in commits(fixed)}
     elastic_loss = {r["step"]: r["loss"] for r in commits(records)}
-    assert sorted(elastic_loss) == list(range(STEPS)) == sorted(fixed_loss)
+    assert sorted(elastic_loss) == list(range(GROW_STEPS)) == sorted(fixed_loss)
     for step, loss in fixed_loss.items():
         assert elastic_loss[step] == pytest.approx(loss, rel=1e-9), f"step {step}"
     assert {r["world_size"] for r in commits(records)} == {2, 4, 6}
@@ -123,7 +126,7 @@ def test_hsdp_units_grow_lose_a_worker_and_leave_and_match_a_single_process_run(
         if record["kind"] == "attempt" and committed_epoch.get(record["step"]) == record["epoch"]:
             shares[record["step"]][record["rank"]] = record["indices"]
     fixed_samples = {r["step"]: r["indices"] for r in fixed if r["kind"] == "attempt"}
-    for step in range(STEPS):
+    for step in range(GROW_STEPS):
         consumed = [i for rank in sorted(shares[step]) for i in shares[step][rank]]
         assert consumed == fixed_samples[step] == order.samples(step * GLOBAL_BATCH, GLOBAL_BATCH), f"step {step}"
     assert [r for r in records if r["kind"] == "abandoned"], "the kill landed between steps"
