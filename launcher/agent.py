@@ -51,6 +51,7 @@ from tidal.launcher.control import (
     WorkerToLauncher,
     World,
 )
+from tidal.launcher.events import SignalReceived, Tick, WorkerExit, WorkersStopped
 from tidal.launcher.follower import Follower, FollowerOptions
 from tidal.launcher.link import ControllerLink, ControllerSaid, LinkDown, LinkEvent, LinkRefused, LinkUp
 from tidal.launcher.liveness import ProcessSample, Silence, group_members, read_group_sample, silence_verdict
@@ -110,28 +111,6 @@ class AgentState(enum.StrEnum):
     @property
     def is_final(self) -> bool:
         return self in (AgentState.SUCCEEDED, AgentState.FAILED)
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerExit:
-    generation: int
-    worker: Worker
-    returncode: int
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkersStopped:
-    generation: int
-
-
-@dataclasses.dataclass(frozen=True)
-class SignalReceived:
-    signum: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Tick:
-    pass
 
 
 AgentEvent = LinkEvent | WorkerExit | WorkersStopped | SignalReceived | Tick | WorkerSaid | NodeEvent

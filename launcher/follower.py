@@ -23,6 +23,7 @@ from pathlib import Path
 
 import structlog
 
+from tidal.launcher.events import SignalReceived, Tick, WorkerExit, WorkersStopped
 from tidal.launcher.nodes import LeaderRefused, UnitNodes, connect_to_leader, node_placement, read_frame
 from tidal.launcher.workers import (
     Worker,
@@ -71,28 +72,6 @@ class LeaderSaid:
 @dataclasses.dataclass(frozen=True)
 class LeaderLost:
     reason: str
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerExit:
-    generation: int
-    worker: Worker
-    returncode: int
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkersStopped:
-    generation: int
-
-
-@dataclasses.dataclass(frozen=True)
-class SignalReceived:
-    signum: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Tick:
-    pass
 
 
 FollowerEvent = LeaderSaid | LeaderLost | WorkerExit | WorkersStopped | SignalReceived | Tick
