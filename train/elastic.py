@@ -677,11 +677,11 @@ class Elastic:
                           indices=samples.indices)
         model = self.parts.model
         model.train()
-        strategy.begin_step(groups.replica if groups is not None else None)
+        strategy.begin_step(groups.replica if groups is not None else None, batch_size)
         try:
             control, control_work = self._compute_gradients(samples, world)
             with self._in_collective():
-                strategy.finish(batch_size)
+                strategy.finish()
                 if control_work is not None:
                     control_work.wait()
         except WorldBroken:

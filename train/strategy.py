@@ -4,11 +4,12 @@ Both keep what `Elastic` promises whatever the world size: the step's B samples 
 counted once, the gradient applied is the sum of every sample's gradient divided by B, and
 the step is atomic (every rank applies it or none does).
 
-- `DataParallel`: every worker holds the whole model. Gradients are accumulated straight
-  into flat buckets (about `bucket_mb` each, parameters in reverse order, as DDP's reducer
-  lays them out) and each bucket's all-reduce starts during the last micro-batch's backward
-  pass, as soon as its gradients are final, in the same bucket order on every rank. The
-  optimizer steps once every bucket's sum has arrived.
+- `DataParallel`: every worker holds the whole model. Each micro-batch's gradient, divided
+  by the global batch as it lands, is accumulated into flat buckets (about `bucket_mb`
+  each, parameters in reverse order, as DDP's reducer lays them out) and each bucket's
+  all-reduce starts during the last micro-batch's backward pass, as soon as its gradients
+  are final, in the same bucket order on every rank. The optimizer steps once every
+  bucket's sum has arrived.
 - `HybridSharded`: FSDP2's `fully_shard` over the P workers of a unit (the shard group: the
   default process group, fixed while the unit lives), replicated across units. FSDP2
   reduce-scatters within the unit as the backward pass goes; each reduce-scattered gradient
@@ -61,19 +62,20 @@ class Strategy(abc.ABC):
         """Called once by `Elastic` with the model and its trainable parameters."""
 
     @abc.abstractmethod
-    def begin_step(self, group: Any) -> None:
-        """A step starts: gradients are cleared; `group` is the cross-replica group (None for
-        a world of one replica)."""
+    def begin_step(self, group: Any, batch: int) -> None:
+        """A step of global batch `batch` starts: gradients are cleared; `group` is the
+        cross-replica group (None for a world of one replica)."""
 
     @abc.abstractmethod
     def before_backward(self, last: bool) -> None:
         """The next backward pass is the step's last (its gradients get reduced) or not."""
 
     @abc.abstractmethod
-    def finish(self, batch: int) -> None:
-        """Start what is left of the reduction, wait for all of it, and divide the reduced
-        gradients by the global batch `batch`. Raises RuntimeError when a collective failed
-        (the step is then abandoned: nothing of it is applied)."""
+    def finish(self) -> None:
+        """Start what is left of the reduction and wait for all of it: each parameter's
+        `grad` is then the sum of every sample's gradient divided by the step's global
+        batch. Raises RuntimeError when a collective failed (the step is then abandoned:
+        nothing of it is applied)."""
 
     @abc.abstractmethod
     def abandon(self) -> None:
@@ -84,12 +86,17 @@ class Strategy(abc.ABC):
 class _Bucket:
     params: list[torch.nn.Parameter]
     flat: torch.Tensor
-    offsets: list[int]
+    views: list[torch.Tensor]
 
 
 class DataParallel(Strategy):
     """Every worker a whole replica; gradients reduced in buckets during the backward pass.
-    `overlap=False` reduces the same buckets after the backward pass instead (for comparison)."""
+    `overlap=False` reduces the same buckets after the backward pass instead (for comparison).
+
+    Each micro-batch's gradient of a parameter is taken from autograd as it is made and
+    lands in the parameter's place in its bucket already divided by the global batch (the
+    first one of a step written there, later ones added): no zeroing of the buckets and no
+    division after the reduction. `finish` points every parameter's `grad` at its place."""
 
     stops_within_step = True
     uniform_micro_batches = False
@@ -100,9 +107,13 @@ class DataParallel(Strategy):
         self.bucket_bytes = int(bucket_mb * (1 << 20))
         self.overlap = overlap
         self._buckets: list[_Bucket] = []
-        self._bucket_of: dict[int, int] = {}
+        # Parameter id → (bucket index, place in the bucket).
+        self._place: dict[int, tuple[int, int]] = {}
         self._group: Any = None
+        self._scale = 1.0
         self._armed = False
+        # Per bucket: which of its parameters got a gradient this step.
+        self._written: list[list[bool]] = []
         self._pending: list[int] = []
         self._launched = 0
         self._works: list[Any] = []
@@ -137,34 +148,50 @@ class DataParallel(Strategy):
         for parameter in params:
             offsets.append(offsets[-1] + parameter.numel())
         flat = torch.zeros(offsets[-1], dtype=params[0].dtype, device=params[0].device)
-        for parameter in params:
-            self._bucket_of[id(parameter)] = len(self._buckets)
-        self._buckets.append(_Bucket(params=params, flat=flat, offsets=offsets))
+        views = []
+        for place, (parameter, start, end) in enumerate(zip(params, offsets, offsets[1:], strict=False)):
+            self._place[id(parameter)] = (len(self._buckets), place)
+            views.append(flat[start:end].view_as(parameter))
+        self._buckets.append(_Bucket(params=params, flat=flat, views=views))
 
     @property
     def buckets(self) -> int:
         return len(self._buckets)
 
-    def begin_step(self, group: Any) -> None:
+    def begin_step(self, group: Any, batch: int) -> None:
+        if batch <= 0:
+            raise ValueError(f"a step's global batch must be positive, not {batch}")
         self._group = group
+        self._scale = 1.0 / batch
         self._armed = False
         self._launched = 0
         self._works = []
         self._error = None
         self._pending = [len(bucket.params) for bucket in self._buckets]
+        self._written = [[False] * len(bucket.params) for bucket in self._buckets]
         for bucket in self._buckets:
-            bucket.flat.zero_()
-            # Gradients accumulate straight into the bucket (autograd adds in place).
-            for parameter, start, end in zip(bucket.params, bucket.offsets, bucket.offsets[1:], strict=False):
-                parameter.grad = bucket.flat[start:end].view_as(parameter)
+            for parameter in bucket.params:
+                # Autograd hands each micro-batch's gradient over as a tensor of its own.
+                parameter.grad = None
 
     def before_backward(self, last: bool) -> None:
         self._armed = last and self.overlap and self._group is not None
 
+    @torch.no_grad()
     def _gradient_ready(self, parameter: torch.Tensor) -> None:
+        grad = parameter.grad
+        if grad is None:
+            return
+        index, place = self._place[id(parameter)]
+        view = self._buckets[index].views[place]
+        if self._written[index][place]:
+            view.add_(grad, alpha=self._scale)
+        else:
+            torch.mul(grad, self._scale, out=view)
+            self._written[index][place] = True
+        parameter.grad = None
         if not self._armed:
             return
-        index = self._bucket_of[id(parameter)]
         self._pending[index] -= 1
         # Buckets start in index order on every rank, so that collectives pair up.
         while self._launched < len(self._buckets) and self._pending[self._launched] <= 0:
@@ -172,27 +199,31 @@ class DataParallel(Strategy):
 
     def _launch(self, index: int) -> None:
         self._launched = index + 1
+        bucket = self._buckets[index]
+        # A parameter without a gradient this step (unused by the model's forward) adds zero.
+        for view, written in zip(bucket.views, self._written[index], strict=True):
+            if not written:
+                view.zero_()
+        if self._group is None:
+            return
         try:
-            self._works.append(self._group.allreduce([self._buckets[index].flat]))
+            self._works.append(self._group.allreduce([bucket.flat]))
         except RuntimeError as error:
             # Seen by finish(): the backward pass is not the place to break the world.
             self._error = self._error or error
 
-    def finish(self, batch: int) -> None:
+    def finish(self) -> None:
         self._armed = False
-        if self._group is None:
-            for bucket in self._buckets:
-                bucket.flat.div_(batch)
-            return
         while self._launched < len(self._buckets):
             self._launch(self._launched)
         if self._error is not None:
             raise RuntimeError(f"a gradient bucket's all-reduce failed to start: {self._error}")
-        # Each bucket is divided as soon as its sum is in, while the later ones are in flight.
-        for bucket, work in zip(self._buckets, self._works, strict=True):
+        for work in self._works:
             work.wait()
-            bucket.flat.div_(batch)
         self._release()
+        for bucket in self._buckets:
+            for parameter, view in zip(bucket.params, bucket.views, strict=True):
+                parameter.grad = view
 
     def _release(self) -> None:
         # A gloo group closes its connections only when its last reference goes (abort and
@@ -263,6 +294,7 @@ class HybridSharded(Strategy):
         self._error: BaseException | None = None
         self._shard_rank = 0
         self._shard_size = 1
+        self._batch = 1
 
     @property
     def shard_size(self) -> int:
@@ -310,8 +342,11 @@ class HybridSharded(Strategy):
         except RuntimeError as error:
             self._error = self._error or error
 
-    def begin_step(self, group: Any) -> None:
+    def begin_step(self, group: Any, batch: int) -> None:
+        if batch <= 0:
+            raise ValueError(f"a step's global batch must be positive, not {batch}")
         self._group = group
+        self._batch = batch
         self._works = []
         self._error = None
         for parameter in self._params:
@@ -322,7 +357,7 @@ class HybridSharded(Strategy):
         self._root.set_requires_gradient_sync(last)
 
     @torch.no_grad()
-    def finish(self, batch: int) -> None:
+    def finish(self) -> None:
         if self._error is not None:
             raise RuntimeError(f"a cross-replica all-reduce failed to start: {self._error}")
         for work in self._works:
@@ -331,7 +366,7 @@ class HybridSharded(Strategy):
         self._group = None
         for parameter in self._params:
             if parameter.grad is not None:
-                local(parameter.grad).div_(batch)
+                local(parameter.grad).div_(self._batch)
 
     def abandon(self) -> None:
         self._works = []

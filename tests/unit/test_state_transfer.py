@@ -137,17 +137,90 @@ def test_bucketed_reduction_during_backward_sums_every_ranks_gradients(overlap: 
         strategy = DataParallel(bucket_mb=0.004, overlap=overlap)
         strategy.attach(model, list(model.parameters()))
         assert strategy.buckets > 2
-        strategy.begin_step(group)
+        strategy.begin_step(group, 12)
         share = inputs[rank * 6:(rank + 1) * 6]
         for number, chunk in enumerate((share[:4], share[4:])):
             strategy.before_backward(last=number == 1)
             model(chunk).pow(2).sum().backward()
-        strategy.finish(12)
+        strategy.finish()
         return [p.grad.clone() for p in model.parameters()]
 
     for gradients in _in_threads(2, body):
         for got, parameter in zip(gradients, reference.parameters(), strict=True):
             torch.testing.assert_close(got, parameter.grad / 12, rtol=1e-12, atol=1e-15)
+
+
+class _WithUnused(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(5, 8)
+        self.unused = torch.nn.Linear(8, 8)
+        self.last = torch.nn.Linear(8, 2)
+
+    def forward(self, inputs: torch.Tensor, use_all: bool) -> torch.Tensor:
+        hidden = torch.tanh(self.first(inputs))
+        if use_all:
+            hidden = torch.tanh(self.unused(hidden))
+        return self.last(hidden)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_each_step_reduces_only_its_own_gradients_and_an_unused_parameter_gets_zero(overlap: bool) -> None:
+    # Two steps on the same buckets: the second uses a parameter the first did not, and the
+    # first a parameter the second does not. Nothing of step 1 may reach step 2's sums.
+    torch.manual_seed(0)
+    reference = _WithUnused().double()
+    models = [copy.deepcopy(reference) for _ in range(2)]
+    steps = [(torch.randn(8, 5, dtype=torch.float64), False), (torch.randn(8, 5, dtype=torch.float64), True),
+             (torch.randn(8, 5, dtype=torch.float64), False)]
+    expected = []
+    for inputs, use_all in steps:
+        reference.zero_grad(set_to_none=True)
+        reference(inputs, use_all).pow(2).sum().backward()
+        expected.append([torch.zeros_like(parameter) if parameter.grad is None else parameter.grad / 8
+                         for parameter in reference.parameters()])
+
+    def body(rank: int, group: Any) -> Any:
+        model = models[rank]
+        strategy = DataParallel(bucket_mb=0.0005, overlap=overlap)
+        strategy.attach(model, list(model.parameters()))
+        got = []
+        for inputs, use_all in steps:
+            strategy.begin_step(group, 8)
+            share = inputs[rank * 4:(rank + 1) * 4]
+            for number, chunk in enumerate((share[:1], share[1:])):
+                strategy.before_backward(last=number == 1)
+                model(chunk, use_all).pow(2).sum().backward()
+            strategy.finish()
+            got.append([p.grad.clone() for p in model.parameters()])
+        return got
+
+    for gradients in _in_threads(2, body):
+        for step_got, step_expected in zip(gradients, expected, strict=True):
+            for got, want in zip(step_got, step_expected, strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
+    assert not expected[0][2].any() and expected[1][2].any()
+
+
+def test_a_step_abandoned_between_micro_batches_leaves_nothing_for_the_next() -> None:
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1)).double()
+    reference = copy.deepcopy(model)
+    strategy = DataParallel(bucket_mb=0.0002)
+    strategy.attach(model, list(model.parameters()))
+    strategy.begin_step(None, 4)
+    strategy.before_backward(last=False)
+    model(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
+    strategy.abandon()
+    assert all(parameter.grad is None for parameter in model.parameters())
+    inputs = torch.randn(4, 4, dtype=torch.float64)
+    strategy.begin_step(None, 4)
+    strategy.before_backward(last=True)
+    model(inputs).sum().backward()
+    strategy.finish()
+    reference(inputs).sum().backward()
+    for got, parameter in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, parameter.grad / 4, rtol=1e-12, atol=1e-15)
 
 
 def test_a_garbled_manifest_from_a_peer_is_refused_with_a_clear_error() -> None:
