@@ -116,10 +116,10 @@ class TimedDataParallel(DataParallel):
         if last:
             self._backward_at = time.perf_counter()
 
-    def finish(self, batch: int) -> None:
+    def finish(self) -> None:
         started = time.perf_counter()
         self.last_backward_s.append(started - self._backward_at)
-        super().finish(batch)
+        super().finish()
         self.finish_s.append(time.perf_counter() - started)
 
 
