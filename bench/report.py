@@ -8,7 +8,7 @@ import json
 from bench.common import REPO, RESULTS_DIR
 
 ORDER = ["detection", "recovery", "grow", "preemption", "overhead", "reduction", "transfer", "controller_scale",
-         "goodput", "chaos"]
+         "goodput", "chaos", "cluster_sim"]
 
 
 def number(value: float | None, unit: str) -> str:
@@ -21,6 +21,23 @@ def number(value: float | None, unit: str) -> str:
     if unit == "ms":
         return f"{value:.0f} ms"
     return f"{value:.3g} {unit}"
+
+
+def ettr_table(document: dict) -> list[str]:
+    """The cluster simulation's table: every policy at each size and scenario, medians with
+    the spread over seeds, and the ETTR goal."""
+    def cell(entry: dict, key: str) -> str:
+        value = entry[key]
+        return f"{value['median']:.2%} [{value['min']:.2%}–{value['max']:.2%}]"
+
+    lines = ["", "| scenario | GPUs | policy | ETTR median [min–max] | goodput median [min–max] | work | "
+             "interruptions |", "|---|---|---|---|---|---|---|"]
+    for entry in document["table"]:
+        lines.append(f"| {entry['scenario']} | {entry['gpus']:,} | {entry['policy']} | {cell(entry, 'ettr')} | "
+                     f"{cell(entry, 'goodput')} | {entry['work']['median']:.3f} | "
+                     f"{entry['interruptions']['median']:g} |")
+    lines += [""] + [f"- {line}" for line in document.get("model", [])]
+    return lines
 
 
 def main() -> None:
@@ -59,6 +76,8 @@ def main() -> None:
             base = ", ".join(f"{v:.4g}" for v in row["baseline_samples"])
             lines.append(f"- {row['metric']}: Tidal [{samples}]" + (f"; baseline [{base}]" if base else "")
                          + (f". {row['note']}" if row["note"] else ""))
+        if "table" in document:
+            lines += ettr_table(document)
         lines.append("")
     (REPO / "bench" / "RESULTS.md").write_text("\n".join(lines))
     absent = f", missing {', '.join(missing)}" if missing else ""

@@ -19,7 +19,7 @@ from tidal.slurm import CliJsonSlurmClient
 pytestmark = pytest.mark.slurm
 
 BENCHMARKS = ["detection", "recovery", "overhead", "reduction", "transfer", "controller_scale", "grow", "preemption",
-              "goodput"]
+              "goodput", "cluster_sim"]
 
 
 @pytest.mark.parametrize("name", BENCHMARKS)
