@@ -113,13 +113,15 @@ def workspace(keep: Path | None, name: str) -> Iterator[Path]:
         yield Path(scratch)
 
 
-def write_result(name: str, rows: list[Row], *, quick: bool, settings: dict[str, Any]) -> Path:
+def write_result(name: str, rows: list[Row], *, quick: bool, settings: dict[str, Any], text: str = "") -> Path:
+    """Write the benchmark's result file; `text`, when given, is a paragraph RESULTS.md
+    prints under the benchmark's heading (what a reader must know to read its rows)."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}{'.quick' if quick else ''}.json"
     command = "python -m bench." + name + "".join(f" {shlex.quote(a)}" for a in sys.argv[1:])
     document = {"benchmark": name, "command": command, "quick": quick, "machine": machine(),
                 "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                "settings": settings, "rows": [asdict(r) for r in rows]}
+                "settings": settings, "rows": [asdict(r) for r in rows], **({"text": text} if text else {})}
     path.write_text(json.dumps(document, indent=2) + "\n")
     for row in rows:
         baseline = f", baseline {row.baseline_name} {row.baseline:.4g} {row.unit}" if row.baseline is not None else ""

@@ -18,8 +18,8 @@ from tidal.slurm import CliJsonSlurmClient
 
 pytestmark = pytest.mark.slurm
 
-BENCHMARKS = ["detection", "recovery", "overhead", "reduction", "transfer", "controller_scale", "grow", "preemption",
-              "goodput"]
+BENCHMARKS = ["detection", "recovery", "overhead", "reduction", "scaling", "transfer", "controller_scale", "grow",
+              "preemption", "goodput"]
 
 
 @pytest.mark.parametrize("name", BENCHMARKS)
