@@ -72,7 +72,7 @@ demo: install
 # trace twice, chaos runs 20 seeds to their end), on the mini cluster where Slurm is
 # involved, then bench/RESULTS.md. A benchmark that fails is named at the end and fails the
 # target; the others still run.
-BENCHMARKS := detection recovery overhead reduction transfer controller_scale grow preemption goodput chaos cluster_sim
+BENCHMARKS := detection recovery overhead reduction scaling transfer controller_scale grow preemption goodput chaos cluster_sim
 bench: install
 	scripts/with-cluster bash -c 'failed=""; for b in $(BENCHMARKS); do $(PYTHON) -m bench.$$b || failed="$$failed $$b"; done; \
 	  $(PYTHON) -m bench.report; if [ -n "$$failed" ]; then echo "bench: failed:$$failed"; exit 1; fi'

@@ -113,15 +113,18 @@ def workspace(keep: Path | None, name: str) -> Iterator[Path]:
         yield Path(scratch)
 
 
-def write_result(name: str, rows: list[Row], *, quick: bool, settings: dict[str, Any],
+def write_result(name: str, rows: list[Row], *, quick: bool, settings: dict[str, Any], text: str = "",
                  extra: dict[str, Any] | None = None) -> Path:
-    """Write the result file; `extra` adds top-level keys a benchmark's own report part reads."""
+    """Write the benchmark's result file; `text`, when given, is a paragraph RESULTS.md
+    prints under the benchmark's heading (what a reader must know to read its rows);
+    `extra` adds top-level keys a benchmark's own report part reads."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}{'.quick' if quick else ''}.json"
     command = "python -m bench." + name + "".join(f" {shlex.quote(a)}" for a in sys.argv[1:])
     document = {"benchmark": name, "command": command, "quick": quick, "machine": machine(),
                 "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                "settings": settings, "rows": [asdict(r) for r in rows], **(extra or {})}
+                "settings": settings, "rows": [asdict(r) for r in rows], **({"text": text} if text else {}),
+                **(extra or {})}
     path.write_text(json.dumps(document, indent=2) + "\n")
     for row in rows:
         baseline = f", baseline {row.baseline_name} {row.baseline:.4g} {row.unit}" if row.baseline is not None else ""

@@ -1,6 +1,7 @@
 """A live-mode job on loopback (a controller, one launcher per unit, the worker library)
 that a benchmark can hurt and watch: kill or freeze a replica, add one back, read the
-controller's events with their times."""
+controller's events with their times. And a job run at a fixed world to its end, with the
+times its steps committed."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.common import read_jsonl
 from tests.integration.conftest import TidalRun, alive, wait_until
 from tidal.proto import admin_pb2, common_pb2
 
@@ -102,3 +104,27 @@ def mlp_command(ledger: Path, step_time: float = 0.01) -> list[str]:
     from bench.common import MLP_EXAMPLE
     return [sys.executable, str(MLP_EXAMPLE), "--steps", "1000000", "--global-batch", "24", "--micro-batch", "4",
             "--step-time", str(step_time), "--ledger-dir", str(ledger)]
+
+
+def run_fixed_world(folder: Path, command: Sequence[str], replicas: int, name: str, timeout_s: float = 600.0) -> None:
+    """Run `command` as a live-mode job of exactly `replicas` units (one launcher each) on
+    loopback until the job completes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    run = TidalRun(folder)
+    run.controller.start()
+    try:
+        run.submit(min_replicas=replicas, max_replicas=replicas, mode=common_pb2.JOB_MODE_LIVE, name=name,
+                   command=list(command))
+        for index in range(replicas):
+            run.start_launcher(f"u{index + 1}")
+        wait_until(lambda: run.job().state == admin_pb2.JOB_STATE_COMPLETED, timeout_s, f"the {name} run to finish",
+                   interval=0.5)
+    finally:
+        run.close()
+
+
+def commit_times(ledger: Path, world_size: int) -> list[float]:
+    """When rank 0 committed each step at `world_size`, from the workers' ledgers
+    (`--ledger-dir`), in time order."""
+    return [r["time"] for r in read_jsonl(sorted(ledger.glob("ledger-*.jsonl")))
+            if r["kind"] == "commit" and r["rank"] == 0 and r["world_size"] == world_size]

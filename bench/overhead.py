@@ -11,35 +11,19 @@ import sys
 from pathlib import Path
 
 from bench.common import DDP_BASELINE, LM_EXAMPLE, Row, median, parser, read_jsonl, steady_rate, workspace, write_result
-from tests.integration.conftest import TidalRun, wait_until
-from tidal.proto import common_pb2
+from bench.live import commit_times, run_fixed_world
 
 WORLD = 2
 MODEL = ["--global-batch", "32", "--micro-batch", "16", "--context", "64", "--width", "64", "--layers", "2"]
 
 
 def tidal_steps_per_second(folder: Path, steps: int, skip: int) -> float:
-    folder.mkdir(parents=True, exist_ok=True)
-    run = TidalRun(folder)
-    run.controller.start()
     ledger = folder / "ledger"
-    try:
-        run.submit(min_replicas=WORLD, max_replicas=WORLD, mode=common_pb2.JOB_MODE_LIVE, name="overhead",
-                   command=[sys.executable, str(LM_EXAMPLE), "--steps", str(steps), "--log-every", "1000",
-                            "--ledger-dir", str(ledger), *MODEL])
-        for unit in ("a", "b"):
-            run.start_launcher(unit)
-
-        def finished() -> bool:
-            return run.job().state == 5  # JOB_STATE_COMPLETED
-
-        wait_until(finished, 600, "the Tidal run to finish", interval=0.5)
-        commits = [r["time"] for r in read_jsonl(sorted(ledger.glob("ledger-*.jsonl")))
-                   if r["kind"] == "commit" and r["rank"] == 0 and r["world_size"] == WORLD]
-        assert len(commits) >= steps - 1, f"only {len(commits)} steps committed at world size {WORLD}"
-        return steady_rate(commits, skip)
-    finally:
-        run.close()
+    run_fixed_world(folder, [sys.executable, str(LM_EXAMPLE), "--steps", str(steps), "--log-every", "1000",
+                             "--ledger-dir", str(ledger), *MODEL], WORLD, "overhead")
+    commits = commit_times(ledger, WORLD)
+    assert len(commits) >= steps - 1, f"only {len(commits)} steps committed at world size {WORLD}"
+    return steady_rate(commits, skip)
 
 
 def baseline_steps_per_second(folder: Path, steps: int, skip: int) -> float:

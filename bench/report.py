@@ -7,8 +7,8 @@ import json
 
 from bench.common import REPO, RESULTS_DIR
 
-ORDER = ["detection", "recovery", "grow", "preemption", "overhead", "reduction", "transfer", "controller_scale",
-         "goodput", "chaos", "cluster_sim"]
+ORDER = ["detection", "recovery", "grow", "preemption", "overhead", "reduction", "scaling", "transfer",
+         "controller_scale", "goodput", "chaos", "cluster_sim"]
 
 
 def number(value: float | None, unit: str) -> str:
@@ -66,7 +66,8 @@ def main() -> None:
     for name in [n for n in ORDER if n in documents] + sorted(set(documents) - set(ORDER)):
         document = documents[name]
         machine = document["machine"]
-        lines += [f"### {name}", "", f"- command: `{document['command']}`", f"- date: {document['date']}",
+        lines += [f"### {name}", ""] + ([document["text"], ""] if document.get("text") else [])
+        lines += [f"- command: `{document['command']}`", f"- date: {document['date']}",
                   f"- machine: {machine['cores']} cores ({machine['cpu']}), {machine['memory_gib']} GiB, "
                   f"kernel {machine['kernel']}, Python {machine['python']}, torch {machine['torch']}, "
                   f"{machine['slurm'] or 'no Slurm'}, {machine['backend']}",

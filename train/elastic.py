@@ -70,6 +70,7 @@ from tidal.train.checkpoint import AsyncCheckpointer
 from tidal.train.data import GlobalOrder, StepSamples, micro_batches, step_samples
 from tidal.train.groups import Groups, fixed_world_store, form_groups
 from tidal.train.progress import report_progress
+from tidal.train.simulated import SimulatedDevice, Simulation
 from tidal.train.state import Counters, StateDoesNotFit, TrainingParts, capture, digest, restore
 from tidal.train.strategy import DataParallel, Strategy
 from tidal.train.transfer import DEFAULT_BUCKET_BYTES, receive_state, send_state
@@ -197,7 +198,7 @@ class Elastic:
                  checkpoint_dir: str | os.PathLike[str] | None = None, checkpoint_every: int = 0,
                  ledger_dir: str | os.PathLike[str] | None = None, timeout_s: float = 120.0,
                  backend: str | None = None, strategy: Strategy | None = None,
-                 transfer_bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 transfer_bucket_bytes: int = DEFAULT_BUCKET_BYTES, simulation: Simulation | None = None) -> None:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             # Tidal reduces gradients itself (SUM / B over a process group that changes);
             # DDP's averaging over a fixed group does not fit, so its module is used.
@@ -219,6 +220,11 @@ class Elastic:
         self.timeout_s = timeout_s
         self.strategy = strategy or DataParallel()
         self.transfer_bucket_bytes = transfer_bucket_bytes
+        # A simulated accelerator (`tidal.train.simulated`): each micro-batch also takes its
+        # device time, each step's reduction its all-reduce time, in sleeps. None: off.
+        self.simulated = SimulatedDevice(simulation) if simulation is not None else None
+        if simulation is not None:
+            log.info("simulated_accelerator", simulation=simulation.describe())
         self.checkpoint_every = checkpoint_every
         checkpoint_path = Path(checkpoint_dir) if checkpoint_dir and checkpoint_every else None
         self.checkpointer: AsyncCheckpointer | None = None
@@ -681,6 +687,9 @@ class Elastic:
         try:
             control, control_work = self._compute_gradients(samples, world)
             with self._in_collective():
+                if self.simulated is not None:
+                    # Once per step, on top of the real reduction (none in a world of one replica).
+                    self.simulated.reduce(groups.replicas if groups is not None else 1, strategy.shard_size)
                 strategy.finish()
                 if control_work is not None:
                     control_work.wait()
@@ -711,6 +720,7 @@ class Elastic:
         control: tuple[torch.Tensor, Any] | None = None
         chunks = self._micro_batches(samples)
         for number, chunk in enumerate(chunks):
+            started = time.monotonic()
             last = number == len(chunks) - 1
             if strategy.stops_within_step:
                 self._check_stop()
@@ -726,6 +736,9 @@ class Elastic:
                 # in the same order everywhere (they share the world's group).
                 control = self._start_control(samples, world, loss_sum)
             loss.backward()
+            if self.simulated is not None:
+                # The rest of the micro-batch's simulated device time (an empty one runs one sample).
+                self.simulated.finish_micro_batch(max(1, len(chunk)), started)
         # Under HybridSharded a stop is only taken here, after the backward pass: every
         # worker of a unit has then run the same FSDP collectives.
         return control or self._start_control(samples, world, loss_sum)

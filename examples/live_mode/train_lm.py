@@ -9,7 +9,13 @@ submit it to Tidal in live mode to let it grow, shrink and survive failures in-p
 
 `--strategy dp` (the default) makes every worker a whole replica, its gradients reduced in
 buckets during the backward pass; `--strategy hsdp` shards each replica with FSDP2 over the
-workers of a unit (`tidal submit --procs-per-node 2 ...`) and replicates it across units."""
+workers of a unit (`tidal submit --procs-per-node 2 ...`) and replicates it across units.
+
+`--simulate-accelerator h100` (with `--simulated-params`, `--simulated-tokens-per-sample`,
+...) makes each worker also spend the time an H100 would take for a model of that size,
+and each step's reduction the time of its all-reduce, in sleeps that use no CPU: N
+replicas on a few cores then train N times as fast, as N nodes would
+(`tidal.train.simulated` states the model)."""
 
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from tidal.train import DataParallel, Elastic, HybridSharded, Strategy
+from tidal.train import DataParallel, Elastic, HybridSharded, Strategy, simulated
 
 SUBJECTS = ["the cat", "a dog", "the old fox", "my friend", "the small bird", "a tired horse", "the river"]
 VERBS = ["sees", "follows", "jumps over", "likes", "waits for", "runs past", "sings to"]
@@ -110,7 +116,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="dp: gradient bucket size")
     parser.add_argument("--no-overlap", action="store_true", help="dp: reduce gradients after the backward pass")
+    simulated.add_arguments(parser)
     args = parser.parse_args()
+    simulation = simulated.from_arguments(args)
 
     torch.manual_seed(args.seed)
     dataset = CharWindows(generate_text(args.characters, args.seed), args.context)
@@ -138,7 +146,7 @@ def main() -> None:
     job = Elastic(model, optimizer, dataset, loss_fn=loss_fn, global_batch=args.global_batch,
                   micro_batch=args.micro_batch, lr_scheduler=scheduler, seed=args.seed,
                   checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                  ledger_dir=args.ledger_dir, strategy=strategy)
+                  ledger_dir=args.ledger_dir, strategy=strategy, simulation=simulation)
     for result in job.train(args.steps):
         if result.rank == 0 and (result.step % args.log_every == 0 or result.step == args.steps):
             print(f"step {result.step} loss {result.loss:.4f} world {result.world_size} generation {result.generation} "

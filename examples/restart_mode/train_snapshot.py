@@ -9,7 +9,12 @@ unmodified: each world change stops it and starts it again with the new environm
     tidal submit --mode restart -- python train_snapshot.py --snapshot /shared/snap.pt
 
 With --log-dir, every rank appends one JSON line per step to <log-dir>/rank-<pid>.jsonl
-(rank, world size, step, loss, time): the tests read these to see who trained when."""
+(rank, world size, step, loss, time): the tests read these to see who trained when.
+
+With --simulate-accelerator NAME (and the other --simulated-* flags of
+`tidal.train.simulated`) each step also spends the device time of its share of the batch
+and the time of its gradient all-reduce as that accelerator and link would, in sleeps;
+only then does the script import anything of Tidal."""
 
 from __future__ import annotations
 
@@ -18,11 +23,15 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+if TYPE_CHECKING:
+    from tidal.train.simulated import SimulatedDevice
 
 
 def batch_for(step: int, rank: int, world_size: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,14 +51,21 @@ def save_snapshot(path: Path, step: int, model: nn.Module, optimizer: torch.opti
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(epilog="--simulate-accelerator NAME and the other --simulated-* flags of "
+                                            "tidal.train.simulated run the steps on a simulated accelerator")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--snapshot", type=Path, required=True)
     parser.add_argument("--snapshot-every", type=int, default=5)
     parser.add_argument("--global-batch", type=int, default=24)
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (to watch it)")
     parser.add_argument("--log-dir", type=Path)
-    args = parser.parse_args()
+    args, simulation_flags = parser.parse_known_args()
+    device: SimulatedDevice | None = None
+    if simulation_flags:
+        from tidal.train.simulated import SimulatedDevice, parse_arguments
+
+        simulation = parse_arguments(simulation_flags)
+        device = SimulatedDevice(simulation) if simulation is not None else None
 
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -68,10 +84,15 @@ def main() -> None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
         log_file = open(args.log_dir / f"rank-{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115
     for step in range(start, args.steps):
+        started = time.monotonic()
         inputs, targets = batch_for(step, rank, world_size, args.global_batch)
         optimizer.zero_grad()
         loss = nn.functional.mse_loss(ddp(inputs), targets)
         loss.backward()
+        if device is not None:
+            # One micro-batch a step, its gradients all-reduced across every rank (each a replica).
+            device.finish_micro_batch(len(inputs), started)
+            device.reduce(world_size)
         optimizer.step()
         if args.step_time:
             time.sleep(args.step_time)

@@ -18,8 +18,11 @@ from tidal.slurm import CliJsonSlurmClient
 
 pytestmark = pytest.mark.slurm
 
+# bench.scaling and bench.cluster_sim are left out: the first is sleep-bound by design
+# (tests/unit/test_simulated.py covers its model), the second needs no cluster
+# (tests/unit/test_cluster_sim.py runs it).
 BENCHMARKS = ["detection", "recovery", "overhead", "reduction", "transfer", "controller_scale", "grow", "preemption",
-              "goodput", "cluster_sim"]
+              "goodput"]
 
 
 @pytest.mark.parametrize("name", BENCHMARKS)
