@@ -118,6 +118,9 @@ class DataParallel(Strategy):
         self._launched = 0
         self._works: list[Any] = []
         self._error: BaseException | None = None
+        # Between begin_step and finish/abandon. A backward pass outside a step (a script's
+        # own probe, a gradient norm taken by hand) is autograd's alone: .grad accumulates.
+        self._in_step = False
 
     def attach(self, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
         if self._buckets:
@@ -169,6 +172,7 @@ class DataParallel(Strategy):
         self._error = None
         self._pending = [len(bucket.params) for bucket in self._buckets]
         self._written = [[False] * len(bucket.params) for bucket in self._buckets]
+        self._in_step = True
         for bucket in self._buckets:
             for parameter in bucket.params:
                 # Autograd hands each micro-batch's gradient over as a tensor of its own.
@@ -180,7 +184,7 @@ class DataParallel(Strategy):
     @torch.no_grad()
     def _gradient_ready(self, parameter: torch.Tensor) -> None:
         grad = parameter.grad
-        if grad is None:
+        if grad is None or not self._in_step:
             return
         index, place = self._place[id(parameter)]
         view = self._buckets[index].views[place]
@@ -214,6 +218,7 @@ class DataParallel(Strategy):
 
     def finish(self) -> None:
         self._armed = False
+        self._in_step = False
         while self._launched < len(self._buckets):
             self._launch(self._launched)
         if self._error is not None:
@@ -234,6 +239,7 @@ class DataParallel(Strategy):
 
     def abandon(self) -> None:
         self._armed = False
+        self._in_step = False
         self._release()
         for bucket in self._buckets:
             for parameter in bucket.params:

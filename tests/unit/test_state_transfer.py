@@ -223,6 +223,40 @@ def test_a_step_abandoned_between_micro_batches_leaves_nothing_for_the_next() ->
         torch.testing.assert_close(got.grad, parameter.grad / 4, rtol=1e-12, atol=1e-15)
 
 
+def test_a_backward_pass_outside_a_step_is_plain_autograd_and_leaves_the_next_step_alone() -> None:
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1)).double()
+    reference = copy.deepcopy(model)
+    strategy = DataParallel(bucket_mb=0.0002)
+    strategy.attach(model, list(model.parameters()))
+    probe = torch.randn(3, 4, dtype=torch.float64)
+    # Before any step, then again after one: gradients accumulate as autograd's own would.
+    for _ in range(2):
+        model(probe).sum().backward()
+        reference(probe).sum().backward()
+    for got, parameter in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, parameter.grad, rtol=1e-12, atol=1e-15)
+    inputs = torch.randn(4, 4, dtype=torch.float64)
+    strategy.begin_step(None, 4)
+    strategy.before_backward(last=True)
+    model(inputs).sum().backward()
+    strategy.finish()
+    model(probe).sum().backward()
+    reference.zero_grad(set_to_none=True)
+    reference(inputs).sum().backward()
+    step_grads = [parameter.grad / 4 for parameter in reference.parameters()]
+    reference.zero_grad(set_to_none=True)
+    reference(probe).sum().backward()
+    for got, step_grad, probe_param in zip(model.parameters(), step_grads, reference.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, step_grad + probe_param.grad, rtol=1e-12, atol=1e-15)
+    strategy.begin_step(None, 4)
+    strategy.before_backward(last=True)
+    model(inputs).sum().backward()
+    strategy.finish()
+    for got, step_grad in zip(model.parameters(), step_grads, strict=True):
+        torch.testing.assert_close(got.grad, step_grad, rtol=1e-12, atol=1e-15)
+
+
 def test_a_garbled_manifest_from_a_peer_is_refused_with_a_clear_error() -> None:
     from tidal.train.transfer import _decode
 
