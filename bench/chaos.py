@@ -18,7 +18,8 @@ training state always survives a fault):
 - `kill_worker`: kill -9 of a worker; `kill_launcher`: kill -9 of a worker's parent;
 - `stop_worker`: SIGSTOP a worker, SIGCONT a few seconds later if it is still alive (its
   launcher is expected to kill it);
-- `urgent`: an `urgent`-partition job on 2-3 nodes preempts units; cancelled later;
+- `urgent`: an `urgent`-partition job on 2-3 nodes preempts units (on all 4: every unit,
+  the last saving the state as it leaves); cancelled later;
 - `node_fail`: a node's slurmd and every process of its unit killed; the node started
   again later;
 - `controller_restart`: the controller SIGKILLed and started again on the same SQLite.
@@ -749,7 +750,9 @@ class ChaosRun:
         if self.urgent_jobs and any(h.what.startswith("urgent") for h in self.heals):
             return "an urgent job is already there"
         trainers = self.trainers(job)
-        if len(trainers) < fault.nodes + 1:
+        # An urgent job on every node preempts every unit: the last to hold the state
+        # saves it on its way out. On fewer nodes, one replica is left to keep it.
+        if fault.nodes < NODES and len(trainers) < fault.nodes + 1:
             return f"{len(trainers)} training replica(s) for an urgent job of {fault.nodes} nodes"
         if not dry_run:
             urgent = self.slurm.submit(UnitSubmission(

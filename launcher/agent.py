@@ -87,6 +87,9 @@ EXIT_REFUSED = 3
 EXIT_UNREACHABLE = 4
 # How often the launcher looks at its workers (heartbeats go every heartbeat_interval).
 TICK_INTERVAL_S = 0.25
+# Live mode: a stop SIGTERMs the workers twice, this far apart (the library takes a first
+# SIGTERM alone for Slurm's notice, see tidal.train.elastic's TERM_WAIT_S).
+LIVE_TERM_REPEAT_S = 0.3
 
 
 class AgentState(enum.StrEnum):
@@ -116,6 +119,15 @@ class AgentState(enum.StrEnum):
 AgentEvent = LinkEvent | WorkerExit | WorkersStopped | SignalReceived | Tick | WorkerSaid | NodeEvent
 
 
+def left_detail(saved: dict[int, tuple[str, int]]) -> str:
+    """The LEFT report's detail: where the unit's workers wrote the job's state, if they did."""
+    if not saved:
+        return "left"
+    steps = sorted({step for _, step in saved.values()})
+    folders = sorted({folder for folder, _ in saved.values()})
+    return f"left after saving the training state at step {','.join(map(str, steps))} to {', '.join(folders)}"
+
+
 @dataclasses.dataclass
 class LiveWorkers:
     """What live-mode workers told the launcher, by local rank."""
@@ -123,6 +135,8 @@ class LiveWorkers:
     hello: set[int] = dataclasses.field(default_factory=set)
     idle: set[int] = dataclasses.field(default_factory=set)
     left: set[int] = dataclasses.field(default_factory=set)
+    # Where each worker that left as the state's last holder wrote it, and at which step.
+    saved: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)
     formed: dict[int, int] = dataclasses.field(default_factory=dict)
     # (generation, EpochPhase) reports already sent: STARTED (a joiner's workers ready),
     # RECONFIGURED, FIRST_STEP; each goes once.
@@ -283,7 +297,8 @@ class Agent:
         finally:
             ticker.cancel()
             if self.workers is not None and not self.workers.all_exited:
-                await self.workers.stop(grace_s=1.0)
+                await self.workers.stop(grace_s=1.0,
+                                        repeat_term_after_s=LIVE_TERM_REPEAT_S if self.live_mode else None)
             if self.hub is not None:
                 await self.hub.close(self.exit_code, self.exit_reason)
             await self.channel.close()
@@ -405,8 +420,12 @@ class Agent:
                 grace_s = 0.0
             self._stop_workers(AgentState.STOPPING, grace_s)
         elif kind == "leave":
-            self.log.info("leave_ordered", generation=message.leave.epoch, reason=message.leave.reason)
-            self._stop_workers(AgentState.LEAVING, self.options.stop_grace_s)
+            leave = message.leave
+            self.log.info("leave_ordered", generation=leave.epoch, reason=leave.reason, save_state=leave.save_state)
+            if leave.save_state and self.live_workers_running and self.state is not AgentState.LEAVING:
+                self._leave_saving_state()
+            else:
+                self._stop_workers(AgentState.LEAVING, self.options.stop_grace_s)
         elif kind == "reconfigure":
             self._on_reconfigure(message.reconfigure)
 
@@ -525,8 +544,10 @@ class Agent:
         if group.stopping:
             return
 
+        repeat = LIVE_TERM_REPEAT_S if self.live_mode else None
+
         async def stop() -> None:
-            await group.stop(grace_s)
+            await group.stop(grace_s, repeat_term_after_s=repeat)
             self.events.put_nowait(WorkersStopped(generation))
 
         asyncio.get_running_loop().create_task(stop())
@@ -552,7 +573,8 @@ class Agent:
             return
         self.log.info("workers_stopped", generation=generation, state=self.state.value)
         if self.state is AgentState.LEAVING:
-            report = launcher_pb2.EpochReport(epoch=self.generation, phase=launcher_pb2.EPOCH_PHASE_LEFT, detail="left")
+            report = launcher_pb2.EpochReport(epoch=self.generation, phase=launcher_pb2.EPOCH_PHASE_LEFT,
+                                              detail=left_detail(self.live.saved))
             report.at.GetCurrentTime()
             self.link.send(launcher_pb2.LauncherMessage(epoch_report=report))
             self._finish(AgentState.SUCCEEDED, EXIT_OK, "left the job")
@@ -823,8 +845,23 @@ class Agent:
             self.live.stop_deadline = time.monotonic() + self.options.leave_timeout_s
         self.log.info("world_sent", generation=generation, in_world=mine is not None, world_size=table.world_size)
 
+    def _leave_saving_state(self) -> None:
+        """This unit holds the job's last copy of the training state: its workers write it
+        to disk after the step they agree on, then leave (a world they are not in, marked
+        `save`). Past the leave timeout they are stopped like any leaving worker."""
+        assert self.workers is not None
+        for worker in self.workers.workers:
+            self.live.idle.discard(worker.local_rank)
+            # A generation after any they know, never formed: it only says "leave".
+            self.channel.send(worker.local_rank, World(generation=self.generation + 1, rank=-1, world_size=0,
+                                                       master_addr="", master_port=0, save=True))
+        self.state = AgentState.LEAVING
+        self.live.stop_deadline = time.monotonic() + self.options.leave_timeout_s
+        self.log.info("leaving_with_state", generation=self.generation)
+
     def _on_reconfigure(self, reconfigure: launcher_pb2.Reconfigure) -> None:
-        if self.state.is_final or (reconfigure.epoch <= self.generation and self.workers is not None):
+        if (self.state.is_final or self.state is AgentState.LEAVING
+                or (reconfigure.epoch <= self.generation and self.workers is not None)):
             return
         if self.live.finished:
             self.log.warning("reconfigure_after_finish_ignored", generation=reconfigure.epoch)
@@ -896,8 +933,10 @@ class Agent:
             case Stopped():
                 live.idle.add(local_rank)
                 self._maybe_live_stopped()
-            case Left():
+            case Left(step=step, saved_to=saved_to):
                 live.left.add(local_rank)
+                if saved_to:
+                    live.saved[local_rank] = (saved_to, step)
             case Finished(generation=generation, step=step):
                 live.finished.add(local_rank)
                 self._report_once(generation, launcher_pb2.EPOCH_PHASE_FINISHED, step=step,

@@ -7,9 +7,11 @@ written by `encode` and read by `decode`, the one codec, as one line:
 
 launcher -> worker:
   {"op": "world", "generation": G, "rank": r, "world_size": n, "master_addr": h, "master_port": p,
-   "joining": j, "target_step": t}
+   "joining": j, "target_step": t, "save": v}
       the world of generation G. A running worker moves into it at the next step boundary
       its peers agree on (rank -1: leave after that step); an idle one joins it at once.
+      With "save": true (rank -1, the unit holds the job's last copy of the state), the
+      worker writes its state to disk before it leaves; the next world resumes from it.
       The world's state must be at step t (the job's committed step) or later: when no
       rank holds it, each loads its newest checkpoint, or they refuse to train.
   {"op": "stop", "generation": G}
@@ -20,7 +22,8 @@ worker -> launcher:
   {"op": "formed", "generation": G, "step": s, "digest": d} in generation G's world, state verified
   {"op": "first_step", "generation": G, "step": s}          first step of generation G committed
   {"op": "stopped", "generation": G, "step": s}             out of the process group, idle
-  {"op": "left", "generation": G, "step": s}                left the job after step s; exits 0
+  {"op": "left", "generation": G, "step": s, "saved_to": p} left the job after step s; exits 0
+                                                            (p: where it saved the state, or "")
   {"op": "finished", "generation": G, "step": s}            committed the job's last step s;
                                                             sent before tearing down and before
                                                             the script's code after train()
@@ -75,6 +78,8 @@ class World:
     joining: bool = False
     # The job's committed step (its progress watermark) when the generation was decided.
     target_step: int = 0
+    # Leaving (rank -1) as the last holder of the job's state: write it to disk first.
+    save: bool = False
 
     @property
     def leaves(self) -> bool:
@@ -120,6 +125,8 @@ class Stopped:
 class Left:
     generation: int
     step: int
+    # Where this worker wrote the state before leaving (its shard of it), or "".
+    saved_to: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

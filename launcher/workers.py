@@ -193,12 +193,23 @@ class WorkerGroup:
     def all_exited(self) -> bool:
         return all(w.exited.done() for w in self.workers)
 
-    async def stop(self, grace_s: float) -> None:
-        """SIGTERM every worker's process group, SIGKILL what is left after `grace_s`."""
+    async def stop(self, grace_s: float, repeat_term_after_s: float | None = None) -> None:
+        """SIGTERM every worker's process group, SIGKILL what is left after `grace_s`.
+
+        `repeat_term_after_s`: SIGTERM once more after that long. A live-mode worker takes a
+        first SIGTERM for Slurm's notice that its allocation ends (it waits briefly for the
+        launcher to say whether it must save the job's state) and a second one as the
+        launcher's own stop."""
         self.stopping = True
         alive = [w for w in self.workers if not w.exited.done()]
         for worker in alive:
             _signal_group(worker.pid, signal.SIGTERM)
+        if alive and repeat_term_after_s is not None and repeat_term_after_s < grace_s:
+            await asyncio.wait([w.exited for w in alive], timeout=repeat_term_after_s)
+            grace_s -= repeat_term_after_s
+            for worker in alive:
+                if not worker.exited.done():
+                    _signal_group(worker.pid, signal.SIGTERM)
         if alive:
             await asyncio.wait([w.exited for w in alive], timeout=grace_s)
         for worker in alive:

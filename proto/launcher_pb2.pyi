@@ -258,12 +258,14 @@ class StopEpoch(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., reason: _Optional[str] = ..., failed_unit_id: _Optional[str] = ..., grace: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Leave(_message.Message):
-    __slots__ = ("epoch", "reason")
+    __slots__ = ("epoch", "reason", "save_state")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    SAVE_STATE_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     reason: str
-    def __init__(self, epoch: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    save_state: bool
+    def __init__(self, epoch: _Optional[int] = ..., reason: _Optional[str] = ..., save_state: _Optional[bool] = ...) -> None: ...
 
 class FollowerMessage(_message.Message):
     __slots__ = ("hello", "proof", "report", "worker_exited", "stopped")

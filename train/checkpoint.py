@@ -53,7 +53,6 @@ class AsyncCheckpointer:
         # every shard has it, so that all shards resume from the same step.
         self.siblings = siblings
         self.keep = max(1, keep)
-        self.directory.mkdir(parents=True, exist_ok=True)
         self._thread: threading.Thread | None = None
         self.written: list[int] = []
         self.skipped = 0
@@ -78,6 +77,9 @@ class AsyncCheckpointer:
     def _write(self, snapshot: dict[str, Any], step: int) -> None:
         try:
             payload = {"state_digest": digest(snapshot), "state": snapshot}
+            # Made at the first write: a folder that only a leaving replica ever writes
+            # to is not created for nothing.
+            self.directory.mkdir(parents=True, exist_ok=True)
             write_atomically(checkpoint_path(self.directory, step), serialize(payload))
             self.written.append(step)
             for old in self.steps()[:-self.keep]:
@@ -94,6 +96,8 @@ class AsyncCheckpointer:
             raise RuntimeError(f"writing a checkpoint failed: {error!r}") from error
 
     def steps(self) -> list[int]:
+        if not self.directory.is_dir():
+            return []
         found = [int(match.group(1)) for entry in os.listdir(self.directory) if (match := NAME.match(entry))]
         return sorted(found)
 

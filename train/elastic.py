@@ -41,7 +41,9 @@ import faulthandler
 import json
 import math
 import os
+import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -91,6 +93,25 @@ FORM_TIMEOUT_PER_RANK_S = 0.01
 # A worker started ahead (standby) waits this long for a world; its launcher ends it
 # sooner if the unit leaves.
 STANDBY_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+# A live worker's first SIGTERM is held this long ($TIDAL_TERM_WAIT_S): Slurm ending an
+# allocation signals every process in it, and the launcher must first learn from the
+# controller whether this unit holds the job's last copy of the state and saves it before
+# leaving. A second SIGTERM (the launcher's own stop sends two) ends the worker at once.
+TERM_WAIT_S = 3.0
+
+
+def leave_state_folder(env: dict[str, str] | os._Environ[str]) -> Path | None:
+    """Live mode under a launcher: where the last replica to leave writes the job's state
+    when the script keeps no checkpoints of its own. `$TIDAL_STATE_DIR`, else
+    `tidal-state/<job id>` in the working directory; like any checkpoint it must be on
+    storage that every node sees. None outside live mode."""
+    if not env.get("TIDAL_CONTROL_SOCKET"):
+        return None
+    if env.get("TIDAL_STATE_DIR"):
+        return Path(env["TIDAL_STATE_DIR"]).absolute()
+    return Path.cwd() / "tidal-state" / (env.get("TIDAL_JOB_ID") or "job")
 
 
 class WorldBroken(Exception):
@@ -225,18 +246,14 @@ class Elastic:
         self.simulated = SimulatedDevice(simulation) if simulation is not None else None
         if simulation is not None:
             log.info("simulated_accelerator", simulation=simulation.describe())
-        self.checkpoint_every = checkpoint_every
+        self.checkpoint_every = checkpoint_every if checkpoint_dir else 0
         checkpoint_path = Path(checkpoint_dir) if checkpoint_dir and checkpoint_every else None
-        self.checkpointer: AsyncCheckpointer | None = None
-        if checkpoint_path is not None:
-            shard_size = self.strategy.shard_size
-            if shard_size > 1:
-                # Each shard index keeps its own checkpoints, written by replica 0's worker.
-                folders = [checkpoint_path / f"shard-{k}-of-{shard_size}" for k in range(shard_size)]
-                mine = folders.pop(self.strategy.shard_rank)
-                self.checkpointer = AsyncCheckpointer(mine, siblings=tuple(folders))
-            else:
-                self.checkpointer = AsyncCheckpointer(checkpoint_path)
+        # Live mode without checkpoints of the script's own: the folder where the last
+        # replica to leave writes the state (and the next world reads it), removed when
+        # the job's training completes.
+        self.state_folder = None if checkpoint_path is not None else leave_state_folder(os.environ)
+        folder = checkpoint_path or self.state_folder
+        self.checkpointer: AsyncCheckpointer | None = self._checkpointer(folder) if folder is not None else None
         self.ledger = Ledger(Path(ledger_dir) if ledger_dir else None)
         self.base_lrs = [group["lr"] for group in optimizer.param_groups]
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -251,6 +268,9 @@ class Elastic:
             # must not tear the process down first.
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
         self.has_state = False
+        # Set once this worker leaves the job on its launcher's word (after a SIGTERM, the
+        # wait for that word ends there).
+        self._leaving = False
         self.world: World | None = None
         self.channel: WorkerChannel | None = None
         self._store: Any = None
@@ -306,6 +326,7 @@ class Elastic:
                     # a silence is not a failure and no new world forms.
                     self.channel.send(Finished(generation=result.generation, step=self.counters.step))
                     self.ledger.write("finished", epoch=result.generation, step=self.counters.step)
+                    self._remove_state_folder()
                 yield result
                 if change_pending and self.counters.step < steps:
                     self._move_to_next_world()
@@ -322,6 +343,8 @@ class Elastic:
             # is. A handler the script installed itself (say, for Slurm's --signal) stays.
             faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
         socket_path = env.get("TIDAL_CONTROL_SOCKET")
+        if socket_path and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, self._on_sigterm)
         if socket_path:
             self.channel = WorkerChannel(socket_path, int(env.get("LOCAL_RANK", "0")), os.getpid())
             self.channel.start_beats(lambda: Beat(step=self.counters.step, samples=self.counters.samples,
@@ -351,6 +374,38 @@ class Elastic:
         if isinstance(broken, str):
             self._recover(broken)
 
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """A first SIGTERM: wait (in a thread) for the launcher to say this unit leaves,
+        saving the state if it holds the last copy; if it does not within TERM_WAIT_S, end
+        as SIGTERM would have. Any later SIGTERM ends the process at once."""
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        wait_s = float(os.environ.get("TIDAL_TERM_WAIT_S", TERM_WAIT_S))
+        self.log.info("sigterm_held", wait_s=wait_s, step=self.counters.step)
+
+        def end_unless_leaving() -> None:
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                if self._leaving or self._leave_announced():
+                    return
+                time.sleep(0.05)
+            if not (self._leaving or self._leave_announced()):
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=end_unless_leaving, name="tidal-sigterm", daemon=True).start()
+
+    def _leave_announced(self) -> bool:
+        """The launcher named a world this worker leaves for (it goes at the next step's end)."""
+        world, channel = self.world, self.channel
+        if channel is None:
+            return False
+        announced = channel.next_world(world.generation if world is not None else 0)
+        return announced is not None and announced.leaves
+
+    def _remove_state_folder(self) -> None:
+        """Training is complete: a state written by a leaving replica is of no more use."""
+        if self.state_folder is not None and self.rank == 0 and self.state_folder.is_dir():
+            shutil.rmtree(self.state_folder, ignore_errors=True)
+
     def _close(self) -> None:
         if self.checkpointer is not None:
             self.checkpointer.wait()
@@ -358,6 +413,16 @@ class Elastic:
         self.ledger.close()
         if self.channel is not None:
             self.channel.close()
+
+    def _checkpointer(self, folder: Path) -> AsyncCheckpointer:
+        shard_size = self.strategy.shard_size
+        if shard_size == 1:
+            return AsyncCheckpointer(folder)
+        # Each shard index keeps its own checkpoints (written by replica 0's worker, or by
+        # the leaving unit's), and a step loads only when every shard has it.
+        folders = [folder / f"shard-{k}-of-{shard_size}" for k in range(shard_size)]
+        mine = folders.pop(self.strategy.shard_rank)
+        return AsyncCheckpointer(mine, siblings=tuple(folders))
 
     def _load_checkpoint(self) -> None:
         assert self.checkpointer is not None
@@ -574,7 +639,9 @@ class Elastic:
         if held < 0:
             detail = (f"no rank of generation {self.world.generation} holds the training state at step {target_step} "
                       "(every replica that held it is gone) and "
-                      + ("no checkpoint was found in the checkpoint folder" if self.checkpointer is not None
+                      + (f"no replica saved it on leaving (nothing in {self.state_folder}) and the script keeps "
+                         "no checkpoint (checkpoint_dir/checkpoint_every)" if self.state_folder is not None
+                         else "no checkpoint was found in the checkpoint folder" if self.checkpointer is not None
                          else "the script keeps no checkpoint (checkpoint_dir/checkpoint_every)")
                       + ": refusing to train from step 0")
             if self.channel is not None:
@@ -644,13 +711,40 @@ class Elastic:
 
     def _leave(self, world: World) -> None:
         assert self.channel is not None
+        self._leaving = True
         self._destroy_group()
+        saved_to = ""
         if self.checkpointer is not None:
             self.checkpointer.wait()
-        self.log.info("leaving", generation=world.generation, step=self.counters.step)
-        self.ledger.write("left", epoch=world.generation, step=self.counters.step)
-        self.channel.send(Left(generation=world.generation, step=self.counters.step))
+            if world.save:
+                saved_to = self._save_before_leaving()
+        self.log.info("leaving", generation=world.generation, step=self.counters.step, saved_to=saved_to or None)
+        self.ledger.write("left", epoch=world.generation, step=self.counters.step, saved_to=saved_to)
+        self.channel.send(Left(generation=world.generation, step=self.counters.step, saved_to=saved_to))
         raise SystemExit(0)
+
+    def _save_before_leaving(self) -> str:
+        """The last holder of the job's state writes it (this worker's shard of it) before
+        leaving, so that the next world resumes where it stopped. Returns the folder, or ""
+        when there was nothing to save or writing failed (said loudly: the next world then
+        finds no state at the job's step and refuses to train)."""
+        assert self.checkpointer is not None
+        # Each shard of a sharded replica is written by its worker; a unit of whole replicas
+        # (DataParallel) writes one copy, from its first worker.
+        writes = self.strategy.shard_size > 1 or int(os.environ.get("LOCAL_RANK", "0")) == 0
+        if not self.has_state or not writes:
+            return ""
+        started = time.monotonic()
+        try:
+            self.checkpointer.save(capture(self.parts, self.counters), self.counters.step)
+            self.checkpointer.wait()
+        except (RuntimeError, OSError) as error:
+            self.log.error("state_save_failed", step=self.counters.step, folder=str(self.checkpointer.directory),
+                           error=str(error))
+            return ""
+        self.log.info("state_saved", step=self.counters.step, folder=str(self.checkpointer.directory),
+                      seconds=round(time.monotonic() - started, 3))
+        return str(self.checkpointer.directory)
 
     # One step.
 
@@ -775,7 +869,7 @@ class Elastic:
         if now - self._progress_at >= PROGRESS_INTERVAL_S:
             self._progress_at = now
             report_progress(step)
-        if (self.checkpointer is not None and world.rank // self.strategy.shard_size == 0
-                and step % self.checkpoint_every == 0):
+        if (self.checkpointer is not None and self.checkpoint_every > 0
+                and world.rank // self.strategy.shard_size == 0 and step % self.checkpoint_every == 0):
             self.checkpointer.save(capture(self.parts, self.counters), step)
 

@@ -1169,8 +1169,13 @@ class _Transition:
                 self._reconfigure((), (unit_id,), "leave", f"unit {unit_id} leaves ({cause})", self.now.monotonic)
                 return
         if connected:
-            self.send(unit_id, launcher_pb2.ControllerMessage(leave=launcher_pb2.Leave(epoch=number,
-                                                                                      reason=unit.reason)))
+            save_state = was_active and self._holds_last_state(unit_id)
+            if save_state:
+                self.record("state_saving", f"unit {unit_id} holds the last copy of the training state: its workers "
+                            "write it to disk before leaving, and the next world resumes from it",
+                            unit_id=unit_id, generation=number)
+            self.send(unit_id, launcher_pb2.ControllerMessage(leave=launcher_pb2.Leave(
+                epoch=number, reason=unit.reason, save_state=save_state)))
         else:
             self._mark_left(unit_id, "not connected when asked to leave")
         if state.stop is not None:
@@ -1182,6 +1187,17 @@ class _Transition:
             if state.live or not all(self.connected(u) for u in staying) or not self._next_generation_now(
                     staying, (), "leave", f"unit {unit_id} leaves ({cause})"):
                 self._begin_stop("leave", f"unit {unit_id} leaves ({cause})", self.now.monotonic)
+
+    def _holds_last_state(self, unit_id: str) -> bool:
+        """Live mode: whether `unit_id` is the running generation's last member that is
+        still active and connected (with it gone, no live process holds the state)."""
+        state = self.state
+        if not state.live or state.generation is None or unit_id not in state.generation.unit_ids:
+            return False
+        if self.job.state not in (JobState.RUNNING, JobState.RECONFIGURING, JobState.DEGRADED):
+            return False
+        return not any(u != unit_id and state.units[u].state is UnitState.ACTIVE and self.connected(u)
+                       for u in state.generation.unit_ids)
 
     def _mark_left(self, unit_id: str, reason: str) -> None:
         unit = self.state.units.get(unit_id)

@@ -282,6 +282,64 @@ def test_with_every_replica_lost_and_no_checkpoint_the_job_fails_loudly_instead_
     wait_until(lambda: not alive(pid_d), 30, "the refusing worker to exit")
 
 
+def test_the_last_replica_preempted_saves_the_state_and_the_next_world_resumes_at_its_step(
+        tidal_run: TidalRun, tmp_path: Path) -> None:
+    """Slurm ends the allocation of the job's only unit (SIGTERM to the launcher and to both
+    of its workers at once, as Slurm signals every process of a job): the workers hold the
+    SIGTERM, write the state to the job's state folder after the step they agree on, and
+    leave; a new unit resumes at exactly that step (nothing redone, nothing lost) and the
+    job completes with the parameters of a fixed-size run."""
+    ledger = tmp_path / "ledger"
+    steps = 300
+    tidal_run.submit(min_replicas=1, max_replicas=1, procs_per_node=2, mode=common_pb2.JOB_MODE_LIVE,
+                     command=example_command(tmp_path / "elastic.pt", ledger, steps))
+    controller = tidal_run.controller
+    launcher_a = tidal_run.start_launcher("a")
+    wait_until(lambda: tidal_run.job().step >= 40, 60, "40 steps committed")
+    a_pids = launcher_a.worker_pids()
+    assert len(a_pids) == 2
+    for pid in [launcher_a.pid, *a_pids]:
+        os.kill(pid, signal.SIGTERM)
+    saving = controller.wait_event(tidal_run.job_id, "state_saving", timeout=30)
+    assert saving.unit_id == "a"
+    left = controller.wait_event(tidal_run.job_id, "unit_left", timeout=30, where=lambda e: e.unit_id == "a")
+    assert "left after saving the training state at step" in left.reason, left.reason
+    saved_step = int(left.reason.split("at step ")[1].split()[0])
+    state_folder = tmp_path / "tidal-state" / tidal_run.job_id
+    assert str(state_folder) in left.reason
+    assert (state_folder / f"step-{saved_step:012d}.tidal").is_file()
+    records = read_ledger(ledger)
+    a_left = [r for r in records if r["pid"] in a_pids and r["kind"] == "left"]
+    assert sorted(r["pid"] for r in a_left) == sorted(a_pids), "both workers left (none was killed)"
+    assert {r["step"] for r in a_left} == {saved_step}
+    assert max(r["step"] + 1 for r in commits(records) if r["pid"] in a_pids) == saved_step
+    wait_until(lambda: not any(alive(pid) for pid in a_pids), 10, "a's workers to exit")
+
+    tidal_run.start_launcher("d")
+    controller.wait_event(tidal_run.job_id, "job_completed", timeout=180)
+    events = [e.kind for e in controller.events(tidal_run.job_id)]
+    assert "state_lost" not in events and "resumed_from_checkpoint" not in events, events
+    records = read_ledger(ledger)
+    d_pids = tidal_run.launchers["d"].worker_pids()
+    d_attempts = [r for r in records if r["pid"] in d_pids and r["kind"] == "attempt"]
+    assert min(r["step"] for r in d_attempts) == saved_step, "the new unit starts at the saved step"
+    # Every step committed once by each rank of its world, none lost, none redone.
+    by_step: dict[int, int] = defaultdict(int)
+    for record in commits(records):
+        if record["rank"] == 0:
+            by_step[record["step"]] += 1
+    assert sorted(by_step) == list(range(steps)) and set(by_step.values()) == {1}
+    assert not state_folder.exists(), "the saved state is removed once the job completes"
+
+    fixed_out = tmp_path / "fixed.pt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIDAL_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    subprocess.run(example_command(fixed_out, tmp_path / "fixed-ledger", steps), check=True, env=env, timeout=300,
+                   stdout=subprocess.DEVNULL)
+    elastic_params = torch.load(tmp_path / "elastic.pt", weights_only=True)["model"]
+    for name, reference in torch.load(fixed_out, weights_only=True)["model"].items():
+        torch.testing.assert_close(elastic_params[name], reference, rtol=1e-9, atol=1e-12, msg=name)
+
+
 def test_units_of_two_workers_reform_in_process_and_a_failed_unit_takes_both_along(tidal_run: TidalRun,
                                                                                     tmp_path: Path) -> None:
     ledger = tmp_path / "ledger"

@@ -300,11 +300,25 @@ def test_a_controller_restart_while_the_job_grows_stops_no_training_and_tidal_ag
                                 "nodes", "--json"], capture_output=True, text=True, check=True).stdout
         used = {n["name"]: n["tidal"]["unit_id"] for n in json.loads(nodes)["nodes"] if n["tidal"]}
         assert used == {u["nodes"][0]: u["unit_id"] for u in shown["units"] if u["state"] == "UNIT_STATE_ACTIVE"}
-        # The table shows samples/s and goodput once the job has trained a while.
-        table = subprocess.run([sys.executable, "-m", "tidal.controller.cli", "--socket", str(controller.socket),
-                                "status"], capture_output=True, text=True, check=True).stdout
-        row = next(line for line in table.splitlines() if line.startswith(job_id)).split()
-        assert float(row[7]) > 0 and row[8].endswith("%"), table
+        # The table shows samples/s and goodput while the job trains (a rate needs two
+        # progress reports in its window: asked again for a few seconds, as a user would).
+        def table_with_rates() -> str | None:
+            table = subprocess.run([sys.executable, "-m", "tidal.controller.cli", "--socket",
+                                    str(controller.socket), "status"], capture_output=True, text=True,
+                                   check=True).stdout
+            row = next(line for line in table.splitlines() if line.startswith(job_id)).split()
+            shown_tables.append(table)
+            return table if row[7] != "-" and float(row[7]) > 0 and row[8].endswith("%") else None
+
+        shown_tables: list[str] = []
+        try:
+            wait_for("samples/s and goodput in `tidal status`", table_with_rates, timeout_s=20, interval_s=2.0)
+        except AssertionError as error:
+            with controller.admin() as admin:
+                timeline = [(e.kind, e.reason) for e in admin.events(job_id)][-15:]
+            raise AssertionError(f"{shown_tables[-1:]} {timeline} (after the restart at {up_at:.1f}, now "
+                                 f"{time.time():.1f}, last commit {commits(read_ledger(ledger))[-1]['time']:.1f})") \
+                from error
         with controller.admin() as admin:
             admin.cancel(job_id)
         wait_for_units_to_end(slurm, job_id)

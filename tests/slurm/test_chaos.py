@@ -68,3 +68,21 @@ def test_issue_12s_churn_grow_drain_resize_kill_resize_preempt_then_finish(
     result = chaos.run_seed(0, reference, tmp_path / "run", faults=faults, deadline_s=CHURN_DEADLINE_S)
     assert result.passed, result.report()
     assert result.faults == ["drain", "shrink", "kill_worker", "urgent"], result.report()
+
+
+@pytest.mark.timeout(360)
+def test_an_urgent_job_on_every_node_preempts_every_unit_and_the_job_resumes_from_the_saved_state(
+        slurm: CliJsonSlurmClient, mini_cluster: dict, chaos_reference: chaos.Reference, hog: list[int],
+        tmp_path: Path) -> None:
+    """Slurm preempts every unit of a live job (no checkpoint of the script's own): the last
+    unit to hold the training state writes it to the job's state folder as it leaves, and
+    once the urgent job is gone the job resumes at that step and completes once, every step
+    with the fixed run's samples, parameters within 1e-9."""
+    faults = [chaos.PlannedFault(kind="urgent", gap_s=3.0, pick=0.0, duration_s=6.0, nodes=4)]
+    result = chaos.run_seed(0, chaos_reference, tmp_path / "run", faults=faults, max_replicas=2,
+                            deadline_s=CHAOS_DEADLINE_S)
+    assert result.passed, result.report()
+    assert result.faults == ["urgent"], result.report()
+    timeline = "\n".join(result.timeline)
+    assert " state_saving " in timeline and "left after saving the training state at step" in timeline, timeline
+    assert "state_lost" not in timeline and "resumed_from_checkpoint" not in timeline, timeline

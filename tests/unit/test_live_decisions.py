@@ -112,6 +112,26 @@ def test_a_leave_reconfigures_without_stopping_anyone(harness: Harness) -> None:
     assert not any(kind.startswith("epoch_stop") for kind in harness.kinds())
 
 
+def leave_messages(harness: Harness, unit: str) -> list[launcher_pb2.Leave]:
+    queue = harness.sessions[unit].outbox
+    messages = [queue.get_nowait() for _ in range(queue.qsize())]
+    return [m.leave for m in messages if isinstance(m, launcher_pb2.ControllerMessage) and m.HasField("leave")]
+
+
+def test_only_the_last_member_to_leave_is_told_to_save_the_state(harness: Harness) -> None:
+    harness.say("b", leave_request=launcher_pb2.LeaveRequest(epoch=1, cause=launcher_pb2.LEAVE_CAUSE_PREEMPTED))
+    assert harness.outbox("a") == harness.outbox("b") == ["reconfigure:2:a"], "a keeps the state: b just leaves"
+    harness.report("a", 2, launcher_pb2.EPOCH_PHASE_RECONFIGURED, step=10)
+    harness.report("b", 1, launcher_pb2.EPOCH_PHASE_LEFT)
+    assert "state_saving" not in harness.kinds()
+
+    harness.say("a", leave_request=launcher_pb2.LeaveRequest(epoch=2, cause=launcher_pb2.LEAVE_CAUSE_PREEMPTED))
+    (leave,) = leave_messages(harness, "a")
+    assert leave.save_state, "a holds the last copy of the state"
+    saving = [e for e in harness.store.events("live-1") if e.kind == "state_saving"]
+    assert [e.unit_id for e in saving] == ["a"]
+
+
 def test_a_failure_is_one_message_to_each_survivor_the_next_generation(harness: Harness) -> None:
     harness.say("b", worker_exited=launcher_pb2.WorkerExited(epoch=1, local_rank=0, pid=77, signal=9))
     assert harness.outbox("b")[:1] == ["stop:1"], "the failed unit is told to kill its workers"
