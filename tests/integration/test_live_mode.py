@@ -60,6 +60,17 @@ def highest_step(directory: Path) -> int:
     return max((r["step"] for r in commits(read_ledger(directory))), default=-1)
 
 
+def assert_parameters_match_a_fixed_run(tmp_path: Path, steps: int) -> None:
+    """The elastic run's parameters (tmp_path/elastic.pt) equal the same script's alone."""
+    fixed_out = tmp_path / "fixed.pt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIDAL_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    subprocess.run(example_command(fixed_out, tmp_path / "fixed-ledger", steps), check=True, env=env, timeout=300,
+                   stdout=subprocess.DEVNULL)
+    elastic_params = torch.load(tmp_path / "elastic.pt", weights_only=True)["model"]
+    for name, reference in torch.load(fixed_out, weights_only=True)["model"].items():
+        torch.testing.assert_close(elastic_params[name], reference, rtol=1e-9, atol=1e-12, msg=name)
+
+
 def worker_pid(run: TidalRun, unit_id: str) -> int:
     pids = run.launchers[unit_id].worker_pids()
     assert len(pids) == 1, f"{unit_id} started workers {pids}; live mode starts one group per unit"
@@ -248,13 +259,7 @@ def test_every_replica_lost_falls_back_to_the_checkpoint_at_the_exact_step(tidal
     assert resumed[0]["step"] == saved[-1], "the new replica starts at the newest checkpoint's step"
     assert resumed[0]["indices"] == GlobalOrder(SAMPLES, SEED).samples(saved[-1] * GLOBAL_BATCH, GLOBAL_BATCH)
 
-    fixed_out = tmp_path / "fixed.pt"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIDAL_", "RANK", "WORLD_SIZE", "MASTER_"))}
-    subprocess.run(example_command(fixed_out, tmp_path / "fixed-ledger", steps), check=True, env=env, timeout=300,
-                   stdout=subprocess.DEVNULL)
-    elastic_params = torch.load(tmp_path / "elastic.pt", weights_only=True)["model"]
-    for name, reference in torch.load(fixed_out, weights_only=True)["model"].items():
-        torch.testing.assert_close(elastic_params[name], reference, rtol=1e-9, atol=1e-12, msg=name)
+    assert_parameters_match_a_fixed_run(tmp_path, steps)
 
 
 def test_with_every_replica_lost_and_no_checkpoint_the_job_fails_loudly_instead_of_restarting_at_step_0(
@@ -331,13 +336,7 @@ def test_the_last_replica_preempted_saves_the_state_and_the_next_world_resumes_a
     assert sorted(by_step) == list(range(steps)) and set(by_step.values()) == {1}
     assert not state_folder.exists(), "the saved state is removed once the job completes"
 
-    fixed_out = tmp_path / "fixed.pt"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIDAL_", "RANK", "WORLD_SIZE", "MASTER_"))}
-    subprocess.run(example_command(fixed_out, tmp_path / "fixed-ledger", steps), check=True, env=env, timeout=300,
-                   stdout=subprocess.DEVNULL)
-    elastic_params = torch.load(tmp_path / "elastic.pt", weights_only=True)["model"]
-    for name, reference in torch.load(fixed_out, weights_only=True)["model"].items():
-        torch.testing.assert_close(elastic_params[name], reference, rtol=1e-9, atol=1e-12, msg=name)
+    assert_parameters_match_a_fixed_run(tmp_path, steps)
 
 
 def test_units_of_two_workers_reform_in_process_and_a_failed_unit_takes_both_along(tidal_run: TidalRun,

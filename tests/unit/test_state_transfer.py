@@ -202,12 +202,18 @@ def test_each_step_reduces_only_its_own_gradients_and_an_unused_parameter_gets_z
     assert not expected[0][2].any() and expected[1][2].any()
 
 
-def test_a_step_abandoned_between_micro_batches_leaves_nothing_for_the_next() -> None:
-    torch.manual_seed(1)
+def small_model_in_buckets(seed: int) -> tuple[torch.nn.Module, torch.nn.Module, DataParallel]:
+    """A float64 MLP under DataParallel with buckets of a few parameters, and its copy."""
+    torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1)).double()
     reference = copy.deepcopy(model)
     strategy = DataParallel(bucket_mb=0.0002)
     strategy.attach(model, list(model.parameters()))
+    return model, reference, strategy
+
+
+def test_a_step_abandoned_between_micro_batches_leaves_nothing_for_the_next() -> None:
+    model, reference, strategy = small_model_in_buckets(seed=1)
     strategy.begin_step(None, 4)
     strategy.before_backward(last=False)
     model(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
@@ -224,11 +230,7 @@ def test_a_step_abandoned_between_micro_batches_leaves_nothing_for_the_next() ->
 
 
 def test_a_backward_pass_outside_a_step_is_plain_autograd_and_leaves_the_next_step_alone() -> None:
-    torch.manual_seed(2)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1)).double()
-    reference = copy.deepcopy(model)
-    strategy = DataParallel(bucket_mb=0.0002)
-    strategy.attach(model, list(model.parameters()))
+    model, reference, strategy = small_model_in_buckets(seed=2)
     probe = torch.randn(3, 4, dtype=torch.float64)
     # Before any step, then again after one: gradients accumulate as autograd's own would.
     for _ in range(2):
