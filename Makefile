@@ -6,7 +6,7 @@ PYTEST := $(PYTHON) -m pytest
 CONSTRAINTS := ci/constraints.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: install proto proto-check lint typecheck test test-unit test-slurm cluster-up cluster-down cluster-status demo bench bench-quick clean
+.PHONY: install install-bench proto proto-check lint typecheck test test-unit test-slurm cluster-up cluster-down cluster-status demo bench bench-quick clean
 
 install: $(STAMP)
 
@@ -73,12 +73,16 @@ demo: install
 # involved, then bench/RESULTS.md. A benchmark that fails is named at the end and fails the
 # target; the others still run.
 BENCHMARKS := detection recovery overhead reduction scaling transfer controller_scale grow preemption goodput chaos cluster_sim
-bench: install
+# torchft, the peer the benchmarks compare with, is a bench-only extra.
+install-bench: install
+	$(PYTHON) -m pip install -q -c $(CONSTRAINTS) -e '.[test,bench]'
+
+bench: install-bench
 	scripts/with-cluster bash -c 'failed=""; for b in $(BENCHMARKS); do $(PYTHON) -m bench.$$b || failed="$$failed $$b"; done; \
 	  $(PYTHON) -m bench.report; if [ -n "$$failed" ]; then echo "bench: failed:$$failed"; exit 1; fi'
 
 # One quick run of each (what tests/integration/test_bench_quick.py does in `make test`).
-bench-quick: install
+bench-quick: install-bench
 	scripts/with-cluster bash -c 'set -e; for b in $(BENCHMARKS); do $(PYTHON) -m bench.$$b --quick; done'
 
 clean:

@@ -295,7 +295,7 @@ def test_the_last_replica_preempted_saves_the_state_and_the_next_world_resumes_a
     leave; a new unit resumes at exactly that step (nothing redone, nothing lost) and the
     job completes with the parameters of a fixed-size run."""
     ledger = tmp_path / "ledger"
-    steps = 300
+    steps = 160
     tidal_run.submit(min_replicas=1, max_replicas=1, procs_per_node=2, mode=common_pb2.JOB_MODE_LIVE,
                      command=example_command(tmp_path / "elastic.pt", ledger, steps))
     controller = tidal_run.controller
