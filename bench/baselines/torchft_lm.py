@@ -12,6 +12,7 @@ binary); bench/recovery.py starts the lighthouse and the groups."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -72,8 +73,8 @@ def main() -> None:
                       state_dict=state_dict, replica_id=f"bench_{args.replica}", lighthouse_addr=args.lighthouse,
                       store_addr="127.0.0.1", store_port=args.store_port, rank=0, world_size=1,
                       hostname="127.0.0.1", timeout=timeout)
-    ddp: torch.nn.Module = (DistributedDataParallel(manager, model) if args.wrapper == "ddp"
-                            else PureDistributedDataParallel(manager, model))
+    wrapped = DistributedDataParallel(manager, model) if args.wrapper == "ddp" else None
+    ddp: torch.nn.Module = wrapped if wrapped is not None else PureDistributedDataParallel(manager, model)
     optimizer = Optimizer(manager, inner)
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed))
     share = args.global_batch // args.replicas
@@ -90,7 +91,7 @@ def main() -> None:
             batch = torch.stack([dataset[i] for i in chunk])
             last = number == len(chunks) - 1
             # (The pure wrapper all-reduces every micro-batch; the bench's share is one.)
-            context = ddp.no_sync() if not last and args.wrapper == "ddp" else torch.enable_grad()
+            context = wrapped.no_sync() if not last and wrapped is not None else contextlib.nullcontext()
             with context:
                 logits = ddp(batch[:, :-1])
                 loss = functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
