@@ -13,7 +13,7 @@ from pathlib import Path
 
 from bench.common import DDP_BASELINE, LM_EXAMPLE, Row, median, parser, read_jsonl, steady_rate, workspace, write_result
 from bench.live import commit_times, run_fixed_world
-from bench.torchft_job import TORCHFT_NAME, TorchftJob, torchft_lighthouse
+from bench.torchft_job import TorchftJob, torchft_lighthouse, torchft_name
 
 WORLD = 2
 MODEL = ["--global-batch", "32", "--micro-batch", "16", "--context", "64", "--width", "64", "--layers", "2"]
@@ -74,7 +74,7 @@ def main() -> None:
         peer_ratios = [t / p for t, p in zip(tidal, peer, strict=True)]
         peer_vs_ddp = median([p / b for p, b in zip(peer, baseline, strict=True)])
         rows.append(Row(benchmark="overhead", metric=f"steps/s, LM, world {WORLD}, live mode vs torchft",
-                        unit="steps/s", tidal=median(tidal), baseline=median(peer), baseline_name=TORCHFT_NAME,
+                        unit="steps/s", tidal=median(tidal), baseline=median(peer), baseline_name=torchft_name("ddp"),
                         goal="reported (no goal)", met=True, tidal_samples=tidal, baseline_samples=peer,
                         ratio=median(peer_ratios), ratio_meaning="Tidal / torchft steps/s (median of pairs)",
                         note=f"torchft / plain DDP steps/s {peer_vs_ddp:.3f} (median of pairs); torchft runs its "

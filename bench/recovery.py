@@ -30,7 +30,7 @@ from bench.common import (
     write_result,
 )
 from bench.live import LiveJob, event_time
-from bench.torchft_job import TORCHFT_NAME, TorchftJob, torchft_lighthouse
+from bench.torchft_job import TorchftJob, torchft_lighthouse, torchft_name
 from tests.integration.conftest import free_port, wait_until
 from tidal.proto import common_pb2
 
@@ -229,7 +229,7 @@ def main() -> None:
         rows.append(Row(
             benchmark="recovery", metric=f"kill 1 of {REPLICAS} replica groups → survivors' first step, live mode",
             unit="s", tidal=median(live), baseline=median(peer),
-            baseline_name=TORCHFT_NAME,
+            baseline_name=torchft_name("pure"),
             goal="reported (no goal)", met=True, tidal_samples=live, baseline_samples=peer,
             ratio=median(peer) / median(live), ratio_meaning="torchft / Tidal live",
             note="torchft under its PureDistributedDataParallel: the survivors' first committed step in a "

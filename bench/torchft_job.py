@@ -23,8 +23,13 @@ TORCHFT_BASELINE = Path(__file__).resolve().parent / "baselines" / "torchft_lm.p
 # torchft's own Slurm example settings (torchft/examples/slurm/README.md); the lighthouse's
 # heartbeat timeout is its default, 5 s.
 LIGHTHOUSE_OPTIONS = ["--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "10000"]
-TORCHFT_NAME = ("torchft 0.2.0 (Manager, its DDP wrapper, gloo; lighthouse " + " ".join(LIGHTHOUSE_OPTIONS)
-                + ", heartbeat timeout 5 s)")
+
+
+def torchft_name(wrapper: str = "ddp") -> str:
+    """How RESULTS.md names the torchft baseline run with `wrapper`."""
+    named = "its DistributedDataParallel" if wrapper == "ddp" else "its PureDistributedDataParallel"
+    return (f"torchft 0.2.0 (Manager, {named}, gloo; lighthouse " + " ".join(LIGHTHOUSE_OPTIONS)
+            + ", heartbeat timeout 5 s)")
 
 
 def torchft_lighthouse() -> Path | None:

@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "live_
 from train_lm import CharWindows, TinyTransformer, generate_text
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def add_lm_options(parser: argparse.ArgumentParser) -> None:
+    """The example language model's options, shared with torchft_lm.py."""
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--micro-batch", type=int, default=16)
@@ -35,6 +35,26 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+
+
+def build_lm(args: argparse.Namespace) -> tuple[CharWindows, TinyTransformer, torch.optim.AdamW]:
+    """The dataset, model and optimizer every baseline trains, seeded alike."""
+    torch.manual_seed(args.seed)
+    dataset = CharWindows(generate_text(args.characters, args.seed), args.context)
+    model = TinyTransformer(len(dataset.vocabulary), args.context, args.width, heads=4, layers=args.layers)
+    return dataset, model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+
+
+def lm_loss(model: torch.nn.Module, batch: torch.Tensor, context: int) -> torch.Tensor:
+    """The summed next-character loss of `batch`, per position of the context."""
+    logits = model(batch[:, :-1])
+    return functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
+                                    reduction="sum") / context
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_lm_options(parser)
     parser.add_argument("--checkpoint", default=None, help="save here every --checkpoint-every steps; resume from it")
     parser.add_argument("--checkpoint-every", type=int, default=20)
     parser.add_argument("--log-dir", required=True)
@@ -42,10 +62,7 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(args.seed)
-    dataset = CharWindows(generate_text(args.characters, args.seed), args.context)
-    model = TinyTransformer(len(dataset.vocabulary), args.context, args.width, heads=4, layers=args.layers)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    dataset, model, optimizer = build_lm(args)
     step = 0
     if args.checkpoint and Path(args.checkpoint).exists():
         saved = torch.load(args.checkpoint, weights_only=True)
@@ -70,9 +87,7 @@ def main() -> None:
             last = number == len(chunks) - 1
             context = ddp.no_sync() if not last else torch.enable_grad()
             with context:
-                logits = ddp(batch[:, :-1])
-                loss = functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
-                                                reduction="sum") / args.context
+                loss = lm_loss(ddp, batch, args.context)
                 # DDP averages over ranks; scale so the result is the mean over the global batch.
                 (loss * world / args.global_batch).backward()
         optimizer.step()

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 from torch.distributed import TCPStore
-from torch.nn import functional
 
+# Run as a script: its own folder (ddp_lm) is on the path; the example's too (for ddp_lm).
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "live_mode"))
-from train_lm import CharWindows, TinyTransformer, generate_text
+from ddp_lm import add_lm_options, build_lm, lm_loss  # type: ignore[import-not-found]
 
 
 def main() -> None:
@@ -35,14 +35,7 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=4, help="the job's replica groups when none is lost")
     parser.add_argument("--lighthouse", required=True, help="http://host:port")
     parser.add_argument("--store-port", type=int, required=True, help="this group's own TCPStore port")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--global-batch", type=int, default=32)
-    parser.add_argument("--micro-batch", type=int, default=16)
-    parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--characters", type=int, default=200_000)
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
+    add_lm_options(parser)
     parser.add_argument("--timeout", type=float, default=60.0, help="torchft's collective timeout (s)")
     parser.add_argument("--wrapper", choices=("ddp", "pure"), default="ddp",
                         help="torchft's DistributedDataParallel (its recommended wrapper) or its "
@@ -54,10 +47,7 @@ def main() -> None:
     from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
     from torchft.ddp import PureDistributedDataParallel
 
-    torch.manual_seed(args.seed)
-    dataset = CharWindows(generate_text(args.characters, args.seed), args.context)
-    model = TinyTransformer(len(dataset.vocabulary), args.context, args.width, heads=4, layers=args.layers)
-    inner = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    dataset, model, inner = build_lm(args)
 
     def state_dict() -> dict[str, Any]:
         return {"model": model.state_dict(), "optimizer": inner.state_dict()}
@@ -93,10 +83,7 @@ def main() -> None:
             # (The pure wrapper all-reduces every micro-batch; the bench's share is one.)
             context = wrapped.no_sync() if not last and wrapped is not None else contextlib.nullcontext()
             with context:
-                logits = ddp(batch[:, :-1])
-                loss = functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
-                                                reduction="sum") / args.context
-                (loss / share).backward()
+                (lm_loss(ddp, batch, args.context) / share).backward()
         committed = manager.should_commit()
         if committed:
             inner.step()

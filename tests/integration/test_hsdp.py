@@ -186,12 +186,57 @@ def test_hsdp_with_every_unit_lost_resumes_every_shard_from_its_checkpoint_at_on
              and r["step"] == newest}
     assert sorted(first) == [0, 1], "both of b's shards start at the checkpoint's step"
 
+    assert_full_parameters_match_one_process(tmp_path)
+
+
+def assert_full_parameters_match_one_process(tmp_path: Path, steps: int = STEPS) -> None:
+    """The elastic run's full parameters (tmp_path/elastic.pt) equal the same model's
+    trained alone in one process, to 1e-9 of each tensor's scale."""
     fixed_out = tmp_path / "fixed.pt"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TIDAL_", "RANK", "WORLD_SIZE", "MASTER_",
                                                                     "LOCAL_"))}
-    subprocess.run(lm_command(fixed_out, tmp_path / "fixed-ledger", "dp"), check=True, env=env, timeout=600,
+    subprocess.run(lm_command(fixed_out, tmp_path / "fixed-ledger", "dp", steps), check=True, env=env, timeout=600,
                    stdout=subprocess.DEVNULL)
     elastic_params = torch.load(tmp_path / "elastic.pt", weights_only=True)["model"]
     for name, reference in torch.load(fixed_out, weights_only=True)["model"].items():
         scale = float(reference.abs().max())
         torch.testing.assert_close(elastic_params[name], reference, rtol=1e-9, atol=1e-9 * scale, msg=name)
+
+
+def test_the_last_hsdp_unit_preempted_saves_every_shard_and_the_next_unit_resumes_at_that_step(
+        tidal_run: TidalRun, tmp_path: Path) -> None:
+    """The job's only unit (one replica, sharded over its 2 workers, no checkpoint_dir) is
+    SIGTERMed as Slurm preempts: launcher and both workers at once. Each worker writes its
+    own shard to the job's state folder after the step they agree on; the next unit's two
+    workers each load their shard at exactly that step, and the run ends where one process
+    ends."""
+    ledger = tmp_path / "ledger"
+    tidal_run.submit(min_replicas=1, max_replicas=1, procs_per_node=2, mode=common_pb2.JOB_MODE_LIVE,
+                     command=lm_command(tmp_path / "elastic.pt", ledger, "hsdp"))
+    controller = tidal_run.controller
+    launcher_a = tidal_run.start_launcher("a")
+    wait_until(lambda: tidal_run.job().step >= 30, 120, "30 steps committed")
+    a_pids = launcher_a.worker_pids()
+    for pid in [launcher_a.pid, *a_pids]:
+        os.kill(pid, signal.SIGTERM)
+    controller.wait_event(tidal_run.job_id, "state_saving", timeout=30)
+    left = controller.wait_event(tidal_run.job_id, "unit_left", timeout=30, where=lambda e: e.unit_id == "a")
+    assert "left after saving the training state at step" in left.reason, left.reason
+    saved_step = int(left.reason.split("at step ")[1].split()[0])
+    state_folder = tmp_path / "tidal-state" / tidal_run.job_id
+    for shard in range(2):
+        assert (state_folder / f"shard-{shard}-of-2" / f"step-{saved_step:012d}.tidal").is_file(), shard
+    wait_until(lambda: not any(alive(pid) for pid in a_pids), 10, "a's workers to exit")
+
+    tidal_run.start_launcher("b")
+    controller.wait_event(tidal_run.job_id, "job_completed", timeout=300)
+    kinds = [e.kind for e in controller.events(tidal_run.job_id)]
+    assert "resumed_from_checkpoint" not in kinds and "state_lost" not in kinds, kinds
+    b_pids = set(tidal_run.launchers["b"].worker_pids())
+    first: dict[int, int] = {}
+    for record in read_ledger(ledger):  # in time order
+        if record["pid"] in b_pids and record["kind"] == "attempt":
+            first.setdefault(record["rank"], record["step"])
+    assert first == {0: saved_step, 1: saved_step}, "both of b's shards start at the saved step"
+    assert not state_folder.exists(), "the saved state is removed once the job completes"
+    assert_full_parameters_match_one_process(tmp_path)
