@@ -74,19 +74,28 @@ class AsyncCheckpointer:
         self._thread.start()
         return True
 
+    def write_now(self, state: dict[str, Any], step: int) -> None:
+        """Write `state` in this thread, from the live tensors (no copy: nothing trains
+        meanwhile, as when a replica saves the state on its way out). Raises on failure."""
+        self.wait()
+        self._write_checkpoint(detached_copy(state, copy=False), step)
+
     def _write(self, snapshot: dict[str, Any], step: int) -> None:
         try:
-            payload = {"state_digest": digest(snapshot), "state": snapshot}
-            # Made at the first write: a folder that only a leaving replica ever writes
-            # to is not created for nothing.
-            self.directory.mkdir(parents=True, exist_ok=True)
-            write_atomically(checkpoint_path(self.directory, step), serialize(payload))
-            self.written.append(step)
-            for old in self.steps()[:-self.keep]:
-                checkpoint_path(self.directory, old).unlink(missing_ok=True)
+            self._write_checkpoint(snapshot, step)
         except BaseException as error:  # reported by the next wait(), never lost
             self.error = error
             log.error("checkpoint_failed", step=step, error=repr(error))
+
+    def _write_checkpoint(self, snapshot: dict[str, Any], step: int) -> None:
+        payload = {"state_digest": digest(snapshot), "state": snapshot}
+        # Made at the first write: a folder that only a leaving replica ever writes to is
+        # not created for nothing.
+        self.directory.mkdir(parents=True, exist_ok=True)
+        write_atomically(checkpoint_path(self.directory, step), serialize(payload))
+        self.written.append(step)
+        for old in self.steps()[:-self.keep]:
+            checkpoint_path(self.directory, old).unlink(missing_ok=True)
 
     def wait(self) -> None:
         if self._thread is not None:

@@ -246,8 +246,8 @@ class Elastic:
         self.simulated = SimulatedDevice(simulation) if simulation is not None else None
         if simulation is not None:
             log.info("simulated_accelerator", simulation=simulation.describe())
-        self.checkpoint_every = checkpoint_every if checkpoint_dir else 0
         checkpoint_path = Path(checkpoint_dir) if checkpoint_dir and checkpoint_every else None
+        self.checkpoint_every = checkpoint_every if checkpoint_path is not None else 0
         # Live mode without checkpoints of the script's own: the folder where the last
         # replica to leave writes the state (and the next world reads it), removed when
         # the job's training completes.
@@ -736,8 +736,7 @@ class Elastic:
             return ""
         started = time.monotonic()
         try:
-            self.checkpointer.save(capture(self.parts, self.counters), self.counters.step)
-            self.checkpointer.wait()
+            self.checkpointer.write_now(capture(self.parts, self.counters), self.counters.step)
         except (RuntimeError, OSError) as error:
             self.log.error("state_save_failed", step=self.counters.step, folder=str(self.checkpointer.directory),
                            error=str(error))

@@ -216,17 +216,19 @@ def restore(parts: TrainingParts, counters: Counters, state: Mapping[str, Any]) 
         destination.copy_(source)
 
 
-def detached_copy(value: Any) -> Any:
+def detached_copy(value: Any, copy: bool = True) -> Any:
     """A deep copy of a captured state whose tensors no longer share memory with the live
-    ones (a checkpoint written in the background must not see later steps)."""
+    ones (a checkpoint written in the background must not see later steps). `copy=False`:
+    the same structure with its tensors on the CPU, a CPU tensor itself (for a state
+    written at once, that no step changes meanwhile)."""
     if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
+        return value.detach().to("cpu", copy=copy)
     if isinstance(value, Mapping):
-        return {key: detached_copy(item) for key, item in value.items()}
+        return {key: detached_copy(item, copy) for key, item in value.items()}
     if isinstance(value, list):
-        return [detached_copy(item) for item in value]
+        return [detached_copy(item, copy) for item in value]
     if isinstance(value, tuple):
-        return tuple(detached_copy(item) for item in value)
+        return tuple(detached_copy(item, copy) for item in value)
     return value
 
 

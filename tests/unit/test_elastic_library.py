@@ -135,6 +135,19 @@ def test_checkpoints_are_atomic_pruned_and_a_damaged_newest_is_skipped(tmp_path:
     assert checkpointer.latest()["manifest"]["counters"]["step"] == 20
 
 
+def test_a_state_written_at_once_is_made_in_its_folder_and_loads_with_its_digest(tmp_path: Path) -> None:
+    parts = _parts()
+    folder = tmp_path / "tidal-state" / "job-1"
+    checkpointer = AsyncCheckpointer(folder)
+    assert not folder.exists() and checkpointer.latest() is None, "nothing is made before the first write"
+    state = capture(parts, Counters(step=7, position=56, global_batch=8))
+    checkpointer.write_now(state, 7)
+    assert checkpointer.steps() == [7]
+    loaded = checkpointer.latest()
+    assert loaded is not None and loaded["manifest"]["counters"]["step"] == 7
+    assert digest(loaded) == digest(state)
+
+
 def test_a_checkpoint_copy_does_not_see_later_steps(tmp_path: Path) -> None:
     parts = _parts()
     checkpointer = AsyncCheckpointer(tmp_path)
