@@ -393,7 +393,7 @@ class ChaosRun:
 
     def __init__(self, seed: int, reference: Reference, folder: Path, *, deadline_s: float = DEFAULT_DEADLINE_S,
                  faults: list[PlannedFault] | None = None, min_replicas: int = 1, max_replicas: int = NODES,
-                 log: Callable[[str], None] = print) -> None:
+                 controller_settings: dict[str, str] | None = None, log: Callable[[str], None] = print) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.seed = seed
         self.reference = reference
@@ -407,7 +407,7 @@ class ChaosRun:
         self.ledger_dir = folder / "ledger"
         self.out = folder / "out.pt"
         self.slurm = CliJsonSlurmClient(timeout_s=10)
-        self.controller = ControllerProcess(folder, CONTROLLER_SETTINGS)
+        self.controller = ControllerProcess(folder, {**CONTROLLER_SETTINGS, **(controller_settings or {})})
         self.tail = LedgerTail(self.ledger_dir)
         self.job_id = ""
         self.submitted_at = 0.0

@@ -66,6 +66,10 @@ class ControllerConfig:
     failure_stop_grace_s: float = 0.5
     # No grow within this long after a world change.
     scale_up_snooze_s: float = 0.0
+    # Live mode with Slurm units: a job below min_replicas this long gives its nodes back
+    # (its last replica saves the training state as it leaves; the job resumes from it once
+    # min_replicas nodes are idle) instead of holding them idle. 0: hold them.
+    below_min_release_s: float = 30.0
     # Live mode: a world change (joiners' workers ready, every member re-formed) must
     # complete within this long, or the units holding it up count as failed.
     reconfigure_timeout_s: float = 120.0
@@ -113,7 +117,7 @@ class ControllerConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ["reconnect_grace_s", "join_settle_s", "scale_up_snooze_s"]:
+        for name in ["reconnect_grace_s", "join_settle_s", "scale_up_snooze_s", "below_min_release_s"]:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:

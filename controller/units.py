@@ -161,20 +161,26 @@ def releasing(view: ClusterView, yielded: Mapping[int, Iterable[int]]) -> dict[i
 
 
 def units_to_submit(spec: admin_pb2.JobSpec, *, alive: int, idle_nodes: int, now: float,
-                    last_change_at: float | None, scale_up_snooze_s: float, others_waiting: int = 0) -> UnitDemand:
+                    last_change_at: float | None, scale_up_snooze_s: float, others_waiting: int = 0,
+                    released: bool = False) -> UnitDemand:
     """How many units to submit now, and why. `alive` counts units that hold or are
     waiting for a place (submitted, joining, active); `idle_nodes` the idle nodes that fit.
 
     - below min_replicas: submit the difference (replacements), whatever is idle: Slurm
-      queues them;
+      queues them; but a job that gave its nodes back below min (`released`) waits until
+      enough nodes to reach min_replicas are idle, then grows as below;
     - otherwise grow onto idle nodes, up to max_replicas, one unit per node
       (`nodes_per_replica` nodes each), unless a world change was recent (snooze) or other
       Slurm jobs wait for nodes (`others_waiting`): an elastic job takes what nobody else
       wants, or it would be preempted again at once."""
-    if alive < spec.min_replicas:
-        return UnitDemand(spec.min_replicas - alive, f"{alive} of min {spec.min_replicas} replicas")
     room = spec.max_replicas - alive
     fits = idle_nodes // max(1, spec.nodes_per_replica)
+    if alive < spec.min_replicas:
+        if not released:
+            return UnitDemand(spec.min_replicas - alive, f"{alive} of min {spec.min_replicas} replicas")
+        if fits < spec.min_replicas - alive:
+            return UnitDemand(0, f"nodes given back below min_replicas {spec.min_replicas}: waiting for "
+                                 f"{spec.min_replicas - alive} idle node(s) ({fits} fit)")
     if room <= 0:
         return UnitDemand(0, f"at max_replicas {spec.max_replicas}")
     if fits <= 0:

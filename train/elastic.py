@@ -675,8 +675,11 @@ class Elastic:
             self.ledger.write("abandoned", epoch=generation, step=self.counters.step, reason=reason)
             try:
                 self.channel.send(Stopped(generation=generation, step=self.counters.step))
+                # As long as the launcher lives: a job below min_replicas waits for nodes, for
+                # minutes or hours, and this rank's memory is the training state meanwhile (a
+                # launcher that dies closes the channel, and this wait ends).
                 world = self.channel.wait_world(after_generation=max(generation, self.channel.stopped_generation),
-                                                timeout_s=self.timeout_s)
+                                                timeout_s=STANDBY_TIMEOUT_S)
                 if world.leaves:
                     self._leave(world)
             except (ChannelClosed, TimeoutError) as error:
@@ -858,8 +861,9 @@ class Elastic:
 
     def _after_commit(self, world: World, indices: list[int], loss: float) -> None:
         step = self.counters.step
+        # cpu_s: this process's CPU seconds so far (benchmarks read CPU time per step from it).
         self.ledger.write("commit", epoch=world.generation, step=step - 1, rank=world.rank, world_size=world.world_size,
-                          loss=loss)
+                          loss=loss, cpu_s=time.process_time())
         now = time.monotonic()
         if self._first_step_pending:
             self._first_step_pending = False

@@ -324,6 +324,12 @@ class State:
     # Nodes where a unit failed: failures there, and no new unit there before (monotonic).
     node_cooldown: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
     growth_held_reason: str = ""
+    # Since when the job is DEGRADED (below min_replicas), monotonic; None otherwise.
+    degraded_since: float | None = None
+    # Live mode with Slurm units: the job gave its nodes back below min_replicas
+    # (below_min_release_s); until a world forms again it submits units only once
+    # min_replicas nodes are idle, rather than queueing replacements.
+    released_below_min: bool = False
 
     @property
     def live(self) -> bool:
@@ -776,6 +782,10 @@ class _Transition:
                     state.stop.waiting_for.clear()
                 self._maybe_finish_stop()
             return
+        if self.job.state is JobState.DEGRADED:
+            self._release_below_min(now)
+            if self.job.state.is_final:
+                return
         if self.job.state is JobState.RUNNING and state.generation is not None:
             failures = self._health_failures(now)
             if failures:
@@ -1188,6 +1198,40 @@ class _Transition:
                     staying, (), "leave", f"unit {unit_id} leaves ({cause})"):
                 self._begin_stop("leave", f"unit {unit_id} leaves ({cause})", self.now.monotonic)
 
+    def _release_below_min(self, now: float) -> None:
+        """Live mode with Slurm units: below min_replicas for `below_min_release_s` since the
+        last registration, the units that are left (they train nothing) give their nodes
+        back; the last holder of the training state saves it as it leaves (`_leave`), the
+        replacements queued in Slurm are cancelled (they would take the nodes given back),
+        and the job submits units again only once min_replicas nodes are idle, resuming
+        from the saved state."""
+        state = self.state
+        holding = sorted(u for u, unit in state.units.items()
+                         if unit.state in (UnitState.ACTIVE, UnitState.JOINING) and self.connected(u))
+        # A registration restarts the wait: more units may be on their way.
+        since = max([state.degraded_since or now, *(state.registered_at.get(u, 0.0) for u in holding)])
+        if not (state.live and state.slurm_units) or not planning.release_below_min(
+                below_min_since=since, now=now, release_after_s=self.config.below_min_release_s,
+                holding=len(holding)):
+            return
+        spec = self.job.spec
+        queued = sorted(u for u, unit in state.units.items() if unit.state is UnitState.SUBMITTED)
+        state.released_below_min = True
+        self.record("below_min_released",
+                    f"below min_replicas {spec.min_replicas} for {now - since:.0f} s: {len(holding)} unit(s) give "
+                    "their nodes back; the last to hold the training state saves it, and the job resumes from it "
+                    f"once {spec.min_replicas} node(s) are idle",
+                    fields={"units": join_ids(holding), "cancelled_queued": join_ids(queued),
+                            "below_min_release_s": f"{self.config.below_min_release_s:g}"})
+        for unit_id in queued:
+            self._cancel_in_slurm(state.units[unit_id])
+            self._mark_left(unit_id, "cancelled while queued: the job gave its nodes back below min_replicas")
+        # Those without the state first, so that the holder is the last to go and saves it.
+        holders = set(state.state_holders)
+        for unit_id in sorted(holding, key=lambda u: (u in holders, u)):
+            self._leave(unit_id, "released", f"below min_replicas {spec.min_replicas} for "
+                        f"{self.config.below_min_release_s:g} s (below_min_release_s): nodes given back")
+
     def _holds_last_state(self, unit_id: str) -> bool:
         """Live mode: whether `unit_id` is the running generation's last member that is
         still active and connected (with it gone, no live process holds the state)."""
@@ -1362,7 +1406,8 @@ class _Transition:
         demand = unit_rules.units_to_submit(spec, alive=len(alive), idle_nodes=max(0, len(idle) - waiting), now=now,
                                             last_change_at=state.last_change_at,
                                             scale_up_snooze_s=self.config.scale_up_snooze_s,
-                                            others_waiting=len(others_waiting))
+                                            others_waiting=len(others_waiting),
+                                            released=state.released_below_min)
         count = demand.count
         if grow_allowance is not None and len(alive) >= spec.min_replicas and count > grow_allowance:
             # Other elastic jobs share these idle nodes by weight.
@@ -1622,6 +1667,9 @@ class _Transition:
     def _set_state(self, job_state: JobState, reason: str) -> None:
         if self.job.state is job_state:
             return
+        self.state.degraded_since = self.now.monotonic if job_state is JobState.DEGRADED else None
+        if job_state is JobState.RUNNING:
+            self.state.released_below_min = False
         self.job.state = job_state
         self.emit(SaveJob(self.job))
         self.record(f"job_{job_state.value}", reason)

@@ -149,3 +149,11 @@ def decide_world(snapshot: WorldSnapshot, now: float) -> WorldAction:
         return Wait(f"scale-up snoozed for {snapshot.last_change_at + snapshot.scale_up_snooze_s - now:.1f} s")
     taken = tuple(joiners[: size - current])
     return Grow(size, taken, f"grow {current} -> {size} replicas: {', '.join(taken)} joined")
+
+
+def release_below_min(*, below_min_since: float | None, now: float, release_after_s: float, holding: int) -> bool:
+    """Whether a live job below min_replicas since `below_min_since` gives back the
+    `holding` units it still has (they train nothing until more nodes come): once it has
+    been below min for `release_after_s` (0: never)."""
+    return (release_after_s > 0 and below_min_since is not None and holding > 0
+            and now - below_min_since >= release_after_s)

@@ -11,7 +11,7 @@ import pytest
 
 from tidal.controller.config import ControllerConfig
 from tidal.controller.events import EventLog
-from tidal.controller.jobs import Connected, JobActor, Said, Tick
+from tidal.controller.jobs import Connected, Disconnected, JobActor, Said, Tick
 from tidal.controller.metrics import ControllerMetrics
 from tidal.controller.model import JobRecord, JobState
 from tidal.controller.security import secret_digest
@@ -22,8 +22,8 @@ from tidal.proto import admin_pb2, common_pb2, launcher_pb2
 
 
 class Harness:
-    def __init__(self, tmp_path: Path, min_replicas: int = 1, max_replicas: int = 3) -> None:
-        self.config = ControllerConfig(state_dir=tmp_path, join_settle_s=0.0)
+    def __init__(self, tmp_path: Path, min_replicas: int = 1, max_replicas: int = 3, **settings: object) -> None:
+        self.config = ControllerConfig(state_dir=tmp_path, join_settle_s=0.0, **settings)  # type: ignore[arg-type]
         self.store = StateStore(tmp_path / "tidal.db")
         spec = normalized_spec(admin_pb2.JobSpec(name="live", min_replicas=min_replicas, max_replicas=max_replicas,
                                                  command=["train"], mode=common_pb2.JOB_MODE_LIVE))
@@ -130,6 +130,71 @@ def test_only_the_last_member_to_leave_is_told_to_save_the_state(harness: Harnes
     assert leave.save_state, "a holds the last copy of the state"
     saving = [e for e in harness.store.events("live-1") if e.kind == "state_saving"]
     assert [e.unit_id for e in saving] == ["a"]
+
+
+def degraded_survivor(tmp_path: Path, slurm_units: bool, release_s: float, min_replicas: int = 2) -> Harness:
+    """min_replicas units train; every worker but a's dies, and a alone waits below min
+    (DEGRADED)."""
+    harness = Harness(tmp_path, min_replicas=min_replicas, max_replicas=4, below_min_release_s=release_s)
+    harness.actor.state.slurm_units = slurm_units
+    units = "abcd"[:min_replicas]
+    for index, unit in enumerate(units):
+        harness.connect(unit, 1001 + index)
+    harness.tick()
+    assert all(harness.outbox(unit) == ["start:1"] for unit in units)
+    harness.actor.handle(Said(harness.sessions["b"], launcher_pb2.LauncherMessage(
+        worker_exited=launcher_pb2.WorkerExited(epoch=1, local_rank=0, pid=77, signal=9))))
+    for unit in units[2:]:
+        harness.actor.handle(Disconnected(harness.sessions[unit], "gone"))
+    harness.tick()
+    assert harness.outbox("a")[:1] == ["stop:1"], "a alone is below min: it stops, keeping its state in memory"
+    harness.report("a", 1, launcher_pb2.EPOCH_PHASE_STOPPED, step=30)
+    assert harness.actor.job.state is JobState.DEGRADED
+    return harness
+
+
+def test_a_live_job_below_min_gives_its_nodes_back_after_the_release_time_and_the_last_holder_saves(
+        tmp_path: Path) -> None:
+    harness = degraded_survivor(tmp_path, slurm_units=True, release_s=0.2)
+    harness.tick()
+    assert leave_messages(harness, "a") == [], "not before below_min_release_s"
+    time.sleep(0.25)
+    harness.tick()
+    (leave,) = leave_messages(harness, "a")
+    assert leave.save_state, "a holds the only copy of the training state: it saves it as it leaves"
+    released = [e for e in harness.store.events("live-1") if e.kind == "below_min_released"]
+    assert len(released) == 1 and released[0].fields["units"] == "a"
+    assert "state_saving" in harness.kinds()
+    harness.tick()
+    assert len([k for k in harness.kinds() if k == "below_min_released"]) == 1, "released once"
+    assert harness.actor.state.released_below_min
+
+
+def test_a_registration_below_min_restarts_the_wait_before_the_nodes_go_back(tmp_path: Path) -> None:
+    harness = degraded_survivor(tmp_path, slurm_units=True, release_s=0.3, min_replicas=3)
+    time.sleep(0.2)
+    harness.connect("e", 1009)  # 2 of min 3: still below, and more may be on their way
+    time.sleep(0.15)
+    harness.tick()
+    assert harness.actor.job.state is JobState.DEGRADED
+    assert "below_min_released" not in harness.kinds(), "0.35 s below min, but only 0.15 s since e registered"
+    time.sleep(0.2)
+    harness.tick()
+    released = [e for e in harness.store.events("live-1") if e.kind == "below_min_released"]
+    assert len(released) == 1 and released[0].fields["units"] == "a,e"
+    (leave,) = leave_messages(harness, "a")
+    assert leave.save_state and not any(m.save_state for m in leave_messages(harness, "e"))
+
+
+@pytest.mark.parametrize(("slurm_units", "release_s"), [(False, 0.2), (True, 0.0)])
+def test_a_live_job_below_min_holds_its_units_without_slurm_units_or_with_release_off(
+        tmp_path: Path, slurm_units: bool, release_s: float) -> None:
+    # Without Slurm units nobody would start the launchers again; 0 turns the release off.
+    harness = degraded_survivor(tmp_path, slurm_units=slurm_units, release_s=release_s)
+    time.sleep(0.25)
+    harness.tick()
+    assert leave_messages(harness, "a") == []
+    assert "below_min_released" not in harness.kinds()
 
 
 def test_a_failure_is_one_message_to_each_survivor_the_next_generation(harness: Harness) -> None:

@@ -57,6 +57,18 @@ def test_below_min_submits_the_difference_whatever_is_idle() -> None:
     assert (demand.count, demand.reason) == (2, "0 of min 2 replicas")
 
 
+def test_a_job_that_gave_its_nodes_back_below_min_waits_for_min_idle_nodes_then_grows() -> None:
+    def demand(alive: int, idle: int, others: int = 0) -> tuple[int, str]:
+        result = units_to_submit(SPEC, alive=alive, idle_nodes=idle, now=10.0, last_change_at=None,
+                                 scale_up_snooze_s=0, others_waiting=others, released=True)
+        return result.count, result.reason
+    # The node it gave back is idle: a queued replacement would only take it again.
+    assert demand(0, 1) == (0, "nodes given back below min_replicas 2: waiting for 2 idle node(s) (1 fit)")
+    assert demand(0, 3)[0] == 3 and "toward max_replicas 4" in demand(0, 3)[1]
+    assert demand(1, 1) == (1, "1 idle node(s) fit; growing toward max_replicas 4")
+    assert demand(0, 2, others=1) == (0, "1 other Slurm job(s) wait for nodes")
+
+
 def test_growth_takes_idle_nodes_up_to_max_and_respects_the_snooze() -> None:
     grow = units_to_submit(SPEC, alive=2, idle_nodes=5, now=10.0, last_change_at=None, scale_up_snooze_s=0)
     assert grow.count == 2 and "toward max_replicas 4" in grow.reason
