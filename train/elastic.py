@@ -360,6 +360,10 @@ class Elastic:
             # joins a running world.
             self.world = self.channel.wait_world(after_generation=0, timeout_s=STANDBY_TIMEOUT_S)
             joining = self.world.joining
+            if self.world.leaves:
+                # Told to leave before it ever joined a world (the unit leaves, or gives its
+                # node back): it holds no training state, so there is nothing to save.
+                self._leave(dataclasses.replace(self.world, save=False))
         if self.checkpointer is not None and not joining:
             self._load_checkpoint()
         if not self.live:

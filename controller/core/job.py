@@ -1234,14 +1234,18 @@ class _Transition:
 
     def _holds_last_state(self, unit_id: str) -> bool:
         """Live mode: whether `unit_id` is the running generation's last member that is
-        still active and connected (with it gone, no live process holds the state)."""
+        still active and connected, or the others hold no state by their heartbeats (with
+        it gone, no live process holds the state)."""
         state = self.state
         if not state.live or state.generation is None or unit_id not in state.generation.unit_ids:
             return False
         if self.job.state not in (JobState.RUNNING, JobState.RECONFIGURING, JobState.DEGRADED):
             return False
-        return not any(u != unit_id and state.units[u].state is UnitState.ACTIVE and self.connected(u)
-                       for u in state.generation.unit_ids)
+        others = tuple(u for u in state.generation.unit_ids
+                       if u != unit_id and state.units[u].state is UnitState.ACTIVE and self.connected(u))
+        # Another member counts only if it holds the state by its heartbeats: a joiner whose
+        # workers never formed a world (or got the state) would take nothing with it.
+        return not others or (not self._holders(others) and self.job.step > 0)
 
     def _mark_left(self, unit_id: str, reason: str) -> None:
         unit = self.state.units.get(unit_id)

@@ -364,3 +364,22 @@ def test_a_late_state_lost_does_not_fail_a_job_past_its_last_step(harness: Harne
     harness.report("a", 1, launcher_pb2.EPOCH_PHASE_FINISHED, step=600)
     harness.report("b", 1, launcher_pb2.EPOCH_PHASE_STATE_LOST, step=600)
     assert harness.actor.job.state is JobState.FINISHING
+
+
+def test_a_leaving_member_saves_when_the_others_hold_no_state_by_their_heartbeats(tmp_path: Path) -> None:
+    """min 2: a and b train to step 40; b's workers then report no state (a joiner whose
+    workers never formed a world looks like this). When a leaves, b cannot keep the state:
+    a is told to save it."""
+    harness = Harness(tmp_path, min_replicas=2)
+    harness.connect("a", 1001)
+    harness.connect("b", 1002)
+    harness.tick()
+    beat(harness, "a", 0, 40)
+    beat(harness, "b", 1, 40)
+    harness.tick()
+    assert harness.actor.job.step == 40
+    beat(harness, "b", 1, 0)
+    harness.tick()
+    harness.say("a", leave_request=launcher_pb2.LeaveRequest(epoch=1, cause=launcher_pb2.LEAVE_CAUSE_PREEMPTED))
+    (leave,) = leave_messages(harness, "a")
+    assert leave.save_state, "b holds nothing at step 40: a's state is the last copy"
