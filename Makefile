@@ -42,8 +42,9 @@ typecheck: install
 	@mkdir -p build/mypy/tidal && for p in controller launcher proto slurm train; do ln -sfn ../../../$$p build/mypy/tidal/$$p; done
 	set -o pipefail; $(VENV)/bin/mypy | sed 's#^build/mypy/tidal/##'
 
-# Every tier: unit, then the mini Slurm cluster's tests (brought up and stopped here).
-test: install proto-check lint typecheck
+# Every tier: unit, then the mini Slurm cluster's tests (brought up and stopped here). The
+# bench extra (torchft) too: the quick benchmarks run it beside Tidal.
+test: install-bench proto-check lint typecheck
 	TIDAL_TEST_REQUIRE_SLURM=1 scripts/with-cluster $(PYTEST) tests
 
 test-unit: install
@@ -68,14 +69,18 @@ cluster-status:
 demo: install
 	scripts/with-cluster bash -c '$(VENV)/bin/tidal nodes && echo && squeue && echo && $(PYTHON) scripts/demo-slurm'
 
-# Every benchmark in full (about 70 minutes on 2 cores: goodput alone plays a 10-minute
-# trace twice, chaos runs 20 seeds to their end), on the mini cluster where Slurm is
+# Every benchmark in full (about 90 minutes on 2 cores: goodput alone plays a 10-minute
+# trace three times, chaos runs 20 seeds to their end), on the mini cluster where Slurm is
 # involved, then bench/RESULTS.md. A benchmark that fails is named at the end and fails the
 # target; the others still run.
 BENCHMARKS := detection recovery overhead reduction scaling transfer controller_scale grow preemption goodput chaos cluster_sim
 # torchft, the peer the benchmarks compare with, is a bench-only extra.
-install-bench: install
+BENCH_STAMP := $(VENV)/.installed-bench
+install-bench: $(BENCH_STAMP)
+
+$(BENCH_STAMP): $(STAMP)
 	$(PYTHON) -m pip install -q -c $(CONSTRAINTS) -e '.[test,bench]'
+	touch $(BENCH_STAMP)
 
 bench: install-bench
 	scripts/with-cluster bash -c 'failed=""; for b in $(BENCHMARKS); do $(PYTHON) -m bench.$$b || failed="$$failed $$b"; done; \

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import os
 import platform
 import shlex
@@ -18,7 +19,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +72,75 @@ def percentile(values: Sequence[float], fraction: float) -> float:
         return float("nan")
     index = min(len(ordered) - 1, max(0, round(fraction * (len(ordered) - 1))))
     return ordered[index]
+
+
+def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A distribution-free interval for the median of `values` at `confidence` (at least):
+    the order statistics x(k) and x(n−k+1) with the largest k such that a Binomial(n, ½)
+    falls below k with probability ≤ (1 − confidence) / 2. NaNs when n is too small for any
+    (n < 6 at 95%)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    tail = (1 - confidence) / 2
+    below, k = 0.0, 0
+    while k < n:
+        # P(Binomial(n, ½) ≤ k), the chance that fewer than k + 1 values lie below the median.
+        below += math.comb(n, k) / 2**n
+        if below > tail:
+            break
+        k += 1
+    if k == 0:
+        return float("nan"), float("nan")
+    return ordered[k - 1], ordered[n - k]
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid` (from /proc), or None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuSampler:
+    """Samples, in a thread, the CPU seconds the processes `pids()` names have used (each
+    one's last figure kept once it exits): a list of (wall time, total CPU seconds)."""
+
+    def __init__(self, interval_s: float = 0.25) -> None:
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, float]] = []
+        self._pids: Callable[[], Sequence[int]] = list
+        self._last: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+
+    def start(self, pids: Callable[[], Sequence[int]]) -> None:
+        self._pids = pids
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(Exception):
+                for pid in self._pids():
+                    seconds = process_cpu_seconds(pid)
+                    if seconds is not None:
+                        self._last[pid] = seconds
+                self.samples.append((time.time(), sum(self._last.values())))
+            self._stop.wait(self.interval_s)
+
+    def between(self, start: float, end: float) -> float:
+        """CPU seconds used between wall times `start` and `end` (the samples nearest them)."""
+        if not self.samples:
+            return float("nan")
+        first = min(self.samples, key=lambda s: abs(s[0] - start))
+        last = min(self.samples, key=lambda s: abs(s[0] - end))
+        return last[1] - first[1]
 
 
 def machine() -> dict[str, Any]:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.common import read_jsonl
+from bench.common import CpuSampler, read_jsonl
 from tests.integration.conftest import TidalRun, alive, wait_until
 from tidal.proto import admin_pb2, common_pb2
 
@@ -106,12 +106,18 @@ def mlp_command(ledger: Path, step_time: float = 0.01) -> list[str]:
             "--step-time", str(step_time), "--ledger-dir", str(ledger)]
 
 
-def run_fixed_world(folder: Path, command: Sequence[str], replicas: int, name: str, timeout_s: float = 600.0) -> None:
+def run_fixed_world(folder: Path, command: Sequence[str], replicas: int, name: str, timeout_s: float = 600.0,
+                    agents_cpu: CpuSampler | None = None) -> None:
     """Run `command` as a live-mode job of exactly `replicas` units (one launcher each) on
-    loopback until the job completes."""
+    loopback until the job completes; `agents_cpu`, if given, samples the CPU time of the
+    controller and the launchers meanwhile."""
     folder.mkdir(parents=True, exist_ok=True)
     run = TidalRun(folder)
     run.controller.start()
+    if agents_cpu is not None:
+        agents_cpu.start(lambda: [p.pid for p in (run.controller.process,
+                                                  *(launcher.process for launcher in run.launchers.values()))
+                                  if p is not None])
     try:
         run.submit(min_replicas=replicas, max_replicas=replicas, mode=common_pb2.JOB_MODE_LIVE, name=name,
                    command=list(command))
@@ -120,6 +126,8 @@ def run_fixed_world(folder: Path, command: Sequence[str], replicas: int, name: s
         wait_until(lambda: run.job().state == admin_pb2.JOB_STATE_COMPLETED, timeout_s, f"the {name} run to finish",
                    interval=0.5)
     finally:
+        if agents_cpu is not None:
+            agents_cpu.stop()
         run.close()
 
 

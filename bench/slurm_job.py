@@ -16,7 +16,8 @@ from tidal.slurm import CliJsonSlurmClient, UnitSubmission
 
 
 class SlurmJob:
-    def __init__(self, folder: Path, max_replicas: int, poll_s: float, blocked_nodes: int = 0) -> None:
+    def __init__(self, folder: Path, max_replicas: int, poll_s: float, blocked_nodes: int = 0,
+                 step_time: float = 0.01) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.folder = folder
         self.ledger = folder / "ledger"
@@ -27,6 +28,7 @@ class SlurmJob:
         self.job_id = ""
         self.blockers: list[int] = []
         self.blocked_nodes = blocked_nodes
+        self.step_time = step_time
 
     def __enter__(self) -> SlurmJob:
         idle = [n for n in self.slurm.list_nodes() if "train" in n.partitions and n.is_idle_and_usable]
@@ -40,7 +42,7 @@ class SlurmJob:
             name="bench", min_replicas=1, max_replicas=self.max_replicas, partition="train",
             mode=common_pb2.JOB_MODE_LIVE, working_dir=str(self.folder), environment={"OMP_NUM_THREADS": "1"},
             command=[sys.executable, str(MLP_EXAMPLE), "--steps", "1000000", "--global-batch", "24",
-                     "--micro-batch", "4", "--step-time", "0.01", "--ledger-dir", str(self.ledger)])
+                     "--micro-batch", "4", "--step-time", str(self.step_time), "--ledger-dir", str(self.ledger)])
         with self.controller.admin() as admin:
             self.job_id = admin.submit(spec).job.job_id
         return self

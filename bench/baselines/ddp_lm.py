@@ -21,6 +21,8 @@ import torch.distributed as dist
 from torch.nn import functional
 from torch.nn.parallel import DistributedDataParallel
 
+from tidal.train import simulated
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "live_mode"))
 from train_lm import CharWindows, TinyTransformer, generate_text
 
@@ -35,6 +37,14 @@ def add_lm_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    simulated.add_arguments(parser)
+
+
+def simulated_device(args: argparse.Namespace) -> simulated.SimulatedDevice | None:
+    """The simulated accelerator the --simulate-* flags ask for (each micro-batch's device
+    time and each step's all-reduce time slept, as the live-mode example does), or None."""
+    simulation = simulated.from_arguments(args)
+    return simulated.SimulatedDevice(simulation) if simulation is not None else None
 
 
 def build_lm(args: argparse.Namespace) -> tuple[CharWindows, TinyTransformer, torch.optim.AdamW]:
@@ -63,6 +73,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     dataset, model, optimizer = build_lm(args)
+    device = simulated_device(args)
     step = 0
     if args.checkpoint and Path(args.checkpoint).exists():
         saved = torch.load(args.checkpoint, weights_only=True)
@@ -83,6 +94,7 @@ def main() -> None:
         chunks = [indices[i:i + args.micro_batch] for i in range(0, len(indices), args.micro_batch)]
         optimizer.zero_grad(set_to_none=True)
         for number, chunk in enumerate(chunks):
+            started = time.monotonic()
             batch = torch.stack([dataset[i] for i in chunk])
             last = number == len(chunks) - 1
             context = ddp.no_sync() if not last else torch.enable_grad()
@@ -90,10 +102,14 @@ def main() -> None:
                 loss = lm_loss(ddp, batch, args.context)
                 # DDP averages over ranks; scale so the result is the mean over the global batch.
                 (loss * world / args.global_batch).backward()
+            if device is not None:
+                device.finish_micro_batch(len(chunk), started)
+        if device is not None:
+            device.reduce(world)
         optimizer.step()
         step += 1
         log.write(json.dumps({"step": step, "time": time.time(), "rank": rank, "world_size": world,
-                              "restart": restart}) + "\n")
+                              "restart": restart, "cpu_s": time.process_time()}) + "\n")
         if args.checkpoint and rank == 0 and step % args.checkpoint_every == 0:
             temporary = Path(args.checkpoint + ".tmp")
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, temporary)

@@ -26,7 +26,7 @@ from torch.distributed import TCPStore
 
 # Run as a script: its own folder (ddp_lm) is on the path; the example's too (for ddp_lm).
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "live_mode"))
-from ddp_lm import add_lm_options, build_lm, lm_loss  # type: ignore[import-not-found]
+from ddp_lm import add_lm_options, build_lm, lm_loss, simulated_device  # type: ignore[import-not-found]
 
 
 def main() -> None:
@@ -48,6 +48,7 @@ def main() -> None:
     from torchft.ddp import PureDistributedDataParallel
 
     dataset, model, inner = build_lm(args)
+    device = simulated_device(args)
 
     def state_dict() -> dict[str, Any]:
         return {"model": model.state_dict(), "optimizer": inner.state_dict()}
@@ -78,17 +79,23 @@ def main() -> None:
         chunks = [indices[i:i + args.micro_batch] for i in range(0, len(indices), args.micro_batch)]
         optimizer.zero_grad(set_to_none=True)  # starts the quorum (async)
         for number, chunk in enumerate(chunks):
+            started = time.monotonic()
             batch = torch.stack([dataset[i] for i in chunk])
             last = number == len(chunks) - 1
             # (The pure wrapper all-reduces every micro-batch; the bench's share is one.)
             context = wrapped.no_sync() if not last and wrapped is not None else contextlib.nullcontext()
             with context:
                 (lm_loss(ddp, batch, args.context) / share).backward()
+            if device is not None:
+                device.finish_micro_batch(len(chunk), started)
+        if device is not None:
+            device.reduce(max(1, manager.num_participants()))
         committed = manager.should_commit()
         if committed:
             inner.step()
         log.write(json.dumps({"step": manager.current_step(), "time": time.time(), "replica": args.replica,
-                              "committed": committed, "world_size": manager.num_participants()}) + "\n")
+                              "committed": committed, "world_size": manager.num_participants(),
+                              "cpu_s": time.process_time()}) + "\n")
     store.set("done", "1")
 
 

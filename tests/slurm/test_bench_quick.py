@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -21,6 +22,8 @@ pytestmark = pytest.mark.slurm
 # bench.scaling and bench.cluster_sim are left out: the first is sleep-bound by design
 # (tests/unit/test_simulated.py covers its model), the second needs no cluster
 # (tests/unit/test_cluster_sim.py runs it).
+# torchft runs beside Tidal in these when it is installed (`make test` installs it).
+WITH_TORCHFT = {"recovery", "overhead", "goodput"}
 BENCHMARKS = ["detection", "recovery", "overhead", "reduction", "transfer", "controller_scale", "grow", "preemption",
               "goodput"]
 
@@ -49,3 +52,5 @@ def test_the_quick_benchmark_runs_and_writes_its_rows(name: str, slurm: CliJsonS
         assert math.isfinite(row["tidal"]) and row["tidal_samples"], row
         if row["baseline"] is not None:
             assert math.isfinite(row["baseline"]) and row["baseline_samples"], row
+    if name in WITH_TORCHFT and importlib.util.find_spec("torchft") is not None:
+        assert any(row["baseline_name"].startswith("torchft") for row in document["rows"]), output[-3000:]
