@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -61,7 +62,7 @@ from bench.common import (
     write_result,
 )
 from bench.scaling import simulation_flags
-from bench.torchft_job import LIGHTHOUSE_OPTIONS, TORCHFT_BASELINE, torchft_lighthouse, torchft_name
+from bench.torchft_job import lighthouse_command, replica_command, torchft_lighthouse, torchft_name
 from tests.integration.conftest import ControllerProcess, free_port
 from tidal.proto import admin_pb2, common_pb2
 from tidal.slurm import CliJsonSlurmClient, Job, JobState, UnitSubmission
@@ -239,7 +240,7 @@ def run_torchft(folder: Path, slurm: CliJsonSlurmClient, duration: float, simula
     logs = folder / "torchft-log"
     port = free_port()
     with open(folder / "lighthouse.log", "wb") as lighthouse_log:
-        beacon = subprocess.Popen([str(lighthouse), *LIGHTHOUSE_OPTIONS, "--bind", f"127.0.0.1:{port}"],
+        beacon = subprocess.Popen(lighthouse_command(lighthouse, port),
                                   stdout=lighthouse_log, stderr=subprocess.STDOUT, start_new_session=True)
     trace = Trace(slurm, folder, duration,
                   lambda: kill_one_worker(logs, "torchft-*.jsonl", lambda r: r.get("replica") == 0))
@@ -249,10 +250,8 @@ def run_torchft(folder: Path, slurm: CliJsonSlurmClient, duration: float, simula
     samples: list[tuple[float, int, int]] = []
     try:
         for replica in range(MAX):
-            command = " ".join([
-                sys.executable, str(TORCHFT_BASELINE), "--replica", str(replica), "--replicas", str(MAX),
-                "--lighthouse", f"http://127.0.0.1:{port}", "--store-port", str(free_port()), "--steps", "1000000",
-                "--wrapper", "pure", "--log-dir", str(logs), *MODEL, *simulation_flags(simulation)])
+            command = shlex.join(replica_command(replica, MAX, port, logs, [*MODEL, *simulation_flags(simulation)],
+                                                 wrapper="pure"))
             script = "\n".join(["#!/bin/bash", "export OMP_NUM_THREADS=1",
                                  f"for attempt in 0 1 2 3; do {command} && break; done", ""])
             groups.append(slurm.submit(UnitSubmission(

@@ -38,6 +38,19 @@ def torchft_lighthouse() -> Path | None:
     return found if importlib.util.find_spec("torchft") is not None and found.exists() else None
 
 
+def lighthouse_command(lighthouse: Path, port: int) -> list[str]:
+    """The lighthouse serving on 127.0.0.1:`port` with the benchmarks' options."""
+    return [str(lighthouse), *LIGHTHOUSE_OPTIONS, "--bind", f"127.0.0.1:{port}"]
+
+
+def replica_command(replica: int, replicas: int, lighthouse_port: int, log_dir: Path, model: list[str],
+                    steps: int = 1_000_000, wrapper: str = "ddp") -> list[str]:
+    """One replica group of bench/baselines/torchft_lm.py (its own store on a free port)."""
+    return [sys.executable, str(TORCHFT_BASELINE), "--replica", str(replica), "--replicas", str(replicas),
+            "--lighthouse", f"http://127.0.0.1:{lighthouse_port}", "--store-port", str(free_port()),
+            "--steps", str(steps), "--wrapper", wrapper, "--log-dir", str(log_dir), *model]
+
+
 class TorchftJob:
     """A lighthouse and `replicas` replica groups training `model` (ddp_lm's options)."""
 
@@ -47,12 +60,10 @@ class TorchftJob:
         self.processes: list[subprocess.Popen[bytes]] = []
         folder.mkdir(parents=True)
         port = free_port()
-        self._start(folder / "lighthouse.log", [str(lighthouse), *LIGHTHOUSE_OPTIONS, "--bind", f"127.0.0.1:{port}"])
+        self._start(folder / "lighthouse.log", lighthouse_command(lighthouse, port))
         for replica in range(replicas):
             self._start(folder / f"replica-{replica}.log",
-                        [sys.executable, str(TORCHFT_BASELINE), "--replica", str(replica), "--replicas", str(replicas),
-                         "--lighthouse", f"http://127.0.0.1:{port}", "--store-port", str(free_port()),
-                         "--steps", str(steps), "--wrapper", wrapper, "--log-dir", str(folder), *model])
+                        replica_command(replica, replicas, port, folder, model, steps, wrapper))
 
     def _start(self, log_path: Path, command: list[str]) -> None:
         with open(log_path, "wb") as log:
