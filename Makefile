@@ -15,7 +15,7 @@ $(STAMP): setup.cfg pyproject.toml $(CONSTRAINTS)
 	test -x $(PYTHON) || python3 -m venv $(VENV)
 	$(PYTHON) -m pip install -q --upgrade pip
 	$(PYTHON) -m pip install -q -c $(CONSTRAINTS) torch==2.13.0
-	$(PYTHON) -m pip install -q -c $(CONSTRAINTS) -e '.[test]'
+	$(PYTHON) -m pip install -q -c $(CONSTRAINTS) -e '.[test,plot]'
 	touch $(STAMP)
 
 proto: install
@@ -79,7 +79,7 @@ BENCH_STAMP := $(VENV)/.installed-bench
 install-bench: $(BENCH_STAMP)
 
 $(BENCH_STAMP): $(STAMP)
-	$(PYTHON) -m pip install -q -c $(CONSTRAINTS) -e '.[test,bench]'
+	$(PYTHON) -m pip install -q -c $(CONSTRAINTS) -e '.[test,plot,bench]'
 	touch $(BENCH_STAMP)
 
 bench: install-bench

@@ -240,7 +240,7 @@ def run_torchft(folder: Path, slurm: CliJsonSlurmClient, duration: float, simula
     logs = folder / "torchft-log"
     port = free_port()
     with open(folder / "lighthouse.log", "wb") as lighthouse_log:
-        beacon = subprocess.Popen(lighthouse_command(lighthouse, port),
+        beacon = subprocess.Popen(lighthouse_command(lighthouse, port, min_replicas=MIN),
                                   stdout=lighthouse_log, stderr=subprocess.STDOUT, start_new_session=True)
     trace = Trace(slurm, folder, duration,
                   lambda: kill_one_worker(logs, "torchft-*.jsonl", lambda r: r.get("replica") == 0))
@@ -307,7 +307,8 @@ def main() -> None:
                 print(f"goodput: {name} run {index + 1}: {result.steps} steps, progress {result.progress:.0f} "
                       f"node-s of {result.held:.0f} held, {result.free:.0f} left free by the trace", flush=True)
     names = {"static": f"static {MIN}-node job, torchrun --max-restarts, checkpoint-restart on preemption",
-             "torchft": f"{torchft_name('pure')}; {MAX} replica groups as 1-node Slurm jobs with --requeue"}
+             "torchft": f"{torchft_name('pure', min_replicas=MIN)}; {MAX} replica groups as 1-node Slurm jobs "
+                        "with --requeue"}
     runs_note = "; ".join(
         f"run {i + 1}: " + ", ".join(f"{name} {results[i].steps} steps, {results[i].held:.0f} node-s held of "
                                      f"{results[i].free:.0f} left free" for name, results in runs.items())

@@ -20,15 +20,20 @@ from bench.common import read_jsonl
 from tests.integration.conftest import free_port, wait_until
 
 TORCHFT_BASELINE = Path(__file__).resolve().parent / "baselines" / "torchft_lm.py"
-# torchft's own Slurm example settings (torchft/examples/slurm/README.md); the lighthouse's
-# heartbeat timeout is its default, 5 s.
-LIGHTHOUSE_OPTIONS = ["--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "10000"]
 
 
-def torchft_name(wrapper: str = "ddp") -> str:
+def lighthouse_options(min_replicas: int = 1) -> list[str]:
+    """torchft's own Slurm example settings (torchft/examples/slurm/README.md), with the
+    quorum's least size; the lighthouse's heartbeat timeout is its default, 5 s. The
+    goodput benchmark gives it the min_replicas Tidal's job has, so that neither trains
+    on fewer replica groups than the other may."""
+    return ["--min_replicas", str(min_replicas), "--quorum_tick_ms", "100", "--join_timeout_ms", "10000"]
+
+
+def torchft_name(wrapper: str = "ddp", min_replicas: int = 1) -> str:
     """How RESULTS.md names the torchft baseline run with `wrapper`."""
     named = "its DistributedDataParallel" if wrapper == "ddp" else "its PureDistributedDataParallel"
-    return (f"torchft 0.2.0 (Manager, {named}, gloo; lighthouse " + " ".join(LIGHTHOUSE_OPTIONS)
+    return (f"torchft 0.2.0 (Manager, {named}, gloo; lighthouse " + " ".join(lighthouse_options(min_replicas))
             + ", heartbeat timeout 5 s)")
 
 
@@ -38,9 +43,9 @@ def torchft_lighthouse() -> Path | None:
     return found if importlib.util.find_spec("torchft") is not None and found.exists() else None
 
 
-def lighthouse_command(lighthouse: Path, port: int) -> list[str]:
+def lighthouse_command(lighthouse: Path, port: int, min_replicas: int = 1) -> list[str]:
     """The lighthouse serving on 127.0.0.1:`port` with the benchmarks' options."""
-    return [str(lighthouse), *LIGHTHOUSE_OPTIONS, "--bind", f"127.0.0.1:{port}"]
+    return [str(lighthouse), *lighthouse_options(min_replicas), "--bind", f"127.0.0.1:{port}"]
 
 
 def replica_command(replica: int, replicas: int, lighthouse_port: int, log_dir: Path, model: list[str],

@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 from google.protobuf import json_format
 
+from tidal.controller import plot
 from tidal.controller.client import DEFAULT_SOCKET, AdminClient
 from tidal.controller.submission import SubmitUsageError, parse_submit
 from tidal.proto import admin_pb2, common_pb2
@@ -276,6 +277,29 @@ def command_events(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def command_plot(args: argparse.Namespace) -> int:
+    output = Path(args.output or f"tidal-{args.job}.png")
+    with _client(args) as client:
+        history = client.history(args.job)
+        job = client.job(args.job)
+    if not history.samples and not history.events:
+        print(f"tidal plot: job {args.job} has no history yet (the controller samples it from heartbeats)",
+              file=sys.stderr)
+        return EXIT_ERROR
+    drawn = plot.series(history)
+    title = (f"{job.job_id} ({job.spec.name}): {_state(job.state)}, step {job.step}" if job.spec.name
+             else f"{job.job_id}: {_state(job.state)}, step {job.step}")
+    try:
+        plot.render(drawn, output, title=title)
+    except plot.PlotUnavailable as error:
+        print(f"tidal plot: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    kinds = sorted({mark.kind for mark in drawn.marks})
+    print(f"{output} ({len(history.samples)} samples, {len(drawn.marks)} marks"
+          + (f": {', '.join(kinds)}" if kinds else "") + ")")
+    return EXIT_OK
+
+
 def command_resize(args: argparse.Namespace) -> int:
     if not args.min and not args.max:
         print("tidal resize: give --min and/or --max", file=sys.stderr)
@@ -358,6 +382,11 @@ def build_parser() -> argparse.ArgumentParser:
     events.add_argument("--after", type=int, default=0, help="only events after this sequence number")
     events.add_argument("--json", action="store_true", help="one JSON object per line")
     events.set_defaults(handler=command_events, admin=True)
+    plotting = sub.add_parser("plot", help="a picture of a job: world size, samples/s and loss over time, with "
+                                           "grows, preemptions, failures and recoveries marked")
+    plotting.add_argument("job")
+    plotting.add_argument("-o", "--output", help="PNG, SVG or PDF, by the name's ending (default tidal-JOB.png)")
+    plotting.set_defaults(handler=command_plot, admin=True)
     resize = sub.add_parser("resize", help="change a job's replica bounds")
     resize.add_argument("job")
     resize.add_argument("--min", type=int)

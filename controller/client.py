@@ -53,6 +53,10 @@ class AdminClient:
         return self.stub.GetJob(admin_pb2.GetJobRequest(job_id=job_id), timeout=self.timeout_s,
                                 metadata=self._metadata)
 
+    def history(self, job_id: str) -> admin_pb2.JobHistory:
+        return self.stub.GetJobHistory(admin_pb2.GetJobHistoryRequest(job_id=job_id), timeout=self.timeout_s,
+                                       metadata=self._metadata)
+
     def jobs(self, include_finished: bool = False) -> list[admin_pb2.Job]:
         response = self.stub.ListJobs(admin_pb2.ListJobsRequest(include_finished=include_finished),
                                       timeout=self.timeout_s, metadata=self._metadata)

@@ -14,6 +14,7 @@ import asyncio
 import collections
 import dataclasses
 import os
+import sqlite3
 import subprocess
 import time
 from pathlib import Path
@@ -35,6 +36,7 @@ from tidal.controller.core.job import (
     duration,
 )
 from tidal.controller.events import EventLog
+from tidal.controller.history import ProgressSample, sample_due
 from tidal.controller.metrics import ControllerMetrics
 from tidal.controller.model import EventRecord, GenerationRecord, JobRecord, JobState, UnitRecord
 from tidal.controller.security import secret_matches
@@ -178,6 +180,8 @@ class JobActor:
         self._slurm = slurm
         # In memory: a controller restart starts the rates and goodput afresh.
         self.throughput = Throughput()
+        # The newest sample of the job's progress history kept in SQLite (`tidal plot`).
+        self.last_progress: ProgressSample | None = None
         self.log = log.bind(job=job.job_id)
 
     # The state, as the gRPC layer and the gauges read it.
@@ -251,6 +255,9 @@ class JobActor:
                     waiting[worker.rank] = worker.waiting
             session.progress_at, session.steps, session.beat_at, session.waiting = progress_at, steps, beat_at, waiting
             session.samples = max((w.samples for w in beat.workers), default=0)
+            # The loss is the global batch's, the same on every rank: the newest one said.
+            reported = [(w.samples, w.loss) for w in beat.workers if w.HasField("loss")]
+            session.loss = max(reported)[1] if reported else None
 
     def put(self, item: JobInput) -> None:
         self.inputs.put_nowait(item)
@@ -309,6 +316,11 @@ class JobActor:
         self._act(effects)
         if isinstance(item, Tick) and not self.job.state.is_final:
             self._observe_throughput(now.monotonic)
+        elif self.job.state.is_final and self.last_progress is not None and self.last_progress.world_size:
+            # The job ended: its last step, with no world running.
+            last = self.last_progress
+            samples = max((s.samples for s in self.sessions.values()), default=0)
+            self._keep_progress(self.job.step, max(samples, last.samples), 0, last.loss)
 
     def _links(self) -> dict[str, core.Link]:
         # (No copies: `heartbeat` replaces a session's maps with new ones, never changes them.)
@@ -410,14 +422,46 @@ class JobActor:
         asyncio.get_running_loop().run_in_executor(None, submit)
 
     def _observe_throughput(self, now: float) -> None:
-        steps = [step for s in self.sessions.values() for step in s.steps.values()]
-        samples = max((s.samples for s in self.sessions.values()), default=0)
-        training = 0
-        generation = self.state.generation
-        if generation is not None and self.job.state is JobState.RUNNING and self.state.stop is None:
-            training = sum(len(m.nodes) for m in generation.members if m.unit_id in self.sessions)
+        world = self._training_world()
+        # The world that trains: its members' workers (a joiner's workers on standby report
+        # step 0 and would pull the step, hence the rate, down while they start).
+        members = ([session for m in world.members if (session := self.sessions.get(m.unit_id)) is not None]
+                   if world is not None else [])
+        steps = [step for s in members for step in s.steps.values()]
+        # Between worlds (none trains, or its members have not said yet) the count stands
+        # where it was: it is the job's, not a world's.
+        samples = (max((s.samples for s in members), default=0)
+                   or (self.last_progress.samples if self.last_progress is not None else 0))
+        training = sum(len(m.nodes) for m in world.members if m.unit_id in self.sessions) if world else 0
         held = sum(len(self.units[u].nodes) or 1 for u in self.sessions if u in self.units)
-        self.throughput.observe(now, min(steps) if steps else self.job.step, samples, held, training)
+        step = min(steps) if steps else self.job.step
+        self.throughput.observe(now, step, samples, held, training)
+        # The newest loss said: that of the member with the most samples trained.
+        newest = max(((s.samples, s.loss) for s in members if s.loss is not None), default=(0, None))
+        self._keep_progress(step, samples, world.world_size if world is not None else 0, newest[1])
+
+    def _training_world(self) -> GenerationRecord | None:
+        """The world whose ranks train now: the running generation, or while a live world
+        change is in flight the one it changes from (its members train on until they move;
+        the joiners start meanwhile); None when no world runs."""
+        state = self.state
+        if self.job.state is not JobState.RUNNING or state.stop is not None:
+            return None
+        if state.reconfigure is not None:
+            return state.reconfigure.previous
+        return state.generation
+
+    def _keep_progress(self, step: int, samples: int, world_size: int, loss: float | None) -> None:
+        sample = ProgressSample(time=time.time(), step=step, samples=samples, world_size=world_size, loss=loss)
+        if not sample_due(self.last_progress, sample):
+            return
+        try:
+            self.store.add_progress(self.job.job_id, sample)
+        except sqlite3.Error as error:
+            # The history is a picture, not state: a write that fails is logged, not fatal.
+            self.log.warning("progress_not_kept", error=str(error))
+            return
+        self.last_progress = sample
 
     # Cluster-wide plans (controller/server.py) ask each job.
 

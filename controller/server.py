@@ -20,6 +20,7 @@ from tidal.controller.config import ControllerConfig
 from tidal.controller.core import sharing
 from tidal.controller.core.health import TokenBucket
 from tidal.controller.events import EventLog
+from tidal.controller.history import HISTORY_EVENT_KINDS, HISTORY_MAX_EVENTS, history_reply
 from tidal.controller.jobs import (
     CancelRequested,
     Connected,
@@ -399,6 +400,18 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         jobs = [a.to_proto() for a in self.controller.actors.values()
                 if request.include_finished or not a.job.state.is_final]
         return admin_pb2.ListJobsResponse(jobs=jobs)
+
+    async def GetJobHistory(self, request: admin_pb2.GetJobHistoryRequest,
+                            context: grpc.aio.ServicerContext) -> admin_pb2.JobHistory:
+        caller = await self._caller(context)
+        actor = await self._actor(context, request.job_id, caller)
+        store = self.controller.store
+        job_id = actor.job.job_id
+        events = [event_to_proto(e) for e in store.events_of_kinds(job_id, HISTORY_EVENT_KINDS,
+                                                                     limit=HISTORY_MAX_EVENTS)]
+        # Within the message limit, with room for gRPC's own framing.
+        return history_reply(job_id, actor.job.spec.global_batch, store.progress(job_id), events,
+                             budget_bytes=int(self.controller.config.max_message_bytes * 0.9))
 
     async def ListEvents(self, request: admin_pb2.ListEventsRequest,
                          context: grpc.aio.ServicerContext) -> admin_pb2.ListEventsResponse:

@@ -44,8 +44,10 @@ class LauncherSession:
     waiting: dict[int, bool] = dataclasses.field(default_factory=dict)
     # Per global rank: last completed step.
     steps: dict[int, int] = dataclasses.field(default_factory=dict)
-    # Live mode: samples the job had trained on, as this unit's workers last said.
+    # Live mode: samples the job had trained on, as this unit's workers last said, and
+    # the loss of the last step they committed (None before one, or where not reported).
     samples: int = 0
+    loss: float | None = None
     # The newest heartbeat's sequence number taken from this session.
     heartbeat_sequence: int = 0
     closed: bool = False

@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from tidal.controller.history import HISTORY_MAX_SAMPLES, ProgressSample, thinned
 from tidal.controller.model import (
     EventRecord,
     GenerationRecord,
@@ -77,6 +78,16 @@ CREATE TABLE IF NOT EXISTS events (
     fields TEXT NOT NULL DEFAULT '{}'
 );
 CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, sequence);
+-- A job's progress over time, sampled from heartbeats (controller/history.py; tidal plot).
+CREATE TABLE IF NOT EXISTS progress (
+    job_id TEXT NOT NULL REFERENCES jobs(job_id),
+    time REAL NOT NULL,
+    step INTEGER NOT NULL,
+    samples INTEGER NOT NULL,
+    world_size INTEGER NOT NULL,
+    loss REAL
+);
+CREATE INDEX IF NOT EXISTS progress_by_job ON progress (job_id, time);
 -- What a job has in flight besides its state: node cool-downs, leaves deferred behind a
 -- world change (JSON per key), so that a restarted controller resumes them.
 CREATE TABLE IF NOT EXISTS job_pending (
@@ -123,10 +134,13 @@ class StateStore:
         self._db.execute("BEGIN IMMEDIATE")
         try:
             yield
+            self._db.execute("COMMIT")
         except BaseException:
-            self._db.execute("ROLLBACK")
+            # (A COMMIT that failed leaves the transaction open: close it, or every later
+            # BEGIN fails.)
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
             raise
-        self._db.execute("COMMIT")
 
     # What a job has in flight.
 
@@ -221,6 +235,26 @@ class StateStore:
 
     _EVENT_COLUMNS = "sequence, time, job_id, unit_id, epoch, kind, reason, fields"
 
+    # Progress history.
+
+    def add_progress(self, job_id: str, sample: ProgressSample, *, limit: int = HISTORY_MAX_SAMPLES) -> None:
+        """Keep `sample`; past `limit` samples for the job, thin the older half."""
+        with self.transaction():
+            self._db.execute("INSERT INTO progress (job_id, time, step, samples, world_size, loss) "
+                             "VALUES (?,?,?,?,?,?)",
+                             (job_id, sample.time, sample.step, sample.samples, sample.world_size, sample.loss))
+            (count,) = self._db.execute("SELECT count(*) FROM progress WHERE job_id=?", (job_id,)).fetchone()
+            if count > limit:
+                times = [row[0] for row in self._db.execute("SELECT time FROM progress WHERE job_id=?", (job_id,))]
+                self._db.executemany("DELETE FROM progress WHERE job_id=? AND time=?",
+                                     [(job_id, at) for at in thinned(times, limit)])
+
+    def progress(self, job_id: str) -> list[ProgressSample]:
+        rows = self._db.execute("SELECT time, step, samples, world_size, loss FROM progress WHERE job_id=? "
+                                "ORDER BY time", (job_id,)).fetchall()
+        return [ProgressSample(time=row[0], step=row[1], samples=row[2], world_size=row[3], loss=row[4])
+                for row in rows]
+
     @staticmethod
     def _event(row: tuple[Any, ...]) -> EventRecord:
         return EventRecord(sequence=row[0], time=row[1], job_id=row[2], unit_id=row[3], generation=row[4], kind=row[5],
@@ -235,6 +269,13 @@ class StateStore:
         query += " ORDER BY sequence LIMIT ?"
         params.append(limit)
         return [self._event(row) for row in self._db.execute(query, params).fetchall()]
+
+    def events_of_kinds(self, job_id: str, kinds: Sequence[str], *, limit: int) -> list[EventRecord]:
+        """The job's newest `limit` events of these kinds, oldest first."""
+        marks = ",".join("?" * len(kinds))
+        rows = self._db.execute(f"SELECT {self._EVENT_COLUMNS} FROM events WHERE job_id=? AND kind IN ({marks}) "
+                                "ORDER BY sequence DESC LIMIT ?", (job_id, *kinds, limit)).fetchall()
+        return [self._event(row) for row in reversed(rows)]
 
     def last_event(self, job_id: str) -> EventRecord | None:
         row = self._db.execute(f"SELECT {self._EVENT_COLUMNS} FROM events WHERE job_id=? "

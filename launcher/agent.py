@@ -30,7 +30,6 @@ import time
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
 from pathlib import Path
-from typing import Any
 
 import structlog
 
@@ -66,6 +65,7 @@ from tidal.launcher.nodes import (
     node_placement,
     unit_nodes,
 )
+from tidal.launcher.store import ServedStore
 from tidal.launcher.workers import (
     Worker,
     WorkerGroup,
@@ -90,6 +90,9 @@ TICK_INTERVAL_S = 0.25
 # Live mode: a stop SIGTERMs the workers twice, this far apart (the library takes a first
 # SIGTERM alone for Slurm's notice, see tidal.train.elastic's TERM_WAIT_S).
 LIVE_TERM_REPEAT_S = 0.3
+# A launcher that ends early (refused, unreachable) waits this long at most for its store's
+# thread to finish importing torch before the process exits (ServedStore.settle).
+STORE_SETTLE_S = 15.0
 
 
 class AgentState(enum.StrEnum):
@@ -144,8 +147,9 @@ class LiveWorkers:
     # A joiner reports its workers ready (EPOCH_PHASE_STARTED) once all said hello.
     ready_generation: int = 0
     stop_deadline: float | None = None
-    # Each worker's last beat: (when, waiting in a collective, samples trained so far).
-    beats: dict[int, tuple[float, bool, int]] = dataclasses.field(default_factory=dict)
+    # Each worker's last beat: (when, waiting in a collective, samples trained so far,
+    # the last committed step's loss or None).
+    beats: dict[int, tuple[float, bool, int, float | None]] = dataclasses.field(default_factory=dict)
     # Each worker's process (state, CPU time) when its last beat arrived, or at the first
     # look once it fell silent: a silent worker that used CPU since is slow, not frozen.
     beat_samples: dict[int, ProcessSample] = dataclasses.field(default_factory=dict)
@@ -216,9 +220,9 @@ class Agent:
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"tidal-{options.unit_id}-"))
         # The store the next generation hosted here meets at (its port is what this unit
         # reports), and in restart mode the one the running generation's ranks use.
-        self.store: Any = None
+        self.store: ServedStore | None = None
         self.store_port = 0
-        self.serving_store: Any = None
+        self.serving_store: ServedStore | None = None
         # Restart mode: the workers stop because a StartEpoch replaced their generation (its
         # STARTED is the one acknowledgment; no STOPPED is reported).
         self.stopping_for_start = False
@@ -242,7 +246,8 @@ class Agent:
 
     def _new_store(self) -> None:
         """A fresh rendezvous store for the next generation hosted here, listening on this
-        unit's address only (`serve_store`). Live mode serves one
+        unit's address only (`ServedStore`: the port at once, the server once torch is
+        imported, which does not hold up the registration). Live mode serves one
         for the launcher's life: its workers meet under a prefix per generation (`gen/<n>`).
         Restart mode needs a fresh one per generation, as under torchrun: an unmodified
         script's env:// rendezvous writes the same keys in every generation and cannot be
@@ -250,8 +255,8 @@ class Agent:
         once and its port reported with STARTED: the controller can plan the next
         generation and send it in one message, without a stop round first."""
         self.store = None
-        self.store = serve_store(self.options.address)
-        self.store_port = int(self.store.port)
+        self.store = ServedStore(self.options.address)
+        self.store_port = self.store.port
 
     def _register_message(self) -> launcher_pb2.Register:
         running = self.workers is not None and not self.workers.all_exited
@@ -298,7 +303,7 @@ class Agent:
             ticker.cancel()
             if self.workers is not None and not self.workers.all_exited:
                 await self.workers.stop(grace_s=1.0,
-                                        repeat_term_after_s=LIVE_TERM_REPEAT_S if self.live_mode else None)
+                                        repeat_term_after_s=self._term_repeat_s)
             if self.hub is not None:
                 await self.hub.close(self.exit_code, self.exit_reason)
             await self.channel.close()
@@ -307,6 +312,9 @@ class Agent:
                 with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                     await asyncio.wait_for(self.link_task, timeout=2.0)
             shutil.rmtree(self.run_dir, ignore_errors=True)
+            for store in (self.store, self.serving_store):
+                if store is not None:
+                    store.settle(STORE_SETTLE_S)
         self.log.info("launcher_exited", state=self.state.value, exit_code=self.exit_code, reason=self.exit_reason)
         return self.exit_code
 
@@ -354,6 +362,12 @@ class Agent:
     @property
     def live_mode(self) -> bool:
         return self.registered is not None and self.registered.mode == common_pb2.JOB_MODE_LIVE
+
+    @property
+    def _term_repeat_s(self) -> float | None:
+        """How a stop SIGTERMs the workers: live mode twice, LIVE_TERM_REPEAT_S apart (the
+        library takes a first SIGTERM alone as Slurm's notice); restart mode once."""
+        return LIVE_TERM_REPEAT_S if self.live_mode else None
 
     @property
     def live_workers_running(self) -> bool:
@@ -471,7 +485,7 @@ class Agent:
         if mine is None or placement is None:
             self.log.warning("not_in_rank_table", generation=start.epoch)
             return
-        serving = (self.store_port, int(self.serving_store.port) if self.serving_store is not None else 0)
+        serving = (self.store_port, self.serving_store.port if self.serving_store is not None else 0)
         if start.rendezvous.host_unit_id == self.options.unit_id and start.rendezvous.port not in serving:
             self.log.warning("rendezvous_port_mismatch", named=start.rendezvous.port, serving=self.store_port)
         progress = [self.run_dir / f"progress-{local}" for local in range(mine.procs_per_node)]
@@ -544,7 +558,7 @@ class Agent:
         if group.stopping:
             return
 
-        repeat = LIVE_TERM_REPEAT_S if self.live_mode else None
+        repeat = self._term_repeat_s
 
         async def stop() -> None:
             await group.stop(grace_s, repeat_term_after_s=repeat)
@@ -573,8 +587,10 @@ class Agent:
             return
         self.log.info("workers_stopped", generation=generation, state=self.state.value)
         if self.state is AgentState.LEAVING:
+            # The step the state was saved at, if it was (the job's committed step).
             report = launcher_pb2.EpochReport(epoch=self.generation, phase=launcher_pb2.EPOCH_PHASE_LEFT,
-                                              detail=left_detail(self.live.saved))
+                                              detail=left_detail(self.live.saved),
+                                              step=max((step for _, step in self.live.saved.values()), default=0))
             report.at.GetCurrentTime()
             self.link.send(launcher_pb2.LauncherMessage(epoch_report=report))
             self._finish(AgentState.SUCCEEDED, EXIT_OK, "left the job")
@@ -645,6 +661,12 @@ class Agent:
 
     def _on_tick(self) -> None:
         now = time.monotonic()
+        failed = next((store for store in (self.store, self.serving_store) if store is not None and store.failed), None)
+        if failed is not None:
+            self.log.error("store_not_served", address=self.options.address, port=failed.port, error=failed.error)
+            self._finish(AgentState.FAILED, EXIT_UNIT_FAILED,
+                         f"cannot serve the rendezvous store on {self.options.address}:{failed.port}: {failed.error}")
+            return
         if self.state is AgentState.CONNECTING and now - self.started_at > self.options.connect_timeout_s:
             self._finish(AgentState.FAILED, EXIT_UNREACHABLE,
                          f"not registered within {self.options.connect_timeout_s:g} s")
@@ -746,6 +768,8 @@ class Agent:
                     entry.beat_time.FromNanoseconds(int(last_beat[0] * 1e9))
                     entry.waiting = last_beat[1]
                     entry.samples = last_beat[2]
+                    if last_beat[3] is not None:
+                        entry.loss = last_beat[3]
                 beat.workers.append(entry)
         per_node = self.registered.procs_per_node if self.registered is not None else 0
         for index, entries in sorted(self.node_progress.items()):
@@ -947,8 +971,8 @@ class Agent:
                                   detail=detail)
             case StateLost(generation=generation, target_step=target_step, detail=detail):
                 self._report_once(generation, launcher_pb2.EPOCH_PHASE_STATE_LOST, step=target_step, detail=detail)
-            case Beat(samples=samples, waiting=waiting):
-                live.beats[local_rank] = (time.time(), waiting, max(0, samples))
+            case Beat(samples=samples, waiting=waiting, loss=loss):
+                live.beats[local_rank] = (time.time(), waiting, max(0, samples), loss)
                 live.slow.discard(local_rank)
                 beating = next((w for w in group.workers if w.local_rank == local_rank), None)
                 # The CPU reference only (one /proc read per process, no thread scan): this
@@ -964,27 +988,6 @@ class Agent:
         self.state = state
         self.exit_code = exit_code
         self.exit_reason = reason
-
-
-def serve_store(address: str) -> Any:
-    """A torch TCPStore server listening on `address` only (a host name is resolved; the
-    first address it resolves to, as a peer resolving it tries first), on a free port.
-    torch 2.13's TCPStore binds every interface; handed a socket already bound
-    (`master_listen_fd`), it listens on that one and owns it. Raises OSError when
-    `address` is not one of this node's."""
-    from torch.distributed import TCPStore
-
-    family, kind, protocol, _, where = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)[0]
-    listener = socket.socket(family, kind, protocol)
-    try:
-        listener.bind(where)
-        listener.listen(socket.SOMAXCONN)
-    except OSError:
-        listener.close()
-        raise
-    port = int(listener.getsockname()[1])
-    return TCPStore(host_name=address, port=port, is_master=True, wait_for_workers=False,
-                    master_listen_fd=listener.detach())
 
 
 def _version() -> str:

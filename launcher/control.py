@@ -45,6 +45,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import socket
 import threading
 import time
@@ -158,11 +159,13 @@ class StateLost:
 
 @dataclasses.dataclass(frozen=True)
 class Beat:
-    """Alive; samples trained so far; whether blocked in a collective."""
+    """Alive; samples trained so far; whether blocked in a collective; the loss of the
+    last committed step (None before the first)."""
 
     step: int
     samples: int = 0
     waiting: bool = False
+    loss: float | None = None
 
 
 LauncherToWorker = World | Stop
@@ -175,7 +178,10 @@ _OPS: dict[str, type[Any]] = {"world": World, "stop": Stop, "hello": Hello, "for
                               "resumed": Resumed, "state_lost": StateLost, "beat": Beat}
 _OP_OF = {kind: op for op, kind in _OPS.items()}
 # Field types, for checking what a peer sent (annotations are strings under `annotations`).
-_FIELD_TYPES = {kind: {f.name: {"int": int, "str": str, "bool": bool}[str(f.type)] for f in dataclasses.fields(kind)}
+_TYPES: dict[str, type[Any]] = {"int": int, "str": str, "bool": bool, "float": float}
+# (type, whether None is allowed), by field, by message kind.
+_FIELD_TYPES = {kind: {f.name: (_TYPES[str(f.type).removesuffix(" | None")], str(f.type).endswith(" | None"))
+                       for f in dataclasses.fields(kind)}
                 for kind in _OPS.values()}
 MAX_DETAIL = 2000
 
@@ -200,18 +206,29 @@ def decode(line: bytes) -> Message | None:
             # Written by a peer of an earlier version, which called it the epoch.
             raw["generation"] = raw["epoch"]
         fields: dict[str, Any] = {}
-        for name, expected in _FIELD_TYPES[kind].items():
+        for name, (expected, optional) in _FIELD_TYPES[kind].items():
             if name not in raw:
                 continue
             value = raw[name]
+            if value is None and optional:
+                fields[name] = None
+                continue
             if expected is int and (isinstance(value, bool) or not isinstance(value, int)):
                 raise TypeError(f"{name} is not an integer")
+            if expected is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if expected is float and isinstance(value, float) and not math.isfinite(value):
+                # (A beat is liveness: a loss that is not a number is dropped, not the beat.)
+                if not optional:
+                    raise ValueError(f"{name} is not a finite number")
+                fields[name] = None
+                continue
             if not isinstance(value, expected):
                 raise TypeError(f"{name} is not a {expected.__name__}")
             fields[name] = value[:MAX_DETAIL] if isinstance(value, str) else value
         message: Message = kind(**fields)
         return message
-    except (ValueError, KeyError, TypeError) as error:
+    except (ValueError, KeyError, TypeError, OverflowError) as error:
         log.warning("control_message_garbled", line=line[:200], error=str(error))
         return None
 

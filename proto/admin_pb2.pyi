@@ -278,3 +278,35 @@ class CancelJobRequest(_message.Message):
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class GetJobHistoryRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class ProgressSample(_message.Message):
+    __slots__ = ("time", "step", "samples", "world_size", "loss")
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    time: _timestamp_pb2.Timestamp
+    step: int
+    samples: int
+    world_size: int
+    loss: float
+    def __init__(self, time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., world_size: _Optional[int] = ..., loss: _Optional[float] = ...) -> None: ...
+
+class JobHistory(_message.Message):
+    __slots__ = ("job_id", "global_batch", "samples", "events")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_BATCH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    global_batch: int
+    samples: _containers.RepeatedCompositeFieldContainer[ProgressSample]
+    events: _containers.RepeatedCompositeFieldContainer[Event]
+    def __init__(self, job_id: _Optional[str] = ..., global_batch: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[ProgressSample, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...

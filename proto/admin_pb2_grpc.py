@@ -79,6 +79,11 @@ class AdminServiceStub:
                 request_serializer=tidal_dot_proto_dot_admin__pb2.CancelJobRequest.SerializeToString,
                 response_deserializer=tidal_dot_proto_dot_admin__pb2.Job.FromString,
                 _registered_method=True)
+        self.GetJobHistory = channel.unary_unary(
+                '/tidal.v1.AdminService/GetJobHistory',
+                request_serializer=tidal_dot_proto_dot_admin__pb2.GetJobHistoryRequest.SerializeToString,
+                response_deserializer=tidal_dot_proto_dot_admin__pb2.JobHistory.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -139,6 +144,13 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetJobHistory(self, request, context):
+        """The job's progress over time (`tidal plot`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +198,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.CancelJob,
                     request_deserializer=tidal_dot_proto_dot_admin__pb2.CancelJobRequest.FromString,
                     response_serializer=tidal_dot_proto_dot_admin__pb2.Job.SerializeToString,
+            ),
+            'GetJobHistory': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetJobHistory,
+                    request_deserializer=tidal_dot_proto_dot_admin__pb2.GetJobHistoryRequest.FromString,
+                    response_serializer=tidal_dot_proto_dot_admin__pb2.JobHistory.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -431,6 +448,33 @@ class AdminService:
             '/tidal.v1.AdminService/CancelJob',
             tidal_dot_proto_dot_admin__pb2.CancelJobRequest.SerializeToString,
             tidal_dot_proto_dot_admin__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJobHistory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tidal.v1.AdminService/GetJobHistory',
+            tidal_dot_proto_dot_admin__pb2.GetJobHistoryRequest.SerializeToString,
+            tidal_dot_proto_dot_admin__pb2.JobHistory.FromString,
             options,
             channel_credentials,
             insecure,

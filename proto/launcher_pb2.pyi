@@ -85,7 +85,7 @@ class Register(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., unit_id: _Optional[str] = ..., secret: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., address: _Optional[str] = ..., procs_per_node: _Optional[int] = ..., slurm_job_id: _Optional[int] = ..., last_epoch: _Optional[int] = ..., worker_pids: _Optional[_Iterable[int]] = ..., launcher_version: _Optional[str] = ..., store_port: _Optional[int] = ...) -> None: ...
 
 class WorkerProgress(_message.Message):
-    __slots__ = ("local_rank", "rank", "pid", "step", "progress_time", "waiting", "beat_time", "samples")
+    __slots__ = ("local_rank", "rank", "pid", "step", "progress_time", "waiting", "beat_time", "samples", "loss")
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,7 @@ class WorkerProgress(_message.Message):
     WAITING_FIELD_NUMBER: _ClassVar[int]
     BEAT_TIME_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
     local_rank: int
     rank: int
     pid: int
@@ -102,7 +103,8 @@ class WorkerProgress(_message.Message):
     waiting: bool
     beat_time: _timestamp_pb2.Timestamp
     samples: int
-    def __init__(self, local_rank: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., progress_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., waiting: _Optional[bool] = ..., beat_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., samples: _Optional[int] = ...) -> None: ...
+    loss: float
+    def __init__(self, local_rank: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., progress_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., waiting: _Optional[bool] = ..., beat_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("epoch", "sequence", "sent_at", "workers")

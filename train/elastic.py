@@ -279,6 +279,9 @@ class Elastic:
         self._progress_at = 0.0
         # True while this rank is blocked in a collective (read by the beat thread).
         self._waiting = False
+        # The last committed step's loss (None before the first): sent with the beats, so
+        # the controller keeps a loss history (`tidal plot`).
+        self.last_loss: float | None = None
         self.log = log
 
     # What a script may read.
@@ -348,7 +351,7 @@ class Elastic:
         if socket_path:
             self.channel = WorkerChannel(socket_path, int(env.get("LOCAL_RANK", "0")), os.getpid())
             self.channel.start_beats(lambda: Beat(step=self.counters.step, samples=self.counters.samples,
-                                                  waiting=self._waiting))
+                                                  waiting=self._waiting, loss=self.last_loss))
         self.world = World(generation=int(env.get("TIDAL_EPOCH", "0")), rank=int(env.get("RANK", "0")),
                            world_size=int(env.get("WORLD_SIZE", "1")), master_addr=env.get("MASTER_ADDR", ""),
                            master_port=int(env.get("MASTER_PORT", "0") or 0),
@@ -865,6 +868,7 @@ class Elastic:
 
     def _after_commit(self, world: World, indices: list[int], loss: float) -> None:
         step = self.counters.step
+        self.last_loss = loss
         # cpu_s: this process's CPU seconds so far (benchmarks read CPU time per step from it).
         self.ledger.write("commit", epoch=world.generation, step=step - 1, rank=world.rank, world_size=world.world_size,
                           loss=loss, cpu_s=time.process_time())

@@ -668,6 +668,14 @@ class _Transition:
             if report.store_port:
                 state.store_ports[unit_id] = report.store_port
             if report.phase == launcher_pb2.EPOCH_PHASE_LEFT:
+                unit = state.units.get(unit_id)
+                if (state.live and report.step > self.job.step and report.epoch == self.job.generation
+                        and unit is not None and unit.state is UnitState.LEAVING):
+                    # It saved the state at that step before leaving (save_state): every rank
+                    # had committed it, and the next world's target is that step, not the
+                    # heartbeats' older figure.
+                    self.job.step = report.step
+                    self.emit(SaveJob(self.job))
                 self._mark_left(unit_id, report.detail or "left")
                 if self.job.state is JobState.FINISHING:
                     self._maybe_complete()
@@ -1253,6 +1261,8 @@ class _Transition:
             return
         unit = self.own(unit)
         unit.state = UnitState.LEFT
+        # Why it left, after why it was asked to (a preemption, a drain), if it was.
+        unit.reason = f"{unit.reason}; {reason}" if unit.reason and unit.reason != reason else reason
         self.emit(SaveUnit(unit))
         self.record("unit_left", reason, unit_id=unit_id)
 

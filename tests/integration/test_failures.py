@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.dashboard import exported_metrics, queried_metrics
+from tests.dashboard import load as load_dashboard
 from tests.integration.conftest import TidalRun, alive, wait_until
 from tidal.proto import admin_pb2
 
@@ -67,6 +69,10 @@ def test_killed_worker_stops_every_rank_and_the_world_reforms_at_two(tidal_run: 
                                      timeout=5).read().decode()
     assert 'tidal_failures_total{cause="worker_exit"} 1.0' in metrics
     assert "tidal_recovery_duration_seconds_count 1.0" in metrics
+    # The Grafana dashboard (deploy/grafana/tidal.json) queries nothing this controller
+    # does not export.
+    queried, exported = queried_metrics(load_dashboard()), exported_metrics(metrics)
+    assert queried <= exported, f"queried but not exported: {sorted(queried - exported)}"
 
 
 def test_frozen_launcher_is_detected_by_missing_heartbeats(tidal_run: TidalRun) -> None:

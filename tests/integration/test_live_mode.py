@@ -119,6 +119,25 @@ def test_live_grow_kill_leave_matches_a_fixed_run(tidal_run: TidalRun, tmp_path:
     controller.wait_event(job_id, "job_completed", timeout=120)
     wait_until(lambda: tidal_run.launchers[other].process.poll() is not None, 30, "the last launcher to exit")
 
+    # The controller's history of the job (`tidal plot`): the world went 2 -> 3 -> 2 -> 1,
+    # the loss the workers reported is the fixed run's (checked below), and the plot marks
+    # the grow, the failure, the recovery and the leave.
+    with controller.admin() as admin:
+        history = admin.history(job_id)
+    sizes = [s.world_size for s in history.samples]
+    assert {1, 2, 3} <= set(sizes) and sizes[-1] == 0, sizes
+    assert sizes.index(3) < len(sizes) - 1 - sizes[::-1].index(2)  # a 2 after the 3: the kill
+    history_losses = {s.step: s.loss for s in history.samples if s.HasField("loss")}
+    assert len(history_losses) >= 5
+    drawn_with = subprocess.run([sys.executable, "-m", "tidal.controller.cli", "--socket", str(controller.socket),
+                                 "plot", job_id, "-o", str(tmp_path / "job.svg")],
+                                capture_output=True, text=True, timeout=120)
+    assert drawn_with.returncode == 0, drawn_with.stderr
+    assert drawn_with.stdout.startswith(str(tmp_path / "job.svg"))
+    marked = set(drawn_with.stdout.rsplit(": ", 1)[-1].rstrip(")\n").split(", "))
+    assert {"grow", "failure", "recovery", "preemption", "end"} <= marked, drawn_with.stdout
+    assert "world size (ranks)" in (tmp_path / "job.svg").read_text()
+
     # The reference: the same script alone, a fixed world of one.
     fixed_ledger = tmp_path / "fixed-ledger"
     fixed_out = tmp_path / "fixed.pt"
@@ -143,6 +162,9 @@ def test_live_grow_kill_leave_matches_a_fixed_run(tidal_run: TidalRun, tmp_path:
     assert sorted(elastic_loss) == list(range(STEPS)) == sorted(fixed_loss)
     for step, loss in fixed_loss.items():
         assert elastic_loss[step] == pytest.approx(loss, rel=1e-9), f"step {step}"
+    # Each loss in the controller's history is one the fixed run computed.
+    for loss in history_losses.values():
+        assert any(loss == pytest.approx(fixed, rel=1e-9) for fixed in fixed_loss.values()), loss
     world_sizes = {r["world_size"] for r in commits(records)}
     assert world_sizes == {1, 2, 3}
 

@@ -292,9 +292,21 @@ def _wait(predicate: object, timeout: float = 5.0) -> None:
     FirstStep(generation=3, step=5), Stopped(generation=3, step=4), Left(generation=3, step=4),
     Finished(generation=3, step=600),
     Resumed(generation=3, step=40, target_step=57, detail="steps 40..56 are redone"),
-    StateLost(generation=3, target_step=57, detail="no state"), Beat(step=4, samples=96, waiting=True)])
+    StateLost(generation=3, target_step=57, detail="no state"), Beat(step=4, samples=96, waiting=True),
+    Beat(step=4, samples=96, loss=0.125)])
 def test_every_control_message_survives_the_codec(message: Message) -> None:
     assert decode(encode(message)) == message
+
+
+def test_a_beat_with_a_loss_that_is_not_a_number_keeps_the_beat_and_drops_the_loss() -> None:
+    """A beat is liveness: a bad loss must not make a worker look silent."""
+    assert decode(b'{"op": "beat", "step": 4, "samples": 8, "loss": NaN}\n') == Beat(step=4, samples=8, loss=None)
+    assert decode(b'{"op": "beat", "step": 4, "loss": 2}\n') == Beat(step=4, loss=2.0)
+    assert decode(b'{"op": "beat", "step": 4, "loss": "low"}\n') is None
+    assert decode(b'{"op": "beat", "step": 4}\n') == Beat(step=4, loss=None)
+    assert decode(b'{"op": "beat", "step": 4, "loss": 1e999}\n') == Beat(step=4, loss=None)
+    # An integer too large for a float is garbage, not the end of the channel.
+    assert decode(b'{"op": "beat", "step": 4, "loss": 1' + b"0" * 400 + b"}\n") is None
 
 
 def test_the_codec_refuses_lines_that_are_not_messages() -> None:

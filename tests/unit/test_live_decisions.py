@@ -170,6 +170,28 @@ def test_a_live_job_below_min_gives_its_nodes_back_after_the_release_time_and_th
     assert harness.actor.state.released_below_min
 
 
+def test_the_step_a_leaver_saved_the_state_at_becomes_the_jobs_step_and_the_next_worlds_target(
+        tmp_path: Path) -> None:
+    """The heartbeats' step lags the workers' own; the save names the step every rank
+    committed, and the next world must resume there, not at the older figure."""
+    harness = degraded_survivor(tmp_path, slurm_units=True, release_s=0.1)
+    time.sleep(0.15)
+    harness.tick()
+    (leave,) = leave_messages(harness, "a")
+    assert leave.save_state
+    before = harness.actor.job.step
+    harness.report("a", 1, launcher_pb2.EPOCH_PHASE_LEFT, step=before + 2)
+    assert harness.actor.job.step == before + 2
+    assert next(j for j in harness.store.jobs() if j.job_id == "live-1").step == before + 2, "on disk too"
+    # A plain leave (nothing saved: step 0) never moves it back; a report from a unit no
+    # longer leaving (late, repeated) never moves it on.
+    harness.report("a", 1, launcher_pb2.EPOCH_PHASE_LEFT, step=0)
+    harness.report("a", 1, launcher_pb2.EPOCH_PHASE_LEFT, step=before + 9)
+    assert harness.actor.job.step == before + 2
+    reason = harness.actor.units["a"].reason
+    assert reason.startswith("released: ") and reason.endswith("; left"), "why it was asked, then how it left"
+
+
 def test_a_registration_below_min_restarts_the_wait_before_the_nodes_go_back(tmp_path: Path) -> None:
     harness = degraded_survivor(tmp_path, slurm_units=True, release_s=0.3, min_replicas=3)
     time.sleep(0.2)
@@ -383,3 +405,40 @@ def test_a_leaving_member_saves_when_the_others_hold_no_state_by_their_heartbeat
     harness.say("a", leave_request=launcher_pb2.LeaveRequest(epoch=1, cause=launcher_pb2.LEAVE_CAUSE_PREEMPTED))
     (leave,) = leave_messages(harness, "a")
     assert leave.save_state, "b holds nothing at step 40: a's state is the last copy"
+
+
+def heartbeat_of(harness: Harness, unit: str, epoch: int, rank: int, step: int, samples: int, loss: float | None,
+         sequence: int) -> None:
+    worker = launcher_pb2.WorkerProgress(local_rank=0, rank=rank, pid=100 + rank, step=step, samples=samples)
+    worker.progress_time.GetCurrentTime()
+    worker.beat_time.GetCurrentTime()
+    if loss is not None:
+        worker.loss = loss
+    message = launcher_pb2.Heartbeat(epoch=epoch, sequence=sequence, workers=[worker])
+    message.sent_at.GetCurrentTime()
+    harness.actor.heartbeat(harness.sessions[unit], message)
+
+
+def test_the_history_follows_the_world_that_trains_not_a_joiner_still_starting(harness: Harness) -> None:
+    """While a grow is in flight the old world trains on: the history keeps its size, its
+    step and its loss; the joiner's standby workers (step 0, no loss) change nothing."""
+    for unit in "ab":
+        harness.report(unit, 1, launcher_pb2.EPOCH_PHASE_STARTED)
+
+    def sample_after(sequence: int, step: int, samples: int, loss: float) -> tuple[object, ...]:
+        for rank, unit in enumerate("ab"):
+            heartbeat_of(harness, unit, 1, rank, step=step, samples=samples, loss=loss, sequence=sequence)
+        harness.actor.last_progress = None  # (a sample now, whatever the interval)
+        harness.tick()
+        kept = harness.actor.last_progress
+        assert kept is not None
+        return kept.world_size, kept.step, kept.samples, kept.loss
+
+    assert sample_after(1, step=40, samples=1280, loss=0.5) == (2, 40, 1280, 0.5)
+    harness.connect("c", 1003)
+    harness.tick()
+    assert harness.outbox("c") == ["reconfigure:2:a,b,c"], "the grow is in flight"
+    heartbeat_of(harness, "c", 2, 2, step=0, samples=0, loss=None, sequence=1)
+    assert sample_after(2, step=44, samples=1408, loss=0.25) == (2, 44, 1408, 0.25)
+    kept = harness.store.progress("live-1")
+    assert [(s.world_size, s.step) for s in kept][-2:] == [(2, 40), (2, 44)]
