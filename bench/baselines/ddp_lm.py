@@ -10,6 +10,7 @@ Used by bench/overhead.py (no checkpoint, fixed world) and bench/recovery.py (to
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -114,6 +115,11 @@ def main() -> None:
             temporary = Path(args.checkpoint + ".tmp")
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, temporary)
             os.replace(temporary, args.checkpoint)
+    # DDP holds the group in reference cycles: collect it before the destroy, or the gloo
+    # group is freed during the interpreter's finalization, where a rank can abort.
+    del ddp
+    dist.barrier()
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -27,6 +27,7 @@ the last micro-batch's backward pass and the wait for the reduction after it."""
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -188,6 +189,17 @@ def make_ddp(args: argparse.Namespace) -> tuple[DistributedDataParallel, torch.o
     return ddp, optimizer
 
 
+def close_default_group() -> None:
+    """Destroy the default group once every rank is done with it, after the caller dropped
+    its DDP wrappers: DDP's module and reducer hold the group in reference cycles, so without
+    the collection the gloo group outlives `destroy_process_group` and is freed during the
+    interpreter's finalization, where a rank can abort ("terminate called without an active
+    exception", seen in CI as exit -6)."""
+    dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
+
+
 def train_ddp(args: argparse.Namespace) -> dict[str, Any]:
     dist.init_process_group("gloo")
     ddp, optimizer = make_ddp(args)
@@ -206,7 +218,8 @@ def train_ddp(args: argparse.Namespace) -> dict[str, Any]:
             clock.tick()
     assert clock is not None
     clock.stop()
-    dist.destroy_process_group()
+    del ddp, optimizer
+    close_default_group()
     return {**clock.record(), "loss": losses, "last_backward_s": last_backward[1:]}
 
 
@@ -252,10 +265,10 @@ def interleaved(args: argparse.Namespace) -> dict[str, Any]:
     # The Tidal job's last step is done: let it close its groups.
     next(tidal_steps, None)
     result: dict[str, Any] = {"interleaved": record}
+    del job, model, ddp, ddp_optimizer
     if args.probe_steps:
-        del job, model, ddp, ddp_optimizer
         result["probe"] = probe(args, args.probe_steps)
-    dist.destroy_process_group()
+    close_default_group()
     return result
 
 
@@ -358,7 +371,7 @@ def main() -> None:
     if args.mode == "probe":
         dist.init_process_group("gloo")
         record = probe(args, args.steps)
-        dist.destroy_process_group()
+        close_default_group()
     elif args.mode == "ddp":
         record = train_ddp(args)
     elif args.mode == "interleaved":
