@@ -181,6 +181,8 @@ class StepResult:
     # This rank's sample indices in the step.
     indices: list[int]
     seconds: float
+    # The gradient's global 2-norm before clipping (None: Elastic's max_grad_norm not set).
+    grad_norm: float | None = None
 
     @property
     def epoch(self) -> int:
@@ -219,7 +221,8 @@ class Elastic:
                  checkpoint_dir: str | os.PathLike[str] | None = None, checkpoint_every: int = 0,
                  ledger_dir: str | os.PathLike[str] | None = None, timeout_s: float = 120.0,
                  backend: str | None = None, strategy: Strategy | None = None,
-                 transfer_bucket_bytes: int = DEFAULT_BUCKET_BYTES, simulation: Simulation | None = None) -> None:
+                 transfer_bucket_bytes: int = DEFAULT_BUCKET_BYTES, simulation: Simulation | None = None,
+                 max_grad_norm: float | None = None) -> None:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             # Tidal reduces gradients itself (SUM / B over a process group that changes);
             # DDP's averaging over a fixed group does not fit, so its module is used.
@@ -241,6 +244,10 @@ class Elastic:
         self.timeout_s = timeout_s
         self.strategy = strategy or DataParallel()
         self.transfer_bucket_bytes = transfer_bucket_bytes
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive (or None: no clipping), not {max_grad_norm}")
+        # Each step's gradient is clipped to this global 2-norm before the optimizer step.
+        self.max_grad_norm = max_grad_norm
         # A simulated accelerator (`tidal.train.simulated`): each micro-batch also takes its
         # device time, each step's reduction its all-reduce time, in sleeps. None: off.
         self.simulated = SimulatedDevice(simulation) if simulation is not None else None
@@ -801,6 +808,8 @@ class Elastic:
             raise
         # Committed: every rank's contribution is in the sum.
         self._check_accounting(step, control, samples.step_indices)
+        grad_norm = (strategy.clip_grad_norm(self.params, self.max_grad_norm) if self.max_grad_norm is not None
+                     else None)
         self.parts.optimizer.step()
         if self.parts.scheduler is not None:
             self.parts.scheduler.step()
@@ -811,7 +820,7 @@ class Elastic:
         self._after_commit(world, samples.indices, step_loss)
         result = StepResult(step=self.counters.step, loss=step_loss, global_batch=batch_size,
                             world_size=world.world_size, rank=world.rank, generation=world.generation,
-                            indices=samples.indices, seconds=time.monotonic() - started)
+                            indices=samples.indices, seconds=time.monotonic() - started, grad_norm=grad_norm)
         return result, control[3].item() > 0
 
     def _compute_gradients(self, samples: StepSamples, world: World) -> tuple[torch.Tensor, Any]:

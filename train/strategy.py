@@ -81,6 +81,23 @@ class Strategy(abc.ABC):
     def abandon(self) -> None:
         """The step will not be applied: drop in-flight reductions and gradients."""
 
+    @torch.no_grad()
+    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
+        """After `finish`: scale the gradients so that their global 2-norm (over the whole
+        model, every sample of the step) is at most `max_norm`; returns the norm before
+        clipping, the same on every rank. A sharded gradient's norm is completed across
+        the shard group (a collective within the unit)."""
+        from torch.distributed.tensor import DTensor
+
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return 0.0
+        total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if isinstance(total, DTensor):
+            total = total.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return float(total)
+
 
 @dataclasses.dataclass
 class _Bucket:
@@ -291,8 +308,14 @@ class HybridSharded(Strategy):
     stops_within_step = False
     uniform_micro_batches = True
 
-    def __init__(self, reshard_after_forward: bool = True) -> None:
+    def __init__(self, reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None) -> None:
         self.reshard_after_forward = reshard_after_forward
+        # Mixed precision (FSDP2's policy): compute in `param_dtype` (say bfloat16) while
+        # the sharded master weights and the optimizer stay in theirs; gradients are
+        # reduced in `reduce_dtype` (float32 when param_dtype is set and it is not).
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype if reduce_dtype is not None or param_dtype is None else torch.float32
         self._root: Any = None
         self._params: list[torch.nn.Parameter] = []
         self._group: Any = None
@@ -316,14 +339,15 @@ class HybridSharded(Strategy):
         transformer blocks) and the model itself over it. Returns the model (FSDP2 shards in
         place)."""
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         self._shard_rank, self._shard_size = init_unit_group(backend)
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         mesh = init_device_mesh(device_type, (self._shard_size,), mesh_dim_names=("shard",))
+        policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
         for module in modules or ():
-            fully_shard(module, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
-        fully_shard(model, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+            fully_shard(module, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
+        fully_shard(model, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
         self._root = model
         return model
 
@@ -338,6 +362,11 @@ class HybridSharded(Strategy):
             if isinstance(module, FSDPModule):
                 # Sums, not means, within the unit; Tidal divides by the global batch.
                 module.set_gradient_divide_factor(1.0)
+                # As plain SUMs: for float32 and bfloat16 FSDP2 would otherwise reduce with
+                # PREMUL_SUM(1/factor), which gloo does not have.
+                force_sum = getattr(module, "set_force_sum_reduction_for_comms", None)
+                if force_sum is not None:
+                    force_sum(True)
                 module.set_all_reduce_hook(self._reduce_across_replicas)
 
     def _reduce_across_replicas(self, shard: torch.Tensor) -> None:

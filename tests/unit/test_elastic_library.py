@@ -178,7 +178,8 @@ def _dataset() -> TensorDataset:
 
 
 def _train(steps: int, *, micro_batch: int = 4, checkpoint_dir: Path | None = None, every: int = 0,
-           ledger_dir: Path | None = None, policy: FixedBatch | ScaledBatch | None = None) -> Elastic:
+           ledger_dir: Path | None = None, policy: FixedBatch | ScaledBatch | None = None,
+           max_grad_norm: float | None = None, norms: list[float | None] | None = None) -> Elastic:
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -188,10 +189,37 @@ def _train(steps: int, *, micro_batch: int = 4, checkpoint_dir: Path | None = No
 
     job = Elastic(model, optimizer, _dataset(), loss_fn=loss_fn, global_batch=None if policy else 12,
                   batch_policy=policy, micro_batch=micro_batch, seed=5, checkpoint_dir=checkpoint_dir,
-                  checkpoint_every=every, ledger_dir=ledger_dir)
-    for _ in job.train(steps):
-        pass
+                  checkpoint_every=every, ledger_dir=ledger_dir, max_grad_norm=max_grad_norm)
+    for result in job.train(steps):
+        if norms is not None:
+            norms.append(result.grad_norm)
     return job
+
+
+def test_the_gradient_is_clipped_to_its_global_norm_as_a_plain_loop_clips_it() -> None:
+    norms: list[float | None] = []
+    clipped = _train(12, micro_batch=5, max_grad_norm=0.05, norms=norms)
+    # The same training by hand: the step's samples, the mean loss, clip_grad_norm_, step.
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    inputs, targets = _dataset().tensors
+    expected = []
+    for step in range(12):
+        chosen = GlobalOrder(50, seed=5).samples(step * 12, 12)
+        optimizer.zero_grad()
+        (torch.nn.functional.mse_loss(model(inputs[chosen]), targets[chosen], reduction="sum") / 12).backward()
+        expected.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        optimizer.step()
+    assert norms == pytest.approx(expected, rel=1e-12)
+    assert max(expected) > 0.05, "the test must clip"
+    for a, b in zip(clipped.parts.model.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    unclipped = _train(12, micro_batch=5)
+    assert any(not torch.allclose(a, b) for a, b in zip(clipped.parts.model.parameters(),
+                                                         unclipped.parts.model.parameters(), strict=True))
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        _train(1, max_grad_norm=0.0)
 
 
 def test_micro_batching_does_not_change_the_update() -> None:
