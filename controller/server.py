@@ -478,15 +478,30 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     async def Drain(self, request: admin_pb2.DrainRequest,
                     context: grpc.aio.ServicerContext) -> admin_pb2.DrainResponse:
         caller = await self._caller(context)
-        if request.target in self.controller.actors:
-            actor = await self._actor(context, request.target, caller)
+        target = request.target
+        job_id, slash, unit_id = target.rpartition("/")
+        if target in self.controller.actors:
+            actor = await self._actor(context, target, caller)
             unit_ids = tuple(u for u, unit in actor.units.items() if not unit.state.is_final)
+        elif slash:
+            actor = await self._actor(context, job_id, caller)
+            if unit_id not in actor.units:
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"job {job_id} has no unit {unit_id!r}")
+            unit_ids = (unit_id,)
         else:
-            owners = [a for a in self.controller.actors.values() if request.target in a.units]
+            # Unit ids are a job's own (u1, u2, ...): a bare one names a unit only where
+            # one job the caller may act on has it live.
+            owners = [a for a in self.controller.actors.values() if target in a.units]
             if not owners:
-                await context.abort(grpc.StatusCode.NOT_FOUND, f"no job or unit {request.target!r}")
-            actor = await self._actor(context, owners[0].job.job_id, caller)
-            unit_ids = (request.target,)
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"no job or unit {target!r}")
+            mine = [a for a in owners if caller.may_act_on(a.job.owner_uid)] or owners
+            live = [a for a in mine if not a.units[target].state.is_final] or mine
+            if len(live) > 1:
+                choices = ", ".join(f"{a.job.job_id}/{target}" for a in live)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"unit {target} is in {len(live)} jobs: say which ({choices})")
+            actor = await self._actor(context, live[0].job.job_id, caller)
+            unit_ids = (target,)
         await actor.put_and_wait(DrainRequested(unit_ids, caller.uid))
         return admin_pb2.DrainResponse(unit_ids=list(unit_ids))
 
