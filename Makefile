@@ -15,7 +15,7 @@ $(STAMP): setup.cfg pyproject.toml $(CONSTRAINTS)
 	test -x $(PYTHON) || python3 -m venv $(VENV)
 	$(PYTHON) -m pip install -q --upgrade pip
 	$(PYTHON) -m pip install -q -c $(CONSTRAINTS) torch==2.13.0
-	$(PYTHON) -m pip install -q -c $(CONSTRAINTS) -e '.[test,plot]'
+	$(PYTHON) -m pip install -q -c $(CONSTRAINTS) -e '.[test,plot,recipes]'
 	touch $(STAMP)
 
 proto: install
@@ -39,7 +39,7 @@ lint: install
 # install's import hook, so the tidal.* folders are linked under build/mypy/tidal/ as they
 # install; the report names the repository's own paths.
 typecheck: install
-	@mkdir -p build/mypy/tidal && for p in controller launcher proto slurm train; do ln -sfn ../../../$$p build/mypy/tidal/$$p; done
+	@mkdir -p build/mypy/tidal && for p in controller launcher proto recipes slurm train; do ln -sfn ../../../$$p build/mypy/tidal/$$p; done
 	set -o pipefail; $(VENV)/bin/mypy | sed 's#^build/mypy/tidal/##'
 
 # Every tier: unit, then the mini Slurm cluster's tests (brought up and stopped here). The

@@ -3,7 +3,8 @@
 The job commands (submit, status, events, resize, drain, cancel) talk to the controller's
 admin API: over its Unix socket by default (`--socket`, `$TIDAL_CONTROLLER_SOCKET`), where
 the controller knows the caller by uid, or over TCP with `--controller HOST:PORT` and the
-admin token. `tidal nodes` reads Slurm directly.
+admin token. `tidal nodes` reads Slurm directly; `tidal recipes` and `tidal data tokenize`
+work on files only (no controller).
 
 Exit codes: 0 done; 1 the controller answered with an error; 2 usage, or a job spec the
 controller refused; 3 Slurm did not answer; 4 the controller cannot be reached; 5 no such
@@ -300,6 +301,54 @@ def command_plot(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def command_recipes(args: argparse.Namespace) -> int:
+    from tidal.recipes import catalog
+
+    if args.name is None:
+        if args.set:
+            print("tidal recipes: --set needs a recipe NAME", file=sys.stderr)
+            return EXIT_USAGE
+        found = catalog.available()
+        print(_format_table(["RECIPE", "MODEL TYPE", "SIZES (DEFAULT FIRST)", "DESCRIPTION"],
+                            catalog.summary_rows(found.items())))
+        print("\ntidal recipes NAME shows one; tidal submit --recipe NAME --set data.tokens=FILE [--set KEY=VALUE...] "
+              "trains it")
+        return EXIT_OK
+    try:
+        if args.set:
+            recipe = catalog.resolve(args.name, args.set, checked=False)
+            print(json.dumps(recipe, indent=2))
+            problems = catalog.check(recipe)
+            if problems:
+                print("tidal submit would refuse it: " + "; ".join(problems), file=sys.stderr)
+                return EXIT_USAGE
+        else:
+            recipe = catalog.load(args.name)
+            print(f"# {recipe['source']}")
+            print(Path(recipe["source"]).read_text(), end="")
+    except catalog.RecipeError as error:
+        print(f"tidal recipes: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    return EXIT_OK
+
+
+def command_tokenize(args: argparse.Namespace) -> int:
+    from tidal.train.tokens import TokenFileError, tokenize
+
+    started = time.monotonic()
+    try:
+        written = tokenize(args.inputs, args.output, tokenizer=args.tokenizer, eos_id=args.eos_id, field=args.field)
+    except (TokenFileError, OSError, UnicodeDecodeError) as error:
+        print(f"tidal data tokenize: {error}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(error, TokenFileError) else EXIT_ERROR
+    header = written.header
+    kind = header.tokenizer.get("kind")
+    print(f"{written.path}: {header.tokens} tokens ({header.dtype}), {header.documents} documents, vocabulary "
+          f"{header.vocab_size}, end-of-document id {header.eos_id}, tokenizer {kind} "
+          f"({time.monotonic() - started:.1f} s)")
+    return EXIT_OK
+
+
 def command_resize(args: argparse.Namespace) -> int:
     if not args.min and not args.max:
         print("tidal resize: give --min and/or --max", file=sys.stderr)
@@ -393,7 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
     resize.add_argument("--max", type=int)
     resize.set_defaults(handler=command_resize, admin=True)
     drain = sub.add_parser("drain", help="take a unit (or every unit of a job) out gracefully")
-    drain.add_argument("target", metavar="JOB|UNIT")
+    drain.add_argument("target", metavar="JOB|JOB/UNIT|UNIT",
+                       help="a job (every unit), one of its units (JOB/u2), or a unit id that one job has")
     drain.set_defaults(handler=command_drain, admin=True)
     cancel = sub.add_parser("cancel", help="end a job")
     cancel.add_argument("job")
@@ -402,6 +452,23 @@ def build_parser() -> argparse.ArgumentParser:
     nodes.add_argument("--json", action="store_true", help="machine-readable output")
     nodes.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for Slurm (default 10)")
     nodes.set_defaults(handler=command_nodes)
+    recipes = sub.add_parser("recipes", help="the recipes tidal submit --recipe NAME trains (public models, no code)")
+    recipes.add_argument("name", nargs="?", help="print this recipe's YAML (with --set: resolved, as submitted)")
+    recipes.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                         help="with NAME: an override, checked as submit checks it")
+    recipes.set_defaults(handler=command_recipes)
+    data = sub.add_parser("data", help="prepare training data")
+    data_sub = data.add_subparsers(dest="data_command", required=True, metavar="DATA_COMMAND")
+    tokenize = data_sub.add_parser(
+        "tokenize", help="text files to a token file (memory-mapped ids) for recipes",
+        description="Each .jsonl line (its --field) or each other file is one document; documents are written "
+        "one after another, each ended by the end-of-sequence id. Without --tokenizer, one token per UTF-8 byte.")
+    tokenize.add_argument("inputs", nargs="+", metavar="TEXT", help=".txt (one document a file) or .jsonl files")
+    tokenize.add_argument("-o", "--output", required=True, help="the token file (its header goes to OUTPUT.json)")
+    tokenize.add_argument("--tokenizer", help="a local folder holding a Hugging Face tokenizer (never downloaded)")
+    tokenize.add_argument("--eos-id", type=int, help="the end-of-document id (default: the tokenizer's; bytes: 256)")
+    tokenize.add_argument("--field", default="text", help=".jsonl: the field holding the text (default text)")
+    tokenize.set_defaults(handler=command_tokenize)
     version = sub.add_parser("version", help="print Tidal's version")
     version.set_defaults(handler=command_version)
     return parser

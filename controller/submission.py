@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -94,7 +95,9 @@ def _apply_tidal_option(spec: admin_pb2.JobSpec, option: str, value: str | None)
 
 TIDAL_OPTIONS = frozenset({"--min-replicas", "--max-replicas", "--nodes-per-replica", "--procs-per-node",
                            "--global-batch", "--replica-step", "--allowed-replicas", "--mode", "--name", "--env",
-                           "--yield-to-pending", "--weight"})
+                           "--yield-to-pending", "--weight", "--recipe", "--set"})
+# Options that name a recipe and override its keys (tidal.recipes.catalog): the command line only.
+RECIPE_OPTIONS = frozenset({"--recipe", "--set"})
 TIDAL_FLAGS = frozenset({"--yield-to-pending"})
 
 
@@ -194,6 +197,10 @@ def parse_submit(argv: Sequence[str], *, cwd: Path,
     """A JobSpec (not yet checked by the controller's `normalized_spec`) from `tidal
     submit`'s arguments."""
     tidal, sbatch, command = _split_options(argv, where="command line", allow_command=True)
+    recipe_options = [(option, value) for option, value in tidal if option in RECIPE_OPTIONS]
+    tidal = [(option, value) for option, value in tidal if option not in RECIPE_OPTIONS]
+    if recipe_options:
+        return _recipe_submission(recipe_options, tidal, sbatch, command, cwd)
     if not command:
         raise SubmitUsageError("no script or command to run (tidal submit [options] SCRIPT_OR_COMMAND [ARGS...])")
     spec = admin_pb2.JobSpec(working_dir=str(cwd))
@@ -225,6 +232,14 @@ def parse_submit(argv: Sequence[str], *, cwd: Path,
     for option, value in tidal:
         _apply_tidal_option(spec, option, value)
     spec.command.extend(command)
+    _apply_sbatch_options(spec, sbatch, cwd)
+    if not spec.name:
+        job_name = sbatch_value(sbatch, "-J", "job-name")
+        spec.name = job_name or _default_name(script, command)
+    return Submission(spec=spec, script=script)
+
+
+def _apply_sbatch_options(spec: admin_pb2.JobSpec, sbatch: Sequence[str], cwd: Path) -> None:
     spec.sbatch_options.extend(sbatch)
     partition = sbatch_value(sbatch, "-p", "partition")
     if partition:
@@ -232,10 +247,42 @@ def parse_submit(argv: Sequence[str], *, cwd: Path,
     directory = sbatch_value(sbatch, "-D", "chdir")
     if directory:
         spec.working_dir = str(cwd / directory)
+
+
+def _recipe_submission(recipe_options: Sequence[tuple[str, str | None]], tidal: Sequence[tuple[str, str | None]],
+                       sbatch: Sequence[str], command: Sequence[str], cwd: Path) -> Submission:
+    """`tidal submit --recipe NAME [--set KEY=VALUE ...]`: the recipe resolved here (files
+    checked, paths absolute), its job section as defaults under the command line's
+    options, and the recipe runner as the command, in live mode."""
+    from tidal.recipes import catalog
+
+    names = [value for option, value in recipe_options if option == "--recipe"]
+    if len(names) != 1 or not names[0]:
+        raise SubmitUsageError("--set needs one --recipe NAME (tidal recipes lists them)" if not names
+                               else "give --recipe once")
+    if command:
+        raise SubmitUsageError(f"--recipe runs the recipe: no script or command after it (got {command[0]!r})")
+    overrides = [value or "" for option, value in recipe_options if option == "--set"]
+    spec = admin_pb2.JobSpec(working_dir=str(cwd), mode=common_pb2.JOB_MODE_LIVE)
+    try:
+        recipe = catalog.resolve(names[0], overrides, cwd=cwd)
+        defaults = catalog.job_defaults(recipe)
+    except catalog.RecipeError as error:
+        raise SubmitUsageError(str(error)) from None
+    for key, number in defaults.items():
+        setattr(spec, key, number)
+    for option, value in tidal:
+        _apply_tidal_option(spec, option, value)
+    if spec.mode != common_pb2.JOB_MODE_LIVE:
+        raise SubmitUsageError("--recipe trains in live mode (leave --mode out)")
+    spec.global_batch = catalog.global_batch(recipe)
+    spec.command.extend(catalog.command(recipe, sys.executable))
+    _apply_sbatch_options(spec, sbatch, cwd)
     if not spec.name:
         job_name = sbatch_value(sbatch, "-J", "job-name")
-        spec.name = job_name or _default_name(script, command)
-    return Submission(spec=spec, script=script)
+        size = recipe["model"].get("size") if not recipe["model"].get("weights") else "weights"
+        spec.name = job_name or f"{recipe['name']}-{size}"
+    return Submission(spec=spec)
 
 
 def _default_name(script: Path | None, command: Sequence[str]) -> str:
