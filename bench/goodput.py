@@ -12,7 +12,7 @@ Every worker of the three trains the real (small) LM on a simulated H100
 time slept, a 1B-parameter model of 4096 tokens a sample; --quick: 0.1B), so a node's
 throughput does not depend on how many others share this machine's 2 cores.
 
-The trace, as fractions of the duration D (600 s; --quick: 40 s):
+The trace, as fractions of the duration D (600 s; --quick: 25 s):
   [0, 0.40)    background work holds 1 node (partition urgent: never preempted)
   [0.20, 0.35) an urgent job needs 1 node     (preempts when nothing is idle)
   [0.55, 0.70) an urgent job needs 2 nodes
@@ -283,7 +283,7 @@ def wait_for_idle_cluster(slurm: CliJsonSlurmClient) -> None:
 
 def main() -> None:
     args = parser(__doc__.split("\n\n")[0]).parse_args()
-    duration = 40.0 if args.quick else 600.0
+    duration = 25.0 if args.quick else 600.0
     simulation = QUICK_SIMULATION if args.quick else SIMULATION
     # One run of each by default: each plays the whole trace (3 × 10 minutes in full).
     repeat = args.repeat or 1
