@@ -160,7 +160,13 @@ def test_both_tiny_recipes_grow_lose_a_worker_and_leave_and_match_their_single_p
     alone = [subprocess.Popen([sys.executable, "-m", "tidal.recipes.run", "--recipe", job.name,
                                *recipe_settings(job.name, job.tokens, tmp_path / f"{job.name}-fixed")],
                               env=env, stdout=subprocess.DEVNULL) for job in jobs]
-    assert [process.wait(timeout=600) for process in alone] == [0, 0]
+    try:
+        assert [process.wait(timeout=600) for process in alone] == [0, 0]
+    finally:
+        for process in alone:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     for job in jobs:
         check_against_one_process(job, tmp_path)
 
