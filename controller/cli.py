@@ -333,7 +333,7 @@ def command_recipes(args: argparse.Namespace) -> int:
 
 
 def command_tokenize(args: argparse.Namespace) -> int:
-    from tidal.train.tokens import TokenFileError, tokenize
+    from tidal.recipes.tokens import TokenFileError, tokenize
 
     started = time.monotonic()
     try:

@@ -233,13 +233,13 @@ def parse_submit(argv: Sequence[str], *, cwd: Path,
         _apply_tidal_option(spec, option, value)
     spec.command.extend(command)
     _apply_sbatch_options(spec, sbatch, cwd)
-    if not spec.name:
-        job_name = sbatch_value(sbatch, "-J", "job-name")
-        spec.name = job_name or _default_name(script, command)
+    spec.name = spec.name or _default_name(script, command)
     return Submission(spec=spec, script=script)
 
 
 def _apply_sbatch_options(spec: admin_pb2.JobSpec, sbatch: Sequence[str], cwd: Path) -> None:
+    """sbatch's options, kept for every unit; the partition, working folder and (unless
+    --name gave one) the job's name that they set."""
     spec.sbatch_options.extend(sbatch)
     partition = sbatch_value(sbatch, "-p", "partition")
     if partition:
@@ -247,6 +247,8 @@ def _apply_sbatch_options(spec: admin_pb2.JobSpec, sbatch: Sequence[str], cwd: P
     directory = sbatch_value(sbatch, "-D", "chdir")
     if directory:
         spec.working_dir = str(cwd / directory)
+    if not spec.name:
+        spec.name = sbatch_value(sbatch, "-J", "job-name") or ""
 
 
 def _recipe_submission(recipe_options: Sequence[tuple[str, str | None]], tidal: Sequence[tuple[str, str | None]],
@@ -278,10 +280,8 @@ def _recipe_submission(recipe_options: Sequence[tuple[str, str | None]], tidal: 
     spec.global_batch = catalog.global_batch(recipe)
     spec.command.extend(catalog.command(recipe, sys.executable))
     _apply_sbatch_options(spec, sbatch, cwd)
-    if not spec.name:
-        job_name = sbatch_value(sbatch, "-J", "job-name")
-        size = recipe["model"].get("size") if not recipe["model"].get("weights") else "weights"
-        spec.name = job_name or f"{recipe['name']}-{size}"
+    size = recipe["model"].get("size") if not recipe["model"].get("weights") else "weights"
+    spec.name = spec.name or f"{recipe['name']}-{size}"
     return Submission(spec=spec)
 
 

@@ -21,6 +21,8 @@ from typing import Any
 
 import yaml
 
+from tidal.recipes.tokens import TokenFileError, read_header
+
 # The recipes shipped with Tidal (this package's folder); $TIDAL_RECIPES_PATH adds folders
 # (':'-separated) searched first.
 BUILTIN_FOLDER = Path(__file__).parent
@@ -175,7 +177,7 @@ def global_batch(recipe: Mapping[str, Any]) -> int:
     return int(recipe["train"]["global_batch_tokens"]) // int(recipe["data"]["sequence_length"])
 
 
-def check(recipe: Mapping[str, Any], *, check_files: bool = True) -> list[str]:
+def check(recipe: Mapping[str, Any]) -> list[str]:
     """Every problem of a resolved recipe, as sentences (empty: it can run)."""
     problems: list[str] = []
     sections = ("model", "data", "train", "optimizer", "job", "output")
@@ -245,33 +247,27 @@ def check(recipe: Mapping[str, Any], *, check_files: bool = True) -> list[str]:
     if not data.get("tokens"):
         problems.append("data.tokens: give the token file (tidal data tokenize TEXT -o FILE; "
                         "then --set data.tokens=FILE)")
-    elif check_files:
+    else:
         problems += _check_tokens(str(data["tokens"]), fields, length)
     weights = model.get("weights")
-    if weights and check_files and not Path(weights).is_dir():
+    if weights and not Path(weights).is_dir():
         problems.append(f"model.weights: {weights} is not a folder (a model saved with save_pretrained; "
                         "weights are never downloaded)")
     return problems
 
 
 def _check_tokens(path: str, fields: Mapping[str, Any], length: int | None) -> list[str]:
-    where = Path(path)
-    header = where.with_name(where.name + ".json")
     try:
-        raw = json.loads(header.read_text())
-        vocab, count = int(raw["vocab_size"]), int(raw["tokens"])
-    except FileNotFoundError:
-        return [f"data.tokens: {path}: {'no such file' if not where.exists() else 'no header ' + header.name}"
-                " (write token files with `tidal data tokenize`)"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        return [f"data.tokens: {header}: unreadable header ({error})"]
+        header = read_header(path)
+    except TokenFileError as error:
+        return [f"data.tokens: {error}"]
     problems = []
     model_vocab = fields.get("vocab_size")
-    if isinstance(model_vocab, int) and vocab > model_vocab:
-        problems.append(f"data.tokens: its vocabulary ({vocab}) is larger than the model's vocab_size "
-                        f"({model_vocab}): --set model.config.vocab_size={vocab}")
-    if length and count - 1 < length:
-        problems.append(f"data.tokens: {count} tokens hold no sequence of {length} + 1")
+    if isinstance(model_vocab, int) and header.vocab_size > model_vocab:
+        problems.append(f"data.tokens: its vocabulary ({header.vocab_size}) is larger than the model's vocab_size "
+                        f"({model_vocab}): --set model.config.vocab_size={header.vocab_size}")
+    if length and header.tokens - 1 < length:
+        problems.append(f"data.tokens: {header.tokens} tokens hold no sequence of {length} + 1")
     return problems
 
 

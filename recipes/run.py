@@ -32,8 +32,8 @@ import torch
 from torch.nn import functional
 
 from tidal.recipes import catalog
+from tidal.recipes.tokens import PackedSequences, TokenFileError
 from tidal.train import Elastic, HybridSharded, simulated
-from tidal.train.tokens import PackedSequences, TokenFileError
 
 
 def lr_factor(step: int, *, warmup_steps: int, total_steps: int, min_ratio: float) -> float:

@@ -14,7 +14,7 @@ import pytest
 from tidal.controller.submission import SubmitUsageError, parse_submit
 from tidal.proto import common_pb2
 from tidal.recipes import catalog
-from tidal.train.tokens import BYTE_EOS_ID, PackedSequences, TokenFileError, read_header, tokenize
+from tidal.recipes.tokens import BYTE_EOS_ID, PackedSequences, TokenFileError, read_header, tokenize
 
 TIDAL = str(Path(sys.executable).parent / "tidal")
 

@@ -16,7 +16,9 @@ inside a sequence (the end-of-sequence id between them is what the model sees).
 The tokenizer is a Hugging Face tokenizer from a local folder (`save_pretrained`'s output;
 never downloaded), or, without one, the byte-level fallback: a token per UTF-8 byte (ids
 0..255) and 256 for the end of a document. Writing needs numpy (and transformers for a
-Hugging Face tokenizer), not torch: `tidal data tokenize` runs on a login node."""
+Hugging Face tokenizer), not torch: `tidal data tokenize` and the recipes' checks at
+submit run on a login node (this module lives in `tidal.recipes`, whose package imports
+nothing of torch; `tidal.train`'s does)."""
 
 from __future__ import annotations
 
@@ -66,8 +68,8 @@ def read_header(path: str | os.PathLike[str]) -> TokenHeader:
     try:
         raw = json.loads(where.read_text())
     except FileNotFoundError:
-        raise TokenFileError(f"{path}: no header {where.name} beside it (write token files with "
-                             "`tidal data tokenize`)") from None
+        missing = "no such file" if not path.exists() else f"no header {where.name} beside it"
+        raise TokenFileError(f"{path}: {missing} (write token files with `tidal data tokenize`)") from None
     except (OSError, ValueError) as error:
         raise TokenFileError(f"{where}: unreadable: {error}") from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
