@@ -34,22 +34,7 @@ from pathlib import Path
 import structlog
 
 from tidal.controller.logs import configure_logging
-from tidal.launcher.control import (
-    Beat,
-    Finished,
-    FirstStep,
-    Formed,
-    Hello,
-    LauncherChannel,
-    Left,
-    Resumed,
-    StateLost,
-    Stop,
-    Stopped,
-    WorkerSaid,
-    WorkerToLauncher,
-    World,
-)
+from tidal.launcher.control import LauncherChannel, WorkerSaid
 from tidal.launcher.events import SignalReceived, Tick, WorkerExit, WorkersStopped
 from tidal.launcher.follower import Follower, FollowerOptions
 from tidal.launcher.link import ControllerLink, ControllerSaid, LinkDown, LinkEvent, LinkRefused, LinkUp
@@ -77,6 +62,20 @@ from tidal.launcher.workers import (
     worker_environment,
 )
 from tidal.proto import common_pb2, launcher_pb2
+from tidal.proto.control import (
+    Beat,
+    Finished,
+    FirstStep,
+    Formed,
+    Hello,
+    Left,
+    Resumed,
+    StateLost,
+    Stop,
+    Stopped,
+    WorkerToLauncher,
+    World,
+)
 
 log = structlog.get_logger("tidal.launcher")
 

@@ -54,20 +54,19 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import default_collate
 
-from tidal.launcher.control import (
+from tidal.proto.control import (
     EXIT_STATE_LOST,
     Beat,
-    ChannelClosed,
     Finished,
     FirstStep,
     Formed,
     Left,
     Resumed,
     Stopped,
-    WorkerChannel,
     World,
 )
-from tidal.launcher.control import StateLost as StateLostMessage
+from tidal.proto.control import StateLost as StateLostMessage
+from tidal.train.channel import ChannelClosed, WorkerChannel
 from tidal.train.checkpoint import AsyncCheckpointer
 from tidal.train.data import GlobalOrder, StepSamples, micro_batches, step_samples
 from tidal.train.groups import Groups, fixed_world_store, form_groups

@@ -31,8 +31,8 @@ from tidal.controller.core.completion import FinishingMember, completion_verdict
 from tidal.controller.core.health import Failure, HealthPolicy, UnitHealth, health_verdicts
 from tidal.controller.core.progress import MemberProgress, committed_step, state_holders
 from tidal.controller.model import GenerationRecord, JobRecord, JobState, UnitRecord, UnitState, join_ids
-from tidal.launcher.control import EXIT_STATE_LOST
 from tidal.proto import admin_pb2, common_pb2, launcher_pb2
+from tidal.proto.control import EXIT_STATE_LOST
 from tidal.slurm.models import JobState as SlurmJobState
 from tidal.slurm.snapshot import ClusterView
 

@@ -14,26 +14,24 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from tidal.launcher.control import (
+from tidal.launcher.control import LauncherChannel, WorkerSaid
+from tidal.proto.control import (
     Beat,
-    ChannelClosed,
     Finished,
     FirstStep,
     Formed,
     Hello,
-    LauncherChannel,
     Left,
     Message,
     Resumed,
     StateLost,
     Stop,
     Stopped,
-    WorkerChannel,
-    WorkerSaid,
     World,
     decode,
     encode,
 )
+from tidal.train.channel import ChannelClosed, WorkerChannel
 from tidal.train.checkpoint import AsyncCheckpointer, checkpoint_path
 from tidal.train.data import GlobalOrder, micro_batches, share_bounds, step_samples
 from tidal.train.elastic import AccountingError, Elastic, FixedBatch, ScaledBatch
@@ -343,8 +341,6 @@ def test_the_codec_refuses_lines_that_are_not_messages() -> None:
         assert decode(line) is None, line
     # A newer peer's extra fields are ignored; a long detail is cut.
     assert decode(b'{"op": "stop", "generation": 2, "reason": "new"}') == Stop(generation=2)
-    # A peer of an earlier version says "epoch"; both names go out, so it reads ours too.
-    assert decode(b'{"op": "stop", "epoch": 4}') == Stop(generation=4)
-    assert json.loads(encode(Stop(generation=5))) == {"op": "stop", "generation": 5, "epoch": 5}
+    assert json.loads(encode(Stop(generation=5))) == {"op": "stop", "generation": 5}
     lost = decode(b'{"op": "state_lost", "generation": 1, "target_step": 3, "detail": "' + b"x" * 5000 + b'"}')
     assert isinstance(lost, StateLost) and len(lost.detail) == 2000

@@ -1,0 +1,108 @@
+"""The worker's end of the launcher's control channel (wire format: `tidal.proto.control`)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from tidal.proto.control import BEAT_INTERVAL_S, Beat, Hello, Stop, WorkerToLauncher, World, decode, encode
+
+
+class ChannelClosed(Exception):
+    """The launcher went away."""
+
+
+class WorkerChannel:
+    """The worker's end: a reader thread keeps the newest world and stop the launcher sent."""
+
+    def __init__(self, path: str, local_rank: int, pid: int) -> None:
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._socket.connect(path)
+        self._send_lock = threading.Lock()
+        self._changed = threading.Condition()
+        self.worlds: dict[int, World] = {}
+        self.stopped_generation = 0
+        self.closed = False
+        self.send(Hello(local_rank=local_rank, pid=pid))
+        self._reader = threading.Thread(target=self._read, name="tidal-control", daemon=True)
+        self._reader.start()
+
+    def send(self, message: WorkerToLauncher) -> None:
+        line = encode(message)
+        with self._send_lock:
+            try:
+                self._socket.sendall(line)
+            except OSError as error:
+                raise ChannelClosed(f"launcher channel closed: {error}") from error
+
+    def _read(self) -> None:
+        stream = self._socket.makefile("rb")
+        try:
+            for line in stream:
+                message = decode(line)
+                with self._changed:
+                    if isinstance(message, World):
+                        self.worlds[message.generation] = message
+                    elif isinstance(message, Stop):
+                        self.stopped_generation = max(self.stopped_generation, message.generation)
+                    else:
+                        continue
+                    self._changed.notify_all()
+        except OSError:
+            pass
+        finally:
+            with self._changed:
+                self.closed = True
+                self._changed.notify_all()
+
+    def stop_requested(self, generation: int) -> bool:
+        return self.stopped_generation >= generation or self.closed
+
+    def next_world(self, after_generation: int) -> World | None:
+        """The newest world announced for a generation after `after_generation` and not stopped."""
+        with self._changed:
+            return self._next_world(after_generation)
+
+    def _next_world(self, after_generation: int) -> World | None:
+        generations = [g for g in self.worlds if g > after_generation and g > self.stopped_generation]
+        return self.worlds[max(generations)] if generations else None
+
+    def wait_world(self, after_generation: int, timeout_s: float) -> World:
+        """Block until the launcher names a world after `after_generation`."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                world = self._next_world(after_generation)
+                if world is not None:
+                    return world
+                if self.closed:
+                    raise ChannelClosed("the launcher closed the control channel")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"no world after generation {after_generation} within {timeout_s:g} s")
+                self._changed.wait(remaining)
+
+    def start_beats(self, status: Callable[[], Beat], interval_s: float = BEAT_INTERVAL_S) -> None:
+        """Send the Beat `status()` gives every `interval_s` from a daemon thread. It runs
+        while the training thread waits in a collective (torch releases the GIL there),
+        and stops when the process is frozen: that is what tells a hang's cause from its
+        victims."""
+
+        def beat() -> None:
+            while not self.closed:
+                try:
+                    self.send(status())
+                except ChannelClosed:
+                    return
+                time.sleep(interval_s)
+
+        threading.Thread(target=beat, name="tidal-beat", daemon=True).start()
+
+    def close(self) -> None:
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self._socket.shutdown(socket.SHUT_RDWR)
+        self._socket.close()
