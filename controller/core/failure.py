@@ -1,0 +1,195 @@
+"""Failure and stop: the one failure path, the next generation at once from the survivors, or
+a stop round first."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from tidal.controller.core import finishing, forming, leaving, planning, slurm_units, tick
+from tidal.controller.core.queries import (
+    duration,
+)
+from tidal.controller.core.state import (
+    Close,
+    GenerationStopped,
+    Metric,
+    PendingStop,
+    Record,
+    Recovery,
+    SaveJob,
+    SaveUnit,
+)
+from tidal.controller.core.step import Step
+from tidal.controller.model import JobState, UnitState, join_ids
+from tidal.proto import launcher_pb2
+
+
+def fail(t: Step, unit_id: str, reason: str, cause: str, detected_at: float,
+          failed_at: float | None = None, regroup: bool = True,
+          fields: Mapping[str, str] | None = None) -> bool:
+    """The one failure path: record, tell the failed unit to kill its workers, and move
+    the others to the next generation (`regroup_survivors`; with `regroup` False the caller does,
+    once for failures found together). `failed_at` (wall clock) is when the failure
+    happened, where known; the survivors' first step after it ends the recovery;
+    `fields` go into the failure's event besides its cause (a worker's exception).
+    Whether the running world must re-form without the unit."""
+    state = t.state
+    unit = state.units.get(unit_id)
+    if unit is None or unit.state.is_final:
+        return False
+    if t.job.state is JobState.FINISHING:
+        # Training is over: nothing to recover; the unit is just gone.
+        leaving.mark_left(t, unit_id, f"after the last step: {reason}")
+        finishing.maybe_complete(t)
+        return False
+    number = state.generation.number if state.generation is not None else 0
+    was_member = (state.generation is not None and state.generation.member(unit_id) is not None
+                  and unit.state in (UnitState.ACTIVE, UnitState.LEAVING)
+                  and t.job.state in (JobState.RUNNING, JobState.RECONFIGURING))
+    unit = t.own(unit)
+    unit.state = UnitState.FAILED
+    unit.reason = reason
+    t.emit(SaveUnit(unit), Record("failure_detected", reason, unit_id=unit_id, generation=number,
+                                     fields={"cause": cause, **(fields or {})}), Metric("failures", label=cause))
+    if state.slurm_units:
+        slurm_units.cool_down(t, unit, detected_at)
+        # A failed unit never comes back: whatever is left of it (a hung launcher, a
+        # node whose slurmd died) gives its allocation back.
+        slurm_units.cancel_in_slurm(t, unit)
+    if t.connected(unit_id):
+        t.send(unit_id, stop_message(t, number, reason, "failure", failed_unit_id=unit_id))
+        t.emit(Close(unit_id, f"unit {unit_id} failed: {reason}"))
+    if not was_member:
+        return False
+    if state.stop is not None:
+        state.stop.waiting_for.discard(unit_id)
+        maybe_finish_stop(t)
+        return False
+    if state.recovery is None:
+        # (A recovery still unmeasured keeps its start: the first failure's.)
+        state.failure_detected_at = detected_at
+        wall_detected = t.now.wall - (t.now.monotonic - detected_at)
+        state.recovery = Recovery(failed_at=failed_at or wall_detected, detected_at=wall_detected,
+                                  unit_id=unit_id)
+    if regroup:
+        regroup_survivors(t, [(unit_id, reason, detected_at)])
+    return True
+
+
+def regroup_survivors(t: Step, failed: list[tuple[str, str, float]]) -> None:
+    """After the failure of members of the running generation: the next one at once, or
+    a stop round first."""
+    what = "; ".join(f"unit {unit_id} failed: {reason}" for unit_id, reason, _ in failed)
+    if not go_on_without(t, what):
+        begin_stop(t, "failure", what, min(at for _, _, at in failed))
+
+
+def go_on_without(t: Step, what: str) -> bool:
+    """A failure is one message to each survivor: the next generation, formed from the
+    survivors in this transition. In live mode the launcher hands it to the workers,
+    which leave the broken world for it (a rank in a collective with the dead one sees
+    the collective fail; the others move at the end of the step). In restart mode the
+    launcher stops its workers with the failure's grace, then starts the new ones; each
+    launcher hosting a generation has its next store ready, so no stop round is needed
+    to learn where the next one meets. Whether it formed; if not (a live change in
+    flight, or the survivors alone make no size the job allows), the generation is
+    stopped first."""
+    state = t.state
+    generation = state.generation
+    if state.reconfigure is not None or generation is None or t.job.state is not JobState.RUNNING:
+        return False
+    survivors = tuple(u for u in generation.unit_ids if state.units[u].state is UnitState.ACTIVE)
+    if not all(t.connected(u) for u in survivors):
+        # A survivor not back yet after a controller restart: a stop round waits for it.
+        return False
+    # Joiners that have settled come along, up to max_replicas: one change, not two.
+    settled = sorted((at, u) for u, unit in state.units.items()
+                     if unit.state is UnitState.JOINING and t.connected(u)
+                     and (at := state.registered_at.get(u, t.now.monotonic))
+                     <= t.now.monotonic - t.config.join_settle_s)
+    room = max(0, t.job.spec.max_replicas - len(survivors))
+    joiners = tuple(u for _, u in settled[:room])
+    reason = f"{what}; the survivors go on without it"
+    return (bool(joiners) and next_generation_now(t, survivors, joiners, "failure", reason)) or \
+        next_generation_now(t, survivors, (), "failure", reason)
+
+
+def next_generation_now(t: Step, members: tuple[str, ...], joiners: tuple[str, ...], cause: str,
+                         reason: str) -> bool:
+    """Form and send the next generation of `members` + `joiners` now, as one message to
+    each (StartEpoch; in restart mode the launcher stops the old workers first), if
+    they make a size the job allows and one of them can host the rendezvous. Whether it
+    formed."""
+    state = t.state
+    previous = state.generation
+    count = len(members) + len(joiners)
+    if not members or planning.choose_world_size(count, t.sizes()) != count:
+        return False
+    forming.start_generation(t, members, planning.Form(replicas=count, joiners=joiners, reason=reason),
+                           t.now.monotonic, cause=cause)
+    if previous is None or t.job.generation == previous.number:
+        return False
+    t.emit(GenerationStopped(t.job.job_id, previous.number, t.now.wall))
+    return True
+
+
+def stop_grace_s(t: Step, cause: str) -> float:
+    """Workers' SIGTERM-to-SIGKILL grace: short for a failure, longer for a planned change."""
+    return t.config.failure_stop_grace_s if cause == "failure" else t.config.restart_grace_s
+
+
+def stop_message(t: Step, generation: int, reason: str, cause: str,
+                  failed_unit_id: str = "") -> launcher_pb2.ControllerMessage:
+    return launcher_pb2.ControllerMessage(stop_epoch=launcher_pb2.StopEpoch(
+        epoch=generation, reason=reason, failed_unit_id=failed_unit_id,
+        grace=duration(stop_grace_s(t, cause))))
+
+
+def begin_stop(t: Step, cause: str, reason: str, detected_at: float) -> None:
+    """Broadcast STOP for the running generation to every member and wait for each to
+    confirm (or fail past the deadline)."""
+    state = t.state
+    assert state.generation is not None
+    now = t.now.monotonic
+    waiting = {m.unit_id for m in state.generation.members
+               if state.units[m.unit_id].state in (UnitState.ACTIVE, UnitState.LEAVING)
+               and (t.connected(m.unit_id) or now < state.reconnect_deadline)}
+    # Live-mode workers stop in-process at their next check (a micro-batch boundary, or a
+    # collective failing): they get the planned-change grace, not a failure's.
+    grace_s = t.config.restart_grace_s if state.live else stop_grace_s(t, cause)
+    deadline = max(now + grace_s + t.config.heartbeat_timeout_s, state.reconnect_deadline)
+    state.stop = PendingStop(generation=state.generation.number, cause=cause, reason=reason,
+                             detected_at=detected_at, waiting_for=waiting, deadline=deadline)
+    state.reconfigure = None
+    t.job.state = JobState.RECONFIGURING
+    t.emit(SaveJob(t.job))
+    t.record("epoch_stopping", reason, generation=state.generation.number,
+                fields={"cause": cause, "waiting_for": join_ids(sorted(waiting))})
+    message = stop_message(t, state.stop.generation, reason, cause)
+    for unit_id in sorted(waiting):
+        if state.units[unit_id].state is not UnitState.LEAVING:
+            t.send(unit_id, message)
+    maybe_finish_stop(t)
+
+
+def maybe_finish_stop(t: Step) -> None:
+    state = t.state
+    stop = state.stop
+    if stop is None or stop.waiting_for:
+        return
+    now = t.now.monotonic
+    state.stop = None
+    elapsed = now - stop.detected_at
+    t.emit(GenerationStopped(t.job.job_id, stop.generation, t.now.wall))
+    t.record("epoch_stopped", f"every rank of generation {stop.generation} stopped",
+                generation=stop.generation,
+                fields={"cause": stop.cause, "detection_to_all_stopped_s": f"{elapsed:.3f}"})
+    if stop.cause == "failure":
+        t.emit(Metric("stop_duration", elapsed))
+    if t.job.state.is_final:
+        return
+    tick.decide(t, now, after=stop.reason)
+    if t.job.state is JobState.RECONFIGURING:
+        alive = sum(1 for u in state.units.values() if u.state in (UnitState.ACTIVE, UnitState.JOINING))
+        t.set_state(JobState.DEGRADED, f"{alive} replica(s) alive, below min_replicas "
+                        f"{t.job.spec.min_replicas}; waiting for more")

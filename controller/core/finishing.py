@@ -1,0 +1,118 @@
+"""The end of training: FINISHING once a rank committed the last step, then COMPLETED once;
+and the end of a job for any reason (`end`)."""
+
+from __future__ import annotations
+
+from tidal.controller.core import leaving, slurm_units
+from tidal.controller.core.completion import FinishingMember, completion_verdict
+from tidal.controller.core.queries import (
+    describe_worker_exit,
+    worker_error_fields,
+)
+from tidal.controller.core.state import (
+    GenerationStopped,
+    SaveJob,
+    SavePending,
+    SaveUnit,
+)
+from tidal.controller.core.step import Step
+from tidal.controller.model import GenerationRecord, JobState, UnitState
+from tidal.proto import launcher_pb2
+
+
+def begin_finishing(t: Step, unit_id: str, generation: int, step: int, reason: str) -> None:
+    """A rank committed the job's last step (or, in restart mode, exited 0): training is
+    over. No generation forms from here; a world change or stop in flight is dropped;
+    units that are not in the finished world leave; exits and silences are no longer
+    failures."""
+    state = t.state
+    if t.job.state.is_final or t.job.state is JobState.FINISHING:
+        return
+    t.job.state = JobState.FINISHING
+    t.job.step = max(t.job.step, step)
+    finished_world = world_of(t, generation)
+    state.stop = None
+    state.reconfigure = None
+    state.deferred_leaves = {}
+    t.save_pending()
+    t.emit(SaveJob(t.job))
+    t.record("job_finishing", reason, unit_id=unit_id, generation=generation, fields={"step": t.job.step})
+    state.finishing_members = ({m.unit_id: m.world_share for m in finished_world.members}
+                               if finished_world is not None else {})
+    t.emit(SavePending("finishing_members", dict(state.finishing_members)))
+    for other_id, unit in list(state.units.items()):
+        if unit.state.is_final or other_id in state.finishing_members:
+            continue
+        if unit.state is UnitState.SUBMITTED:
+            slurm_units.cancel_in_slurm(t, unit)
+            leaving.mark_left(t, other_id, "training finished before it registered")
+        else:
+            leaving.leave(t, other_id, "finished", "training finished")
+    maybe_complete(t)
+
+
+def world_of(t: Step, generation: int) -> GenerationRecord | None:
+    """The generation numbered `generation`, if it is the newest one or the one a live
+    change in flight leaves; else the newest one."""
+    pending = t.state.reconfigure
+    if pending is not None and pending.previous.number == generation:
+        return pending.previous
+    return t.state.generation
+
+
+def on_exit_after_finish(t: Step, unit_id: str, exited: launcher_pb2.WorkerExited) -> None:
+    state = t.state
+    if exited.exit_code == 0 and exited.signal == 0:
+        state.exited_ok.setdefault(unit_id, set()).add(exited.local_rank)
+        t.record("worker_finished", f"local rank {exited.local_rank} (pid {exited.pid}) exited 0",
+                    unit_id=unit_id)
+    else:
+        how = describe_worker_exit(exited)
+        state.exited_failed.setdefault(unit_id, {})[exited.local_rank] = how
+        t.record("worker_failed_after_training",
+                    f"local rank {exited.local_rank} (pid {exited.pid}) {how} after the last step; "
+                    "training is complete, so nothing re-forms", unit_id=unit_id,
+                    fields=worker_error_fields(exited))
+    maybe_complete(t)
+
+
+def maybe_complete(t: Step) -> None:
+    state = t.state
+    if t.job.state is not JobState.FINISHING:
+        return
+    members = [FinishingMember(unit_id=unit_id, workers=workers,
+                               exited_ok=frozenset(state.exited_ok.get(unit_id, ())),
+                               exited_failed=dict(state.exited_failed.get(unit_id, {})),
+                               gone=state.units[unit_id].state.is_final)
+               for unit_id, workers in state.finishing_members.items()]
+    verdict = completion_verdict(t.job.step, members)
+    if verdict is not None:
+        end(t, JobState.COMPLETED, "job_completed", verdict.reason)
+
+
+def end(t: Step, job_state: JobState, kind: str, reason: str) -> None:
+    state = t.state
+    t.job.state = job_state
+    state.stop = None
+    number = state.generation.number if state.generation is not None else 0
+    t.emit(SaveJob(t.job))
+    if state.generation is not None:
+        t.emit(GenerationStopped(t.job.job_id, number, t.now.wall))
+    t.record(kind, reason, generation=number)
+    for unit_id, unit in state.units.items():
+        if unit.state.is_final:
+            continue
+        if not t.connected(unit_id):
+            # Waiting in Slurm's queue (it would start for nothing), or running with its
+            # launcher out of touch: the job is over, so its Slurm job goes too.
+            slurm_units.cancel_in_slurm(t, unit)
+            leaving.mark_left(t, unit_id, reason)
+            continue
+        if unit.state is UnitState.LEAVING:
+            continue
+        unit = t.own(unit)
+        unit.state = UnitState.LEAVING
+        state.leaving_since[unit_id] = t.now.monotonic
+        t.emit(SaveUnit(unit))
+        t.send(unit_id, launcher_pb2.ControllerMessage(leave=launcher_pb2.Leave(epoch=number,
+                                                                                  reason=reason)))

@@ -1,0 +1,261 @@
+"""Forming generations: candidates and ranks, committing and sending a generation (restart
+mode's StartEpoch), live mode's in-process reconfiguration, and what the workers report of
+the state they formed with (first step, resumed from a checkpoint, state lost)."""
+
+from __future__ import annotations
+
+from tidal.controller.core import failure, finishing, leaving, planning
+from tidal.controller.core.progress import state_holders
+from tidal.controller.core.queries import (
+    duration,
+)
+from tidal.controller.core.state import (
+    Metric,
+    Note,
+    PendingReconfigure,
+    SaveGeneration,
+    SaveJob,
+    SaveUnit,
+)
+from tidal.controller.core.step import Step
+from tidal.controller.model import GenerationRecord, JobState, UnitState, join_ids
+from tidal.proto import launcher_pb2
+
+
+def candidates(t: Step, unit_ids: list[str]) -> list[planning.Candidate]:
+    state = t.state
+    previous = state.generation
+    candidates = []
+    for unit_id in unit_ids:
+        unit = state.units[unit_id]
+        member = previous.member(unit_id) if previous is not None else None
+        store_port = state.store_ports.get(unit_id, 0)
+        if (not state.live and previous is not None and previous.rendezvous_unit_id == unit_id
+                and store_port == previous.rendezvous_port):
+            # Restart mode: that store is the running generation's; the unit's fresh one
+            # is not reported yet (it comes with STARTED), so it cannot host the next.
+            store_port = 0
+        candidates.append(planning.Candidate(
+            unit_id=unit_id, nodes=tuple(unit.nodes), procs_per_node=unit.procs_per_node, address=unit.address,
+            store_port=store_port,
+            previous_group_rank=member.group_rank if member else None, registered_at=unit.registered_at))
+    return candidates
+
+
+def start_generation(t: Step, survivors: tuple[str, ...], form: planning.Form, now: float,
+                      cause: str = "") -> None:
+    """Commit the next generation of `survivors` + the form's joiners and send each its
+    StartEpoch. `cause` (failure, grow, leave) is set when it replaces a running
+    generation in one message: the old workers' stop grace follows from it."""
+    state = t.state
+    chosen = list(survivors) + list(form.joiners)
+    try:
+        plan = planning.plan_generation(job_id=t.job.job_id, number=t.job.generation + 1,
+                                   candidates=candidates(t, chosen), replicas=form.replicas,
+                                   reason=form.reason, now=t.now.wall, resume_step=t.job.step)
+    except ValueError as error:
+        t.emit(Note("generation_not_formed", {"reason": str(error)}, warning=True))
+        return
+    t.job.generation = plan.number
+    t.job.state = JobState.RUNNING
+    fields: dict[str, object] = {"world_size": plan.world_size, "replicas": len(plan.members),
+                                 "members": join_ids(list(plan.unit_ids)),
+                                 "rendezvous": f"{plan.rendezvous_host}:{plan.rendezvous_port}"}
+    if state.failure_detected_at is not None:
+        fields["detection_to_started_s"] = f"{now - state.failure_detected_at:.3f}"
+    fields.update(state_fields(t, plan))
+    commit_generation(t, plan, chosen, "world_formed", form.reason, fields)
+    if state.failure_detected_at is not None:
+        t.emit(Metric("recovery_duration", now - state.failure_detected_at))
+        state.failure_detected_at = None
+    t.emit(Metric("generations_formed", label=t.job.job_id))
+    state.generation = plan
+    state.generation_started_at = now
+    state.last_change_at = now
+    state.exited_ok = {}
+    state.reconfigure = None
+    for unit_id in plan.unit_ids:
+        # Each is sent this generation now: nothing left to wait for from before.
+        state.returned_without_workers.pop(unit_id, None)
+    for unit_id in plan.unit_ids:
+        t.send(unit_id, start_message(t, plan, unit_id, stop_grace_s=(
+            failure.stop_grace_s(t, cause) if cause else None)))
+
+
+def commit_generation(t: Step, plan: GenerationRecord, unit_ids: list[str], kind: str, reason: str,
+                       fields: dict[str, object]) -> None:
+    """What is persisted before any message about the generation leaves: the generation
+    with its rank table, the job's generation number, each of `unit_ids` in its place (a
+    member is active; a unit left out waits as a joiner) and the event `kind`."""
+    members = set(plan.unit_ids)
+    t.emit(SaveGeneration(plan), SaveJob(t.job))
+    for unit_id in unit_ids:
+        unit = t.own(t.state.units[unit_id])
+        member = plan.member(unit_id)
+        unit.state = UnitState.ACTIVE if unit_id in members else UnitState.JOINING
+        unit.group_rank = member.group_rank if member else -1
+        t.emit(SaveUnit(unit))
+    t.record(kind, reason, generation=plan.number, fields=fields)
+
+
+def start_message(t: Step, generation: GenerationRecord, unit_id: str,
+                   stop_grace_s: float | None = None) -> launcher_pb2.ControllerMessage:
+    start = launcher_pb2.StartEpoch(
+        epoch=generation.number, rank_table=generation.rank_table(only_unit=unit_id),
+        rendezvous=generation.rendezvous(), resume_step=generation.resume_step,
+        state_holders=list(t.state.state_holders))
+    if stop_grace_s is not None:
+        start.stop_grace.CopyFrom(duration(stop_grace_s))
+    return launcher_pb2.ControllerMessage(start_epoch=start)
+
+
+def state_fields(t: Step, plan: GenerationRecord) -> dict[str, object]:
+    """Decide and describe the state a new generation must be at: its target step (the
+    watermark) and its holders. With none holding it past step 0 (live mode), the event
+    says so: the workers load a checkpoint at or before it, or refuse to train."""
+    state = t.state
+    state.state_holders = holders(t, plan.unit_ids)
+    if state.live and plan.resume_step > 0 and not state.state_holders:
+        t.record("state_not_held",
+                    f"no member of generation {plan.number} holds the training state at step "
+                    f"{plan.resume_step}: its workers resume from a checkpoint at or before it, or "
+                    "refuse to train", generation=plan.number, fields={"target_step": plan.resume_step})
+    return {"target_step": plan.resume_step, "state_holders": join_ids(list(state.state_holders))}
+
+
+def holders(t: Step, unit_ids: tuple[str, ...]) -> tuple[str, ...]:
+    """Live mode: which of `unit_ids` hold the state at the job's committed step, as
+    their heartbeats said by the last tick."""
+    state = t.state
+    if not state.live:
+        return ()
+    return state_holders(t.job.step, {
+        unit_id: list(link.steps.values()) for unit_id in unit_ids
+        if t.connected(unit_id) and (link := state.links.get(unit_id)) is not None})
+
+
+def reconfigure(t: Step, joiners: tuple[str, ...], leaving: tuple[str, ...], cause: str, reason: str,
+                 now: float) -> None:
+    """Plan the next generation from the running one plus `joiners` minus `leaving`,
+    commit it, and tell the joiners (or, with none, every old member) to move there."""
+    state = t.state
+    previous = state.generation
+    assert previous is not None
+    kept = [m.unit_id for m in previous.members if m.unit_id not in leaving]
+    chosen = kept + list(joiners)
+    try:
+        plan = planning.plan_generation(job_id=t.job.job_id, number=t.job.generation + 1,
+                                   candidates=candidates(t, chosen), replicas=len(chosen), reason=reason,
+                                   now=t.now.wall, resume_step=t.job.step)
+    except ValueError as error:
+        t.emit(Note("reconfigure_not_planned", {"reason": str(error)}, warning=True))
+        return
+    old_members = tuple(m.unit_id for m in previous.members)
+    # The state's source: the new world's rank 0, a survivor (survivors keep their order).
+    source = min(plan.members, key=lambda m: m.group_rank).unit_id
+    fields_of_state = state_fields(t, plan)
+    message = launcher_pb2.ControllerMessage(reconfigure=launcher_pb2.Reconfigure(
+        epoch=plan.number, from_epoch=previous.number, rank_table=plan.rank_table(),
+        rendezvous=plan.rendezvous(), state_sources=list(state.state_holders) or [source],
+        target_step=plan.resume_step))
+    t.job.generation = plan.number
+    fields: dict[str, object] = {"cause": cause, "from_epoch": previous.number, "world_size": plan.world_size,
+                                 "replicas": len(plan.members), "members": join_ids(list(plan.unit_ids)),
+                                 "joiners": join_ids(list(joiners)), "leaving": join_ids(list(leaving)),
+                                 "state_source": source, **fields_of_state}
+    commit_generation(t, plan, chosen, "world_reconfiguring", reason, fields)
+    t.emit(Metric("generations_formed", label=t.job.job_id))
+    state.reconfigure = PendingReconfigure(
+        generation=plan.number, from_generation=previous.number, previous=previous, cause=cause, message=message,
+        old_members=old_members, joiners_waiting=set(joiners), waiting_for=set(plan.unit_ids), decided_at=now,
+        deadline=now + t.config.reconfigure_timeout_s)
+    state.generation = plan
+    state.generation_started_at = now
+    state.last_change_at = now
+    state.exited_ok = {}
+    if joiners:
+        for unit_id in joiners:
+            t.send(unit_id, message)
+    else:
+        tell_old_members(t)
+
+
+def tell_old_members(t: Step) -> None:
+    pending = t.state.reconfigure
+    assert pending is not None
+    pending.told_old_members = True
+    for unit_id in pending.old_members:
+        if not t.state.units[unit_id].state.is_final:
+            t.send(unit_id, pending.message)
+
+
+def on_reconfigure_report(t: Step, unit_id: str, report: launcher_pb2.EpochReport) -> None:
+    state = t.state
+    pending = state.reconfigure
+    assert pending is not None
+    now = t.now.monotonic
+    if report.phase == launcher_pb2.EPOCH_PHASE_STARTED and unit_id in pending.joiners_waiting:
+        pending.joiners_waiting.discard(unit_id)
+        if not pending.joiners_waiting and not pending.told_old_members:
+            t.record("joiners_ready", "every joiner's workers are up", generation=pending.generation,
+                        fields={"decision_to_ready_s": f"{now - pending.decided_at:.3f}"})
+            tell_old_members(t)
+    elif report.phase == launcher_pb2.EPOCH_PHASE_RECONFIGURED:
+        pending.waiting_for.discard(unit_id)
+        if pending.waiting_for or not pending.told_old_members:
+            return
+        state.reconfigure = None
+        # (The watermark rises from heartbeats only, so that it never runs ahead of the
+        # steps the state holders are judged by.)
+        t.emit(SaveJob(t.job))
+        t.record("world_reconfigured", f"every rank moved from generation {pending.from_generation} "
+                    "in-process", generation=pending.generation,
+                    fields={"cause": pending.cause, "at_step": report.step,
+                            "world_size": state.generation.world_size if state.generation else 0,
+                            "decision_to_reconfigured_s": f"{now - pending.decided_at:.3f}"})
+        deferred, state.deferred_leaves = state.deferred_leaves, {}
+        t.save_pending()
+        for leave_unit, (cause, detail) in deferred.items():
+            leaving.leave(t, leave_unit, cause, detail)
+
+
+def on_first_step(t: Step, unit_id: str, report: launcher_pb2.EpochReport) -> None:
+    """The first step of a generation committed (every rank commits it together): the
+    end of a recovery, or of a planned change."""
+    state = t.state
+    generation = state.generation
+    if generation is None or report.epoch != generation.number or report.epoch in state.first_step_generations:
+        return
+    state.first_step_generations.add(report.epoch)
+    at = report.at.ToNanoseconds() / 1e9 if report.HasField("at") else t.now.wall
+    fields: dict[str, object] = {"step": report.step, "world_size": generation.world_size}
+    recovery = state.recovery
+    if recovery is not None:
+        state.recovery = None
+        fields.update({"failed_unit": recovery.unit_id,
+                       "failure_to_first_step_s": f"{at - recovery.failed_at:.3f}",
+                       "detection_to_first_step_s": f"{at - recovery.detected_at:.3f}"})
+        t.record("recovered", f"survivors completed step {report.step} at world size "
+                    f"{generation.world_size}", unit_id=unit_id, generation=report.epoch, fields=fields)
+        return
+    t.record("first_step", f"first step of generation {report.epoch} completed", unit_id=unit_id,
+                generation=report.epoch, fields=fields)
+
+
+def on_state_lost(t: Step, reason: str) -> None:
+    """The workers refuse to train from nothing: the job fails, loudly. A job already
+    past its last step is not failed by a late report."""
+    if not t.job.state.is_final and t.job.state is not JobState.FINISHING:
+        finishing.end(t, JobState.FAILED, "state_lost", reason)
+
+
+def on_resumed_from_checkpoint(t: Step, unit_id: str, report: launcher_pb2.EpochReport) -> None:
+    """No member of a generation held the state at its target step; the workers loaded a
+    checkpoint at `report.step`. The watermark goes back to it, loudly."""
+    target = t.job.step
+    t.job.step = report.step
+    t.emit(SaveJob(t.job))
+    t.record("resumed_from_checkpoint", report.detail or f"resumed from the checkpoint at step {report.step}",
+                unit_id=unit_id, generation=report.epoch,
+                fields={"checkpoint_step": report.step, "target_step": target,
+                        "steps_redone": max(0, target - report.step)})

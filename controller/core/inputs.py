@@ -1,0 +1,239 @@
+"""What each input means: a launcher connecting, what it says (worker exits, leave requests,
+reports), its session closing, and the admin's requests; the one place inputs are taken apart."""
+
+from __future__ import annotations
+
+from tidal.controller.core import failure, finishing, forming, leaving, slurm_units, tick
+from tidal.controller.core.queries import (
+    describe_worker_exit,
+    worker_error_fields,
+)
+from tidal.controller.core.state import (
+    CancelRequested,
+    ClockTick,
+    DrainRequested,
+    Input,
+    LauncherClosed,
+    LauncherConnected,
+    LauncherSaid,
+    Metric,
+    Note,
+    ResizeRequested,
+    SaveJob,
+    SaveUnit,
+    SlurmObserved,
+    UnitSubmitted,
+)
+from tidal.controller.core.step import Step
+from tidal.controller.model import JobState, UnitRecord, UnitState, join_ids
+from tidal.proto import admin_pb2, launcher_pb2
+from tidal.proto.control import EXIT_STATE_LOST
+
+
+def handle(t: Step, event: Input) -> None:
+    match event:
+        case ClockTick(links):
+            t.state.links = {u: link for u, link in links.items() if u in t.state.connected}
+            tick.on_tick(t, t.now.monotonic)
+        case LauncherConnected(unit_id, register):
+            on_connected(t, unit_id, register)
+        case LauncherSaid(unit_id, message):
+            if t.connected(unit_id):
+                on_said(t, unit_id, message)
+        case LauncherClosed(unit_id, reason):
+            on_disconnected(t, unit_id, reason)
+        case CancelRequested(uid):
+            if not t.job.state.is_final:
+                finishing.end(t, JobState.CANCELLED, "job_cancelled", f"cancelled by uid {uid}")
+        case DrainRequested(unit_ids, uid):
+            for unit_id in unit_ids:
+                leaving.leave(t, unit_id, "drained", f"drained by uid {uid}")
+        case ResizeRequested(min_replicas, max_replicas, uid):
+            on_resize(t, min_replicas, max_replicas, uid)
+        case SlurmObserved(view, grow_allowance, yields):
+            slurm_units.on_slurm(t, view, t.now.monotonic, grow_allowance, yields)
+        case UnitSubmitted(unit_id, slurm_job_id, error):
+            slurm_units.on_unit_submitted(t, unit_id, slurm_job_id, error)
+
+
+def on_connected(t: Step, unit_id: str, register: launcher_pb2.Register) -> None:
+    state, now = t.state, t.now.monotonic
+    state.connected.add(unit_id)
+    state.store_ports[unit_id] = register.store_port
+    state.links.pop(unit_id, None)
+    unit = state.units.get(unit_id)
+    fields = {"address": register.address, "nodes": join_ids(list(register.nodes)),
+              "workers": join_ids([str(p) for p in register.worker_pids])}
+    if unit is None or unit.state is UnitState.SUBMITTED:
+        unit = t.own(unit or UnitRecord(job_id=t.job.job_id, unit_id=unit_id, state=UnitState.JOINING))
+        unit.state = UnitState.JOINING
+        unit.nodes = list(register.nodes) or [register.address]
+        unit.address = register.address
+        unit.procs_per_node = t.job.spec.procs_per_node or 1
+        # The id Tidal submitted stays known when a launcher does not report one.
+        unit.slurm_job_id = register.slurm_job_id or unit.slurm_job_id
+        unit.registered_at = t.now.wall
+        state.units[unit_id] = unit
+        t.emit(SaveUnit(unit))
+        t.record("unit_registered", "launcher registered", unit_id=unit_id, fields=fields)
+        state.registered_at[unit_id] = now
+        if t.job.state is JobState.FINISHING:
+            leaving.leave(t, unit_id, "finished", "training finished before this unit joined")
+        return
+    unit = t.own(unit)
+    unit.address = register.address or unit.address
+    if t.job.state is JobState.FINISHING:
+        if unit.state is UnitState.JOINING or not register.worker_pids:
+            # Not part of the finished world, or its workers are gone (they exited while
+            # the controller was away): nothing more to wait for here.
+            leaving.leave(t, unit_id, "finished", "reconnected after the last step")
+        return
+    generation = state.generation
+    member = generation.member(unit_id) if generation is not None else None
+    if unit.state is UnitState.JOINING:
+        state.registered_at[unit_id] = now
+        t.record("launcher_reconnected", "joining unit reconnected", unit_id=unit_id, fields=fields)
+        return
+    if member is None or generation is None:
+        return
+    if state.stop is not None and state.stop.generation == generation.number:
+        state.stop.waiting_for.add(unit_id)
+        t.send(unit_id, failure.stop_message(t, state.stop.generation, state.stop.reason, state.stop.cause))
+        t.record("launcher_reconnected", "told to stop the generation being stopped", unit_id=unit_id,
+                    generation=generation.number, fields=fields)
+    elif register.last_epoch == generation.number and register.worker_pids:
+        t.record("launcher_reattached", f"still running generation {generation.number}; workers untouched",
+                    unit_id=unit_id, generation=generation.number, fields=fields)
+    elif state.live and register.last_epoch and not register.worker_pids and t.job.state is JobState.RUNNING:
+        # A live member back with no workers lost them while the controller was away: its
+        # queued reports (the exit, or "finished") follow on this stream. No fresh worker
+        # goes into the running world; if those reports do not settle it within
+        # heartbeat_timeout_s, the unit has failed (`tick.on_tick`).
+        state.returned_without_workers[unit_id] = now
+        t.record("launcher_reconnected", "back with no workers; waiting for its reports", unit_id=unit_id,
+                    generation=generation.number, fields=fields)
+    elif t.job.state is JobState.RUNNING:
+        t.send(unit_id, forming.start_message(t, generation, unit_id))
+        had = (f"at generation {register.last_epoch}" if register.worker_pids
+               else "without workers")
+        t.record("epoch_start_resent", f"reconnected {had}; sent generation {generation.number} again",
+                    unit_id=unit_id, generation=generation.number, fields=fields)
+
+
+def on_said(t: Step, unit_id: str, message: launcher_pb2.LauncherMessage) -> None:
+    state = t.state
+    kind = message.WhichOneof("body")
+    if kind == "worker_exited":
+        on_worker_exited(t, unit_id, message.worker_exited)
+    elif kind == "leave_request":
+        request = message.leave_request
+        cause = launcher_pb2.LeaveCause.Name(request.cause).removeprefix("LEAVE_CAUSE_").lower()
+        leaving.leave(t, unit_id, cause, request.detail or cause)
+    elif kind == "epoch_report":
+        report = message.epoch_report
+        if report.store_port:
+            state.store_ports[unit_id] = report.store_port
+        if report.phase == launcher_pb2.EPOCH_PHASE_LEFT:
+            unit = state.units.get(unit_id)
+            if (state.live and report.step > t.job.step and report.epoch == t.job.generation
+                    and unit is not None and unit.state is UnitState.LEAVING):
+                # It saved the state at that step before leaving (save_state): every rank
+                # had committed it, and the next world's target is that step, not the
+                # heartbeats' older figure.
+                t.job.step = report.step
+                t.emit(SaveJob(t.job))
+            leaving.mark_left(t, unit_id, report.detail or "left")
+            if t.job.state is JobState.FINISHING:
+                finishing.maybe_complete(t)
+        elif report.phase == launcher_pb2.EPOCH_PHASE_FINISHED:
+            finishing.begin_finishing(t, unit_id, report.epoch, report.step,
+                                  f"unit {unit_id} committed the last step, {report.step}")
+        elif report.phase == launcher_pb2.EPOCH_PHASE_RESUMED_FROM_CHECKPOINT:
+            forming.on_resumed_from_checkpoint(t, unit_id, report)
+        elif report.phase == launcher_pb2.EPOCH_PHASE_STATE_LOST:
+            forming.on_state_lost(t, report.detail or f"no member of generation {report.epoch} holds step "
+                                f"{report.step} and there is no checkpoint")
+        elif report.phase == launcher_pb2.EPOCH_PHASE_FIRST_STEP:
+            forming.on_first_step(t, unit_id, report)
+        elif state.reconfigure is not None and report.epoch == state.reconfigure.generation:
+            forming.on_reconfigure_report(t, unit_id, report)
+        if (report.phase in (launcher_pb2.EPOCH_PHASE_STOPPED, launcher_pb2.EPOCH_PHASE_LEFT)
+                and state.stop is not None and report.epoch == state.stop.generation):
+            state.stop.waiting_for.discard(unit_id)
+            failure.maybe_finish_stop(t)
+
+
+def on_worker_exited(t: Step, unit_id: str, exited: launcher_pb2.WorkerExited) -> None:
+    state = t.state
+    if t.job.state is JobState.FINISHING:
+        finishing.on_exit_after_finish(t, unit_id, exited)
+        return
+    if state.live and exited.exit_code == EXIT_STATE_LOST:
+        # The worker refused to train: no state at the target and no checkpoint (its
+        # own report says more, and normally comes first).
+        forming.on_state_lost(t, f"a worker of unit {unit_id} exited {EXIT_STATE_LOST}: no replica holds the "
+                            f"training state at step {t.job.step} and there is no checkpoint")
+        return
+    current = {state.generation.number} if state.generation is not None else set()
+    if state.reconfigure is not None:
+        current.add(state.reconfigure.from_generation)
+    if state.generation is None or exited.epoch not in current or t.job.state is not JobState.RUNNING:
+        t.emit(Metric("stale_messages"),
+                  Note("stale_message_ignored", {"unit": unit_id, "kind": "worker_exited",
+                                                 "message_generation": exited.epoch}))
+        return
+    member = state.generation.member(unit_id)
+    if member is None:
+        return
+    rank = member.first_rank + exited.local_rank
+    if exited.exit_code == 0 and exited.signal == 0:
+        # A rank that exits 0 is done training (restart mode's only sign of the end;
+        # live mode says "finished" first): the job finishes, nothing re-forms.
+        finishing.begin_finishing(t, unit_id, exited.epoch, t.job.step, f"rank {rank} (pid {exited.pid}) exited 0")
+        finishing.on_exit_after_finish(t, unit_id, exited)
+        return
+    failure.fail(t, unit_id, f"worker rank {rank} (pid {exited.pid}) {describe_worker_exit(exited)}",
+               "silent" if exited.detail else "worker_exit", t.now.monotonic,
+               failed_at=exited.exited_at.ToNanoseconds() / 1e9 if exited.HasField("exited_at") else None,
+               fields=worker_error_fields(exited))
+
+
+def on_disconnected(t: Step, unit_id: str, reason: str) -> None:
+    state = t.state
+    state.connected.discard(unit_id)
+    state.links.pop(unit_id, None)
+    unit = state.units.get(unit_id)
+    if unit is None or unit.state.is_final:
+        return
+    if t.job.state is JobState.FINISHING:
+        # Past the last step a closed session is no failure; it may be a blip, so the
+        # unit has reconnect_grace_s to come back before it counts as gone (`tick.on_tick`).
+        state.finishing_disconnected[unit_id] = t.now.monotonic
+        return
+    if unit.state is UnitState.LEAVING or t.job.state.is_final:
+        leaving.mark_left(t, unit_id, f"session closed ({reason})")
+        if state.stop is not None:
+            state.stop.waiting_for.discard(unit_id)
+            failure.maybe_finish_stop(t)
+        return
+    if unit.state is UnitState.ACTIVE and state.generation is not None and state.generation.member(unit_id):
+        failure.fail(t, unit_id, f"launcher stream broke: {reason}", "stream", t.now.monotonic)
+        return
+    state.registered_at.pop(unit_id, None)
+    t.record("launcher_disconnected", reason, unit_id=unit_id)
+
+
+def on_resize(t: Step, min_replicas: int, max_replicas: int, uid: int) -> None:
+    state = t.state
+    spec = admin_pb2.JobSpec()
+    spec.CopyFrom(t.job.spec)
+    t.job.spec = spec
+    spec.min_replicas = min_replicas or spec.min_replicas
+    spec.max_replicas = max_replicas or spec.max_replicas
+    t.emit(SaveJob(t.job))
+    t.record("job_resized", f"by uid {uid}",
+                fields={"min_replicas": spec.min_replicas, "max_replicas": spec.max_replicas})
+    if state.generation is not None and t.job.state is JobState.RUNNING:
+        surplus = len(state.generation.members) - spec.max_replicas
+        for member in sorted(state.generation.members, key=lambda m: -m.group_rank)[:max(0, surplus)]:
+            leaving.leave(t, member.unit_id, "resized", f"max_replicas is now {spec.max_replicas}")

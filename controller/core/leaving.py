@@ -1,0 +1,143 @@
+"""Leaving: a unit asked to leave (drained, preempted, resized, released below min_replicas),
+deferred behind a change in flight, saving the last copy of the state, overdue leavers."""
+
+from __future__ import annotations
+
+from tidal.controller.core import failure, forming, planning, slurm_units
+from tidal.controller.core.state import (
+    SaveUnit,
+)
+from tidal.controller.core.step import Step
+from tidal.controller.model import JobState, UnitState, join_ids
+from tidal.proto import launcher_pb2
+
+
+def leave(t: Step, unit_id: str, cause: str, detail: str) -> None:
+    state = t.state
+    unit = state.units.get(unit_id)
+    if unit is None or unit.state.is_final or unit.state is UnitState.LEAVING:
+        return
+    was_active = unit.state is UnitState.ACTIVE
+    connected = t.connected(unit_id)
+    running = (was_active and t.job.state is JobState.RUNNING and state.generation is not None
+               and state.stop is None)
+    if running and state.live and connected and state.reconfigure is not None:
+        # One world change at a time: this leave follows the one in flight.
+        state.deferred_leaves.setdefault(unit_id, (cause, detail))
+        t.save_pending()
+        return
+    unit = t.own(unit)
+    unit.state = UnitState.LEAVING
+    state.leaving_since[unit_id] = t.now.monotonic
+    unit.reason = f"{cause}: {detail}" if detail != cause else cause
+    number = state.generation.number if state.generation is not None else 0
+    t.emit(SaveUnit(unit))
+    t.record("unit_leaving", unit.reason, unit_id=unit_id, generation=number, fields={"cause": cause})
+    if running and state.live and connected:
+        assert state.generation is not None
+        remaining = [m.unit_id for m in state.generation.members if m.unit_id != unit_id]
+        if len(remaining) >= t.job.spec.min_replicas and all(t.connected(u) for u in remaining):
+            forming.reconfigure(t, (), (unit_id,), "leave", f"unit {unit_id} leaves ({cause})", t.now.monotonic)
+            return
+    if connected:
+        save_state = was_active and holds_last_state(t, unit_id)
+        if save_state:
+            t.record("state_saving", f"unit {unit_id} holds the last copy of the training state: its workers "
+                        "write it to disk before leaving, and the next world resumes from it",
+                        unit_id=unit_id, generation=number)
+        t.send(unit_id, launcher_pb2.ControllerMessage(leave=launcher_pb2.Leave(
+            epoch=number, reason=unit.reason, save_state=save_state)))
+    else:
+        mark_left(t, unit_id, "not connected when asked to leave")
+    if state.stop is not None:
+        if connected and state.stop.generation == number and was_active:
+            state.stop.waiting_for.add(unit_id)
+        return
+    if was_active and t.job.state is JobState.RUNNING and state.generation is not None:
+        staying = tuple(u for u in state.generation.unit_ids if state.units[u].state is UnitState.ACTIVE)
+        if state.live or not all(t.connected(u) for u in staying) or not failure.next_generation_now(t,
+                staying, (), "leave", f"unit {unit_id} leaves ({cause})"):
+            failure.begin_stop(t, "leave", f"unit {unit_id} leaves ({cause})", t.now.monotonic)
+
+
+def release_below_min(t: Step, now: float) -> None:
+    """Live mode with Slurm units: below min_replicas for `below_min_release_s` since the
+    last registration, the units that are left (they train nothing) give their nodes
+    back; the last holder of the training state saves it as it leaves (`leave`), the
+    replacements queued in Slurm are cancelled (they would take the nodes given back),
+    and the job submits units again only once min_replicas nodes are idle, resuming
+    from the saved state."""
+    state = t.state
+    holding = sorted(u for u, unit in state.units.items()
+                     if unit.state in (UnitState.ACTIVE, UnitState.JOINING) and t.connected(u))
+    # A registration restarts the wait: more units may be on their way.
+    since = max([state.degraded_since or now, *(state.registered_at.get(u, 0.0) for u in holding)])
+    if not (state.live and state.slurm_units) or not planning.release_below_min(
+            below_min_since=since, now=now, release_after_s=t.config.below_min_release_s,
+            holding=len(holding)):
+        return
+    spec = t.job.spec
+    queued = sorted(u for u, unit in state.units.items() if unit.state is UnitState.SUBMITTED)
+    state.released_below_min = True
+    t.record("below_min_released",
+                f"below min_replicas {spec.min_replicas} for {now - since:.0f} s: {len(holding)} unit(s) give "
+                "their nodes back; the last to hold the training state saves it, and the job resumes from it "
+                f"once {spec.min_replicas} node(s) are idle",
+                fields={"units": join_ids(holding), "cancelled_queued": join_ids(queued),
+                        "below_min_release_s": f"{t.config.below_min_release_s:g}"})
+    for unit_id in queued:
+        slurm_units.cancel_in_slurm(t, state.units[unit_id])
+        mark_left(t, unit_id, "cancelled while queued: the job gave its nodes back below min_replicas")
+    # Those without the state first, so that the holder is the last to go and saves it.
+    holders = set(state.state_holders)
+    for unit_id in sorted(holding, key=lambda u: (u in holders, u)):
+        leave(t, unit_id, "released", f"below min_replicas {spec.min_replicas} for "
+                    f"{t.config.below_min_release_s:g} s (below_min_release_s): nodes given back")
+
+
+def holds_last_state(t: Step, unit_id: str) -> bool:
+    """Live mode: whether `unit_id` is the running generation's last member that is
+    still active and connected, or the others hold no state by their heartbeats (with
+    it gone, no live process holds the state)."""
+    state = t.state
+    if not state.live or state.generation is None or unit_id not in state.generation.unit_ids:
+        return False
+    if t.job.state not in (JobState.RUNNING, JobState.RECONFIGURING, JobState.DEGRADED):
+        return False
+    others = tuple(u for u in state.generation.unit_ids
+                   if u != unit_id and state.units[u].state is UnitState.ACTIVE and t.connected(u))
+    # Another member counts only if it holds the state by its heartbeats: a joiner whose
+    # workers never formed a world (or got the state) would take nothing with it.
+    return not others or (not forming.holders(t, others) and t.job.step > 0)
+
+
+def mark_left(t: Step, unit_id: str, reason: str) -> None:
+    unit = t.state.units.get(unit_id)
+    if unit is None or unit.state.is_final:
+        return
+    unit = t.own(unit)
+    unit.state = UnitState.LEFT
+    # Why it left, after why it was asked to (a preemption, a drain), if it was.
+    unit.reason = f"{unit.reason}; {reason}" if unit.reason and unit.reason != reason else reason
+    t.emit(SaveUnit(unit))
+    t.record("unit_left", reason, unit_id=unit_id)
+
+
+def cancel_overdue_leavers(t: Step, now: float) -> None:
+    """A unit asked to leave that is still there after the grace a stop gets
+    (`restart_grace_s` + `heartbeat_timeout_s`: its launcher or workers hung) has its
+    Slurm job cancelled, so that it never holds a node for nothing; Slurm then signals
+    and kills what runs there, and the closed session marks the unit left."""
+    state = t.state
+    overdue_s = t.config.restart_grace_s + t.config.heartbeat_timeout_s
+    for unit_id, since in list(state.leaving_since.items()):
+        unit = state.units.get(unit_id)
+        if unit is None or unit.state is not UnitState.LEAVING:
+            del state.leaving_since[unit_id]
+        elif now - since > overdue_s:
+            del state.leaving_since[unit_id]
+            cancelled = (f"; Slurm job {unit.slurm_job_id} cancelled"
+                         if state.slurm_units and unit.slurm_job_id else "")
+            t.record("unit_leave_overdue", f"still there {now - since:.0f} s after it was asked to leave"
+                        + cancelled, unit_id=unit_id)
+            slurm_units.cancel_in_slurm(t, unit)

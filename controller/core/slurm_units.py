@@ -1,0 +1,156 @@
+"""Units as Slurm jobs: what a Slurm view means for the job's units (gone, requeued,
+preempted), growth onto idle nodes, submissions and their answers, node cool-downs."""
+
+from __future__ import annotations
+
+from tidal.controller import units as unit_rules
+from tidal.controller.core import leaving, sharing
+from tidal.controller.core.queries import (
+    alive_units,
+)
+from tidal.controller.core.state import (
+    CancelInSlurm,
+    SaveUnit,
+    Submit,
+)
+from tidal.controller.core.step import Step
+from tidal.controller.model import JobState, UnitRecord, UnitState
+from tidal.slurm.models import JobState as SlurmJobState
+from tidal.slurm.snapshot import ClusterView
+
+
+def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
+              yields: tuple[sharing.YieldOrder, ...]) -> None:
+    """Reconcile units with what Slurm shows, yield what the cluster-wide plan asks,
+    then submit what the job needs. A stale view (Slurm did not answer) decides
+    nothing."""
+    state = t.state
+    if not state.slurm_units or t.job.state.is_final or view.stale:
+        return
+    for unit in list(state.units.values()):
+        if not unit.slurm_job_id or unit.state not in (UnitState.SUBMITTED, UnitState.ACTIVE,
+                                                       UnitState.JOINING):
+            continue
+        found = view.job(unit.slurm_job_id)
+        if found is not None and found.was_requeued and found.state is SlurmJobState.PENDING:
+            # Slurm requeued the unit (an sbatch option allowed it): its processes are
+            # gone, and a copy that started later would hold a node Tidal did not ask
+            # for. Tidal places replacements itself, so the copy is cancelled.
+            on_requeued(t, unit, found.job_id)
+        elif unit.state in (UnitState.ACTIVE, UnitState.JOINING):
+            # Slurm chose the unit for preemption: it has until its end time (GraceTime),
+            # and SIGTERM reaches the launcher only at the end of it. Leave now.
+            if found is not None and found.is_being_preempted:
+                leaving.leave(t, unit.unit_id, "preempted", f"Slurm preempts job {unit.slurm_job_id}")
+        elif view.observed_at >= state.submitted_at.get(unit.unit_id, 0.0) + 1.0 and (
+                found is None or found.state.is_finished):
+            # (A view taken before the submission proves nothing.)
+            what = found.state.value.lower() if found else "gone from squeue"
+            unit_lost(t, unit, f"Slurm job {unit.slurm_job_id} {what} before its launcher registered")
+    for order in yields:
+        leaving.leave(t, order.unit_id, "yielded", order.reason)
+    if now < state.next_submit_at or state.stop is not None or t.job.state is JobState.FINISHING:
+        return
+    spec = t.job.spec
+    alive = alive_units(state)
+    # Units Slurm has not placed yet will take idle nodes; running ones already hold theirs.
+    waiting = sum(1 for u in alive if u.state is UnitState.SUBMITTED
+                  and ((found := view.job(u.slurm_job_id)) is None or found.state is SlurmJobState.PENDING))
+    excluded = state.excluded_nodes(now)
+    idle = unit_rules.idle_nodes_for(spec, view.nodes, frozenset(excluded))
+    # Idle nodes are for others first: grow only while no other Slurm job waits for
+    # nodes this job could take.
+    usable = frozenset(n.name for n in view.nodes if spec.partition in n.partitions or not spec.partition)
+    others_waiting = unit_rules.others_waiting_for(view, t.job.job_id, usable)
+    demand = unit_rules.units_to_submit(spec, alive=len(alive), idle_nodes=max(0, len(idle) - waiting), now=now,
+                                        last_change_at=state.last_change_at,
+                                        scale_up_snooze_s=t.config.scale_up_snooze_s,
+                                        others_waiting=len(others_waiting),
+                                        released=state.released_below_min)
+    count = demand.count
+    if grow_allowance is not None and len(alive) >= spec.min_replicas and count > grow_allowance:
+        # Other elastic jobs share these idle nodes by weight.
+        count = grow_allowance
+        note_growth_held(t, f"{demand.count - count} of {demand.count} idle node(s) go to other elastic "
+                               f"jobs by weight (this job's weight {spec.weight or 1})")
+    for _ in range(count):
+        submit_unit(t, demand.reason, excluded)
+
+
+def note_growth_held(t: Step, reason: str) -> None:
+    """An event when growth is held back for a new reason (not on every poll)."""
+    if reason != t.state.growth_held_reason:
+        t.state.growth_held_reason = reason
+        t.record("growth_shared", reason)
+
+
+def on_requeued(t: Step, unit: UnitRecord, slurm_job_id: int) -> None:
+    t.record("unit_requeued", f"Slurm requeued job {slurm_job_id}; Tidal cancels the requeued copy and "
+                "places replacements itself", unit_id=unit.unit_id, fields={"slurm_job_id": slurm_job_id})
+    cancel_in_slurm(t, unit)
+    if unit.state is UnitState.SUBMITTED:
+        unit_lost(t, unit, f"Slurm job {slurm_job_id} requeued before its launcher registered")
+    else:
+        leaving.leave(t, unit.unit_id, "requeued", f"Slurm requeued job {slurm_job_id}")
+
+
+def cool_down(t: Step, unit: UnitRecord, now: float) -> None:
+    """No unit of this job on the failed unit's nodes for a while (doubling with each
+    failure there), so a bad node does not eat every replacement."""
+    for node in unit.nodes:
+        failures = t.state.node_cooldown.get(node, (0, 0.0))[0] + 1
+        seconds = t.config.node_cooldown_s * min(8, 2 ** (failures - 1))
+        t.state.node_cooldown[node] = (failures, now + seconds)
+        t.save_pending()
+        t.record("node_excluded", f"unit {unit.unit_id} failed there", unit_id=unit.unit_id,
+                    fields={"node": node, "failures": failures, "for_s": f"{seconds:.0f}"})
+
+
+def submit_unit(t: Step, reason: str, excluded: tuple[str, ...]) -> None:
+    state = t.state
+    numbers = [int(u[1:]) for u in state.units if u.startswith("u") and u[1:].isdigit()]
+    unit_id = f"u{max(numbers, default=0) + 1}"
+    unit = UnitRecord(job_id=t.job.job_id, unit_id=unit_id, state=UnitState.SUBMITTED,
+                      procs_per_node=t.job.spec.procs_per_node or 1)
+    state.units[unit_id] = unit
+    t.emit(SaveUnit(unit))
+    t.record("unit_submitting", reason, unit_id=unit_id)
+    t.emit(Submit(unit_id, excluded))
+
+
+def on_unit_submitted(t: Step, unit_id: str, slurm_job_id: int, error: str) -> None:
+    state = t.state
+    unit = state.units.get(unit_id)
+    if unit is None:
+        return
+    if error:
+        state.submit_failures += 1
+        backoff = min(60.0, t.config.slurm_poll_interval_s * 2 ** state.submit_failures)
+        state.next_submit_at = t.now.monotonic + backoff
+        unit_lost(t, unit, f"sbatch refused the unit: {error}", kind="unit_submit_failed",
+                        fields={"retry_in_s": f"{backoff:.0f}"})
+        return
+    state.submit_failures = 0
+    state.submitted_at[unit_id] = t.now.wall
+    unit = t.own(unit)
+    unit.slurm_job_id = slurm_job_id
+    t.emit(SaveUnit(unit))
+    t.record("unit_submitted", f"Slurm job {slurm_job_id}", unit_id=unit_id,
+                fields={"slurm_job_id": slurm_job_id})
+    if t.job.state.is_final or unit.state.is_final:
+        cancel_in_slurm(t, unit)
+
+
+def unit_lost(t: Step, unit: UnitRecord, reason: str, kind: str = "unit_lost",
+               fields: dict[str, object] | None = None) -> None:
+    """A unit that never registered is gone (Slurm ended it, or sbatch refused it)."""
+    unit = t.own(unit)
+    unit.state = UnitState.FAILED
+    unit.reason = reason
+    t.emit(SaveUnit(unit))
+    t.record(kind, reason, unit_id=unit.unit_id, fields=fields)
+
+
+def cancel_in_slurm(t: Step, unit: UnitRecord) -> None:
+    if t.state.slurm_units and unit.slurm_job_id:
+        t.emit(CancelInSlurm(unit.unit_id, unit.slurm_job_id))

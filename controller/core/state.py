@@ -1,0 +1,393 @@
+"""One job's state, the inputs that change it and the effects a transition returns.
+
+Every decision about a job is taken here: forming a generation, growing it, a unit's leave
+(now, or deferred behind a change in flight), a failure, the end of training and the job's
+completion, what a Slurm view means for the job's units, and node cool-downs. Nothing here
+reads a clock, touches SQLite, sends a message or awaits; `transition` never changes the
+state it is given (it works on a copy and returns it). The job actor
+(`controller/jobs.py`) feeds it inputs and applies the effects it returns in one place:
+the persistent ones in one SQLite transaction first, then the rest (messages, session
+closes, Slurm cancels and submissions, metrics) in order.
+
+Words: a **generation** is one version of the job's world (its members, their ranks, the
+rendezvous, the step its state must be at and who holds that state). On the wire and in
+SQLite it is still called an "epoch" (`StartEpoch`, `GenerationRecord`, the `epochs` table):
+those names stay so that launchers and databases of earlier versions keep working.
+
+Times: `Now.monotonic` for deadlines and ages, `Now.wall` for what is recorded."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from tidal.controller.config import ControllerConfig
+from tidal.controller.core import sharing
+from tidal.controller.model import GenerationRecord, JobRecord, JobState, UnitRecord, UnitState
+from tidal.proto import common_pb2, launcher_pb2
+from tidal.slurm.snapshot import ClusterView
+
+
+@dataclasses.dataclass(frozen=True)
+class Now:
+    """The injected clock: `monotonic` for deadlines, `wall` for records."""
+
+    monotonic: float
+    wall: float
+
+
+# Inputs.
+
+
+@dataclasses.dataclass(frozen=True)
+class LauncherConnected:
+    """A launcher of `unit_id` opened a session (a newer one replaces the older)."""
+
+    unit_id: str
+    register: launcher_pb2.Register
+
+
+@dataclasses.dataclass(frozen=True)
+class LauncherSaid:
+    unit_id: str
+    message: launcher_pb2.LauncherMessage
+
+
+@dataclasses.dataclass(frozen=True)
+class LauncherClosed:
+    """The unit's current session ended."""
+
+    unit_id: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """What the controller last saw of one connected launcher's heartbeats (monotonic
+    times, per global rank)."""
+
+    last_heartbeat_at: float
+    progress_at: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    steps: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    beat_at: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    waiting: Mapping[int, bool] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClockTick:
+    """Time passed; `links` is what every connected launcher's heartbeats said so far
+    (heartbeats need no decision of their own, so they reach the core with the tick)."""
+
+    links: Mapping[str, Link] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class CancelRequested:
+    uid: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DrainRequested:
+    unit_ids: tuple[str, ...]
+    uid: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ResizeRequested:
+    min_replicas: int
+    max_replicas: int
+    uid: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SlurmObserved:
+    """One cluster-wide view of Slurm, with the cluster-wide decisions taken on it: how
+    many idle nodes this job may grow onto (None: no cap) and which of its units yield to
+    a waiting higher-priority Slurm job."""
+
+    view: ClusterView
+    grow_allowance: int | None = None
+    yields: tuple[sharing.YieldOrder, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitSubmitted:
+    """sbatch answered for a unit: its Slurm job id, or why it refused."""
+
+    unit_id: str
+    slurm_job_id: int
+    error: str = ""
+
+
+Input = (LauncherConnected | LauncherSaid | LauncherClosed | ClockTick | CancelRequested | DrainRequested
+         | ResizeRequested | SlurmObserved | UnitSubmitted)
+
+
+# Effects. The persistent ones are applied first, in one transaction.
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveJob:
+    job: JobRecord
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveUnit:
+    unit: UnitRecord
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveGeneration:
+    generation: GenerationRecord
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationStopped:
+    job_id: str
+    number: int
+    at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """An event for the job's event log."""
+
+    kind: str
+    reason: str
+    unit_id: str = ""
+    generation: int = 0
+    fields: Mapping[str, object] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SavePending:
+    """What is in flight besides the job's state (see `restore`), under `key`."""
+
+    key: str
+    value: object
+
+
+@dataclasses.dataclass(frozen=True)
+class Send:
+    unit_id: str
+    message: launcher_pb2.ControllerMessage
+
+
+@dataclasses.dataclass(frozen=True)
+class Close:
+    """End the unit's session (after what was sent on it)."""
+
+    unit_id: str
+    details: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CancelInSlurm:
+    unit_id: str
+    slurm_job_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Submit:
+    """Submit the unit (already recorded as SUBMITTED) to Slurm, avoiding `excluded`."""
+
+    unit_id: str
+    excluded: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Metric:
+    """Count (or, for a duration, observe) one of the controller's metrics."""
+
+    name: str
+    value: float = 1.0
+    label: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Note:
+    """A log line that is no event of the job's."""
+
+    event: str
+    fields: Mapping[str, object] = dataclasses.field(default_factory=dict)
+    warning: bool = False
+
+
+Persist = SaveJob | SaveUnit | SaveGeneration | GenerationStopped | Record | SavePending
+Effect = Persist | Send | Close | CancelInSlurm | Submit | Metric | Note
+PERSISTENT = (SaveJob, SaveUnit, SaveGeneration, GenerationStopped, Record, SavePending)
+
+
+# The state.
+
+
+@dataclasses.dataclass
+class PendingStop:
+    """A generation being stopped: who must still confirm, and what comes next."""
+
+    generation: int
+    cause: str
+    reason: str
+    detected_at: float
+    waiting_for: set[str]
+    deadline: float
+
+
+@dataclasses.dataclass
+class PendingReconfigure:
+    """Live mode: a world change in flight, from generation `from_generation` to
+    `generation`. Joiners start their workers first; the old members hear of it once every
+    joiner is ready, so training never waits for a joiner's start-up."""
+
+    generation: int
+    from_generation: int
+    previous: GenerationRecord
+    cause: str
+    message: launcher_pb2.ControllerMessage
+    # Members of `from_generation` to tell (leavers included: they leave after the agreed step).
+    old_members: tuple[str, ...]
+    joiners_waiting: set[str]
+    # Members of `generation` that have not reported EPOCH_PHASE_RECONFIGURED yet.
+    waiting_for: set[str]
+    decided_at: float
+    deadline: float
+    told_old_members: bool = False
+
+
+@dataclasses.dataclass
+class Recovery:
+    """A failure whose recovery is not measured yet: from the death (or its detection)
+    to the first step the survivors complete (wall clock)."""
+
+    failed_at: float
+    detected_at: float
+    unit_id: str
+
+
+@dataclasses.dataclass
+class State:
+    """Everything the controller knows of one job (monotonic times unless said)."""
+
+    job: JobRecord
+    units: dict[str, UnitRecord]
+    # The newest generation (while a live change is in flight, the one it goes to).
+    generation: GenerationRecord | None
+    config: ControllerConfig
+    # Whether this controller runs the job's units as Slurm jobs.
+    slurm_units: bool = False
+    # Units with an open launcher session, the store port each serves, and their heartbeats
+    # as of the last tick.
+    connected: set[str] = dataclasses.field(default_factory=set)
+    store_ports: dict[str, int] = dataclasses.field(default_factory=dict)
+    links: dict[str, Link] = dataclasses.field(default_factory=dict)
+    stop: PendingStop | None = None
+    reconfigure: PendingReconfigure | None = None
+    registered_at: dict[str, float] = dataclasses.field(default_factory=dict)
+    # When each unit was asked to leave: one still there past the grace a stop gets is
+    # cancelled in Slurm.
+    leaving_since: dict[str, float] = dataclasses.field(default_factory=dict)
+    last_change_at: float | None = None
+    generation_started_at: float = 0.0
+    reconnect_deadline: float = 0.0
+    # While FINISHING: local ranks that exited 0, and those that exited otherwise (how), by unit.
+    exited_ok: dict[str, set[int]] = dataclasses.field(default_factory=dict)
+    exited_failed: dict[str, dict[int, str]] = dataclasses.field(default_factory=dict)
+    # Live mode: the units that held the newest generation's state when it formed.
+    state_holders: tuple[str, ...] = ()
+    # When the watermark (job.step) was last written.
+    step_persisted_at: float = 0.0
+    # Live members that reconnected after a controller restart with no workers (when).
+    returned_without_workers: dict[str, float] = dataclasses.field(default_factory=dict)
+    # While FINISHING: members whose session closed without leaving (when).
+    finishing_disconnected: dict[str, float] = dataclasses.field(default_factory=dict)
+    # While FINISHING: the units of the world that trained the last step, with their ranks.
+    finishing_members: dict[str, int] = dataclasses.field(default_factory=dict)
+    failure_detected_at: float | None = None
+    recovery: Recovery | None = None
+    # Live mode: leaves asked for while a world change is in flight (cause, detail).
+    deferred_leaves: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    first_step_generations: set[int] = dataclasses.field(default_factory=set)
+    # sbatch refusals in a row, and no new submission before this.
+    submit_failures: int = 0
+    next_submit_at: float = 0.0
+    # When sbatch accepted each unit (wall clock): an older view proves nothing of it.
+    submitted_at: dict[str, float] = dataclasses.field(default_factory=dict)
+    # Nodes where a unit failed: failures there, and no new unit there before (monotonic).
+    node_cooldown: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
+    growth_held_reason: str = ""
+    # Since when the job is DEGRADED (below min_replicas), monotonic; None otherwise.
+    degraded_since: float | None = None
+    # Live mode with Slurm units: the job gave its nodes back below min_replicas
+    # (below_min_release_s); until a world forms again it submits units only once
+    # min_replicas nodes are idle, rather than queueing replacements.
+    released_below_min: bool = False
+
+    @property
+    def live(self) -> bool:
+        return self.job.spec.mode == common_pb2.JOB_MODE_LIVE
+
+    @property
+    def training_world(self) -> GenerationRecord | None:
+        """The generation that trains now: while a live change is in flight, the old one."""
+        return self.reconfigure.previous if self.reconfigure is not None else self.generation
+
+    def excluded_nodes(self, now: float) -> tuple[str, ...]:
+        return tuple(sorted(node for node, (_, until) in self.node_cooldown.items() if now < until))
+
+
+def restore(job: JobRecord, units: list[UnitRecord], generation: GenerationRecord | None, *, generation_stopped: bool,
+            pending: Mapping[str, object], config: ControllerConfig, now: Now, slurm_units: bool = False) -> State:
+    """The state of a job as SQLite holds it, at a controller's start: what was in flight
+    (`pending`: node cool-downs, deferred leaves, the finishing world) resumes; a stop cut
+    short finishes with whoever comes back."""
+    state = State(job=job, units={u.unit_id: u for u in units}, generation=generation, config=config,
+                  slurm_units=slurm_units, generation_started_at=now.monotonic,
+                  reconnect_deadline=now.monotonic + config.reconnect_grace_s)
+    if generation is not None:
+        state.finishing_members = {m.unit_id: m.world_share for m in generation.members}
+    offset = now.wall - now.monotonic
+    cooldown = pending.get("node_cooldown")
+    if isinstance(cooldown, Mapping):
+        for node, (failures, until) in cooldown.items():
+            state.node_cooldown[str(node)] = (int(failures), float(until) - offset)
+    finishing = pending.get("finishing_members")
+    if isinstance(finishing, Mapping):
+        state.finishing_members = {str(u): int(n) for u, n in finishing.items() if u in state.units}
+    deferred = pending.get("deferred_leaves")
+    if isinstance(deferred, Mapping):
+        for unit_id, (cause, detail) in deferred.items():
+            if unit_id in state.units and not state.units[unit_id].state.is_final:
+                state.deferred_leaves[str(unit_id)] = (str(cause), str(detail))
+    # A unit that was asked to leave before the restart: its grace starts again now.
+    for unit_id, unit in state.units.items():
+        if unit.state is UnitState.LEAVING:
+            state.leaving_since[unit_id] = now.monotonic
+    if job.state is JobState.RECONFIGURING and generation is not None and not generation_stopped:
+        members = {m.unit_id for m in generation.members if not state.units[m.unit_id].state.is_final}
+        state.stop = PendingStop(generation=generation.number, cause="restart",
+                                 reason="stop resumed after controller restart", detected_at=now.monotonic,
+                                 waiting_for=members, deadline=state.reconnect_deadline + config.restart_grace_s)
+    return state
+
+
+def working_copy(state: State) -> State:
+    """A copy of `state` that a transition may change: its own job record and containers;
+    unit records are copied when first changed (`Step.own`); what is never changed in
+    place (generations, links, the config) is shared. A deep copy of every unit at every
+    input would cost O(units) each time (tens of ms at thousands of units)."""
+    stop, pending = state.stop, state.reconfigure
+    return dataclasses.replace(
+        state, job=dataclasses.replace(state.job), units=dict(state.units), connected=set(state.connected),
+        store_ports=dict(state.store_ports), links=dict(state.links),
+        stop=dataclasses.replace(stop, waiting_for=set(stop.waiting_for)) if stop is not None else None,
+        reconfigure=(dataclasses.replace(pending, joiners_waiting=set(pending.joiners_waiting),
+                                         waiting_for=set(pending.waiting_for)) if pending is not None else None),
+        registered_at=dict(state.registered_at), leaving_since=dict(state.leaving_since),
+        exited_ok={u: set(ranks) for u, ranks in state.exited_ok.items()},
+        exited_failed={u: dict(ranks) for u, ranks in state.exited_failed.items()},
+        returned_without_workers=dict(state.returned_without_workers),
+        finishing_disconnected=dict(state.finishing_disconnected), finishing_members=dict(state.finishing_members),
+        deferred_leaves=dict(state.deferred_leaves), first_step_generations=set(state.first_step_generations),
+        submitted_at=dict(state.submitted_at), node_cooldown=dict(state.node_cooldown))
+
+

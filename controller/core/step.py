@@ -1,0 +1,93 @@
+"""One transition in the making (`Step`): the state (a working copy, changed in place), the
+clock, and the effects so far, in order; with the few helpers every concern uses."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from tidal.controller.config import ControllerConfig
+from tidal.controller.core import planning
+from tidal.controller.core.state import (
+    Effect,
+    Now,
+    Record,
+    SaveJob,
+    SavePending,
+    Send,
+    State,
+)
+from tidal.controller.model import JobRecord, JobState, UnitRecord
+from tidal.proto import launcher_pb2
+
+
+class Step:
+    """One transition in the making: the state (a copy, changed in place), the clock, and
+    the effects so far, in order. The concern modules (`inputs`, `tick`, `failure`,
+    `forming`, `leaving`, `slurm_units`, `finishing`) are functions over it."""
+
+    def __init__(self, state: State, now: Now) -> None:
+        self.state = state
+        self.now = now
+        self.effects: list[Effect] = []
+        # Units whose record this transition copied (it may change those in place).
+        self.owned: set[str] = set()
+
+    def own(self, unit: UnitRecord) -> UnitRecord:
+        """`unit`'s record, copied on first change so that the state given to `transition`
+        stays as it was."""
+        if unit.unit_id not in self.owned:
+            unit = dataclasses.replace(unit, nodes=list(unit.nodes))
+            self.state.units[unit.unit_id] = unit
+            self.owned.add(unit.unit_id)
+        return unit
+
+    @property
+    def job(self) -> JobRecord:
+        return self.state.job
+
+    @property
+    def config(self) -> ControllerConfig:
+        return self.state.config
+
+    def emit(self, *effects: Effect) -> None:
+        self.effects.extend(effects)
+
+    def record(self, kind: str, reason: str, *, unit_id: str = "", generation: int | None = None,
+               fields: Mapping[str, object] | None = None) -> None:
+        self.emit(Record(kind, reason, unit_id=unit_id,
+                         generation=self.job.generation if generation is None else generation, fields=fields))
+
+    def send(self, unit_id: str, message: launcher_pb2.ControllerMessage) -> None:
+        if unit_id in self.state.connected:
+            self.emit(Send(unit_id, message))
+
+    def connected(self, unit_id: str) -> bool:
+        return unit_id in self.state.connected
+
+    def sizes(self) -> tuple[int, ...]:
+        """The world sizes (in replicas) the job allows."""
+        spec = self.job.spec
+        return tuple(planning.allowed_sizes(spec.min_replicas, spec.max_replicas, spec.replica_step,
+                                            list(spec.allowed_replicas)))
+
+    def save_pending(self) -> None:
+        """Persist what is in flight besides the job's state (node cool-downs, with their
+        ends on the wall clock; deferred leaves), so that a restarted controller resumes it."""
+        state = self.state
+        offset = self.now.wall - self.now.monotonic
+        self.emit(SavePending("node_cooldown", {node: [failures, until + offset] for node, (failures, until)
+                                                in state.node_cooldown.items()}),
+                  SavePending("deferred_leaves", {unit_id: list(leave)
+                                                  for unit_id, leave in state.deferred_leaves.items()}))
+
+    def set_state(self, job_state: JobState, reason: str) -> None:
+        if self.job.state is job_state:
+            return
+        self.state.degraded_since = self.now.monotonic if job_state is JobState.DEGRADED else None
+        if job_state is JobState.RUNNING:
+            self.state.released_below_min = False
+        self.job.state = job_state
+        self.emit(SaveJob(self.job))
+        self.record(f"job_{job_state.value}", reason)
+

@@ -1,0 +1,162 @@
+"""Each clock tick: deadlines (a stop or a live change overdue, a unit back without workers),
+health verdicts, the committed step, and the decision to form or grow a world."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tidal.controller.core import failure, finishing, forming, leaving, planning, slurm_units
+from tidal.controller.core.health import Failure, HealthPolicy, UnitHealth, health_verdicts
+from tidal.controller.core.progress import MemberProgress, committed_step
+from tidal.controller.core.state import (
+    SaveJob,
+)
+from tidal.controller.core.step import Step
+from tidal.controller.model import JobState, UnitState
+
+
+def on_tick(t: Step, now: float) -> None:
+    state = t.state
+    leaving.cancel_overdue_leavers(t, now)
+    if t.job.state.is_final:
+        return
+    if t.job.state is JobState.FINISHING:
+        for unit_id, unit in state.units.items():
+            if unit.state.is_final or t.connected(unit_id):
+                state.finishing_disconnected.pop(unit_id, None)
+                continue
+            since = state.finishing_disconnected.get(unit_id)
+            if (since is not None and now - since > t.config.reconnect_grace_s) or (
+                    since is None and now > state.reconnect_deadline):
+                state.finishing_disconnected.pop(unit_id, None)
+                # Whatever is left of it gives its allocation back.
+                slurm_units.cancel_in_slurm(t, unit)
+                leaving.mark_left(t, unit_id, "launcher out of touch after the last step")
+        finishing.maybe_complete(t)
+        return
+    observe_progress(t, now)
+    for unit_id, since in list(state.returned_without_workers.items()):
+        if now - since > t.config.heartbeat_timeout_s:
+            del state.returned_without_workers[unit_id]
+            returned = state.units.get(unit_id)
+            if returned is not None and returned.state is UnitState.ACTIVE and t.job.state is JobState.RUNNING:
+                failure.fail(t, unit_id, "came back after a controller restart with no workers left, and said "
+                           "nothing of them", "worker_exit", now)
+    if state.stop is not None:
+        if now > state.stop.deadline:
+            for unit_id in sorted(state.stop.waiting_for):
+                failure.fail(t, unit_id, f"did not confirm the stop of generation {state.stop.generation} in time",
+                           "stop", now)
+            if state.stop is not None:
+                state.stop.waiting_for.clear()
+            failure.maybe_finish_stop(t)
+        return
+    if t.job.state is JobState.DEGRADED:
+        leaving.release_below_min(t, now)
+        if t.job.state.is_final:
+            return
+    if t.job.state is JobState.RUNNING and state.generation is not None:
+        failures = health_failures(t, now)
+        if failures:
+            # Failures found together are taken together: the world re-forms once.
+            together = [(f.unit_id, f.reason, now) for f in failures
+                        if failure.fail(t, f.unit_id, f.reason, f.cause, now, regroup=False)]
+            if together and t.job.state is JobState.RUNNING:
+                failure.regroup_survivors(t, together)
+            if t.job.state is not JobState.RUNNING:
+                return
+    if state.reconfigure is not None:
+        if now > state.reconfigure.deadline:
+            pending = state.reconfigure
+            late = sorted(pending.joiners_waiting if not pending.told_old_members else pending.waiting_for)
+            for unit_id in late:
+                failure.fail(t, unit_id, f"did not reach generation {pending.generation} within "
+                           f"{t.config.reconfigure_timeout_s:g} s", "reconfigure", now)
+        return
+    if (state.deferred_leaves and t.job.state is JobState.RUNNING and state.generation is not None
+            and (now > state.reconnect_deadline or all(t.connected(u) for u in state.generation.unit_ids))):
+        # Deferred behind a world change that a controller restart cut short: once the
+        # world's launchers are back, so that the leave is a change, not a failure.
+        deferred, state.deferred_leaves = state.deferred_leaves, {}
+        t.save_pending()
+        for leave_unit, (cause, detail) in deferred.items():
+            leaving.leave(t, leave_unit, cause, detail)
+        return
+    decide(t, now)
+
+
+def health_failures(t: Step, now: float) -> list[Failure]:
+    state = t.state
+    assert state.generation is not None
+    observed: list[UnitHealth] = []
+    for member in state.generation.members:
+        if state.units[member.unit_id].state is not UnitState.ACTIVE:
+            continue
+        connected = t.connected(member.unit_id)
+        link = state.links.get(member.unit_id)
+        observed.append(UnitHealth(
+            unit_id=member.unit_id, connected=connected,
+            last_heartbeat_at=(link.last_heartbeat_at if link else now) if connected else None,
+            progress_at=link.progress_at if link else {}, beat_at=link.beat_at if link else {},
+            waiting=link.waiting if link else {}))
+    policy = HealthPolicy(t.config.heartbeat_timeout_s, t.config.progress_timeout_s)
+    return health_verdicts(observed, now=now, policy=policy, generation_started_at=state.generation_started_at,
+                           reconnect_deadline=state.reconnect_deadline)
+
+
+def decide(t: Step, now: float, after: str = "") -> None:
+    state = t.state
+    generation = state.generation
+    running = t.job.state is JobState.RUNNING and generation is not None
+    if running and generation is not None:
+        members = generation.unit_ids
+    else:
+        members = tuple(u for u, unit in state.units.items()
+                        if unit.state is UnitState.ACTIVE and t.connected(u))
+    joiners = {u: state.registered_at.get(u, now) for u, unit in state.units.items()
+               if unit.state is UnitState.JOINING and t.connected(u)}
+    spec = t.job.spec
+    snapshot = planning.WorldSnapshot(
+        running=running, members=members, joiners=joiners, min_replicas=spec.min_replicas,
+        max_replicas=spec.max_replicas, sizes=t.sizes(),
+        last_change_at=state.last_change_at, join_settle_s=t.config.join_settle_s,
+        scale_up_snooze_s=t.config.scale_up_snooze_s,
+        expected=(sum(1 for u in state.units.values() if u.state is UnitState.SUBMITTED)
+                  if state.slurm_units else None))
+    action = planning.decide_world(snapshot, now)
+    match action:
+        case planning.Form():
+            if after:
+                action = dataclasses.replace(action, reason=f"{after}; {action.reason}")
+            forming.start_generation(t, members, action, now)
+        case planning.Grow():
+            if generation is None or not all(t.connected(u) for u in generation.unit_ids):
+                # A member not back yet after a controller restart: grow once it is.
+                return
+            if state.live:
+                forming.reconfigure(t, action.joiners, (), "grow", action.reason, now)
+            elif not failure.next_generation_now(t, generation.unit_ids, action.joiners, "grow", action.reason):
+                failure.begin_stop(t, "grow", action.reason, now)
+        case planning.Wait():
+            if not running and t.job.state is JobState.RUNNING:
+                t.set_state(JobState.DEGRADED, action.reason)
+
+
+def observe_progress(t: Step, now: float) -> None:
+    """Raise the job's committed step from what the training world's ranks report;
+    written at most once a second (and with every generation)."""
+    state = t.state
+    world = state.training_world
+    if world is None or t.job.state is not JobState.RUNNING or state.stop is not None:
+        return
+    reports = []
+    for member in world.members:
+        link = state.links.get(member.unit_id) if t.connected(member.unit_id) else None
+        reports.append(MemberProgress(unit_id=member.unit_id, ranks=member.world_share,
+                                      steps=link.steps if link is not None else {}))
+    step = committed_step(t.job.step, reports)
+    if step != t.job.step:
+        t.job.step = step
+        if now - state.step_persisted_at >= 1.0:
+            state.step_persisted_at = now
+            t.emit(SaveJob(t.job))
