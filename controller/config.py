@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-
-from tidal.controller.owners import unit_folder
 
 DEFAULT_CONFIG_FILE = Path("/etc/tidal/controller.toml")
 ENV_PREFIX = "TIDAL_"
@@ -23,6 +22,26 @@ ENV_PREFIX = "TIDAL_"
 class ConfigError(ValueError):
     """A configuration value is missing, of the wrong type or out of range; the message
     names the field and where the value came from."""
+
+
+_PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
+
+
+def unit_folder(template: str, *, home: str, user: str, job_id: str) -> Path:
+    """The folder a template names for one job: `~` is `home`, `{job}` and `{user}` are
+    replaced, and a relative result is taken from `home`. ValueError for an empty template
+    or an unknown placeholder."""
+    if not template.strip():
+        raise ValueError("empty; give a folder such as ~/.tidal/{job}")
+    unknown = sorted({name for name in _PLACEHOLDER.findall(template) if name not in ("job", "user")})
+    if unknown:
+        raise ValueError(f"unknown placeholder(s) {', '.join('{' + n + '}' for n in unknown)} in {template!r} "
+                         "(known: {job}, {user})")
+    text = template.replace("{job}", job_id).replace("{user}", user)
+    if text == "~" or text.startswith("~/"):
+        text = home + text[1:]
+    path = Path(text)
+    return path if path.is_absolute() else Path(home) / path
 
 
 @dataclasses.dataclass(frozen=True)

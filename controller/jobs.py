@@ -366,23 +366,18 @@ class JobActor:
                     self._cancel_in_slurm(unit_id, slurm_job_id)
                 case core.Submit(unit_id, excluded):
                     self._submit(unit_id, excluded)
-                case core.Metric(name, value, label):
-                    self._count(name, value, label)
+                case core.FailureCounted(cause):
+                    self.metrics.failures.labels(cause=cause).inc()
+                case core.GenerationCounted(job_id):
+                    self.metrics.generations_formed.labels(job=job_id).inc()
+                case core.StaleMessageCounted():
+                    self.metrics.stale_messages.inc()
+                case core.StopTimed(seconds):
+                    self.metrics.stop_duration.observe(seconds)
+                case core.RecoveryTimed(seconds):
+                    self.metrics.recovery_duration.observe(seconds)
                 case core.Note(event, fields, warning):
                     (self.log.warning if warning else self.log.info)(event, **fields)
-
-    def _count(self, name: str, value: float, label: str) -> None:
-        metrics = self.metrics
-        if name == "failures":
-            metrics.failures.labels(cause=label).inc()
-        elif name == "generations_formed":
-            metrics.generations_formed.labels(job=label).inc()
-        elif name == "stale_messages":
-            metrics.stale_messages.inc()
-        elif name == "stop_duration":
-            metrics.stop_duration.observe(value)
-        elif name == "recovery_duration":
-            metrics.recovery_duration.observe(value)
 
     def _cancel_in_slurm(self, unit_id: str, slurm_job_id: int) -> None:
         if self._slurm is None:

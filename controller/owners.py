@@ -13,13 +13,11 @@ import dataclasses
 import grp
 import os
 import pwd
-import re
 import subprocess
 from pathlib import Path
 
+from tidal.controller.config import unit_folder
 from tidal.slurm.models import UnitOwner
-
-_PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
 
 
 class UnknownOwner(LookupError):
@@ -57,23 +55,6 @@ def serves(policy: OwnerPolicy, uid: int) -> str | None:
         return None
     return (f"this controller runs as uid {policy.controller_uid} and serves that user only; uid {uid} "
             "needs a controller of its own, or the cluster's shared one (run as root)")
-
-
-def unit_folder(template: str, *, home: str, user: str, job_id: str) -> Path:
-    """The folder a template names for one job: `~` is `home`, `{job}` and `{user}` are
-    replaced, and a relative result is taken from `home`. ValueError for an empty template
-    or an unknown placeholder."""
-    if not template.strip():
-        raise ValueError("empty; give a folder such as ~/.tidal/{job}")
-    unknown = sorted({name for name in _PLACEHOLDER.findall(template) if name not in ("job", "user")})
-    if unknown:
-        raise ValueError(f"unknown placeholder(s) {', '.join('{' + n + '}' for n in unknown)} in {template!r} "
-                         "(known: {job}, {user})")
-    text = template.replace("{job}", job_id).replace("{user}", user)
-    if text == "~" or text.startswith("~/"):
-        text = home + text[1:]
-    path = Path(text)
-    return path if path.is_absolute() else Path(home) / path
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,6 @@ from google.protobuf.message import DecodeError
 from tidal.controller import owners, units
 from tidal.controller.config import ControllerConfig
 from tidal.controller.core import sharing
-from tidal.controller.core.health import TokenBucket
 from tidal.controller.events import EventLog
 from tidal.controller.history import HISTORY_EVENT_KINDS, HISTORY_MAX_EVENTS, history_reply
 from tidal.controller.jobs import (
@@ -37,6 +36,7 @@ from tidal.controller.jobs import (
 )
 from tidal.controller.metrics import ControllerMetrics
 from tidal.controller.model import JobRecord, JobState, UnitState
+from tidal.controller.ratelimit import TokenBucket
 from tidal.controller.security import Caller, UnixSocketRelay, new_secret, secret_digest, write_private_file
 from tidal.controller.sessions import LauncherSession, SessionClose, SessionEnded
 from tidal.controller.spec import SpecError, normalized_spec

@@ -49,10 +49,6 @@ import json
 import math
 from typing import Any
 
-import structlog
-
-log = structlog.get_logger("tidal.proto.control")
-
 MAX_LINE = 64 * 1024
 BEAT_INTERVAL_S = 0.5
 # A live worker that refuses to train because the job's state is lost (no rank holds the
@@ -219,5 +215,8 @@ def decode(line: bytes) -> Message | None:
         message: Message = kind(**fields)
         return message
     except (ValueError, KeyError, TypeError, OverflowError) as error:
-        log.warning("control_message_garbled", line=line[:200], error=str(error))
+        import structlog  # (here, not at the top: the controller's pure core imports this module)
+
+        structlog.get_logger("tidal.proto.control").warning("control_message_garbled", line=line[:200],
+                                                            error=str(error))
         return None

@@ -8,8 +8,8 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, Any
 
-from tidal.slurm.cli_json import DEFAULT_TIMEOUT_S, CliJsonSlurmClient
 from tidal.slurm.client import SlurmClient
 from tidal.slurm.errors import (
     SlurmCommandFailed,
@@ -42,17 +42,33 @@ __all__ = [
     "UnitSubmission", "UnsupportedSlurmVersion", "default_client",
 ]
 
+if TYPE_CHECKING:
+    from tidal.slurm.cli_json import CliJsonSlurmClient
+
 BACKEND_VARIABLE = "TIDAL_SLURM_BACKEND"
 
 
-def default_client(*, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> SlurmClient:
+def __getattr__(name: str) -> Any:
+    """`CliJsonSlurmClient` on first use: the CLI backend imports subprocess, which the
+    controller's pure core (it reads `tidal.slurm.models`) has no use for."""
+    if name == "CliJsonSlurmClient":
+        from tidal.slurm.cli_json import CliJsonSlurmClient
+
+        return CliJsonSlurmClient
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def default_client(*, timeout_s: float | None = None, backend: str | None = None) -> SlurmClient:
     """The SlurmClient for this machine, honouring $SLURM_CONF.
 
     `backend` (or $TIDAL_SLURM_BACKEND): "cli" (Slurm's commands with --json), "pyslurm",
     or "auto" (the default): pyslurm only where it imports and was built for the
     cluster's Slurm major.minor, the CLI backend otherwise."""
+    from tidal.slurm.cli_json import DEFAULT_TIMEOUT_S, CliJsonSlurmClient
+
     choice = (backend or os.environ.get(BACKEND_VARIABLE) or "auto").lower()
-    cli = CliJsonSlurmClient(timeout_s=timeout_s, slurm_conf=os.environ.get("SLURM_CONF"))
+    cli = CliJsonSlurmClient(timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s,
+                             slurm_conf=os.environ.get("SLURM_CONF"))
     if choice == "cli":
         return cli
     if choice not in ("auto", "pyslurm"):

@@ -11,13 +11,14 @@ from tidal.controller.core.queries import (
 )
 from tidal.controller.core.state import (
     Close,
+    FailureCounted,
     GenerationStopped,
-    Metric,
     PendingStop,
     Record,
     Recovery,
     SaveJob,
     SaveUnit,
+    StopTimed,
 )
 from tidal.controller.core.step import Step
 from tidal.controller.model import JobState, UnitState, join_ids
@@ -50,7 +51,7 @@ def fail(t: Step, unit_id: str, reason: str, cause: str, detected_at: float,
     unit.state = UnitState.FAILED
     unit.reason = reason
     t.emit(SaveUnit(unit), Record("failure_detected", reason, unit_id=unit_id, generation=number,
-                                     fields={"cause": cause, **(fields or {})}), Metric("failures", label=cause))
+                                     fields={"cause": cause, **(fields or {})}), FailureCounted(cause))
     if state.slurm_units:
         slurm_units.cool_down(t, unit, detected_at)
         # A failed unit never comes back: whatever is left of it (a hung launcher, a
@@ -185,7 +186,7 @@ def maybe_finish_stop(t: Step) -> None:
                 generation=stop.generation,
                 fields={"cause": stop.cause, "detection_to_all_stopped_s": f"{elapsed:.3f}"})
     if stop.cause == "failure":
-        t.emit(Metric("stop_duration", elapsed))
+        t.emit(StopTimed(elapsed))
     if t.job.state.is_final:
         return
     tick.decide(t, now, after=stop.reason)

@@ -10,9 +10,10 @@ from tidal.controller.core.queries import (
     duration,
 )
 from tidal.controller.core.state import (
-    Metric,
+    GenerationCounted,
     Note,
     PendingReconfigure,
+    RecoveryTimed,
     SaveGeneration,
     SaveJob,
     SaveUnit,
@@ -66,9 +67,9 @@ def start_generation(t: Step, survivors: tuple[str, ...], form: planning.Form, n
     fields.update(state_fields(t, plan))
     commit_generation(t, plan, chosen, "world_formed", form.reason, fields)
     if state.failure_detected_at is not None:
-        t.emit(Metric("recovery_duration", now - state.failure_detected_at))
+        t.emit(RecoveryTimed(now - state.failure_detected_at))
         state.failure_detected_at = None
-    t.emit(Metric("generations_formed", label=t.job.job_id))
+    t.emit(GenerationCounted(t.job.job_id))
     state.generation = plan
     state.generation_started_at = now
     state.last_change_at = now
@@ -164,7 +165,7 @@ def reconfigure(t: Step, joiners: tuple[str, ...], leaving: tuple[str, ...], cau
                                  "joiners": join_ids(list(joiners)), "leaving": join_ids(list(leaving)),
                                  "state_source": source, **fields_of_state}
     commit_generation(t, plan, chosen, "world_reconfiguring", reason, fields)
-    t.emit(Metric("generations_formed", label=t.job.job_id))
+    t.emit(GenerationCounted(t.job.job_id))
     state.reconfigure = PendingReconfigure(
         generation=plan.number, from_generation=previous.number, previous=previous, cause=cause, message=message,
         old_members=old_members, joiners_waiting=set(joiners), waiting_for=set(plan.unit_ids), decided_at=now,

@@ -87,22 +87,3 @@ def health_verdicts(units: Sequence[UnitHealth], *, now: float, policy: HealthPo
             failures.append(Failure(unit.unit_id, f"rank {rank} made no progress for {age:.1f} s "
                                     f"(timeout {policy.progress_timeout_s:g} s)", "progress"))
     return failures
-
-
-class TokenBucket:
-    """At most `rate` events per second on average, `burst` at once. The clock is passed
-    in, so tests need no sleeping."""
-
-    def __init__(self, rate: float, burst: int, now: float) -> None:
-        self.rate = rate
-        self.burst = float(burst)
-        self.tokens = float(burst)
-        self.updated_at = now
-
-    def allow(self, now: float) -> bool:
-        self.tokens = min(self.burst, self.tokens + (now - self.updated_at) * self.rate)
-        self.updated_at = now
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
-            return True
-        return False

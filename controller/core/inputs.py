@@ -16,12 +16,12 @@ from tidal.controller.core.state import (
     LauncherClosed,
     LauncherConnected,
     LauncherSaid,
-    Metric,
     Note,
     ResizeRequested,
     SaveJob,
     SaveUnit,
     SlurmObserved,
+    StaleMessageCounted,
     UnitSubmitted,
 )
 from tidal.controller.core.step import Step
@@ -178,7 +178,7 @@ def on_worker_exited(t: Step, unit_id: str, exited: launcher_pb2.WorkerExited) -
     if state.reconfigure is not None:
         current.add(state.reconfigure.from_generation)
     if state.generation is None or exited.epoch not in current or t.job.state is not JobState.RUNNING:
-        t.emit(Metric("stale_messages"),
+        t.emit(StaleMessageCounted(),
                   Note("stale_message_ignored", {"unit": unit_id, "kind": "worker_exited",
                                                  "message_generation": exited.epoch}))
         return

@@ -195,13 +195,43 @@ class Submit:
     excluded: tuple[str, ...]
 
 
-@dataclasses.dataclass(frozen=True)
-class Metric:
-    """Count (or, for a duration, observe) one of the controller's metrics."""
+# The controller's metrics, one effect type each (the job actor maps each to its series).
 
-    name: str
-    value: float = 1.0
-    label: str = ""
+
+@dataclasses.dataclass(frozen=True)
+class FailureCounted:
+    """A unit failed (`tidal_failures_total{cause}`)."""
+
+    cause: str
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationCounted:
+    """A generation formed (`tidal_generations_formed_total{job}`)."""
+
+    job_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StaleMessageCounted:
+    """A launcher's message of an older generation was refused."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StopTimed:
+    """How long a stop round took, in seconds."""
+
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RecoveryTimed:
+    """From a failure's detection to the survivors' next generation, in seconds."""
+
+    seconds: float
+
+
+Metric = FailureCounted | GenerationCounted | StaleMessageCounted | StopTimed | RecoveryTimed
 
 
 @dataclasses.dataclass(frozen=True)

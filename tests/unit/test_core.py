@@ -53,3 +53,16 @@ def test_a_worker_that_fails_after_the_last_step_is_named_but_does_not_fail_the_
     verdict = completion_verdict(600, [member])
     assert verdict is not None
     assert verdict.reason == "training completed at step 600; after the last step a local rank 1 killed by SIGKILL"
+
+
+def test_the_pure_core_imports_nothing_that_does_io_or_awaits() -> None:
+    """The job's state machine reads no clock, file or socket: importing it pulls in no
+    subprocess, asyncio, gRPC, SQLite or logging machinery (a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, tidal.controller.core.job; "
+             "print(','.join(m for m in ('subprocess', 'asyncio', 'grpc', 'sqlite3', 'structlog', 'torch') "
+             "if m in sys.modules))")
+    found = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60)
+    assert found.stdout.strip() == ""

@@ -248,7 +248,7 @@ def test_silence_of_heartbeats_past_the_timeout_fails_the_unit_and_nothing_earli
     effects = driver.tick(1.0)
     assert driver.state.units["b"].state is UnitState.FAILED
     assert driver.event("failure_detected").fields == {"cause": "heartbeat"}
-    assert core.Metric("failures", label="heartbeat") in effects
+    assert core.FailureCounted("heartbeat") in effects
 
 
 def test_a_leave_during_a_live_change_waits_for_it_and_is_persisted_meanwhile() -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tidal.controller.config import ConfigError, load_config
-from tidal.controller.owners import OwnerPolicy, account, job_files, refusal, serves, unit_folder
+from tidal.controller.config import ConfigError, load_config, unit_folder
+from tidal.controller.owners import OwnerPolicy, account, job_files, refusal, serves
 from tidal.slurm.cli_json import CliJsonSlurmClient
 from tidal.slurm.models import UnitOwner, UnitSubmission
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.controller.core.health import Failure, HealthPolicy, TokenBucket, UnitHealth, health_verdicts
+from tidal.controller.core.health import Failure, HealthPolicy, UnitHealth, health_verdicts
 from tidal.controller.core.planning import (
     Candidate,
     Form,
@@ -17,6 +17,7 @@ from tidal.controller.core.planning import (
     decide_world,
     plan_generation,
 )
+from tidal.controller.ratelimit import TokenBucket
 
 
 def candidate(unit: str, previous: int | None = None, port: int = 5000, registered: float = 0.0,
