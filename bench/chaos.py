@@ -913,51 +913,53 @@ class ChaosRun:
         self.check_failures(events)
         for event in events:
             if event.kind == "state_not_held":
-                self.notes.append(f"state_not_held at epoch {event.epoch}: {event.reason}")
-            elif event.kind == "epoch_stopped" and float(event.fields.get("detection_to_all_stopped_s", 0)) > 5:
-                self.notes.append(f"epoch {event.epoch} took {event.fields['detection_to_all_stopped_s']} s to stop")
+                self.notes.append(f"state_not_held at generation {event.generation}: {event.reason}")
+            elif event.kind == "generation_stopped" and float(event.fields.get("detection_to_all_stopped_s", 0)) > 5:
+                took = event.fields["detection_to_all_stopped_s"]
+                self.notes.append(f"generation {event.generation} took {took} s to stop")
 
     def check_steps(self, records: list[dict[str, Any]]) -> None:
         commits: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
         attempts: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
         for record in records:
             if record["kind"] == "commit":
-                commits[(record["step"], record["epoch"])].append(record)
+                commits[(record["step"], record["generation"])].append(record)
             elif record["kind"] == "attempt":
-                attempts[(record["step"], record["epoch"])].append(record)
-        epochs_of: dict[int, list[int]] = defaultdict(list)
-        for step, epoch in sorted(commits):
-            epochs_of[step].append(epoch)
-        missing = [s for s in range(self.steps) if s not in epochs_of]
+                attempts[(record["step"], record["generation"])].append(record)
+        generations_of: dict[int, list[int]] = defaultdict(list)
+        for step, generation in sorted(commits):
+            generations_of[step].append(generation)
+        missing = [s for s in range(self.steps) if s not in generations_of]
         if missing:
             self.problems.append(f"steps never committed: {ranges(missing)}")
-        beyond = sorted(s for s in epochs_of if s >= self.steps)
+        beyond = sorted(s for s in generations_of if s >= self.steps)
         if beyond:
             self.problems.append(f"steps past the last one committed: {ranges(beyond)}")
         wrong_samples: dict[str, list[int]] = defaultdict(list)
         redone: dict[str, list[int]] = defaultdict(list)
         broke: dict[str, list[int]] = defaultdict(list)
-        for step in range(min(self.steps, max(epochs_of, default=-1) + 1)):
-            epochs = epochs_of.get(step, [])
-            for epoch in epochs:
-                done = commits[(step, epoch)]
+        for step in range(min(self.steps, max(generations_of, default=-1) + 1)):
+            generations = generations_of.get(step, [])
+            for generation in generations:
+                done = commits[(step, generation)]
                 world_size = done[0]["world_size"]
-                tried = attempts[(step, epoch)]
+                tried = attempts[(step, generation)]
                 union = sorted(i for a in tried for i in a["indices"])
                 ranks = sorted(a["rank"] for a in tried)
                 if union != self.reference.indices[step] or ranks != list(range(world_size)):
                     expected = set(self.reference.indices[step])
-                    wrong_samples[f"epoch {epoch} (world size {world_size}, attempts by ranks {ranks}, "
+                    wrong_samples[f"generation {generation} (world size {world_size}, attempts by ranks {ranks}, "
                                   f"{len(set(union) - expected)} extra, {len(expected - set(union))} missing, "
                                   f"{len(union) - len(set(union))} twice)"].append(step)
-            for first, later in itertools.pairwise(epochs):
+            for first, later in itertools.pairwise(generations):
                 done = commits[(step, first)]
                 committed = sorted({r["rank"] for r in done})
                 if len(committed) >= done[0]["world_size"]:
-                    redone[f"committed by every rank of epoch {first} and again in epoch {later}"].append(step)
+                    redone[f"committed by every rank of generation {first} and again in generation {later}"
+                           ].append(step)
                 else:
-                    broke[f"epoch {first} broke at it (ranks {committed} of {done[0]['world_size']} committed, "
-                          f"pids {sorted({r['pid'] for r in done})}); redone in epoch {later}"].append(step)
+                    broke[f"generation {first} broke at it (ranks {committed} of {done[0]['world_size']} committed, "
+                          f"pids {sorted({r['pid'] for r in done})}); redone in generation {later}"].append(step)
         for what, steps in wrong_samples.items():
             self.problems.append(f"step(s) {ranges(steps)}: the samples are not the fixed run's: {what}")
         for what, steps in redone.items():
@@ -1018,14 +1020,14 @@ class ChaosRun:
             if any(h.unit_id == event.unit_id and h.since - 0.5 <= at <= h.until for h in self.hurt):
                 continue
             self.problems.append(f"failure_detected of {event.unit_id} at +{at - self.submitted_at:.1f} s "
-                                 f"(epoch {event.epoch}), which the harness did not hurt: {event.reason}")
+                                 f"(generation {event.generation}), which the harness did not hurt: {event.reason}")
 
     def timeline(self) -> list[str]:
         lines: list[tuple[float, str]] = []
         for event in self.events_at_end:
             at = event.time.ToNanoseconds() / 1e9
             fields = " ".join(f"{k}={v}" for k, v in sorted(event.fields.items()))
-            lines.append((at, f"{event.kind:<20} {event.unit_id or '-':<4} e{event.epoch:<3} {event.reason}"
+            lines.append((at, f"{event.kind:<20} {event.unit_id or '-':<4} e{event.generation:<3} {event.reason}"
                               + (f" [{fields}]" if fields else "")))
         for action in self.actions:
             lines.append((action.at, f">> {action.kind} {action.unit_id} {action.detail}".rstrip()))

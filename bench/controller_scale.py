@@ -3,8 +3,8 @@ connection and a session stream of its own, heartbeating at 1 Hz) register as th
 of one job, which forms a world of all of them. Measured on the real controller process:
 its CPU per 1,000 launchers over a steady window, its memory (RSS), and a failure's
 fan-out when one launcher reports a failed worker: the delay from that report to each
-launcher's receipt of what the failure sends it (the next generation's StartEpoch to each
-survivor, the one message a failure is; StopEpoch to the failed one), p50 and p99, at 100,
+launcher's receipt of what the failure sends it (the next generation's StartGeneration to each
+survivor, the one message a failure is; StopGeneration to the failed one), p50 and p99, at 100,
 1,000 and 2,000 launchers. Goals: 2,000 launchers ≤ 50% of one core; fan-out p99 ≤ 500 ms.
 
 The simulated launchers share this machine's 2 cores with the controller, in client
@@ -39,12 +39,12 @@ async def simulated_launcher(target: str, job_id: str, secret: str, unit: str, o
     channel = grpc.aio.insecure_channel(target)
     stub = launcher_pb2_grpc.LauncherServiceStub(channel)
     outbox: asyncio.Queue[launcher_pb2.LauncherMessage] = asyncio.Queue()
-    epoch = 0
+    generation = 0
 
     async def messages():
         yield launcher_pb2.LauncherMessage(register=launcher_pb2.Register(
             job_id=job_id, unit_id=unit, secret=secret, nodes=[f"sim-{unit}"], address="127.0.0.1",
-            procs_per_node=1, store_port=1))
+            store_port=1))
         while True:
             yield await outbox.get()
 
@@ -53,7 +53,7 @@ async def simulated_launcher(target: str, job_id: str, secret: str, unit: str, o
         sequence = 0
         while True:
             sequence += 1
-            beat = launcher_pb2.Heartbeat(epoch=epoch, sequence=sequence)
+            beat = launcher_pb2.Heartbeat(sequence=sequence)
             beat.sent_at.GetCurrentTime()
             beat.workers.append(launcher_pb2.WorkerProgress(local_rank=0, rank=0, pid=1))
             outbox.put_nowait(launcher_pb2.LauncherMessage(heartbeat=beat))
@@ -63,9 +63,9 @@ async def simulated_launcher(target: str, job_id: str, secret: str, unit: str, o
         assert victim_trigger is not None
         while not victim_trigger.exists():
             await asyncio.sleep(0.01)
-        exited = launcher_pb2.WorkerExited(epoch=epoch, local_rank=0, pid=1, exit_code=1)
+        exited = launcher_pb2.WorkerExited(generation=generation, local_rank=0, pid=1, exit_code=1)
         exited.exited_at.GetCurrentTime()
-        out.append({"unit": unit, "failed_at": time.time(), "epoch": epoch})
+        out.append({"unit": unit, "failed_at": time.time(), "generation": generation})
         outbox.put_nowait(launcher_pb2.LauncherMessage(worker_exited=exited))
 
     tasks = [asyncio.ensure_future(heartbeats())]
@@ -81,17 +81,19 @@ async def simulated_launcher(target: str, job_id: str, secret: str, unit: str, o
                     kind = message.WhichOneof("body")
                     if kind == "registered":
                         registered = True
-                    elif kind == "start_epoch":
-                        if 0 < epoch < message.start_epoch.epoch:
+                    elif kind == "start_generation":
+                        if 0 < generation < message.start_generation.generation:
                             # The next generation replacing the running one: a failure's message.
-                            out.append({"unit": unit, "told_at": time.time(), "epoch": epoch})
-                        epoch = message.start_epoch.epoch
-                        outbox.put_nowait(launcher_pb2.LauncherMessage(epoch_report=launcher_pb2.EpochReport(
-                            epoch=epoch, phase=launcher_pb2.EPOCH_PHASE_STARTED)))
-                    elif kind == "stop_epoch":
-                        out.append({"unit": unit, "told_at": time.time(), "epoch": message.stop_epoch.epoch})
-                        outbox.put_nowait(launcher_pb2.LauncherMessage(epoch_report=launcher_pb2.EpochReport(
-                            epoch=message.stop_epoch.epoch, phase=launcher_pb2.EPOCH_PHASE_STOPPED)))
+                            out.append({"unit": unit, "told_at": time.time(), "generation": generation})
+                        generation = message.start_generation.generation
+                        outbox.put_nowait(launcher_pb2.LauncherMessage(generation_report=launcher_pb2.GenerationReport(
+                            generation=generation, phase=launcher_pb2.GENERATION_PHASE_STARTED)))
+                    elif kind == "stop_generation":
+                        out.append({"unit": unit, "told_at": time.time(),
+                                    "generation": message.stop_generation.generation})
+                        stopped = launcher_pb2.GenerationReport(generation=message.stop_generation.generation,
+                                                                phase=launcher_pb2.GENERATION_PHASE_STOPPED)
+                        outbox.put_nowait(launcher_pb2.LauncherMessage(generation_report=stopped))
                 print(f"{unit}: the controller ended the session", flush=True)
                 return
             except grpc.aio.AioRpcError as error:
@@ -195,9 +197,9 @@ def measure(folder: Path, launchers: int, window_s: float, windows: int, broadca
             time.sleep(window_s)
             cpu.append((cpu_seconds(pid) - cpu0) / (time.monotonic() - wall0))
         memory = rss_mib(pid)
-        stopped_epochs = []
+        stopped_generations = []
         for index in range(broadcasts):
-            stopped_epochs.append(formed.epoch)
+            stopped_generations.append(formed.generation)
             Path(f"{trigger}-{index}").touch()
             # Every survivor has the next generation once the world runs without the victim.
             try:
@@ -212,11 +214,11 @@ def measure(folder: Path, launchers: int, window_s: float, windows: int, broadca
         records = [json.loads(line) for path in folder.glob("client-*.jsonl")
                    for line in path.read_text().splitlines() if line.strip()]
         fan_outs: list[list[float]] = []
-        for epoch in stopped_epochs:
-            failed_at = next(r["failed_at"] for r in records if "failed_at" in r and r["epoch"] == epoch)
-            delays = [r["told_at"] - failed_at for r in records if "told_at" in r and r["epoch"] == epoch]
+        for generation in stopped_generations:
+            failed_at = next(r["failed_at"] for r in records if "failed_at" in r and r["generation"] == generation)
+            delays = [r["told_at"] - failed_at for r in records if "told_at" in r and r["generation"] == generation]
             expected = launchers - len(fan_outs) - 1
-            assert len(delays) >= expected, f"generation {epoch}: {len(delays)} of {expected} launchers were told"
+            assert len(delays) >= expected, f"generation {generation}: {len(delays)} of {expected} launchers were told"
             fan_outs.append(delays)
         return {"cpu": cpu, "rss_mib": memory, "p50": [percentile(d, 0.5) for d in fan_outs],
                 "p99": [percentile(d, 0.99) for d in fan_outs], "receipts": [len(d) for d in fan_outs]}

@@ -59,8 +59,9 @@ class LiveJob:
         job = wait_until(formed, timeout_s, f"a running world of {replicas} replicas", interval=0.2)
         # Hurt a world only once it trains: a failure while ranks still build their
         # process group is a different case (they wait out gloo's connection attempts).
-        wait_until(lambda: any(e.kind in ("first_step", "recovered") and e.epoch == job.epoch for e in self.events()),
-                   60, f"the first step of epoch {job.epoch}", interval=0.1)
+        wait_until(lambda: any(e.kind in ("first_step",
+                                          "recovered") and e.generation == job.generation for e in self.events()),
+                   60, f"the first step of generation {job.generation}", interval=0.1)
         time.sleep(0.5)
         return job
 

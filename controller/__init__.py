@@ -1,2 +1,2 @@
-"""tidal-controller: the per-cluster daemon (job registry, policy, epochs, health, Slurm
+"""tidal-controller: the per-cluster daemon (job registry, policy, generations, health, Slurm
 poller, gRPC servers), and the `tidal` CLI."""

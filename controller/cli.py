@@ -218,7 +218,7 @@ def _job_row(job: admin_pb2.Job, now: float) -> list[str]:
     last = job.last_event
     last_text = f"{last.kind} {_age(last.time.ToNanoseconds(), now)}" if last.kind else "-"
     return [job.job_id, _state(job.state), _mode(spec.mode), f"{job.replicas}/{spec.min_replicas}/{spec.max_replicas}",
-            str(job.world_size), str(job.epoch), str(job.step),
+            str(job.world_size), str(job.generation), str(job.step),
             f"{job.samples_per_second:.1f}" if job.samples_per_second else "-",
             f"{job.goodput:.0%}" if job.goodput else "-", last_text]
 
@@ -230,7 +230,7 @@ def command_status(args: argparse.Namespace) -> int:
         print(json.dumps([_as_dict(job) for job in jobs], indent=2))
         return EXIT_OK
     now = time.time()
-    headers = ["JOB", "STATE", "MODE", "REPLICAS(now/min/max)", "WORLD", "EPOCH", "STEP", "SAMPLES/S", "GOODPUT",
+    headers = ["JOB", "STATE", "MODE", "REPLICAS(now/min/max)", "WORLD", "GENERATION", "STEP", "SAMPLES/S", "GOODPUT",
                "LAST EVENT"]
     if not jobs:
         print("no jobs" + ("" if args.all else " running (--all shows ended ones too)"))
@@ -255,7 +255,7 @@ def _event_line(event: admin_pb2.Event) -> str:
     at = datetime.datetime.fromtimestamp(event.time.ToNanoseconds() / 1e9).strftime("%H:%M:%S.%f")[:-3]
     items = sorted(event.fields.items())
     fields = " ".join(f"{k}={v}" for k, v in items if "\n" not in v)
-    line = f"{at}  {event.epoch:>3}  {event.kind:<22} {event.unit_id or '-':<10} {event.reason}  {fields}".rstrip()
+    line = f"{at}  {event.generation:>3}  {event.kind:<22} {event.unit_id or '-':<10} {event.reason}  {fields}".rstrip()
     for key, value in items:
         if "\n" in value:
             line += f"\n    {key}:\n" + "\n".join(f"      {text}" for text in value.splitlines())

@@ -74,14 +74,14 @@ class ControllerConfig:
     worker_silence_timeout_s: float = 2.0
     # A launcher must send Register within this long after opening its session.
     register_timeout_s: float = 10.0
-    # After a controller (re)start, launchers of running epochs get this long to reconnect.
+    # After a controller (re)start, launchers of running generations get this long to reconnect.
     reconnect_grace_s: float = 15.0
     # Wait this long after the last registration before forming or growing a world, so
-    # launchers that start together form one epoch.
+    # launchers that start together form one generation.
     join_settle_s: float = 2.0
     # SIGTERM-to-SIGKILL grace for workers on a planned change (restart mode).
     restart_grace_s: float = 10.0
-    # SIGTERM-to-SIGKILL grace for workers when the epoch stops for a failure.
+    # SIGTERM-to-SIGKILL grace for workers when the generation stops for a failure.
     failure_stop_grace_s: float = 0.5
     # No grow within this long after a world change.
     scale_up_snooze_s: float = 0.0

@@ -223,7 +223,7 @@ class JobActor:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, refused)
         spec = job.spec
         return launcher_pb2.Registered(
-            current_epoch=job.generation, heartbeat_interval=duration(self.config.heartbeat_interval_s),
+            current_generation=job.generation, heartbeat_interval=duration(self.config.heartbeat_interval_s),
             heartbeat_timeout=duration(self.config.heartbeat_timeout_s), mode=spec.mode,
             progress_timeout=duration(self.config.progress_timeout_s), command=list(spec.command),
             environment=dict(spec.environment), working_dir=spec.working_dir,
@@ -509,7 +509,7 @@ class JobActor:
                     int((time.time() - (time.monotonic() - session.last_heartbeat_at)) * 1e9))
             units.append(entry)
         message = admin_pb2.Job(job_id=job.job_id, spec=job.spec, state=job.state.to_proto(),
-                                owner_uid=job.owner_uid, epoch=job.generation,
+                                owner_uid=job.owner_uid, generation=job.generation,
                                 world_size=self.world_size,
                                 replicas=len(generation.members) if running and generation else 0,
                                 step=job.step, units=units)
@@ -524,7 +524,7 @@ class JobActor:
 
 def event_to_proto(event: EventRecord) -> admin_pb2.Event:
     message = admin_pb2.Event(sequence=event.sequence, job_id=event.job_id, unit_id=event.unit_id,
-                              epoch=event.generation, kind=event.kind, reason=event.reason, fields=event.fields)
+                              generation=event.generation, kind=event.kind, reason=event.reason, fields=event.fields)
     message.time.FromNanoseconds(int(event.time * 1e9))
     return message
 

@@ -1,6 +1,6 @@
 """Prometheus metrics of the controller, on a registry of its own (so two controllers in
 one test process do not collide). Counters and histograms are updated where things
-happen; the gauges of jobs, units, world sizes and epochs are read from the job actors
+happen; the gauges of jobs, units, world sizes and generations are read from the job actors
 when Prometheus scrapes, so no code path has to keep them up to date."""
 
 from __future__ import annotations
@@ -47,8 +47,7 @@ class _StateCollector(Collector):
         units = GaugeMetricFamily("tidal_units", "Units (replicas) by state.", labels=["state"])
         world = GaugeMetricFamily("tidal_world_size", "Ranks in the job's current generation (0 when not running).",
                                   labels=["job"])
-        # (Named epoch, as dashboards of earlier versions know it.)
-        epoch = GaugeMetricFamily("tidal_epoch", "The job's current generation number.", labels=["job"])
+        generation = GaugeMetricFamily("tidal_generation", "The job's current generation number.", labels=["job"])
         connected = 0
         job_counts = dict.fromkeys(self._job_states, 0)
         unit_counts = dict.fromkeys(self._unit_states, 0)
@@ -57,20 +56,21 @@ class _StateCollector(Collector):
             for state in job.unit_states:
                 unit_counts[state] = unit_counts.get(state, 0) + 1
             world.add_metric([job.job_id], job.world_size)
-            epoch.add_metric([job.job_id], job.generation_number)
+            generation.add_metric([job.job_id], job.generation_number)
             connected += job.connected_launchers
         for state, count in job_counts.items():
             jobs.add_metric([state], count)
         for state, count in unit_counts.items():
             units.add_metric([state], count)
-        yield from (jobs, units, world, epoch,
+        yield from (jobs, units, world, generation,
                     GaugeMetricFamily("tidal_launchers_connected", "Launcher sessions open.", value=connected))
 
 
 class ControllerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.generations_formed = Counter("tidal_epochs_formed", "Generations formed.", ["job"], registry=self.registry)
+        self.generations_formed = Counter("tidal_generations_formed", "Generations formed.", ["job"],
+                                          registry=self.registry)
         self.failures = Counter("tidal_failures", "Failures detected, by cause.", ["cause"], registry=self.registry)
         self.heartbeat_latency = Histogram(
             "tidal_heartbeat_latency_seconds", "Launcher send to controller receipt (clocks may differ).",

@@ -107,7 +107,7 @@ class Member:
 @dataclasses.dataclass(frozen=True)
 class GenerationRecord:
     """One generation of a job's world: its members, their ranks and the rendezvous, and the step
-    its state must be at (`resume_step`). SQLite and the wire still call it an epoch."""
+    its state must be at (`resume_step`)."""
 
     job_id: str
     number: int

@@ -1,4 +1,4 @@
-"""The controller's state in SQLite: jobs, units, epochs (with their rank tables) and the
+"""The controller's state in SQLite: jobs, units, generations (with their rank tables) and the
 event log. The controller writes a decision here before it sends it, so a controller
 killed at any point and started again reloads what it had decided.
 
@@ -28,7 +28,9 @@ from tidal.controller.model import (
 )
 from tidal.proto import admin_pb2, common_pb2
 
-SCHEMA_VERSION = 1
+# 2: a world's version is a "generation" everywhere (schema 1 said "epoch": the `epochs`
+# table, `epoch` columns, `epoch_*` event kinds); `_migrate` converts a schema-1 file in place.
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -38,7 +40,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     state TEXT NOT NULL,
     owner_uid INTEGER NOT NULL,
     secret_sha256 TEXT NOT NULL,
-    epoch INTEGER NOT NULL DEFAULT 0,
+    generation INTEGER NOT NULL DEFAULT 0,
     step INTEGER NOT NULL DEFAULT 0,
     created_at REAL NOT NULL,
     updated_at REAL NOT NULL
@@ -56,23 +58,23 @@ CREATE TABLE IF NOT EXISTS units (
     reason TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (job_id, unit_id)
 );
-CREATE TABLE IF NOT EXISTS epochs (
+CREATE TABLE IF NOT EXISTS generations (
     job_id TEXT NOT NULL REFERENCES jobs(job_id),
-    epoch INTEGER NOT NULL,
+    generation INTEGER NOT NULL,
     rank_table BLOB NOT NULL,
     rendezvous BLOB NOT NULL,
     reason TEXT NOT NULL,
     resume_step INTEGER NOT NULL,
     created_at REAL NOT NULL,
     stopped_at REAL,
-    PRIMARY KEY (job_id, epoch)
+    PRIMARY KEY (job_id, generation)
 );
 CREATE TABLE IF NOT EXISTS events (
     sequence INTEGER PRIMARY KEY AUTOINCREMENT,
     time REAL NOT NULL,
     job_id TEXT NOT NULL,
     unit_id TEXT NOT NULL DEFAULT '',
-    epoch INTEGER NOT NULL DEFAULT 0,
+    generation INTEGER NOT NULL DEFAULT 0,
     kind TEXT NOT NULL,
     reason TEXT NOT NULL DEFAULT '',
     fields TEXT NOT NULL DEFAULT '{}'
@@ -103,6 +105,30 @@ class StoreError(RuntimeError):
     """The database cannot be opened or is of an unknown schema."""
 
 
+def _migrate(db: sqlite3.Connection, path: Path) -> None:
+    """Bring a state file of an earlier schema to this one, in one transaction, before the
+    schema is applied; a file of a newer schema is refused (the check after the schema)."""
+    tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    if "meta" not in tables:
+        return
+    row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+    if row is None or int(row[0]) != 1:
+        return
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        db.execute("ALTER TABLE epochs RENAME TO generations")
+        db.execute("ALTER TABLE generations RENAME COLUMN epoch TO generation")
+        db.execute("ALTER TABLE jobs RENAME COLUMN epoch TO generation")
+        db.execute("ALTER TABLE events RENAME COLUMN epoch TO generation")
+        db.execute("UPDATE events SET kind = 'generation' || substr(kind, 6) WHERE kind LIKE 'epoch%'")
+        db.execute("UPDATE events SET fields = replace(fields, '\"from_epoch\"', '\"from_generation\"')")
+        db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
+        db.execute("COMMIT")
+    except sqlite3.DatabaseError as error:
+        db.execute("ROLLBACK")
+        raise StoreError(f"{path}: converting schema 1 to {SCHEMA_VERSION} failed, nothing changed: {error}") from error
+
+
 class StateStore:
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -112,6 +138,7 @@ class StateStore:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.execute("PRAGMA foreign_keys=ON")
+            _migrate(self._db, path)
             self._db.executescript(_SCHEMA)
             row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
             if row is None:
@@ -162,12 +189,12 @@ class StateStore:
     def update_job(self, job: JobRecord) -> None:
         job.updated_at = time.time()
         self._db.execute(
-            "UPDATE jobs SET spec=?, state=?, epoch=?, step=?, updated_at=? WHERE job_id=?",
+            "UPDATE jobs SET spec=?, state=?, generation=?, step=?, updated_at=? WHERE job_id=?",
             (job.spec.SerializeToString(), job.state.value, job.generation, job.step, job.updated_at, job.job_id))
 
     def jobs(self) -> list[JobRecord]:
         rows = self._db.execute(
-            "SELECT job_id, spec, state, owner_uid, secret_sha256, epoch, step, created_at, updated_at "
+            "SELECT job_id, spec, state, owner_uid, secret_sha256, generation, step, created_at, updated_at "
             "FROM jobs ORDER BY created_at").fetchall()
         return [JobRecord(job_id=r[0], spec=admin_pb2.JobSpec.FromString(r[1]), state=JobState(r[2]),
                           owner_uid=r[3], secret_sha256=r[4], generation=r[5], step=r[6], created_at=r[7],
@@ -192,25 +219,25 @@ class StateStore:
                            procs_per_node=r[5], slurm_job_id=r[6], group_rank=r[7], registered_at=r[8], reason=r[9])
                 for r in rows]
 
-    # Epochs.
+    # Generations.
 
     def insert_generation(self, generation: GenerationRecord) -> None:
         self._db.execute(
-            "INSERT INTO epochs (job_id, epoch, rank_table, rendezvous, reason, resume_step, created_at) "
+            "INSERT INTO generations (job_id, generation, rank_table, rendezvous, reason, resume_step, created_at) "
             "VALUES (?,?,?,?,?,?,?)",
             (generation.job_id, generation.number, generation.rank_table().SerializeToString(),
              generation.rendezvous().SerializeToString(), generation.reason, generation.resume_step,
              generation.created_at))
 
     def mark_generation_stopped(self, job_id: str, number: int, at: float) -> None:
-        self._db.execute("UPDATE epochs SET stopped_at=? WHERE job_id=? AND epoch=? AND stopped_at IS NULL",
+        self._db.execute("UPDATE generations SET stopped_at=? WHERE job_id=? AND generation=? AND stopped_at IS NULL",
                          (at, job_id, number))
 
     def generation(self, job_id: str, number: int) -> tuple[GenerationRecord, float | None] | None:
         """The generation and when it stopped (None while it runs)."""
         row = self._db.execute(
-            "SELECT rank_table, rendezvous, reason, resume_step, created_at, stopped_at FROM epochs "
-            "WHERE job_id=? AND epoch=?", (job_id, number)).fetchone()
+            "SELECT rank_table, rendezvous, reason, resume_step, created_at, stopped_at FROM generations "
+            "WHERE job_id=? AND generation=?", (job_id, number)).fetchone()
         if row is None:
             return None
         rendezvous = common_pb2.Rendezvous.FromString(row[1])
@@ -228,12 +255,12 @@ class StateStore:
         at = time.time() if at is None else at
         text_fields = {k: str(v) for k, v in (fields or {}).items()}
         cursor = self._db.execute(
-            "INSERT INTO events (time, job_id, unit_id, epoch, kind, reason, fields) VALUES (?,?,?,?,?,?,?)",
+            "INSERT INTO events (time, job_id, unit_id, generation, kind, reason, fields) VALUES (?,?,?,?,?,?,?)",
             (at, job_id, unit_id, generation, kind, reason, json.dumps(text_fields, sort_keys=True)))
         return EventRecord(sequence=int(cursor.lastrowid or 0), time=at, job_id=job_id, unit_id=unit_id,
                            generation=generation, kind=kind, reason=reason, fields=text_fields)
 
-    _EVENT_COLUMNS = "sequence, time, job_id, unit_id, epoch, kind, reason, fields"
+    _EVENT_COLUMNS = "sequence, time, job_id, unit_id, generation, kind, reason, fields"
 
     # Progress history.
 

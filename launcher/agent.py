@@ -27,8 +27,6 @@ import socket
 import sys
 import tempfile
 import time
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as package_version
 from pathlib import Path
 
 import structlog
@@ -140,10 +138,10 @@ class LiveWorkers:
     # Where each worker that left as the state's last holder wrote it, and at which step.
     saved: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)
     formed: dict[int, int] = dataclasses.field(default_factory=dict)
-    # (generation, EpochPhase) reports already sent: STARTED (a joiner's workers ready),
+    # (generation, GenerationPhase) reports already sent: STARTED (a joiner's workers ready),
     # RECONFIGURED, FIRST_STEP; each goes once.
     reported: set[tuple[int, int]] = dataclasses.field(default_factory=set)
-    # A joiner reports its workers ready (EPOCH_PHASE_STARTED) once all said hello.
+    # A joiner reports its workers ready (GENERATION_PHASE_STARTED) once all said hello.
     ready_generation: int = 0
     stop_deadline: float | None = None
     # Each worker's last beat: (when, waiting in a collective, samples trained so far,
@@ -206,7 +204,7 @@ class Agent:
         self.registered: launcher_pb2.Registered | None = None
         self.exit_code = EXIT_OK
         self.exit_reason = ""
-        self.pending_start: launcher_pb2.StartEpoch | None = None
+        self.pending_start: launcher_pb2.StartGeneration | None = None
         self.failed_self = False
         self.leave_requested_at: float | None = None
         self.started_at = time.monotonic()
@@ -222,7 +220,7 @@ class Agent:
         self.store: ServedStore | None = None
         self.store_port = 0
         self.serving_store: ServedStore | None = None
-        # Restart mode: the workers stop because a StartEpoch replaced their generation (its
+        # Restart mode: the workers stop because a StartGeneration replaced their generation (its
         # STARTED is the one acknowledgment; no STOPPED is reported).
         self.stopping_for_start = False
         self.live = LiveWorkers()
@@ -263,10 +261,9 @@ class Agent:
         return launcher_pb2.Register(
             job_id=self.options.job_id, unit_id=self.options.unit_id, secret=self.options.secret,
             nodes=list(self.options.nodes), address=self.options.address,
-            procs_per_node=self.registered.procs_per_node if self.registered else 0,
-            slurm_job_id=self.options.slurm_job_id, last_epoch=self.generation,
+            slurm_job_id=self.options.slurm_job_id, last_generation=self.generation,
             worker_pids=(self.workers.pids if running and self.workers else []) + followers,
-            launcher_version=_version(), store_port=self.store_port)
+            store_port=self.store_port)
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -384,7 +381,7 @@ class Agent:
             return
         if self.state is AgentState.CONNECTING:
             self.state = AgentState.WAITING
-        self.log.info("registered", controller_generation=registered.current_epoch, own_generation=self.generation,
+        self.log.info("registered", controller_generation=registered.current_generation, own_generation=self.generation,
                       state=self.state.value)
         if self.leave_requested_at is not None and self.state is not AgentState.LEAVING:
             self._request_leave()
@@ -397,7 +394,7 @@ class Agent:
         waits for the first world on the control channel (TIDAL_STANDBY=1)."""
         assert self.registered is not None
         procs = self.registered.procs_per_node or 1
-        placeholder = launcher_pb2.StartEpoch(epoch=0, rank_table=common_pb2.RankTable(
+        placeholder = launcher_pb2.StartGeneration(generation=0, rank_table=common_pb2.RankTable(
             world_size=procs, groups=1, assignments=[common_pb2.RankAssignment(
                 unit_id=self.options.unit_id, nodes=list(self.options.nodes), group_rank=0, first_rank=0,
                 procs_per_node=procs)]))
@@ -405,26 +402,26 @@ class Agent:
 
     def _on_command(self, message: launcher_pb2.ControllerMessage) -> None:
         kind = message.WhichOneof("body")
-        if kind == "start_epoch":
-            self._on_start_epoch(message.start_epoch)
-        elif kind == "stop_epoch":
-            stop = message.stop_epoch
+        if kind == "start_generation":
+            self._on_start_generation(message.start_generation)
+        elif kind == "stop_generation":
+            stop = message.stop_generation
             if stop.failed_unit_id == self.options.unit_id:
                 self.failed_self = True
                 self.link.close()
-            if stop.epoch < self.generation:
-                self.log.info("stale_stop_ignored", stop_generation=stop.epoch, generation=self.generation)
+            if stop.generation < self.generation:
+                self.log.info("stale_stop_ignored", stop_generation=stop.generation, generation=self.generation)
                 return
-            self.log.info("generation_stop_ordered", generation=stop.epoch, reason=stop.reason)
+            self.log.info("generation_stop_ordered", generation=stop.generation, reason=stop.reason)
             self.pending_start = None
             self.stopping_for_start = False
             if self.live.finished and not self.failed_self:
                 # Training is over here (a rank committed the last step): the workers run the
                 # script's own code and exit by themselves; nothing to stop.
-                self.log.info("stop_after_finish_ignored", generation=stop.epoch)
+                self.log.info("stop_after_finish_ignored", generation=stop.generation)
                 return
             if self.live_workers_running and not self.failed_self and self.state is not AgentState.LEAVING:
-                self._stop_live(stop.epoch)
+                self._stop_live(stop.generation)
                 return
             grace_s = stop.grace.ToNanoseconds() / 1e9 if stop.HasField("grace") else self.options.stop_grace_s
             if self.failed_self and self.live_mode:
@@ -434,7 +431,8 @@ class Agent:
             self._stop_workers(AgentState.STOPPING, grace_s)
         elif kind == "leave":
             leave = message.leave
-            self.log.info("leave_ordered", generation=leave.epoch, reason=leave.reason, save_state=leave.save_state)
+            self.log.info("leave_ordered", generation=leave.generation, reason=leave.reason,
+                          save_state=leave.save_state)
             if leave.save_state and self.live_workers_running and self.state is not AgentState.LEAVING:
                 self._leave_saving_state()
             else:
@@ -442,12 +440,12 @@ class Agent:
         elif kind == "reconfigure":
             self._on_reconfigure(message.reconfigure)
 
-    def _on_start_epoch(self, start: launcher_pb2.StartEpoch) -> None:
+    def _on_start_generation(self, start: launcher_pb2.StartGeneration) -> None:
         if self.state is AgentState.LEAVING or self.state.is_final:
             return
         if self.live.finished:
             # Training is over here: no worker of this unit starts again.
-            self.log.warning("start_after_finish_ignored", generation=start.epoch)
+            self.log.warning("start_after_finish_ignored", generation=start.generation)
             return
         if self.live_workers_running and self.state is not AgentState.STOPPING:
             # Live mode: the workers that stopped in-process (or wait on standby) join the
@@ -456,13 +454,13 @@ class Agent:
             # and takes the new world; the others move at the end of the step, none of which
             # is lost; a rank still forming the older world gives it up for the newer one.
             self.standby = False
-            self.generation = max(self.generation, start.epoch)
-            self._send_worlds(start.epoch, start.rank_table, start.rendezvous, target_step=start.resume_step)
+            self.generation = max(self.generation, start.generation)
+            self._send_worlds(start.generation, start.rank_table, start.rendezvous, target_step=start.resume_step)
             self.state = AgentState.RUNNING
-            self._report(start.epoch, launcher_pb2.EPOCH_PHASE_STARTED, step=start.resume_step)
+            self._report(start.generation, launcher_pb2.GENERATION_PHASE_STARTED, step=start.resume_step)
             return
         if self.workers is not None and not self.workers.all_exited:
-            if self.workers.generation == start.epoch:
+            if self.workers.generation == start.generation:
                 return
             # Restart mode: one message is the whole change; the old workers go first (with
             # the grace it names: short after a failure), then the new generation starts.
@@ -477,35 +475,35 @@ class Agent:
             return
         self._start(start)
 
-    def _start(self, start: launcher_pb2.StartEpoch, joining: bool = False, standby: bool = False) -> None:
+    def _start(self, start: launcher_pb2.StartGeneration, joining: bool = False, standby: bool = False) -> None:
         assert self.registered is not None
         mine = next((a for a in start.rank_table.assignments if a.unit_id == self.options.unit_id), None)
         placement = node_placement(start, self.options.unit_id)
         if mine is None or placement is None:
-            self.log.warning("not_in_rank_table", generation=start.epoch)
+            self.log.warning("not_in_rank_table", generation=start.generation)
             return
         serving = (self.store_port, self.serving_store.port if self.serving_store is not None else 0)
         if start.rendezvous.host_unit_id == self.options.unit_id and start.rendezvous.port not in serving:
             self.log.warning("rendezvous_port_mismatch", named=start.rendezvous.port, serving=self.store_port)
         progress = [self.run_dir / f"progress-{local}" for local in range(mine.procs_per_node)]
-        errors = error_files(self.run_dir, start.epoch, mine.procs_per_node)
+        errors = error_files(self.run_dir, start.generation, mine.procs_per_node)
         extra = dict(self.registered.environment)
         if self.live_mode:
             self.channel.reset()
-            self.live = LiveWorkers(ready_generation=start.epoch if joining else 0)
+            self.live = LiveWorkers(ready_generation=start.generation if joining else 0)
             extra.update({"TIDAL_MODE": "live", "TIDAL_CONTROL_SOCKET": str(self.channel.path),
                           "TIDAL_JOINING": "1" if joining else "0", "TIDAL_STANDBY": "1" if standby else "0",
                           # The unit's workers form their own fixed group (HybridSharded's shard
                           # group) at this launcher's store, which lives as long as the unit;
                           # the name is new for every set of workers started.
                           "TIDAL_UNIT_STORE": f"{self.options.address}:{self.store_port}",
-                          "TIDAL_UNIT_GROUP": f"{self.options.unit_id}/{start.epoch}/{int(time.time() * 1000)}"})
+                          "TIDAL_UNIT_GROUP": f"{self.options.unit_id}/{start.generation}/{int(time.time() * 1000)}"})
         environments = [worker_environment(os.environ, extra, placement=placement,
                                            local_rank=local, job_id=self.options.job_id,
                                            unit_id=self.options.unit_id, progress_file=progress[local],
                                            error_file=errors[local])
                         for local in range(mine.procs_per_node)]
-        generation = start.epoch
+        generation = start.generation
         try:
             self.workers = start_workers(
                 list(self.registered.command), environments, generation=generation, first_rank=mine.first_rank,
@@ -515,7 +513,7 @@ class Agent:
             self.log.error("workers_not_started", generation=generation, error=str(error))
             self.generation = generation
             self.link.send(launcher_pb2.LauncherMessage(worker_exited=launcher_pb2.WorkerExited(
-                epoch=generation, local_rank=0, pid=0, exit_code=127)))
+                generation=generation, local_rank=0, pid=0, exit_code=127)))
             self.state = AgentState.WAITING
             return
         if self.hub is not None:
@@ -534,7 +532,7 @@ class Agent:
             self.serving_store = self.store
             self._new_store()
         if not joining:
-            self._report(generation, launcher_pb2.EPOCH_PHASE_STARTED, step=start.resume_step,
+            self._report(generation, launcher_pb2.GENERATION_PHASE_STARTED, step=start.resume_step,
                          store_port=self.store_port)
         self.log.info("generation_started", generation=generation, rank=mine.first_rank,
                       world_size=placement.world_size, master=f"{placement.master_addr}:{placement.master_port}")
@@ -587,11 +585,11 @@ class Agent:
         self.log.info("workers_stopped", generation=generation, state=self.state.value)
         if self.state is AgentState.LEAVING:
             # The step the state was saved at, if it was (the job's committed step).
-            report = launcher_pb2.EpochReport(epoch=self.generation, phase=launcher_pb2.EPOCH_PHASE_LEFT,
+            report = launcher_pb2.GenerationReport(generation=self.generation, phase=launcher_pb2.GENERATION_PHASE_LEFT,
                                               detail=left_detail(self.live.saved),
                                               step=max((step for _, step in self.live.saved.values()), default=0))
             report.at.GetCurrentTime()
-            self.link.send(launcher_pb2.LauncherMessage(epoch_report=report))
+            self.link.send(launcher_pb2.LauncherMessage(generation_report=report))
             self._finish(AgentState.SUCCEEDED, EXIT_OK, "left the job")
             return
         if self.failed_self:
@@ -601,7 +599,7 @@ class Agent:
         self.state = AgentState.WAITING
         replaced, self.stopping_for_start = self.stopping_for_start, False
         if not replaced:
-            self._report(self.generation, launcher_pb2.EPOCH_PHASE_STOPPED, store_port=self.store_port)
+            self._report(self.generation, launcher_pb2.GENERATION_PHASE_STOPPED, store_port=self.store_port)
         if self.pending_start is not None:
             start, self.pending_start = self.pending_start, None
             self._start(start)
@@ -624,7 +622,7 @@ class Agent:
         error = read_worker_error(worker.error_file) if returncode != 0 else None
         self.log.info("worker_exited", generation=generation, rank=worker.rank, pid=worker.pid, exit_code=exit_code,
                       signal=signum, error=error.message if error is not None else None)
-        exited = launcher_pb2.WorkerExited(epoch=self.generation, local_rank=worker.local_rank, pid=worker.pid,
+        exited = launcher_pb2.WorkerExited(generation=self.generation, local_rank=worker.local_rank, pid=worker.pid,
                                            exit_code=exit_code, signal=signum,
                                            detail=self.live.silenced.get(worker.local_rank, ""),
                                            error=error.message if error is not None else "",
@@ -636,7 +634,7 @@ class Agent:
         if self.live.finished and group.all_exited:
             # Training is over and every worker of this unit has exited: the unit is done,
             # whether or not the controller is there to say so.
-            self._report(self.generation, launcher_pb2.EPOCH_PHASE_LEFT,
+            self._report(self.generation, launcher_pb2.GENERATION_PHASE_LEFT,
                          detail="training finished; every worker exited")
             self._finish(AgentState.SUCCEEDED, EXIT_OK, "training finished")
 
@@ -654,7 +652,7 @@ class Agent:
             self._stop_workers(AgentState.LEAVING, self.options.stop_grace_s)
 
     def _request_leave(self) -> None:
-        request = launcher_pb2.LeaveRequest(epoch=self.generation, cause=launcher_pb2.LEAVE_CAUSE_PREEMPTED,
+        request = launcher_pb2.LeaveRequest(generation=self.generation, cause=launcher_pb2.LEAVE_CAUSE_PREEMPTED,
                                             detail="SIGTERM")
         self.link.send(launcher_pb2.LauncherMessage(leave_request=request))
 
@@ -751,7 +749,7 @@ class Agent:
 
     def _heartbeat(self) -> launcher_pb2.Heartbeat:
         self.heartbeat_sequence += 1
-        beat = launcher_pb2.Heartbeat(epoch=self.generation, sequence=self.heartbeat_sequence)
+        beat = launcher_pb2.Heartbeat(sequence=self.heartbeat_sequence)
         beat.sent_at.GetCurrentTime()
         if self.workers is not None:
             for worker in self.workers.workers:
@@ -801,7 +799,7 @@ class Agent:
     def _on_follower_worker_exit(self, index: int, exited: launcher_pb2.WorkerExited) -> None:
         """A worker of a follower's node exited on its own: a worker exit of this unit (its
         local rank counted over the unit's nodes)."""
-        if self.state.is_final or exited.epoch != self.generation:
+        if self.state.is_final or exited.generation != self.generation:
             return
         if self.stopping_nodes is not None and not self.stopping_nodes.done():
             return
@@ -810,7 +808,7 @@ class Agent:
         forwarded = launcher_pb2.WorkerExited()
         forwarded.CopyFrom(exited)
         forwarded.local_rank = index * per_node + exited.local_rank
-        self.log.info("node_worker_exited", node=node, generation=exited.epoch, local_rank=forwarded.local_rank,
+        self.log.info("node_worker_exited", node=node, generation=exited.generation, local_rank=forwarded.local_rank,
                       pid=exited.pid, exit_code=exited.exit_code, signal=exited.signal)
         self.link.send(launcher_pb2.LauncherMessage(worker_exited=forwarded))
 
@@ -827,7 +825,7 @@ class Agent:
             self._finish(AgentState.FAILED, EXIT_UNIT_FAILED, f"{what} (before the unit registered)")
             return
         per_node = self.registered.procs_per_node if self.registered is not None else 0
-        exited = launcher_pb2.WorkerExited(epoch=self.generation, local_rank=index * per_node, pid=0,
+        exited = launcher_pb2.WorkerExited(generation=self.generation, local_rank=index * per_node, pid=0,
                                            signal=signal.SIGKILL, detail=what)
         exited.exited_at.GetCurrentTime()
         self.link.send(launcher_pb2.LauncherMessage(worker_exited=exited))
@@ -836,14 +834,14 @@ class Agent:
 
     # Live mode.
 
-    def _report(self, generation: int, phase: launcher_pb2.EpochPhase, step: int = 0, store_port: int = 0,
+    def _report(self, generation: int, phase: launcher_pb2.GenerationPhase, step: int = 0, store_port: int = 0,
                 detail: str = "") -> None:
-        report = launcher_pb2.EpochReport(epoch=generation, phase=phase, step=step, store_port=store_port,
+        report = launcher_pb2.GenerationReport(generation=generation, phase=phase, step=step, store_port=store_port,
                                           detail=detail)
         report.at.GetCurrentTime()
-        self.link.send(launcher_pb2.LauncherMessage(epoch_report=report))
+        self.link.send(launcher_pb2.LauncherMessage(generation_report=report))
 
-    def _report_once(self, generation: int, phase: launcher_pb2.EpochPhase, step: int = 0,
+    def _report_once(self, generation: int, phase: launcher_pb2.GenerationPhase, step: int = 0,
                      detail: str = "") -> None:
         if (generation, phase) not in self.live.reported:
             self.live.reported.add((generation, phase))
@@ -884,30 +882,31 @@ class Agent:
 
     def _on_reconfigure(self, reconfigure: launcher_pb2.Reconfigure) -> None:
         if (self.state.is_final or self.state is AgentState.LEAVING
-                or (reconfigure.epoch <= self.generation and self.workers is not None)):
+                or (reconfigure.generation <= self.generation and self.workers is not None)):
             return
         if self.live.finished:
-            self.log.warning("reconfigure_after_finish_ignored", generation=reconfigure.epoch)
+            self.log.warning("reconfigure_after_finish_ignored", generation=reconfigure.generation)
             return
         if self.live_workers_running and self.standby:
             # A joiner whose workers wait on standby: ready as soon as all said hello.
             self.standby = False
-            self.generation = reconfigure.epoch
+            self.generation = reconfigure.generation
             self.state = AgentState.RUNNING
-            self.live.ready_generation = reconfigure.epoch
-            self._send_worlds(reconfigure.epoch, reconfigure.rank_table, reconfigure.rendezvous, joining=True,
+            self.live.ready_generation = reconfigure.generation
+            self._send_worlds(reconfigure.generation, reconfigure.rank_table, reconfigure.rendezvous, joining=True,
                               target_step=reconfigure.target_step)
             if self.workers is not None and self.live.hello >= {w.local_rank for w in self.workers.workers}:
-                self._report_once(reconfigure.epoch, launcher_pb2.EPOCH_PHASE_STARTED,
+                self._report_once(reconfigure.generation, launcher_pb2.GENERATION_PHASE_STARTED,
                                   detail="workers ready to join (started ahead)")
             return
         if self.live_workers_running:
-            self._send_worlds(reconfigure.epoch, reconfigure.rank_table, reconfigure.rendezvous,
+            self._send_worlds(reconfigure.generation, reconfigure.rank_table, reconfigure.rendezvous,
                               target_step=reconfigure.target_step)
             return
         if self.state in (AgentState.WAITING, AgentState.CONNECTING):
             # A joiner: start the workers; they wait at the new world's rendezvous.
-            self._start(launcher_pb2.StartEpoch(epoch=reconfigure.epoch, rank_table=reconfigure.rank_table,
+            self._start(launcher_pb2.StartGeneration(generation=reconfigure.generation,
+                                                     rank_table=reconfigure.rank_table,
                                                 rendezvous=reconfigure.rendezvous,
                                                 resume_step=reconfigure.target_step), joining=True)
 
@@ -944,15 +943,15 @@ class Agent:
             case Hello():
                 live.hello.add(local_rank)
                 if live.ready_generation and live.hello >= everyone:
-                    self._report_once(live.ready_generation, launcher_pb2.EPOCH_PHASE_STARTED,
+                    self._report_once(live.ready_generation, launcher_pb2.GENERATION_PHASE_STARTED,
                                       detail="workers ready to join")
             case Formed(generation=generation, step=step):
                 live.formed[local_rank] = generation
                 live.idle.discard(local_rank)
                 if all(live.formed.get(r) == generation for r in everyone):
-                    self._report_once(generation, launcher_pb2.EPOCH_PHASE_RECONFIGURED, step=step)
+                    self._report_once(generation, launcher_pb2.GENERATION_PHASE_RECONFIGURED, step=step)
             case FirstStep(generation=generation, step=step):
-                self._report_once(generation, launcher_pb2.EPOCH_PHASE_FIRST_STEP, step=step)
+                self._report_once(generation, launcher_pb2.GENERATION_PHASE_FIRST_STEP, step=step)
             case Stopped():
                 live.idle.add(local_rank)
                 self._maybe_live_stopped()
@@ -962,14 +961,14 @@ class Agent:
                     live.saved[local_rank] = (saved_to, step)
             case Finished(generation=generation, step=step):
                 live.finished.add(local_rank)
-                self._report_once(generation, launcher_pb2.EPOCH_PHASE_FINISHED, step=step,
+                self._report_once(generation, launcher_pb2.GENERATION_PHASE_FINISHED, step=step,
                                   detail="committed the last step")
                 self._maybe_live_stopped()
             case Resumed(generation=generation, step=step, detail=detail):
-                self._report_once(generation, launcher_pb2.EPOCH_PHASE_RESUMED_FROM_CHECKPOINT, step=step,
+                self._report_once(generation, launcher_pb2.GENERATION_PHASE_RESUMED_FROM_CHECKPOINT, step=step,
                                   detail=detail)
             case StateLost(generation=generation, target_step=target_step, detail=detail):
-                self._report_once(generation, launcher_pb2.EPOCH_PHASE_STATE_LOST, step=target_step, detail=detail)
+                self._report_once(generation, launcher_pb2.GENERATION_PHASE_STATE_LOST, step=target_step, detail=detail)
             case Beat(samples=samples, waiting=waiting, loss=loss):
                 live.beats[local_rank] = (time.time(), waiting, max(0, samples), loss)
                 live.slow.discard(local_rank)
@@ -987,13 +986,6 @@ class Agent:
         self.state = state
         self.exit_code = exit_code
         self.exit_reason = reason
-
-
-def _version() -> str:
-    try:
-        return package_version("tidal-elastic")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def read_secret(secret_file: str | None) -> str:

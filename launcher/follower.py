@@ -102,7 +102,7 @@ class Follower:
         self.exit_code = EXIT_OK
         self.exit_reason = ""
         self.pending_start: launcher_pb2.NodeStart | None = None
-        # The epoch a stop was asked for, answered with NodeStopped once the workers are gone.
+        # The generation a stop was asked for, answered with NodeStopped once the workers are gone.
         self.stop_asked: int | None = None
         self.exit_after_stop: tuple[FollowerState, int, str] | None = None
         self.terminated_at: float | None = None
@@ -210,7 +210,7 @@ class Follower:
                 self._start(message.start)
         elif kind == "stop":
             self.pending_start = None
-            self.stop_asked = message.stop.epoch
+            self.stop_asked = message.stop.generation
             self._stop(message.stop.grace.ToNanoseconds() / 1e9 if message.stop.HasField("grace")
                        else self.options.stop_grace_s)
         elif kind == "done":
@@ -229,16 +229,16 @@ class Follower:
         start = relayed.start
         placement = node_placement(start, options.unit_id, options.layout.index)
         if placement is None:
-            self.log.warning("not_in_rank_table", generation=start.epoch)
+            self.log.warning("not_in_rank_table", generation=start.generation)
             return
         registered = relayed.registered
         progress = [self.run_dir / f"progress-{local}" for local in range(placement.procs_per_node)]
-        errors = error_files(self.run_dir, start.epoch, placement.procs_per_node)
+        errors = error_files(self.run_dir, start.generation, placement.procs_per_node)
         environments = [worker_environment(os.environ, dict(registered.environment), placement=placement,
                                            local_rank=local, job_id=options.job_id, unit_id=options.unit_id,
                                            progress_file=progress[local], error_file=errors[local])
                         for local in range(placement.procs_per_node)]
-        generation = start.epoch
+        generation = start.generation
         self.generation = generation
         try:
             self.workers = start_workers(
@@ -247,7 +247,7 @@ class Follower:
                 on_exit=lambda worker, code: self.events.put_nowait(WorkerExit(generation, worker, code)))
         except OSError as error:
             self.log.error("workers_not_started", generation=generation, error=str(error))
-            exited = launcher_pb2.WorkerExited(epoch=generation, local_rank=0, pid=0, exit_code=127,
+            exited = launcher_pb2.WorkerExited(generation=generation, local_rank=0, pid=0, exit_code=127,
                                                detail=f"node {options.layout.node}: {error}")
             exited.exited_at.GetCurrentTime()
             self._send(launcher_pb2.FollowerMessage(worker_exited=exited))
@@ -280,7 +280,7 @@ class Follower:
             return  # an older stop finished; the current one is still under way
         self.state = FollowerState.IDLE
         if self.stop_asked is not None:
-            self._send(launcher_pb2.FollowerMessage(stopped=launcher_pb2.NodeStopped(epoch=self.stop_asked)))
+            self._send(launcher_pb2.FollowerMessage(stopped=launcher_pb2.NodeStopped(generation=self.stop_asked)))
             self.stop_asked = None
         if self.exit_after_stop is not None:
             self._finish(*self.exit_after_stop)
@@ -301,7 +301,7 @@ class Follower:
         error = read_worker_error(worker.error_file) if returncode != 0 else None
         self.log.info("worker_exited", generation=generation, rank=worker.rank, pid=worker.pid, exit_code=exit_code,
                       signal=signum, error=error.message if error is not None else None)
-        exited = launcher_pb2.WorkerExited(epoch=generation, local_rank=worker.local_rank, pid=worker.pid,
+        exited = launcher_pb2.WorkerExited(generation=generation, local_rank=worker.local_rank, pid=worker.pid,
                                            exit_code=exit_code, signal=signum,
                                            error=error.message if error is not None else "",
                                            traceback=error.traceback if error is not None else "")

@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from tidal.proto import common_pb2 as tidal_dot_proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tidal/proto/admin.proto\x12\x08tidal.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x18tidal/proto/common.proto\"\xc5\x03\n\x07JobSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0cmin_replicas\x18\x02 \x01(\x05\x12\x14\n\x0cmax_replicas\x18\x03 \x01(\x05\x12\x19\n\x11nodes_per_replica\x18\x04 \x01(\x05\x12\x16\n\x0eprocs_per_node\x18\x05 \x01(\x05\x12\x14\n\x0cglobal_batch\x18\x06 \x01(\x03\x12\x1f\n\x04mode\x18\x07 \x01(\x0e\x32\x11.tidal.v1.JobMode\x12\x0f\n\x07\x63ommand\x18\x08 \x03(\t\x12\x16\n\x0esbatch_options\x18\t \x03(\t\x12\x11\n\tpartition\x18\n \x01(\t\x12\x13\n\x0bworking_dir\x18\x0b \x01(\t\x12\x37\n\x0b\x65nvironment\x18\x0c \x03(\x0b\x32\".tidal.v1.JobSpec.EnvironmentEntry\x12\x14\n\x0creplica_step\x18\r \x01(\x05\x12\x18\n\x10\x61llowed_replicas\x18\x0e \x03(\x05\x12\x18\n\x10yield_to_pending\x18\x0f \x01(\x08\x12\x0e\n\x06weight\x18\x10 \x01(\x05\x1a\x32\n\x10\x45nvironmentEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa8\x01\n\x04Unit\x12\x0f\n\x07unit_id\x18\x01 \x01(\t\x12\x14\n\x0cslurm_job_id\x18\x02 \x01(\x03\x12\r\n\x05nodes\x18\x03 \x03(\t\x12\"\n\x05state\x18\x04 \x01(\x0e\x32\x13.tidal.v1.UnitState\x12\x12\n\ngroup_rank\x18\x05 \x01(\x05\x12\x32\n\x0elast_heartbeat\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xd0\x02\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x1f\n\x04spec\x18\x02 \x01(\x0b\x32\x11.tidal.v1.JobSpec\x12!\n\x05state\x18\x03 \x01(\x0e\x32\x12.tidal.v1.JobState\x12\x11\n\towner_uid\x18\x04 \x01(\x05\x12\r\n\x05\x65poch\x18\x05 \x01(\x03\x12\x12\n\nworld_size\x18\x06 \x01(\x05\x12\x10\n\x08replicas\x18\x07 \x01(\x05\x12\x0c\n\x04step\x18\x08 \x01(\x03\x12\x1a\n\x12samples_per_second\x18\t \x01(\x01\x12\x0f\n\x07goodput\x18\n \x01(\x01\x12.\n\ncreated_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12#\n\nlast_event\x18\x0c \x01(\x0b\x32\x0f.tidal.v1.Event\x12\x1d\n\x05units\x18\r \x03(\x0b\x32\x0e.tidal.v1.Unit\"\xed\x01\n\x05\x45vent\x12\x10\n\x08sequence\x18\x01 \x01(\x03\x12(\n\x04time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06job_id\x18\x03 \x01(\t\x12\x0f\n\x07unit_id\x18\x04 \x01(\t\x12\r\n\x05\x65poch\x18\x05 \x01(\x03\x12\x0c\n\x04kind\x18\x06 \x01(\t\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12+\n\x06\x66ields\x18\x08 \x03(\x0b\x32\x1b.tidal.v1.Event.FieldsEntry\x1a-\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x93\x01\n\x04Node\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\r\n\x05\x66lags\x18\x03 \x03(\t\x12\x12\n\npartitions\x18\x04 \x03(\t\x12\x0c\n\x04\x63pus\x18\x05 \x01(\x05\x12\x0c\n\x04gres\x18\x06 \x01(\t\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x0e\n\x06job_id\x18\x08 \x01(\t\x12\x0f\n\x07unit_id\x18\t \x01(\t\"B\n\x10SubmitJobRequest\x12\x1f\n\x04spec\x18\x01 \x01(\x0b\x32\x11.tidal.v1.JobSpec\x12\r\n\x05owner\x18\x02 \x01(\t\"D\n\x11SubmitJobResponse\x12\x1a\n\x03job\x18\x01 \x01(\x0b\x32\r.tidal.v1.Job\x12\x13\n\x0bsecret_path\x18\x02 \x01(\t\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"+\n\x0fListJobsRequest\x12\x18\n\x10include_finished\x18\x01 \x01(\x08\"/\n\x10ListJobsResponse\x12\x1b\n\x04jobs\x18\x01 \x03(\x0b\x32\r.tidal.v1.Job\"J\n\x11ListEventsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x66ter_sequence\x18\x02 \x01(\x03\x12\r\n\x05limit\x18\x03 \x01(\x05\"5\n\x12ListEventsResponse\x12\x1f\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x0f.tidal.v1.Event\"\x12\n\x10ListNodesRequest\"r\n\x11ListNodesResponse\x12\x1d\n\x05nodes\x18\x01 \x03(\x0b\x32\x0e.tidal.v1.Node\x12\r\n\x05stale\x18\x02 \x01(\x08\x12/\n\x0bobserved_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"N\n\x10ResizeJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x14\n\x0cmin_replicas\x18\x02 \x01(\x05\x12\x14\n\x0cmax_replicas\x18\x03 \x01(\x05\"\x1e\n\x0c\x44rainRequest\x12\x0e\n\x06target\x18\x01 \x01(\t\"!\n\rDrainResponse\x12\x10\n\x08unit_ids\x18\x01 \x03(\t\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"&\n\x14GetJobHistoryRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x89\x01\n\x0eProgressSample\x12(\n\x04time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07samples\x18\x03 \x01(\x03\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x11\n\x04loss\x18\x05 \x01(\x01H\x00\x88\x01\x01\x42\x07\n\x05_loss\"~\n\nJobHistory\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x14\n\x0cglobal_batch\x18\x02 \x01(\x03\x12)\n\x07samples\x18\x03 \x03(\x0b\x32\x18.tidal.v1.ProgressSample\x12\x1f\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x0f.tidal.v1.Event*\xe9\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_PENDING\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x1b\n\x17JOB_STATE_RECONFIGURING\x10\x03\x12\x16\n\x12JOB_STATE_DEGRADED\x10\x04\x12\x17\n\x13JOB_STATE_COMPLETED\x10\x05\x12\x14\n\x10JOB_STATE_FAILED\x10\x06\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x07\x12\x17\n\x13JOB_STATE_FINISHING\x10\x08*\xb4\x01\n\tUnitState\x12\x1a\n\x16UNIT_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14UNIT_STATE_SUBMITTED\x10\x01\x12\x16\n\x12UNIT_STATE_JOINING\x10\x02\x12\x15\n\x11UNIT_STATE_ACTIVE\x10\x03\x12\x16\n\x12UNIT_STATE_LEAVING\x10\x04\x12\x13\n\x0fUNIT_STATE_LEFT\x10\x05\x12\x15\n\x11UNIT_STATE_FAILED\x10\x06\x32\x88\x05\n\x0c\x41\x64minService\x12\x44\n\tSubmitJob\x12\x1a.tidal.v1.SubmitJobRequest\x1a\x1b.tidal.v1.SubmitJobResponse\x12\x30\n\x06GetJob\x12\x17.tidal.v1.GetJobRequest\x1a\r.tidal.v1.Job\x12\x41\n\x08ListJobs\x12\x19.tidal.v1.ListJobsRequest\x1a\x1a.tidal.v1.ListJobsResponse\x12G\n\nListEvents\x12\x1b.tidal.v1.ListEventsRequest\x1a\x1c.tidal.v1.ListEventsResponse\x12=\n\x0bWatchEvents\x12\x1b.tidal.v1.ListEventsRequest\x1a\x0f.tidal.v1.Event0\x01\x12\x44\n\tListNodes\x12\x1a.tidal.v1.ListNodesRequest\x1a\x1b.tidal.v1.ListNodesResponse\x12\x36\n\tResizeJob\x12\x1a.tidal.v1.ResizeJobRequest\x1a\r.tidal.v1.Job\x12\x38\n\x05\x44rain\x12\x16.tidal.v1.DrainRequest\x1a\x17.tidal.v1.DrainResponse\x12\x36\n\tCancelJob\x12\x1a.tidal.v1.CancelJobRequest\x1a\r.tidal.v1.Job\x12\x45\n\rGetJobHistory\x12\x1e.tidal.v1.GetJobHistoryRequest\x1a\x14.tidal.v1.JobHistoryb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tidal/proto/admin.proto\x12\x08tidal.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x18tidal/proto/common.proto\"\xc5\x03\n\x07JobSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0cmin_replicas\x18\x02 \x01(\x05\x12\x14\n\x0cmax_replicas\x18\x03 \x01(\x05\x12\x19\n\x11nodes_per_replica\x18\x04 \x01(\x05\x12\x16\n\x0eprocs_per_node\x18\x05 \x01(\x05\x12\x14\n\x0cglobal_batch\x18\x06 \x01(\x03\x12\x1f\n\x04mode\x18\x07 \x01(\x0e\x32\x11.tidal.v1.JobMode\x12\x0f\n\x07\x63ommand\x18\x08 \x03(\t\x12\x16\n\x0esbatch_options\x18\t \x03(\t\x12\x11\n\tpartition\x18\n \x01(\t\x12\x13\n\x0bworking_dir\x18\x0b \x01(\t\x12\x37\n\x0b\x65nvironment\x18\x0c \x03(\x0b\x32\".tidal.v1.JobSpec.EnvironmentEntry\x12\x14\n\x0creplica_step\x18\r \x01(\x05\x12\x18\n\x10\x61llowed_replicas\x18\x0e \x03(\x05\x12\x18\n\x10yield_to_pending\x18\x0f \x01(\x08\x12\x0e\n\x06weight\x18\x10 \x01(\x05\x1a\x32\n\x10\x45nvironmentEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa8\x01\n\x04Unit\x12\x0f\n\x07unit_id\x18\x01 \x01(\t\x12\x14\n\x0cslurm_job_id\x18\x02 \x01(\x03\x12\r\n\x05nodes\x18\x03 \x03(\t\x12\"\n\x05state\x18\x04 \x01(\x0e\x32\x13.tidal.v1.UnitState\x12\x12\n\ngroup_rank\x18\x05 \x01(\x05\x12\x32\n\x0elast_heartbeat\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xd5\x02\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x1f\n\x04spec\x18\x02 \x01(\x0b\x32\x11.tidal.v1.JobSpec\x12!\n\x05state\x18\x03 \x01(\x0e\x32\x12.tidal.v1.JobState\x12\x11\n\towner_uid\x18\x04 \x01(\x05\x12\x12\n\ngeneration\x18\x05 \x01(\x03\x12\x12\n\nworld_size\x18\x06 \x01(\x05\x12\x10\n\x08replicas\x18\x07 \x01(\x05\x12\x0c\n\x04step\x18\x08 \x01(\x03\x12\x1a\n\x12samples_per_second\x18\t \x01(\x01\x12\x0f\n\x07goodput\x18\n \x01(\x01\x12.\n\ncreated_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12#\n\nlast_event\x18\x0c \x01(\x0b\x32\x0f.tidal.v1.Event\x12\x1d\n\x05units\x18\r \x03(\x0b\x32\x0e.tidal.v1.Unit\"\xf2\x01\n\x05\x45vent\x12\x10\n\x08sequence\x18\x01 \x01(\x03\x12(\n\x04time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06job_id\x18\x03 \x01(\t\x12\x0f\n\x07unit_id\x18\x04 \x01(\t\x12\x12\n\ngeneration\x18\x05 \x01(\x03\x12\x0c\n\x04kind\x18\x06 \x01(\t\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12+\n\x06\x66ields\x18\x08 \x03(\x0b\x32\x1b.tidal.v1.Event.FieldsEntry\x1a-\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x93\x01\n\x04Node\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\r\n\x05\x66lags\x18\x03 \x03(\t\x12\x12\n\npartitions\x18\x04 \x03(\t\x12\x0c\n\x04\x63pus\x18\x05 \x01(\x05\x12\x0c\n\x04gres\x18\x06 \x01(\t\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x0e\n\x06job_id\x18\x08 \x01(\t\x12\x0f\n\x07unit_id\x18\t \x01(\t\"B\n\x10SubmitJobRequest\x12\x1f\n\x04spec\x18\x01 \x01(\x0b\x32\x11.tidal.v1.JobSpec\x12\r\n\x05owner\x18\x02 \x01(\t\"D\n\x11SubmitJobResponse\x12\x1a\n\x03job\x18\x01 \x01(\x0b\x32\r.tidal.v1.Job\x12\x13\n\x0bsecret_path\x18\x02 \x01(\t\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"+\n\x0fListJobsRequest\x12\x18\n\x10include_finished\x18\x01 \x01(\x08\"/\n\x10ListJobsResponse\x12\x1b\n\x04jobs\x18\x01 \x03(\x0b\x32\r.tidal.v1.Job\"J\n\x11ListEventsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x66ter_sequence\x18\x02 \x01(\x03\x12\r\n\x05limit\x18\x03 \x01(\x05\"5\n\x12ListEventsResponse\x12\x1f\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x0f.tidal.v1.Event\"\x12\n\x10ListNodesRequest\"r\n\x11ListNodesResponse\x12\x1d\n\x05nodes\x18\x01 \x03(\x0b\x32\x0e.tidal.v1.Node\x12\r\n\x05stale\x18\x02 \x01(\x08\x12/\n\x0bobserved_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"N\n\x10ResizeJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x14\n\x0cmin_replicas\x18\x02 \x01(\x05\x12\x14\n\x0cmax_replicas\x18\x03 \x01(\x05\"\x1e\n\x0c\x44rainRequest\x12\x0e\n\x06target\x18\x01 \x01(\t\"!\n\rDrainResponse\x12\x10\n\x08unit_ids\x18\x01 \x03(\t\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"&\n\x14GetJobHistoryRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x89\x01\n\x0eProgressSample\x12(\n\x04time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07samples\x18\x03 \x01(\x03\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x11\n\x04loss\x18\x05 \x01(\x01H\x00\x88\x01\x01\x42\x07\n\x05_loss\"~\n\nJobHistory\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x14\n\x0cglobal_batch\x18\x02 \x01(\x03\x12)\n\x07samples\x18\x03 \x03(\x0b\x32\x18.tidal.v1.ProgressSample\x12\x1f\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x0f.tidal.v1.Event*\xe9\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_PENDING\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x1b\n\x17JOB_STATE_RECONFIGURING\x10\x03\x12\x16\n\x12JOB_STATE_DEGRADED\x10\x04\x12\x17\n\x13JOB_STATE_COMPLETED\x10\x05\x12\x14\n\x10JOB_STATE_FAILED\x10\x06\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x07\x12\x17\n\x13JOB_STATE_FINISHING\x10\x08*\xb4\x01\n\tUnitState\x12\x1a\n\x16UNIT_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14UNIT_STATE_SUBMITTED\x10\x01\x12\x16\n\x12UNIT_STATE_JOINING\x10\x02\x12\x15\n\x11UNIT_STATE_ACTIVE\x10\x03\x12\x16\n\x12UNIT_STATE_LEAVING\x10\x04\x12\x13\n\x0fUNIT_STATE_LEFT\x10\x05\x12\x15\n\x11UNIT_STATE_FAILED\x10\x06\x32\x88\x05\n\x0c\x41\x64minService\x12\x44\n\tSubmitJob\x12\x1a.tidal.v1.SubmitJobRequest\x1a\x1b.tidal.v1.SubmitJobResponse\x12\x30\n\x06GetJob\x12\x17.tidal.v1.GetJobRequest\x1a\r.tidal.v1.Job\x12\x41\n\x08ListJobs\x12\x19.tidal.v1.ListJobsRequest\x1a\x1a.tidal.v1.ListJobsResponse\x12G\n\nListEvents\x12\x1b.tidal.v1.ListEventsRequest\x1a\x1c.tidal.v1.ListEventsResponse\x12=\n\x0bWatchEvents\x12\x1b.tidal.v1.ListEventsRequest\x1a\x0f.tidal.v1.Event0\x01\x12\x44\n\tListNodes\x12\x1a.tidal.v1.ListNodesRequest\x1a\x1b.tidal.v1.ListNodesResponse\x12\x36\n\tResizeJob\x12\x1a.tidal.v1.ResizeJobRequest\x1a\r.tidal.v1.Job\x12\x38\n\x05\x44rain\x12\x16.tidal.v1.DrainRequest\x1a\x17.tidal.v1.DrainResponse\x12\x36\n\tCancelJob\x12\x1a.tidal.v1.CancelJobRequest\x1a\r.tidal.v1.Job\x12\x45\n\rGetJobHistory\x12\x1e.tidal.v1.GetJobHistoryRequest\x1a\x14.tidal.v1.JobHistoryb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,10 +37,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOBSPEC_ENVIRONMENTENTRY']._serialized_options = b'8\001'
   _globals['_EVENT_FIELDSENTRY']._loaded_options = None
   _globals['_EVENT_FIELDSENTRY']._serialized_options = b'8\001'
-  _globals['_JOBSTATE']._serialized_start=2476
-  _globals['_JOBSTATE']._serialized_end=2709
-  _globals['_UNITSTATE']._serialized_start=2712
-  _globals['_UNITSTATE']._serialized_end=2892
+  _globals['_JOBSTATE']._serialized_start=2486
+  _globals['_JOBSTATE']._serialized_end=2719
+  _globals['_UNITSTATE']._serialized_start=2722
+  _globals['_UNITSTATE']._serialized_end=2902
   _globals['_JOBSPEC']._serialized_start=97
   _globals['_JOBSPEC']._serialized_end=550
   _globals['_JOBSPEC_ENVIRONMENTENTRY']._serialized_start=500
@@ -48,45 +48,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UNIT']._serialized_start=553
   _globals['_UNIT']._serialized_end=721
   _globals['_JOB']._serialized_start=724
-  _globals['_JOB']._serialized_end=1060
-  _globals['_EVENT']._serialized_start=1063
-  _globals['_EVENT']._serialized_end=1300
-  _globals['_EVENT_FIELDSENTRY']._serialized_start=1255
-  _globals['_EVENT_FIELDSENTRY']._serialized_end=1300
-  _globals['_NODE']._serialized_start=1303
-  _globals['_NODE']._serialized_end=1450
-  _globals['_SUBMITJOBREQUEST']._serialized_start=1452
-  _globals['_SUBMITJOBREQUEST']._serialized_end=1518
-  _globals['_SUBMITJOBRESPONSE']._serialized_start=1520
-  _globals['_SUBMITJOBRESPONSE']._serialized_end=1588
-  _globals['_GETJOBREQUEST']._serialized_start=1590
-  _globals['_GETJOBREQUEST']._serialized_end=1621
-  _globals['_LISTJOBSREQUEST']._serialized_start=1623
-  _globals['_LISTJOBSREQUEST']._serialized_end=1666
-  _globals['_LISTJOBSRESPONSE']._serialized_start=1668
-  _globals['_LISTJOBSRESPONSE']._serialized_end=1715
-  _globals['_LISTEVENTSREQUEST']._serialized_start=1717
-  _globals['_LISTEVENTSREQUEST']._serialized_end=1791
-  _globals['_LISTEVENTSRESPONSE']._serialized_start=1793
-  _globals['_LISTEVENTSRESPONSE']._serialized_end=1846
-  _globals['_LISTNODESREQUEST']._serialized_start=1848
-  _globals['_LISTNODESREQUEST']._serialized_end=1866
-  _globals['_LISTNODESRESPONSE']._serialized_start=1868
-  _globals['_LISTNODESRESPONSE']._serialized_end=1982
-  _globals['_RESIZEJOBREQUEST']._serialized_start=1984
-  _globals['_RESIZEJOBREQUEST']._serialized_end=2062
-  _globals['_DRAINREQUEST']._serialized_start=2064
-  _globals['_DRAINREQUEST']._serialized_end=2094
-  _globals['_DRAINRESPONSE']._serialized_start=2096
-  _globals['_DRAINRESPONSE']._serialized_end=2129
-  _globals['_CANCELJOBREQUEST']._serialized_start=2131
-  _globals['_CANCELJOBREQUEST']._serialized_end=2165
-  _globals['_GETJOBHISTORYREQUEST']._serialized_start=2167
-  _globals['_GETJOBHISTORYREQUEST']._serialized_end=2205
-  _globals['_PROGRESSSAMPLE']._serialized_start=2208
-  _globals['_PROGRESSSAMPLE']._serialized_end=2345
-  _globals['_JOBHISTORY']._serialized_start=2347
-  _globals['_JOBHISTORY']._serialized_end=2473
-  _globals['_ADMINSERVICE']._serialized_start=2895
-  _globals['_ADMINSERVICE']._serialized_end=3543
+  _globals['_JOB']._serialized_end=1065
+  _globals['_EVENT']._serialized_start=1068
+  _globals['_EVENT']._serialized_end=1310
+  _globals['_EVENT_FIELDSENTRY']._serialized_start=1265
+  _globals['_EVENT_FIELDSENTRY']._serialized_end=1310
+  _globals['_NODE']._serialized_start=1313
+  _globals['_NODE']._serialized_end=1460
+  _globals['_SUBMITJOBREQUEST']._serialized_start=1462
+  _globals['_SUBMITJOBREQUEST']._serialized_end=1528
+  _globals['_SUBMITJOBRESPONSE']._serialized_start=1530
+  _globals['_SUBMITJOBRESPONSE']._serialized_end=1598
+  _globals['_GETJOBREQUEST']._serialized_start=1600
+  _globals['_GETJOBREQUEST']._serialized_end=1631
+  _globals['_LISTJOBSREQUEST']._serialized_start=1633
+  _globals['_LISTJOBSREQUEST']._serialized_end=1676
+  _globals['_LISTJOBSRESPONSE']._serialized_start=1678
+  _globals['_LISTJOBSRESPONSE']._serialized_end=1725
+  _globals['_LISTEVENTSREQUEST']._serialized_start=1727
+  _globals['_LISTEVENTSREQUEST']._serialized_end=1801
+  _globals['_LISTEVENTSRESPONSE']._serialized_start=1803
+  _globals['_LISTEVENTSRESPONSE']._serialized_end=1856
+  _globals['_LISTNODESREQUEST']._serialized_start=1858
+  _globals['_LISTNODESREQUEST']._serialized_end=1876
+  _globals['_LISTNODESRESPONSE']._serialized_start=1878
+  _globals['_LISTNODESRESPONSE']._serialized_end=1992
+  _globals['_RESIZEJOBREQUEST']._serialized_start=1994
+  _globals['_RESIZEJOBREQUEST']._serialized_end=2072
+  _globals['_DRAINREQUEST']._serialized_start=2074
+  _globals['_DRAINREQUEST']._serialized_end=2104
+  _globals['_DRAINRESPONSE']._serialized_start=2106
+  _globals['_DRAINRESPONSE']._serialized_end=2139
+  _globals['_CANCELJOBREQUEST']._serialized_start=2141
+  _globals['_CANCELJOBREQUEST']._serialized_end=2175
+  _globals['_GETJOBHISTORYREQUEST']._serialized_start=2177
+  _globals['_GETJOBHISTORYREQUEST']._serialized_end=2215
+  _globals['_PROGRESSSAMPLE']._serialized_start=2218
+  _globals['_PROGRESSSAMPLE']._serialized_end=2355
+  _globals['_JOBHISTORY']._serialized_start=2357
+  _globals['_JOBHISTORY']._serialized_end=2483
+  _globals['_ADMINSERVICE']._serialized_start=2905
+  _globals['_ADMINSERVICE']._serialized_end=3553
 # @@protoc_insertion_point(module_scope)

@@ -109,12 +109,12 @@ class Unit(_message.Message):
     def __init__(self, unit_id: _Optional[str] = ..., slurm_job_id: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., state: _Optional[_Union[UnitState, str]] = ..., group_rank: _Optional[int] = ..., last_heartbeat: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "spec", "state", "owner_uid", "epoch", "world_size", "replicas", "step", "samples_per_second", "goodput", "created_at", "last_event", "units")
+    __slots__ = ("job_id", "spec", "state", "owner_uid", "generation", "world_size", "replicas", "step", "samples_per_second", "goodput", "created_at", "last_event", "units")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     OWNER_UID_FIELD_NUMBER: _ClassVar[int]
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -127,7 +127,7 @@ class Job(_message.Message):
     spec: JobSpec
     state: JobState
     owner_uid: int
-    epoch: int
+    generation: int
     world_size: int
     replicas: int
     step: int
@@ -136,10 +136,10 @@ class Job(_message.Message):
     created_at: _timestamp_pb2.Timestamp
     last_event: Event
     units: _containers.RepeatedCompositeFieldContainer[Unit]
-    def __init__(self, job_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., state: _Optional[_Union[JobState, str]] = ..., owner_uid: _Optional[int] = ..., epoch: _Optional[int] = ..., world_size: _Optional[int] = ..., replicas: _Optional[int] = ..., step: _Optional[int] = ..., samples_per_second: _Optional[float] = ..., goodput: _Optional[float] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_event: _Optional[_Union[Event, _Mapping]] = ..., units: _Optional[_Iterable[_Union[Unit, _Mapping]]] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., state: _Optional[_Union[JobState, str]] = ..., owner_uid: _Optional[int] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., replicas: _Optional[int] = ..., step: _Optional[int] = ..., samples_per_second: _Optional[float] = ..., goodput: _Optional[float] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_event: _Optional[_Union[Event, _Mapping]] = ..., units: _Optional[_Iterable[_Union[Unit, _Mapping]]] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("sequence", "time", "job_id", "unit_id", "epoch", "kind", "reason", "fields")
+    __slots__ = ("sequence", "time", "job_id", "unit_id", "generation", "kind", "reason", "fields")
     class FieldsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -151,7 +151,7 @@ class Event(_message.Message):
     TIME_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     UNIT_ID_FIELD_NUMBER: _ClassVar[int]
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
@@ -159,11 +159,11 @@ class Event(_message.Message):
     time: _timestamp_pb2.Timestamp
     job_id: str
     unit_id: str
-    epoch: int
+    generation: int
     kind: str
     reason: str
     fields: _containers.ScalarMap[str, str]
-    def __init__(self, sequence: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., job_id: _Optional[str] = ..., unit_id: _Optional[str] = ..., epoch: _Optional[int] = ..., kind: _Optional[str] = ..., reason: _Optional[str] = ..., fields: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    def __init__(self, sequence: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., job_id: _Optional[str] = ..., unit_id: _Optional[str] = ..., generation: _Optional[int] = ..., kind: _Optional[str] = ..., reason: _Optional[str] = ..., fields: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Node(_message.Message):
     __slots__ = ("name", "state", "flags", "partitions", "cpus", "gres", "reason", "job_id", "unit_id")

@@ -16,73 +16,65 @@ class LeaveCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     LEAVE_CAUSE_UNSPECIFIED: _ClassVar[LeaveCause]
     LEAVE_CAUSE_PREEMPTED: _ClassVar[LeaveCause]
-    LEAVE_CAUSE_DRAINED: _ClassVar[LeaveCause]
-    LEAVE_CAUSE_SHUTDOWN: _ClassVar[LeaveCause]
 
-class EpochPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+class GenerationPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
-    EPOCH_PHASE_UNSPECIFIED: _ClassVar[EpochPhase]
-    EPOCH_PHASE_STARTED: _ClassVar[EpochPhase]
-    EPOCH_PHASE_RECONFIGURED: _ClassVar[EpochPhase]
-    EPOCH_PHASE_STOPPED: _ClassVar[EpochPhase]
-    EPOCH_PHASE_LEFT: _ClassVar[EpochPhase]
-    EPOCH_PHASE_FIRST_STEP: _ClassVar[EpochPhase]
-    EPOCH_PHASE_FINISHED: _ClassVar[EpochPhase]
-    EPOCH_PHASE_RESUMED_FROM_CHECKPOINT: _ClassVar[EpochPhase]
-    EPOCH_PHASE_STATE_LOST: _ClassVar[EpochPhase]
+    GENERATION_PHASE_UNSPECIFIED: _ClassVar[GenerationPhase]
+    GENERATION_PHASE_STARTED: _ClassVar[GenerationPhase]
+    GENERATION_PHASE_RECONFIGURED: _ClassVar[GenerationPhase]
+    GENERATION_PHASE_STOPPED: _ClassVar[GenerationPhase]
+    GENERATION_PHASE_LEFT: _ClassVar[GenerationPhase]
+    GENERATION_PHASE_FIRST_STEP: _ClassVar[GenerationPhase]
+    GENERATION_PHASE_FINISHED: _ClassVar[GenerationPhase]
+    GENERATION_PHASE_RESUMED_FROM_CHECKPOINT: _ClassVar[GenerationPhase]
+    GENERATION_PHASE_STATE_LOST: _ClassVar[GenerationPhase]
 LEAVE_CAUSE_UNSPECIFIED: LeaveCause
 LEAVE_CAUSE_PREEMPTED: LeaveCause
-LEAVE_CAUSE_DRAINED: LeaveCause
-LEAVE_CAUSE_SHUTDOWN: LeaveCause
-EPOCH_PHASE_UNSPECIFIED: EpochPhase
-EPOCH_PHASE_STARTED: EpochPhase
-EPOCH_PHASE_RECONFIGURED: EpochPhase
-EPOCH_PHASE_STOPPED: EpochPhase
-EPOCH_PHASE_LEFT: EpochPhase
-EPOCH_PHASE_FIRST_STEP: EpochPhase
-EPOCH_PHASE_FINISHED: EpochPhase
-EPOCH_PHASE_RESUMED_FROM_CHECKPOINT: EpochPhase
-EPOCH_PHASE_STATE_LOST: EpochPhase
+GENERATION_PHASE_UNSPECIFIED: GenerationPhase
+GENERATION_PHASE_STARTED: GenerationPhase
+GENERATION_PHASE_RECONFIGURED: GenerationPhase
+GENERATION_PHASE_STOPPED: GenerationPhase
+GENERATION_PHASE_LEFT: GenerationPhase
+GENERATION_PHASE_FIRST_STEP: GenerationPhase
+GENERATION_PHASE_FINISHED: GenerationPhase
+GENERATION_PHASE_RESUMED_FROM_CHECKPOINT: GenerationPhase
+GENERATION_PHASE_STATE_LOST: GenerationPhase
 
 class LauncherMessage(_message.Message):
-    __slots__ = ("register", "heartbeat", "worker_exited", "leave_request", "epoch_report")
+    __slots__ = ("register", "heartbeat", "worker_exited", "leave_request", "generation_report")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     WORKER_EXITED_FIELD_NUMBER: _ClassVar[int]
     LEAVE_REQUEST_FIELD_NUMBER: _ClassVar[int]
-    EPOCH_REPORT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_REPORT_FIELD_NUMBER: _ClassVar[int]
     register: Register
     heartbeat: Heartbeat
     worker_exited: WorkerExited
     leave_request: LeaveRequest
-    epoch_report: EpochReport
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., worker_exited: _Optional[_Union[WorkerExited, _Mapping]] = ..., leave_request: _Optional[_Union[LeaveRequest, _Mapping]] = ..., epoch_report: _Optional[_Union[EpochReport, _Mapping]] = ...) -> None: ...
+    generation_report: GenerationReport
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., worker_exited: _Optional[_Union[WorkerExited, _Mapping]] = ..., leave_request: _Optional[_Union[LeaveRequest, _Mapping]] = ..., generation_report: _Optional[_Union[GenerationReport, _Mapping]] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("job_id", "unit_id", "secret", "nodes", "address", "procs_per_node", "slurm_job_id", "last_epoch", "worker_pids", "launcher_version", "store_port")
+    __slots__ = ("job_id", "unit_id", "secret", "nodes", "address", "slurm_job_id", "last_generation", "worker_pids", "store_port")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     UNIT_ID_FIELD_NUMBER: _ClassVar[int]
     SECRET_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    PROCS_PER_NODE_FIELD_NUMBER: _ClassVar[int]
     SLURM_JOB_ID_FIELD_NUMBER: _ClassVar[int]
-    LAST_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LAST_GENERATION_FIELD_NUMBER: _ClassVar[int]
     WORKER_PIDS_FIELD_NUMBER: _ClassVar[int]
-    LAUNCHER_VERSION_FIELD_NUMBER: _ClassVar[int]
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     unit_id: str
     secret: str
     nodes: _containers.RepeatedScalarFieldContainer[str]
     address: str
-    procs_per_node: int
     slurm_job_id: int
-    last_epoch: int
+    last_generation: int
     worker_pids: _containers.RepeatedScalarFieldContainer[int]
-    launcher_version: str
     store_port: int
-    def __init__(self, job_id: _Optional[str] = ..., unit_id: _Optional[str] = ..., secret: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., address: _Optional[str] = ..., procs_per_node: _Optional[int] = ..., slurm_job_id: _Optional[int] = ..., last_epoch: _Optional[int] = ..., worker_pids: _Optional[_Iterable[int]] = ..., launcher_version: _Optional[str] = ..., store_port: _Optional[int] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., unit_id: _Optional[str] = ..., secret: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., address: _Optional[str] = ..., slurm_job_id: _Optional[int] = ..., last_generation: _Optional[int] = ..., worker_pids: _Optional[_Iterable[int]] = ..., store_port: _Optional[int] = ...) -> None: ...
 
 class WorkerProgress(_message.Message):
     __slots__ = ("local_rank", "rank", "pid", "step", "progress_time", "waiting", "beat_time", "samples", "loss")
@@ -107,20 +99,18 @@ class WorkerProgress(_message.Message):
     def __init__(self, local_rank: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., progress_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., waiting: _Optional[bool] = ..., beat_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("epoch", "sequence", "sent_at", "workers")
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("sequence", "sent_at", "workers")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     SENT_AT_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
-    epoch: int
     sequence: int
     sent_at: _timestamp_pb2.Timestamp
     workers: _containers.RepeatedCompositeFieldContainer[WorkerProgress]
-    def __init__(self, epoch: _Optional[int] = ..., sequence: _Optional[int] = ..., sent_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerProgress, _Mapping]]] = ...) -> None: ...
+    def __init__(self, sequence: _Optional[int] = ..., sent_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerProgress, _Mapping]]] = ...) -> None: ...
 
 class WorkerExited(_message.Message):
-    __slots__ = ("epoch", "local_rank", "pid", "exit_code", "signal", "exited_at", "detail", "error", "traceback")
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("generation", "local_rank", "pid", "exit_code", "signal", "exited_at", "detail", "error", "traceback")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
@@ -129,7 +119,7 @@ class WorkerExited(_message.Message):
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TRACEBACK_FIELD_NUMBER: _ClassVar[int]
-    epoch: int
+    generation: int
     local_rank: int
     pid: int
     exit_code: int
@@ -138,52 +128,50 @@ class WorkerExited(_message.Message):
     detail: str
     error: str
     traceback: str
-    def __init__(self, epoch: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., exited_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., detail: _Optional[str] = ..., error: _Optional[str] = ..., traceback: _Optional[str] = ...) -> None: ...
+    def __init__(self, generation: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., exited_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., detail: _Optional[str] = ..., error: _Optional[str] = ..., traceback: _Optional[str] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("epoch", "cause", "deadline", "detail")
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("generation", "cause", "detail")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     CAUSE_FIELD_NUMBER: _ClassVar[int]
-    DEADLINE_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
-    epoch: int
+    generation: int
     cause: LeaveCause
-    deadline: _timestamp_pb2.Timestamp
     detail: str
-    def __init__(self, epoch: _Optional[int] = ..., cause: _Optional[_Union[LeaveCause, str]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., detail: _Optional[str] = ...) -> None: ...
+    def __init__(self, generation: _Optional[int] = ..., cause: _Optional[_Union[LeaveCause, str]] = ..., detail: _Optional[str] = ...) -> None: ...
 
-class EpochReport(_message.Message):
-    __slots__ = ("epoch", "phase", "step", "at", "detail", "store_port")
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
+class GenerationReport(_message.Message):
+    __slots__ = ("generation", "phase", "step", "at", "detail", "store_port")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     AT_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
-    epoch: int
-    phase: EpochPhase
+    generation: int
+    phase: GenerationPhase
     step: int
     at: _timestamp_pb2.Timestamp
     detail: str
     store_port: int
-    def __init__(self, epoch: _Optional[int] = ..., phase: _Optional[_Union[EpochPhase, str]] = ..., step: _Optional[int] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., detail: _Optional[str] = ..., store_port: _Optional[int] = ...) -> None: ...
+    def __init__(self, generation: _Optional[int] = ..., phase: _Optional[_Union[GenerationPhase, str]] = ..., step: _Optional[int] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., detail: _Optional[str] = ..., store_port: _Optional[int] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
-    __slots__ = ("registered", "start_epoch", "reconfigure", "stop_epoch", "leave")
+    __slots__ = ("registered", "start_generation", "reconfigure", "stop_generation", "leave")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
-    START_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    START_GENERATION_FIELD_NUMBER: _ClassVar[int]
     RECONFIGURE_FIELD_NUMBER: _ClassVar[int]
-    STOP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STOP_GENERATION_FIELD_NUMBER: _ClassVar[int]
     LEAVE_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
-    start_epoch: StartEpoch
+    start_generation: StartGeneration
     reconfigure: Reconfigure
-    stop_epoch: StopEpoch
+    stop_generation: StopGeneration
     leave: Leave
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., start_epoch: _Optional[_Union[StartEpoch, _Mapping]] = ..., reconfigure: _Optional[_Union[Reconfigure, _Mapping]] = ..., stop_epoch: _Optional[_Union[StopEpoch, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ...) -> None: ...
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., start_generation: _Optional[_Union[StartGeneration, _Mapping]] = ..., reconfigure: _Optional[_Union[Reconfigure, _Mapping]] = ..., stop_generation: _Optional[_Union[StopGeneration, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ...) -> None: ...
 
 class Registered(_message.Message):
-    __slots__ = ("current_epoch", "heartbeat_interval", "heartbeat_timeout", "mode", "progress_timeout", "command", "environment", "working_dir", "procs_per_node", "job_name", "worker_silence_timeout")
+    __slots__ = ("current_generation", "heartbeat_interval", "heartbeat_timeout", "mode", "progress_timeout", "command", "environment", "working_dir", "procs_per_node", "job_name", "worker_silence_timeout")
     class EnvironmentEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -191,7 +179,7 @@ class Registered(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
-    CURRENT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_GENERATION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -202,7 +190,7 @@ class Registered(_message.Message):
     PROCS_PER_NODE_FIELD_NUMBER: _ClassVar[int]
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     WORKER_SILENCE_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
-    current_epoch: int
+    current_generation: int
     heartbeat_interval: _duration_pb2.Duration
     heartbeat_timeout: _duration_pb2.Duration
     mode: _common_pb2.JobMode
@@ -213,61 +201,57 @@ class Registered(_message.Message):
     procs_per_node: int
     job_name: str
     worker_silence_timeout: _duration_pb2.Duration
-    def __init__(self, current_epoch: _Optional[int] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., heartbeat_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., mode: _Optional[_Union[_common_pb2.JobMode, str]] = ..., progress_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., command: _Optional[_Iterable[str]] = ..., environment: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., procs_per_node: _Optional[int] = ..., job_name: _Optional[str] = ..., worker_silence_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    def __init__(self, current_generation: _Optional[int] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., heartbeat_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., mode: _Optional[_Union[_common_pb2.JobMode, str]] = ..., progress_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., command: _Optional[_Iterable[str]] = ..., environment: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., procs_per_node: _Optional[int] = ..., job_name: _Optional[str] = ..., worker_silence_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
-class StartEpoch(_message.Message):
-    __slots__ = ("epoch", "rank_table", "rendezvous", "resume_step", "state_holders", "stop_grace")
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
+class StartGeneration(_message.Message):
+    __slots__ = ("generation", "rank_table", "rendezvous", "resume_step", "stop_grace")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_TABLE_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
-    STATE_HOLDERS_FIELD_NUMBER: _ClassVar[int]
     STOP_GRACE_FIELD_NUMBER: _ClassVar[int]
-    epoch: int
+    generation: int
     rank_table: _common_pb2.RankTable
     rendezvous: _common_pb2.Rendezvous
     resume_step: int
-    state_holders: _containers.RepeatedScalarFieldContainer[str]
     stop_grace: _duration_pb2.Duration
-    def __init__(self, epoch: _Optional[int] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., rendezvous: _Optional[_Union[_common_pb2.Rendezvous, _Mapping]] = ..., resume_step: _Optional[int] = ..., state_holders: _Optional[_Iterable[str]] = ..., stop_grace: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    def __init__(self, generation: _Optional[int] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., rendezvous: _Optional[_Union[_common_pb2.Rendezvous, _Mapping]] = ..., resume_step: _Optional[int] = ..., stop_grace: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Reconfigure(_message.Message):
-    __slots__ = ("epoch", "from_epoch", "rank_table", "rendezvous", "state_sources", "target_step")
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
-    FROM_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("generation", "from_generation", "rank_table", "rendezvous", "target_step")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    FROM_GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_TABLE_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
-    STATE_SOURCES_FIELD_NUMBER: _ClassVar[int]
     TARGET_STEP_FIELD_NUMBER: _ClassVar[int]
-    epoch: int
-    from_epoch: int
+    generation: int
+    from_generation: int
     rank_table: _common_pb2.RankTable
     rendezvous: _common_pb2.Rendezvous
-    state_sources: _containers.RepeatedScalarFieldContainer[str]
     target_step: int
-    def __init__(self, epoch: _Optional[int] = ..., from_epoch: _Optional[int] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., rendezvous: _Optional[_Union[_common_pb2.Rendezvous, _Mapping]] = ..., state_sources: _Optional[_Iterable[str]] = ..., target_step: _Optional[int] = ...) -> None: ...
+    def __init__(self, generation: _Optional[int] = ..., from_generation: _Optional[int] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., rendezvous: _Optional[_Union[_common_pb2.Rendezvous, _Mapping]] = ..., target_step: _Optional[int] = ...) -> None: ...
 
-class StopEpoch(_message.Message):
-    __slots__ = ("epoch", "reason", "failed_unit_id", "grace")
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
+class StopGeneration(_message.Message):
+    __slots__ = ("generation", "reason", "failed_unit_id", "grace")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     FAILED_UNIT_ID_FIELD_NUMBER: _ClassVar[int]
     GRACE_FIELD_NUMBER: _ClassVar[int]
-    epoch: int
+    generation: int
     reason: str
     failed_unit_id: str
     grace: _duration_pb2.Duration
-    def __init__(self, epoch: _Optional[int] = ..., reason: _Optional[str] = ..., failed_unit_id: _Optional[str] = ..., grace: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    def __init__(self, generation: _Optional[int] = ..., reason: _Optional[str] = ..., failed_unit_id: _Optional[str] = ..., grace: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Leave(_message.Message):
-    __slots__ = ("epoch", "reason", "save_state")
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("generation", "reason", "save_state")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     SAVE_STATE_FIELD_NUMBER: _ClassVar[int]
-    epoch: int
+    generation: int
     reason: str
     save_state: bool
-    def __init__(self, epoch: _Optional[int] = ..., reason: _Optional[str] = ..., save_state: _Optional[bool] = ...) -> None: ...
+    def __init__(self, generation: _Optional[int] = ..., reason: _Optional[str] = ..., save_state: _Optional[bool] = ...) -> None: ...
 
 class FollowerMessage(_message.Message):
     __slots__ = ("hello", "proof", "report", "worker_exited", "stopped")
@@ -338,22 +322,22 @@ class NodeStart(_message.Message):
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
-    start: StartEpoch
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., start: _Optional[_Union[StartEpoch, _Mapping]] = ...) -> None: ...
+    start: StartGeneration
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., start: _Optional[_Union[StartGeneration, _Mapping]] = ...) -> None: ...
 
 class NodeStop(_message.Message):
-    __slots__ = ("epoch", "grace")
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("generation", "grace")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     GRACE_FIELD_NUMBER: _ClassVar[int]
-    epoch: int
+    generation: int
     grace: _duration_pb2.Duration
-    def __init__(self, epoch: _Optional[int] = ..., grace: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    def __init__(self, generation: _Optional[int] = ..., grace: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class NodeStopped(_message.Message):
-    __slots__ = ("epoch",)
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
-    epoch: int
-    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
+    __slots__ = ("generation",)
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    def __init__(self, generation: _Optional[int] = ...) -> None: ...
 
 class NodeReport(_message.Message):
     __slots__ = ("workers",)

@@ -183,12 +183,6 @@ class StepResult:
     # The gradient's global 2-norm before clipping (None: Elastic's max_grad_norm not set).
     grad_norm: float | None = None
 
-    @property
-    def epoch(self) -> int:
-        """The generation, under the name earlier versions gave it (scripts that read
-        `result.epoch` keep working; new code reads `result.generation`)."""
-        return self.generation
-
 
 class Ledger:
     """Optional JSONL record of every step attempt and commit (for audits and tests)."""
@@ -334,7 +328,7 @@ class Elastic:
                     # runs and before anything is torn down, so that from here on an exit or
                     # a silence is not a failure and no new world forms.
                     self.channel.send(Finished(generation=result.generation, step=self.counters.step))
-                    self.ledger.write("finished", epoch=result.generation, step=self.counters.step)
+                    self.ledger.write("finished", generation=result.generation, step=self.counters.step)
                     self._remove_state_folder()
                 yield result
                 if change_pending and self.counters.step < steps:
@@ -358,7 +352,7 @@ class Elastic:
             self.channel = WorkerChannel(socket_path, int(env.get("LOCAL_RANK", "0")), os.getpid())
             self.channel.start_beats(lambda: Beat(step=self.counters.step, samples=self.counters.samples,
                                                   waiting=self._waiting, loss=self.last_loss))
-        self.world = World(generation=int(env.get("TIDAL_EPOCH", "0")), rank=int(env.get("RANK", "0")),
+        self.world = World(generation=int(env.get("TIDAL_GENERATION", "0")), rank=int(env.get("RANK", "0")),
                            world_size=int(env.get("WORLD_SIZE", "1")), master_addr=env.get("MASTER_ADDR", ""),
                            master_port=int(env.get("MASTER_PORT", "0") or 0),
                            target_step=int(env.get("TIDAL_TARGET_STEP", "0") or 0))
@@ -505,7 +499,7 @@ class Elastic:
         self._first_step_pending = True
         seconds = time.monotonic() - started
         self.channel.send(Formed(generation=world.generation, step=self.counters.step, digest=state_digest))
-        self.ledger.write("formed", epoch=world.generation, rank=world.rank, world_size=world.world_size,
+        self.ledger.write("formed", generation=world.generation, rank=world.rank, world_size=world.world_size,
                           shard=self.strategy.shard_rank, step=self.counters.step, digest=state_digest, source=source,
                           seconds=seconds)
         self.log.info("world_formed", generation=world.generation, rank=world.rank, world_size=world.world_size,
@@ -593,7 +587,7 @@ class Elastic:
         self.log.info("state_transferred", role="source" if me in sources else "receiver", sources=sources,
                       receivers=receivers, shard=groups.shard_rank, bytes=stats.bytes, items=stats.items,
                       seconds=round(seconds, 4))
-        self.ledger.write("transfer", epoch=self.world.generation if self.world else 0, shard=groups.shard_rank,
+        self.ledger.write("transfer", generation=self.world.generation if self.world else 0, shard=groups.shard_rank,
                           role="source" if me in sources else "receiver", sources=sources, receivers=receivers,
                           bytes=stats.bytes, items=stats.items, staging_bytes=stats.staging_bytes, seconds=seconds)
 
@@ -661,12 +655,12 @@ class Elastic:
                 # Every rank says it, so that every launcher reports it before the exit.
                 self.channel.send(StateLostMessage(generation=self.world.generation, target_step=target_step,
                                                    detail=detail))
-            self.ledger.write("state_lost", epoch=self.world.generation, target_step=target_step)
+            self.ledger.write("state_lost", generation=self.world.generation, target_step=target_step)
             raise StateLost(detail)
         detail = (f"no rank of generation {self.world.generation} holds step {target_step}; resumed from the "
                   f"checkpoint at step {held}: steps {held}..{target_step - 1} are redone")
         self.log.warning("resumed_from_checkpoint", step=held, target_step=target_step)
-        self.ledger.write("resumed", epoch=self.world.generation, step=held, target_step=target_step)
+        self.ledger.write("resumed", generation=self.world.generation, step=held, target_step=target_step)
         if self.channel is not None and self.rank == 0:
             self.channel.send(Resumed(generation=self.world.generation, step=held, target_step=target_step,
                                       detail=detail))
@@ -685,7 +679,7 @@ class Elastic:
             self._destroy_group(broken=True)
             generation = self.world.generation
             self.log.warning("world_broken", generation=generation, step=self.counters.step, reason=reason)
-            self.ledger.write("abandoned", epoch=generation, step=self.counters.step, reason=reason)
+            self.ledger.write("abandoned", generation=generation, step=self.counters.step, reason=reason)
             try:
                 self.channel.send(Stopped(generation=generation, step=self.counters.step))
                 # As long as the launcher lives: a job below min_replicas waits for nodes, for
@@ -735,7 +729,7 @@ class Elastic:
             if world.save:
                 saved_to = self._save_before_leaving()
         self.log.info("leaving", generation=world.generation, step=self.counters.step, saved_to=saved_to or None)
-        self.ledger.write("left", epoch=world.generation, step=self.counters.step, saved_to=saved_to)
+        self.ledger.write("left", generation=world.generation, step=self.counters.step, saved_to=saved_to)
         self.channel.send(Left(generation=world.generation, step=self.counters.step, saved_to=saved_to))
         raise SystemExit(0)
 
@@ -788,7 +782,8 @@ class Elastic:
         groups = self.groups
         samples = step_samples(self.order, step=step, start=self.counters.position, global_batch=batch_size,
                                rank=world.rank, world_size=world.world_size)
-        self.ledger.write("attempt", epoch=world.generation, step=step, rank=world.rank, world_size=world.world_size,
+        self.ledger.write("attempt", generation=world.generation, step=step, rank=world.rank,
+                          world_size=world.world_size,
                           indices=samples.indices)
         model = self.parts.model
         model.train()
@@ -878,7 +873,8 @@ class Elastic:
         step = self.counters.step
         self.last_loss = loss
         # cpu_s: this process's CPU seconds so far (benchmarks read CPU time per step from it).
-        self.ledger.write("commit", epoch=world.generation, step=step - 1, rank=world.rank, world_size=world.world_size,
+        self.ledger.write("commit", generation=world.generation, step=step - 1, rank=world.rank,
+                          world_size=world.world_size,
                           loss=loss, cpu_s=time.process_time())
         now = time.monotonic()
         if self._first_step_pending:

@@ -118,7 +118,7 @@ def go_on_without(t: Step, what: str) -> bool:
 def next_generation_now(t: Step, members: tuple[str, ...], joiners: tuple[str, ...], cause: str,
                          reason: str) -> bool:
     """Form and send the next generation of `members` + `joiners` now, as one message to
-    each (StartEpoch; in restart mode the launcher stops the old workers first), if
+    each (StartGeneration; in restart mode the launcher stops the old workers first), if
     they make a size the job allows and one of them can host the rendezvous. Whether it
     formed."""
     state = t.state
@@ -141,8 +141,8 @@ def stop_grace_s(t: Step, cause: str) -> float:
 
 def stop_message(t: Step, generation: int, reason: str, cause: str,
                   failed_unit_id: str = "") -> launcher_pb2.ControllerMessage:
-    return launcher_pb2.ControllerMessage(stop_epoch=launcher_pb2.StopEpoch(
-        epoch=generation, reason=reason, failed_unit_id=failed_unit_id,
+    return launcher_pb2.ControllerMessage(stop_generation=launcher_pb2.StopGeneration(
+        generation=generation, reason=reason, failed_unit_id=failed_unit_id,
         grace=duration(stop_grace_s(t, cause))))
 
 
@@ -164,7 +164,7 @@ def begin_stop(t: Step, cause: str, reason: str, detected_at: float) -> None:
     state.reconfigure = None
     t.job.state = JobState.RECONFIGURING
     t.emit(SaveJob(t.job))
-    t.record("epoch_stopping", reason, generation=state.generation.number,
+    t.record("generation_stopping", reason, generation=state.generation.number,
                 fields={"cause": cause, "waiting_for": join_ids(sorted(waiting))})
     message = stop_message(t, state.stop.generation, reason, cause)
     for unit_id in sorted(waiting):
@@ -182,7 +182,7 @@ def maybe_finish_stop(t: Step) -> None:
     state.stop = None
     elapsed = now - stop.detected_at
     t.emit(GenerationStopped(t.job.job_id, stop.generation, t.now.wall))
-    t.record("epoch_stopped", f"every rank of generation {stop.generation} stopped",
+    t.record("generation_stopped", f"every rank of generation {stop.generation} stopped",
                 generation=stop.generation,
                 fields={"cause": stop.cause, "detection_to_all_stopped_s": f"{elapsed:.3f}"})
     if stop.cause == "failure":

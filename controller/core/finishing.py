@@ -114,5 +114,5 @@ def end(t: Step, job_state: JobState, kind: str, reason: str) -> None:
         unit.state = UnitState.LEAVING
         state.leaving_since[unit_id] = t.now.monotonic
         t.emit(SaveUnit(unit))
-        t.send(unit_id, launcher_pb2.ControllerMessage(leave=launcher_pb2.Leave(epoch=number,
+        t.send(unit_id, launcher_pb2.ControllerMessage(leave=launcher_pb2.Leave(generation=number,
                                                                                   reason=reason)))

@@ -1,5 +1,5 @@
 """Forming generations: candidates and ranks, committing and sending a generation (restart
-mode's StartEpoch), live mode's in-process reconfiguration, and what the workers report of
+mode's StartGeneration), live mode's in-process reconfiguration, and what the workers report of
 the state they formed with (first step, resumed from a checkpoint, state lost)."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def candidates(t: Step, unit_ids: list[str]) -> list[planning.Candidate]:
 def start_generation(t: Step, survivors: tuple[str, ...], form: planning.Form, now: float,
                       cause: str = "") -> None:
     """Commit the next generation of `survivors` + the form's joiners and send each its
-    StartEpoch. `cause` (failure, grow, leave) is set when it replaces a running
+    StartGeneration. `cause` (failure, grow, leave) is set when it replaces a running
     generation in one message: the old workers' stop grace follows from it."""
     state = t.state
     chosen = list(survivors) + list(form.joiners)
@@ -101,13 +101,12 @@ def commit_generation(t: Step, plan: GenerationRecord, unit_ids: list[str], kind
 
 def start_message(t: Step, generation: GenerationRecord, unit_id: str,
                    stop_grace_s: float | None = None) -> launcher_pb2.ControllerMessage:
-    start = launcher_pb2.StartEpoch(
-        epoch=generation.number, rank_table=generation.rank_table(only_unit=unit_id),
-        rendezvous=generation.rendezvous(), resume_step=generation.resume_step,
-        state_holders=list(t.state.state_holders))
+    start = launcher_pb2.StartGeneration(
+        generation=generation.number, rank_table=generation.rank_table(only_unit=unit_id),
+        rendezvous=generation.rendezvous(), resume_step=generation.resume_step)
     if stop_grace_s is not None:
         start.stop_grace.CopyFrom(duration(stop_grace_s))
-    return launcher_pb2.ControllerMessage(start_epoch=start)
+    return launcher_pb2.ControllerMessage(start_generation=start)
 
 
 def state_fields(t: Step, plan: GenerationRecord) -> dict[str, object]:
@@ -156,11 +155,10 @@ def reconfigure(t: Step, joiners: tuple[str, ...], leaving: tuple[str, ...], cau
     source = min(plan.members, key=lambda m: m.group_rank).unit_id
     fields_of_state = state_fields(t, plan)
     message = launcher_pb2.ControllerMessage(reconfigure=launcher_pb2.Reconfigure(
-        epoch=plan.number, from_epoch=previous.number, rank_table=plan.rank_table(),
-        rendezvous=plan.rendezvous(), state_sources=list(state.state_holders) or [source],
-        target_step=plan.resume_step))
+        generation=plan.number, from_generation=previous.number, rank_table=plan.rank_table(),
+        rendezvous=plan.rendezvous(), target_step=plan.resume_step))
     t.job.generation = plan.number
-    fields: dict[str, object] = {"cause": cause, "from_epoch": previous.number, "world_size": plan.world_size,
+    fields: dict[str, object] = {"cause": cause, "from_generation": previous.number, "world_size": plan.world_size,
                                  "replicas": len(plan.members), "members": join_ids(list(plan.unit_ids)),
                                  "joiners": join_ids(list(joiners)), "leaving": join_ids(list(leaving)),
                                  "state_source": source, **fields_of_state}
@@ -190,18 +188,18 @@ def tell_old_members(t: Step) -> None:
             t.send(unit_id, pending.message)
 
 
-def on_reconfigure_report(t: Step, unit_id: str, report: launcher_pb2.EpochReport) -> None:
+def on_reconfigure_report(t: Step, unit_id: str, report: launcher_pb2.GenerationReport) -> None:
     state = t.state
     pending = state.reconfigure
     assert pending is not None
     now = t.now.monotonic
-    if report.phase == launcher_pb2.EPOCH_PHASE_STARTED and unit_id in pending.joiners_waiting:
+    if report.phase == launcher_pb2.GENERATION_PHASE_STARTED and unit_id in pending.joiners_waiting:
         pending.joiners_waiting.discard(unit_id)
         if not pending.joiners_waiting and not pending.told_old_members:
             t.record("joiners_ready", "every joiner's workers are up", generation=pending.generation,
                         fields={"decision_to_ready_s": f"{now - pending.decided_at:.3f}"})
             tell_old_members(t)
-    elif report.phase == launcher_pb2.EPOCH_PHASE_RECONFIGURED:
+    elif report.phase == launcher_pb2.GENERATION_PHASE_RECONFIGURED:
         pending.waiting_for.discard(unit_id)
         if pending.waiting_for or not pending.told_old_members:
             return
@@ -220,14 +218,15 @@ def on_reconfigure_report(t: Step, unit_id: str, report: launcher_pb2.EpochRepor
             leaving.leave(t, leave_unit, cause, detail)
 
 
-def on_first_step(t: Step, unit_id: str, report: launcher_pb2.EpochReport) -> None:
+def on_first_step(t: Step, unit_id: str, report: launcher_pb2.GenerationReport) -> None:
     """The first step of a generation committed (every rank commits it together): the
     end of a recovery, or of a planned change."""
     state = t.state
     generation = state.generation
-    if generation is None or report.epoch != generation.number or report.epoch in state.first_step_generations:
+    if (generation is None or report.generation != generation.number
+            or report.generation in state.first_step_generations):
         return
-    state.first_step_generations.add(report.epoch)
+    state.first_step_generations.add(report.generation)
     at = report.at.ToNanoseconds() / 1e9 if report.HasField("at") else t.now.wall
     fields: dict[str, object] = {"step": report.step, "world_size": generation.world_size}
     recovery = state.recovery
@@ -237,10 +236,10 @@ def on_first_step(t: Step, unit_id: str, report: launcher_pb2.EpochReport) -> No
                        "failure_to_first_step_s": f"{at - recovery.failed_at:.3f}",
                        "detection_to_first_step_s": f"{at - recovery.detected_at:.3f}"})
         t.record("recovered", f"survivors completed step {report.step} at world size "
-                    f"{generation.world_size}", unit_id=unit_id, generation=report.epoch, fields=fields)
+                    f"{generation.world_size}", unit_id=unit_id, generation=report.generation, fields=fields)
         return
-    t.record("first_step", f"first step of generation {report.epoch} completed", unit_id=unit_id,
-                generation=report.epoch, fields=fields)
+    t.record("first_step", f"first step of generation {report.generation} completed", unit_id=unit_id,
+                generation=report.generation, fields=fields)
 
 
 def on_state_lost(t: Step, reason: str) -> None:
@@ -250,13 +249,13 @@ def on_state_lost(t: Step, reason: str) -> None:
         finishing.end(t, JobState.FAILED, "state_lost", reason)
 
 
-def on_resumed_from_checkpoint(t: Step, unit_id: str, report: launcher_pb2.EpochReport) -> None:
+def on_resumed_from_checkpoint(t: Step, unit_id: str, report: launcher_pb2.GenerationReport) -> None:
     """No member of a generation held the state at its target step; the workers loaded a
     checkpoint at `report.step`. The watermark goes back to it, loudly."""
     target = t.job.step
     t.job.step = report.step
     t.emit(SaveJob(t.job))
     t.record("resumed_from_checkpoint", report.detail or f"resumed from the checkpoint at step {report.step}",
-                unit_id=unit_id, generation=report.epoch,
+                unit_id=unit_id, generation=report.generation,
                 fields={"checkpoint_step": report.step, "target_step": target,
                         "steps_redone": max(0, target - report.step)})

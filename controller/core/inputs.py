@@ -101,10 +101,10 @@ def on_connected(t: Step, unit_id: str, register: launcher_pb2.Register) -> None
         t.send(unit_id, failure.stop_message(t, state.stop.generation, state.stop.reason, state.stop.cause))
         t.record("launcher_reconnected", "told to stop the generation being stopped", unit_id=unit_id,
                     generation=generation.number, fields=fields)
-    elif register.last_epoch == generation.number and register.worker_pids:
+    elif register.last_generation == generation.number and register.worker_pids:
         t.record("launcher_reattached", f"still running generation {generation.number}; workers untouched",
                     unit_id=unit_id, generation=generation.number, fields=fields)
-    elif state.live and register.last_epoch and not register.worker_pids and t.job.state is JobState.RUNNING:
+    elif state.live and register.last_generation and not register.worker_pids and t.job.state is JobState.RUNNING:
         # A live member back with no workers lost them while the controller was away: its
         # queued reports (the exit, or "finished") follow on this stream. No fresh worker
         # goes into the running world; if those reports do not settle it within
@@ -114,9 +114,9 @@ def on_connected(t: Step, unit_id: str, register: launcher_pb2.Register) -> None
                     generation=generation.number, fields=fields)
     elif t.job.state is JobState.RUNNING:
         t.send(unit_id, forming.start_message(t, generation, unit_id))
-        had = (f"at generation {register.last_epoch}" if register.worker_pids
+        had = (f"at generation {register.last_generation}" if register.worker_pids
                else "without workers")
-        t.record("epoch_start_resent", f"reconnected {had}; sent generation {generation.number} again",
+        t.record("generation_start_resent", f"reconnected {had}; sent generation {generation.number} again",
                     unit_id=unit_id, generation=generation.number, fields=fields)
 
 
@@ -129,13 +129,13 @@ def on_said(t: Step, unit_id: str, message: launcher_pb2.LauncherMessage) -> Non
         request = message.leave_request
         cause = launcher_pb2.LeaveCause.Name(request.cause).removeprefix("LEAVE_CAUSE_").lower()
         leaving.leave(t, unit_id, cause, request.detail or cause)
-    elif kind == "epoch_report":
-        report = message.epoch_report
+    elif kind == "generation_report":
+        report = message.generation_report
         if report.store_port:
             state.store_ports[unit_id] = report.store_port
-        if report.phase == launcher_pb2.EPOCH_PHASE_LEFT:
+        if report.phase == launcher_pb2.GENERATION_PHASE_LEFT:
             unit = state.units.get(unit_id)
-            if (state.live and report.step > t.job.step and report.epoch == t.job.generation
+            if (state.live and report.step > t.job.step and report.generation == t.job.generation
                     and unit is not None and unit.state is UnitState.LEAVING):
                 # It saved the state at that step before leaving (save_state): every rank
                 # had committed it, and the next world's target is that step, not the
@@ -145,20 +145,20 @@ def on_said(t: Step, unit_id: str, message: launcher_pb2.LauncherMessage) -> Non
             leaving.mark_left(t, unit_id, report.detail or "left")
             if t.job.state is JobState.FINISHING:
                 finishing.maybe_complete(t)
-        elif report.phase == launcher_pb2.EPOCH_PHASE_FINISHED:
-            finishing.begin_finishing(t, unit_id, report.epoch, report.step,
+        elif report.phase == launcher_pb2.GENERATION_PHASE_FINISHED:
+            finishing.begin_finishing(t, unit_id, report.generation, report.step,
                                   f"unit {unit_id} committed the last step, {report.step}")
-        elif report.phase == launcher_pb2.EPOCH_PHASE_RESUMED_FROM_CHECKPOINT:
+        elif report.phase == launcher_pb2.GENERATION_PHASE_RESUMED_FROM_CHECKPOINT:
             forming.on_resumed_from_checkpoint(t, unit_id, report)
-        elif report.phase == launcher_pb2.EPOCH_PHASE_STATE_LOST:
-            forming.on_state_lost(t, report.detail or f"no member of generation {report.epoch} holds step "
+        elif report.phase == launcher_pb2.GENERATION_PHASE_STATE_LOST:
+            forming.on_state_lost(t, report.detail or f"no member of generation {report.generation} holds step "
                                 f"{report.step} and there is no checkpoint")
-        elif report.phase == launcher_pb2.EPOCH_PHASE_FIRST_STEP:
+        elif report.phase == launcher_pb2.GENERATION_PHASE_FIRST_STEP:
             forming.on_first_step(t, unit_id, report)
-        elif state.reconfigure is not None and report.epoch == state.reconfigure.generation:
+        elif state.reconfigure is not None and report.generation == state.reconfigure.generation:
             forming.on_reconfigure_report(t, unit_id, report)
-        if (report.phase in (launcher_pb2.EPOCH_PHASE_STOPPED, launcher_pb2.EPOCH_PHASE_LEFT)
-                and state.stop is not None and report.epoch == state.stop.generation):
+        if (report.phase in (launcher_pb2.GENERATION_PHASE_STOPPED, launcher_pb2.GENERATION_PHASE_LEFT)
+                and state.stop is not None and report.generation == state.stop.generation):
             state.stop.waiting_for.discard(unit_id)
             failure.maybe_finish_stop(t)
 
@@ -177,10 +177,10 @@ def on_worker_exited(t: Step, unit_id: str, exited: launcher_pb2.WorkerExited) -
     current = {state.generation.number} if state.generation is not None else set()
     if state.reconfigure is not None:
         current.add(state.reconfigure.from_generation)
-    if state.generation is None or exited.epoch not in current or t.job.state is not JobState.RUNNING:
+    if state.generation is None or exited.generation not in current or t.job.state is not JobState.RUNNING:
         t.emit(StaleMessageCounted(),
                   Note("stale_message_ignored", {"unit": unit_id, "kind": "worker_exited",
-                                                 "message_generation": exited.epoch}))
+                                                 "message_generation": exited.generation}))
         return
     member = state.generation.member(unit_id)
     if member is None:
@@ -189,7 +189,7 @@ def on_worker_exited(t: Step, unit_id: str, exited: launcher_pb2.WorkerExited) -
     if exited.exit_code == 0 and exited.signal == 0:
         # A rank that exits 0 is done training (restart mode's only sign of the end;
         # live mode says "finished" first): the job finishes, nothing re-forms.
-        finishing.begin_finishing(t, unit_id, exited.epoch, t.job.step, f"rank {rank} (pid {exited.pid}) exited 0")
+        finishing.begin_finishing(t, unit_id, exited.generation, t.job.step, f"rank {rank} (pid {exited.pid}) exited 0")
         finishing.on_exit_after_finish(t, unit_id, exited)
         return
     failure.fail(t, unit_id, f"worker rank {rank} (pid {exited.pid}) {describe_worker_exit(exited)}",

@@ -46,7 +46,7 @@ def leave(t: Step, unit_id: str, cause: str, detail: str) -> None:
                         "write it to disk before leaving, and the next world resumes from it",
                         unit_id=unit_id, generation=number)
         t.send(unit_id, launcher_pb2.ControllerMessage(leave=launcher_pb2.Leave(
-            epoch=number, reason=unit.reason, save_state=save_state)))
+            generation=number, reason=unit.reason, save_state=save_state)))
     else:
         mark_left(t, unit_id, "not connected when asked to leave")
     if state.stop is not None:

@@ -1,4 +1,4 @@
-"""Epoch planning and world decisions: pure functions of a snapshot and `now`.
+"""Generation planning and world decisions: pure functions of a snapshot and `now`.
 
 Each returns what to do and a human-readable reason; the job actor applies it and puts
 the reason in the event log. Nothing here reads a clock, a socket or the database."""

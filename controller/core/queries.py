@@ -27,15 +27,15 @@ def refusal(state: State, register: launcher_pb2.Register) -> str | None:
     if unit is not None and unit.state.is_final:
         return (f"unit {unit.unit_id} is {unit.state.value} ({unit.reason or 'no reason recorded'}); "
                 f"it is no longer part of job {job.job_id}")
-    if register.last_epoch > job.generation:
-        return (f"unit {register.unit_id} claims generation {register.last_epoch}, "
+    if register.last_generation > job.generation:
+        return (f"unit {register.unit_id} claims generation {register.last_generation}, "
                 f"but job {job.job_id} is at generation {job.generation}")
     in_current = state.generation is not None and state.generation.member(register.unit_id) is not None
-    if register.last_epoch and register.last_epoch < job.generation and not in_current:
-        return (f"stale generation {register.last_epoch}: job {job.job_id} is at generation {job.generation} "
+    if register.last_generation and register.last_generation < job.generation and not in_current:
+        return (f"stale generation {register.last_generation}: job {job.job_id} is at generation {job.generation} "
                 f"and unit {register.unit_id} is not part of it")
-    if register.last_epoch and unit is None:
-        return (f"unit {register.unit_id} claims generation {register.last_epoch} of job {job.job_id}, "
+    if register.last_generation and unit is None:
+        return (f"unit {register.unit_id} claims generation {register.last_generation} of job {job.job_id}, "
                 "which has no record of it")
     return None
 

@@ -10,9 +10,9 @@ the persistent ones in one SQLite transaction first, then the rest (messages, se
 closes, Slurm cancels and submissions, metrics) in order.
 
 Words: a **generation** is one version of the job's world (its members, their ranks, the
-rendezvous, the step its state must be at and who holds that state). On the wire and in
-SQLite it is still called an "epoch" (`StartEpoch`, `GenerationRecord`, the `epochs` table):
-those names stay so that launchers and databases of earlier versions keep working.
+rendezvous, the step its state must be at and who holds that state); one name on the wire
+(`StartGeneration`), in SQLite (the `generations` table), in metrics, events and the workers'
+environment (`TIDAL_GENERATION`). A data *epoch* is a pass over the data set, nothing else.
 
 Times: `Now.monotonic` for deadlines and ages, `Now.wall` for what is recorded."""
 
@@ -277,7 +277,7 @@ class PendingReconfigure:
     # Members of `from_generation` to tell (leavers included: they leave after the agreed step).
     old_members: tuple[str, ...]
     joiners_waiting: set[str]
-    # Members of `generation` that have not reported EPOCH_PHASE_RECONFIGURED yet.
+    # Members of `generation` that have not reported GENERATION_PHASE_RECONFIGURED yet.
     waiting_for: set[str]
     decided_at: float
     deadline: float

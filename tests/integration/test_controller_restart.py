@@ -18,7 +18,7 @@ def test_controller_sigkill_and_restart_leaves_training_untouched(tidal_run: Tid
     tidal_run.submit(min_replicas=3, max_replicas=3)
     for unit in ("u1", "u2", "u3"):
         tidal_run.start_launcher(unit)
-    tidal_run.controller.wait_event(tidal_run.job_id, "world_formed", where=lambda e: e.epoch == 1)
+    tidal_run.controller.wait_event(tidal_run.job_id, "world_formed", where=lambda e: e.generation == 1)
     tidal_run.wait_steps(5, world_size=3)
     workers_before = tidal_run.all_worker_pids()
     assert len(workers_before) == 3
@@ -51,11 +51,11 @@ def test_controller_sigkill_and_restart_leaves_training_untouched(tidal_run: Tid
 
     # State and events are intact; nothing failed.
     job = tidal_run.job()
-    assert job.state == admin_pb2.JOB_STATE_RUNNING and job.epoch == 1 and job.world_size == 3
+    assert job.state == admin_pb2.JOB_STATE_RUNNING and job.generation == 1 and job.world_size == 3
     events_after = tidal_run.controller.events(tidal_run.job_id)
     assert [(e.sequence, e.kind) for e in events_after[:len(events_before)]] == \
         [(e.sequence, e.kind) for e in events_before]
-    assert not any(e.kind in ("failure_detected", "epoch_stopping") for e in events_after)
+    assert not any(e.kind in ("failure_detected", "generation_stopping") for e in events_after)
     tidal_run.wait_steps(len(rank0) + 5, world_size=3)
 
     # A graceful stop (SIGTERM, as systemd does) and start: the same, and exit status 0.

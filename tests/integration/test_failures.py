@@ -27,20 +27,20 @@ def start_three(run: TidalRun) -> list[str]:
     run.submit(min_replicas=2, max_replicas=3)
     for unit in ("u1", "u2", "u3"):
         run.start_launcher(unit)
-    formed = run.controller.wait_event(run.job_id, "world_formed", where=lambda e: e.epoch == 1)
+    formed = run.controller.wait_event(run.job_id, "world_formed", where=lambda e: e.generation == 1)
     assert formed.fields["world_size"] == "3"
     run.wait_steps(6, world_size=3)
     return formed.fields["members"].split(",")
 
 
-def epoch_pids(run: TidalRun, world_size: int) -> dict[int, int]:
+def generation_pids(run: TidalRun, world_size: int) -> dict[int, int]:
     """rank -> pid of the workers that logged steps at `world_size`."""
     return {r["rank"]: r["pid"] for r in run.steps() if r["world_size"] == world_size}
 
 
 def test_killed_worker_stops_every_rank_and_the_world_reforms_at_two(tidal_run: TidalRun) -> None:
     members = start_three(tidal_run)
-    first_pids = wait_until(lambda: len(pids := epoch_pids(tidal_run, 3)) == 3 and pids, 30, "3 ranks logging")
+    first_pids = wait_until(lambda: len(pids := generation_pids(tidal_run, 3)) == 3 and pids, 30, "3 ranks logging")
     victim_unit = members[1]
     os.kill(first_pids[1], signal.SIGKILL)
 
@@ -49,12 +49,12 @@ def test_killed_worker_stops_every_rank_and_the_world_reforms_at_two(tidal_run: 
     assert "SIGKILL" in failure.reason
     # One message to each survivor: generation 2, formed in the same decision (its launcher
     # stops the old workers, then starts the new ones); no stop round.
-    formed = tidal_run.controller.wait_event(tidal_run.job_id, "world_formed", where=lambda e: e.epoch == 2)
+    formed = tidal_run.controller.wait_event(tidal_run.job_id, "world_formed", where=lambda e: e.generation == 2)
     assert formed.fields["world_size"] == "2" and victim_unit not in formed.fields["members"].split(",")
     assert float(formed.fields["detection_to_started_s"]) < 0.1
     # Every rank of generation 1 is gone.
     wait_until(lambda: not any(alive(pid) for pid in first_pids.values()), 5, "generation-1 workers to exit")
-    assert not any(e.kind.startswith("epoch_stop") for e in tidal_run.controller.events(tidal_run.job_id))
+    assert not any(e.kind.startswith("generation_stop") for e in tidal_run.controller.events(tidal_run.job_id))
     resumed = tidal_run.wait_steps(3, world_size=2)
     last_step_at_3 = max(r["step"] for r in tidal_run.steps() if r["world_size"] == 3)
     # Resumed from the script's own snapshot (every 5 steps), not from step 0.
@@ -64,7 +64,7 @@ def test_killed_worker_stops_every_rank_and_the_world_reforms_at_two(tidal_run: 
     victim = tidal_run.launchers[victim_unit]
     assert victim.process is not None and victim.process.wait(10) == 1  # its unit failed
     job = tidal_run.job()
-    assert job.state == admin_pb2.JOB_STATE_RUNNING and job.epoch == 2 and job.world_size == 2
+    assert job.state == admin_pb2.JOB_STATE_RUNNING and job.generation == 2 and job.world_size == 2
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{tidal_run.controller.ready['metrics_port']}/metrics",
                                      timeout=5).read().decode()
     assert 'tidal_failures_total{cause="worker_exit"} 1.0' in metrics
@@ -77,7 +77,7 @@ def test_killed_worker_stops_every_rank_and_the_world_reforms_at_two(tidal_run: 
 
 def test_frozen_launcher_is_detected_by_missing_heartbeats(tidal_run: TidalRun) -> None:
     members = start_three(tidal_run)
-    # Freeze the launcher of group rank 0: it hosts epoch 1's rendezvous store.
+    # Freeze the launcher of group rank 0: it hosts generation 1's rendezvous store.
     frozen_unit = members[0]
     frozen = tidal_run.launchers[frozen_unit]
     frozen_at = time.time()
@@ -87,10 +87,10 @@ def test_frozen_launcher_is_detected_by_missing_heartbeats(tidal_run: TidalRun) 
         assert failure.unit_id == frozen_unit and failure.fields["cause"] == "heartbeat"
         detected_after = failure.time.ToNanoseconds() / 1e9 - frozen_at
         assert 2.0 < detected_after < 3.0 + 1.5, f"detected {detected_after:.2f} s after the freeze"
-        formed = tidal_run.controller.wait_event(tidal_run.job_id, "world_formed", where=lambda e: e.epoch == 2)
+        formed = tidal_run.controller.wait_event(tidal_run.job_id, "world_formed", where=lambda e: e.generation == 2)
         assert float(formed.fields["detection_to_started_s"]) < 0.1
         assert formed.fields["world_size"] == "2"
-        # The new epoch meets at a store on a live unit: the frozen one hosted epoch 1's.
+        # The new generation meets at a store on a live unit: the frozen one hosted generation 1's.
         assert frozen_unit not in formed.fields["members"].split(",")
         tidal_run.wait_steps(3, world_size=2)
     finally:
@@ -112,7 +112,7 @@ def test_sigterm_makes_a_launcher_leave_cleanly_and_the_job_goes_on(tidal_run: T
     assert leaving.process.wait(15) == 0  # type: ignore[union-attr]
     for pid in leaving_workers:
         assert not alive(pid)
-    formed = tidal_run.controller.wait_event(tidal_run.job_id, "world_formed", where=lambda e: e.epoch == 2)
+    formed = tidal_run.controller.wait_event(tidal_run.job_id, "world_formed", where=lambda e: e.generation == 2)
     assert formed.fields["world_size"] == "2"
     tidal_run.wait_steps(3, world_size=2)
     kinds = [(e.kind, e.unit_id) for e in tidal_run.controller.events(tidal_run.job_id)]
@@ -126,7 +126,7 @@ def test_a_launcher_killed_with_sigkill_takes_its_workers_along(tidal_run: Tidal
     tidal_run.submit(min_replicas=1, max_replicas=2, procs_per_node=2)
     for unit in ("u1", "u2"):
         tidal_run.start_launcher(unit)
-    formed = tidal_run.controller.wait_event(tidal_run.job_id, "world_formed", where=lambda e: e.epoch == 1)
+    formed = tidal_run.controller.wait_event(tidal_run.job_id, "world_formed", where=lambda e: e.generation == 1)
     assert formed.fields["world_size"] == "4"
     tidal_run.wait_steps(4, world_size=4)
     ranks = {r["rank"] for r in tidal_run.steps() if r["world_size"] == 4}
@@ -141,7 +141,7 @@ def test_a_launcher_killed_with_sigkill_takes_its_workers_along(tidal_run: Tidal
         wait_until(lambda pid=pid: not alive(pid), 3, f"worker {pid} of the killed launcher to die")
     failure = tidal_run.controller.wait_event(tidal_run.job_id, "failure_detected")
     assert failure.unit_id == victim_unit and failure.fields["cause"] == "stream"
-    formed = tidal_run.controller.wait_event(tidal_run.job_id, "world_formed", where=lambda e: e.epoch == 2)
+    formed = tidal_run.controller.wait_event(tidal_run.job_id, "world_formed", where=lambda e: e.generation == 2)
     assert formed.fields["world_size"] == "2"
     tidal_run.wait_steps(3, world_size=2)
     # The job's secret never reaches a log.

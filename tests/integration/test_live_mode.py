@@ -85,7 +85,7 @@ def test_live_grow_kill_leave_matches_a_fixed_run(tidal_run: TidalRun, tmp_path:
     controller = tidal_run.controller
     job_id = tidal_run.job_id
 
-    # Two replicas form epoch 1.
+    # Two replicas form generation 1.
     tidal_run.start_launcher("a")
     tidal_run.start_launcher("b")
     formed = controller.wait_event(job_id, "world_formed", where=lambda e: e.fields["replicas"] == "2")
@@ -172,10 +172,10 @@ def test_live_grow_kill_leave_matches_a_fixed_run(tidal_run: TidalRun, tmp_path:
     # exactly positions [kB, (k+1)B) of the seeded order, as in the fixed run: no sample
     # lost, none repeated (a sample may recur only across a data-epoch boundary).
     order = GlobalOrder(SAMPLES, SEED)
-    committed_epoch = {r["step"]: r["epoch"] for r in commits(records)}
+    committed_generation = {r["step"]: r["generation"] for r in commits(records)}
     shares: dict[int, dict[int, list[int]]] = defaultdict(dict)
     for record in records:
-        if record["kind"] == "attempt" and committed_epoch.get(record["step"]) == record["epoch"]:
+        if record["kind"] == "attempt" and committed_generation.get(record["step"]) == record["generation"]:
             assert record["rank"] not in shares[record["step"]], f"rank {record['rank']} twice in step {record['step']}"
             shares[record["step"]][record["rank"]] = record["indices"]
     fixed_samples = {r["step"]: r["indices"] for r in fixed if r["kind"] == "attempt"}
@@ -196,10 +196,10 @@ def test_live_grow_kill_leave_matches_a_fixed_run(tidal_run: TidalRun, tmp_path:
     digests: dict[int, set[str]] = defaultdict(set)
     for record in records:
         if record["kind"] == "formed":
-            digests[record["epoch"]].add(record["digest"])
+            digests[record["generation"]].add(record["digest"])
     assert all(len(found) == 1 for found in digests.values()), digests
-    grow_epoch = grown.epoch
-    joined = [r for r in records if r["kind"] == "formed" and r["epoch"] == grow_epoch]
+    grow_generation = grown.generation
+    joined = [r for r in records if r["kind"] == "formed" and r["generation"] == grow_generation]
     assert {r["pid"] for r in joined} == set(pids.values())
 
     # Recovery time, recorded as an event.
@@ -410,7 +410,7 @@ def test_a_controller_restart_leaves_live_training_alone_and_it_grows_afterwards
     controller.wait_event(tidal_run.job_id, "world_reconfigured", where=lambda e: e.fields["cause"] == "grow")
     wait_until(lambda: len(commits(read_ledger(ledger), 3)) >= 3 * 10, 60, "10 steps at world size 3")
     assert {unit: worker_pid(tidal_run, unit) for unit in "ab"} == pids
-    assert not any(e.kind in ("failure_detected", "epoch_stopping") for e in controller.events(tidal_run.job_id))
+    assert not any(e.kind in ("failure_detected", "generation_stopping") for e in controller.events(tidal_run.job_id))
 
 
 def test_a_joiner_still_starting_when_the_world_breaks_is_not_restarted(tidal_run: TidalRun, tmp_path: Path) -> None:
@@ -431,7 +431,7 @@ def test_a_joiner_still_starting_when_the_world_breaks_is_not_restarted(tidal_ru
     controller.wait_event(tidal_run.job_id, "world_reconfiguring", where=lambda e: e.fields["joiners"] == "b")
     pid_b = worker_pid(tidal_run, "b")
     os.kill(worker_pid(tidal_run, "c"), signal.SIGKILL)
-    stopped = controller.wait_event(tidal_run.job_id, "epoch_stopped", timeout=30)
+    stopped = controller.wait_event(tidal_run.job_id, "generation_stopped", timeout=30)
     assert float(stopped.fields["detection_to_all_stopped_s"]) < 3.0, "nobody waited out a stop grace"
     formed = controller.wait_event(tidal_run.job_id, "world_formed", where=lambda e: e.fields["members"] == "a,b",
                                    timeout=30)

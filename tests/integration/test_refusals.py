@@ -41,23 +41,23 @@ def session_status(address: str, messages: list[launcher_pb2.LauncherMessage | b
     return grpc.StatusCode.OK, ""
 
 
-def register(run: TidalRun, unit: str, *, secret: str | None = None, last_epoch: int = 0,
-             version: str = "test") -> launcher_pb2.LauncherMessage:
+def register(run: TidalRun, unit: str, *, secret: str | None = None, last_generation: int = 0,
+             address: str = "127.0.0.1") -> launcher_pb2.LauncherMessage:
     real = Path(run.secret_path).read_text().strip()
     return launcher_pb2.LauncherMessage(register=launcher_pb2.Register(
-        job_id=run.job_id, unit_id=unit, secret=real if secret is None else secret, address="127.0.0.1",
-        last_epoch=last_epoch, store_port=1, launcher_version=version))
+        job_id=run.job_id, unit_id=unit, secret=real if secret is None else secret, address=address,
+        last_generation=last_generation, store_port=1))
 
 
 def test_bad_launchers_are_refused_and_the_job_is_untouched(tidal_run: TidalRun) -> None:
     tidal_run.submit(min_replicas=2, max_replicas=3)
     tidal_run.start_launcher("u1")
     tidal_run.start_launcher("u2")
-    tidal_run.controller.wait_event(tidal_run.job_id, "world_formed", where=lambda e: e.epoch == 1)
+    tidal_run.controller.wait_event(tidal_run.job_id, "world_formed", where=lambda e: e.generation == 1)
     tidal_run.wait_steps(3, world_size=2)
-    # A third launcher joins: restart mode stops epoch 1 and forms epoch 2 with three.
+    # A third launcher joins: restart mode stops generation 1 and forms generation 2 with three.
     tidal_run.start_launcher("u3")
-    grown = tidal_run.controller.wait_event(tidal_run.job_id, "world_formed", where=lambda e: e.epoch == 2)
+    grown = tidal_run.controller.wait_event(tidal_run.job_id, "world_formed", where=lambda e: e.generation == 2)
     assert grown.fields["world_size"] == "3" and grown.reason.startswith("grow 2 -> 3")
     tidal_run.wait_steps(3, world_size=3)
     workers = tidal_run.all_worker_pids()
@@ -68,16 +68,16 @@ def test_bad_launchers_are_refused_and_the_job_is_untouched(tidal_run: TidalRun)
 
     code, details = session_status(address, [register(tidal_run, "intruder", secret="not-the-secret")])
     assert code == grpc.StatusCode.UNAUTHENTICATED and "wrong secret" in details
-    code, details = session_status(address, [register(tidal_run, "ghost", last_epoch=1)])
+    code, details = session_status(address, [register(tidal_run, "ghost", last_generation=1)])
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "stale generation 1" in details
-    code, details = session_status(address, [register(tidal_run, "u1", last_epoch=9)])
+    code, details = session_status(address, [register(tidal_run, "u1", last_generation=9)])
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "claims generation 9" in details
     code, details = session_status(address, [b"\xff\xfe garbled, not a protobuf \x00\x01"])
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "garbled" in details, (code, details)
-    code, details = session_status(address, [register(tidal_run, "big", version="x" * (2 << 20))])
+    code, details = session_status(address, [register(tidal_run, "big", address="x" * (2 << 20))])
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
     code, details = session_status(address, [launcher_pb2.LauncherMessage(
-        heartbeat=launcher_pb2.Heartbeat(epoch=2))])
+        heartbeat=launcher_pb2.Heartbeat(sequence=2))])
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "first message must be register" in details
     unknown = launcher_pb2.LauncherMessage()
     unknown.CopyFrom(register(tidal_run, "lost"))
@@ -85,7 +85,7 @@ def test_bad_launchers_are_refused_and_the_job_is_untouched(tidal_run: TidalRun)
     code, details = session_status(address, [unknown])
     assert code == grpc.StatusCode.NOT_FOUND
     flood = [register(tidal_run, "flood")] + [
-        launcher_pb2.LauncherMessage(heartbeat=launcher_pb2.Heartbeat(epoch=0, sequence=i)) for i in range(500)]
+        launcher_pb2.LauncherMessage(heartbeat=launcher_pb2.Heartbeat(sequence=i)) for i in range(500)]
     code, details = session_status(address, flood)
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "messages/s" in details
 
@@ -94,10 +94,10 @@ def test_bad_launchers_are_refused_and_the_job_is_untouched(tidal_run: TidalRun)
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     job = tidal_run.job()
-    assert job.state == admin_pb2.JOB_STATE_RUNNING and job.epoch == 2 and job.world_size == 3
+    assert job.state == admin_pb2.JOB_STATE_RUNNING and job.generation == 2 and job.world_size == 3
     assert all(alive(pid) for pid in running) and tidal_run.all_worker_pids() == workers
     kinds = [e.kind for e in tidal_run.controller.events(tidal_run.job_id)[events_before:]]
-    assert "failure_detected" not in kinds and "epoch_stopping" not in kinds
+    assert "failure_detected" not in kinds and "generation_stopping" not in kinds
 
 
 def test_admin_calls_are_checked_by_uid_and_token(tidal_run: TidalRun) -> None:

@@ -35,7 +35,7 @@ def test_launcher_and_admin_over_tls(tidal_run: TidalRun) -> None:
     assert controller.ready["tls"] is True
     tidal_run.submit(min_replicas=1, max_replicas=1, steps=20, step_time=0.0)
     tidal_run.start_launcher("secure", extra=("--tls-ca", str(cert)))
-    controller.wait_event(tidal_run.job_id, "world_formed", where=lambda e: e.epoch == 1)
+    controller.wait_event(tidal_run.job_id, "world_formed", where=lambda e: e.generation == 1)
     controller.wait_event(tidal_run.job_id, "job_completed")
     assert tidal_run.launchers["secure"].process.wait(20) == 0  # type: ignore[union-attr]
     token = (controller.state_dir / "admin.token").read_text().strip()

@@ -130,7 +130,7 @@ def test_busy_workers_on_a_loaded_node_are_not_killed_for_silence(tidal_run: Tid
     wait_until(lambda: highest_step(ledger) >= after_hog + 10, 30, "10 more steps after the load")
 
     events = tidal_run.controller.events(tidal_run.job_id)
-    assert not [e for e in events if e.kind in ("failure_detected", "epoch_stopping")], \
+    assert not [e for e in events if e.kind in ("failure_detected", "generation_stopping")], \
         [(e.kind, e.reason) for e in events]
     # Training went on under the load, and the same two workers still train.
     assert after_hog > before, progress
@@ -152,7 +152,7 @@ def test_a_worker_busy_and_silent_for_seconds_is_not_killed(tidal_run: TidalRun,
     wait_until(lambda: highest_step(ledger) >= resumed_at + 10, 30, "10 more steps after the busy call")
 
     events = tidal_run.controller.events(tidal_run.job_id)
-    assert not [e for e in events if e.kind in ("failure_detected", "epoch_stopping")], \
+    assert not [e for e in events if e.kind in ("failure_detected", "generation_stopping")], \
         [(e.kind, e.reason) for e in events]
     assert busy_s > 3.0, f"the call held the interpreter only {busy_s:.1f} s, not well past the 2 s limit"
     assert all(alive(pid) for pid in pids.values())

@@ -200,22 +200,22 @@ def check_against_one_process(job: RecipeJob, tmp_path: Path) -> None:
     digests: dict[tuple[int, int], set[str]] = defaultdict(set)
     for record in records:
         if record["kind"] == "formed":
-            digests[(record["epoch"], record["shard"])].add(record["digest"])
+            digests[(record["generation"], record["shard"])].add(record["digest"])
     assert digests and all(len(found) == 1 for found in digests.values()), digests
     received = defaultdict(list)
     for record in records:
         if record["kind"] == "transfer" and record["role"] == "receiver":
-            received[record["epoch"]].append((record["shard"], record["bytes"] > 0))
+            received[record["generation"]].append((record["shard"], record["bytes"] > 0))
     assert len(received) == 2 and all(sorted(got) == [(0, True), (1, True)] for got in received.values()), received
 
     # Token accounting: every step trained the fixed run's sequences, in rank order.
     sequences = GLOBAL_BATCH_TOKENS // SEQUENCE_LENGTH
     header = json.loads(job.tokens.with_name(job.tokens.name + ".json").read_text())
     order = GlobalOrder((header["tokens"] - 1) // SEQUENCE_LENGTH, SEEDS[job.name])
-    committed_epoch = {r["step"]: r["epoch"] for r in commits(records)}
+    committed_generation = {r["step"]: r["generation"] for r in commits(records)}
     shares: dict[int, dict[int, list[int]]] = defaultdict(dict)
     for record in records:
-        if record["kind"] == "attempt" and committed_epoch.get(record["step"]) == record["epoch"]:
+        if record["kind"] == "attempt" and committed_generation.get(record["step"]) == record["generation"]:
             shares[record["step"]][record["rank"]] = record["indices"]
     fixed_samples = {r["step"]: r["indices"] for r in fixed_records if r["kind"] == "attempt"}
     for step in range(STEPS):

@@ -64,13 +64,13 @@ def test_store_survives_reopening(tmp_path: Path) -> None:
     job = JobRecord(job_id="lm-1", spec=spec, state=JobState.PENDING, owner_uid=1000, secret_sha256="ab",
                     created_at=1.0, updated_at=1.0)
     members = (Member("u1", ("n1",), 2, 0, 0), Member("u2", ("n2",), 2, 1, 2))
-    epoch = GenerationRecord(job_id="lm-1", number=1, members=members,
+    generation = GenerationRecord(job_id="lm-1", number=1, members=members,
                         rendezvous_host="n1", rendezvous_port=29500, rendezvous_unit_id="u1", reason="formed",
                         created_at=2.0, resume_step=0)
     with store.transaction():
         store.insert_job(job)
         store.upsert_unit(UnitRecord("lm-1", "u1", UnitState.ACTIVE, ["n1"], "n1", 2, 77, 0, 1.5))
-        store.insert_generation(epoch)
+        store.insert_generation(generation)
         job.state, job.generation = JobState.RUNNING, 1
         store.update_job(job)
         store.append_event("lm-1", "world_formed", "formed", generation=1, fields={"world_size": 4})
@@ -85,10 +85,67 @@ def test_store_survives_reopening(tmp_path: Path) -> None:
     [unit] = reopened.units("lm-1")
     assert unit.state is UnitState.ACTIVE and unit.slurm_job_id == 77 and unit.nodes == ["n1"]
     found = reopened.generation("lm-1", 1)
-    assert found is not None and found[0] == epoch and found[1] is None
+    assert found is not None and found[0] == generation and found[1] is None
     assert [(e.kind, e.fields) for e in reopened.events("lm-1")] == [("world_formed", {"world_size": "4"})]
     reopened.mark_generation_stopped("lm-1", 1, 3.0)
     assert reopened.generation("lm-1", 1)[1] == 3.0  # type: ignore[index]
+
+
+def test_a_state_file_of_schema_1_is_converted_in_place_and_a_newer_one_refused(tmp_path: Path) -> None:
+    """Schema 1 called a generation an epoch (table `epochs`, `epoch` columns and event kinds):
+    a controller of schema 2 converts such a file once, losing nothing; a file of a schema it
+    does not know is refused with a clear error, untouched."""
+    import sqlite3
+
+    from tidal.controller.store import SCHEMA_VERSION, StoreError
+
+    path = tmp_path / "old.db"
+    spec = admin_pb2.JobSpec(name="lm", min_replicas=1, max_replicas=2, command=["python", "train.py"])
+    members = (Member("u1", ("n1",), 1, 0, 0),)
+    table = common_pb2.RankTable(world_size=1, assignments=[common_pb2.RankAssignment(
+        unit_id="u1", nodes=["n1"], group_rank=0, first_rank=0, procs_per_node=1)], groups=1)
+    rendezvous = common_pb2.Rendezvous(host="n1", port=29500, host_unit_id="u1")
+    old = sqlite3.connect(str(path))
+    old.executescript("""
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+        INSERT INTO meta VALUES ('schema_version', '1');
+        CREATE TABLE jobs (job_id TEXT PRIMARY KEY, spec BLOB NOT NULL, state TEXT NOT NULL,
+            owner_uid INTEGER NOT NULL, secret_sha256 TEXT NOT NULL, epoch INTEGER NOT NULL DEFAULT 0,
+            step INTEGER NOT NULL DEFAULT 0, created_at REAL NOT NULL, updated_at REAL NOT NULL);
+        CREATE TABLE epochs (job_id TEXT NOT NULL REFERENCES jobs(job_id), epoch INTEGER NOT NULL,
+            rank_table BLOB NOT NULL, rendezvous BLOB NOT NULL, reason TEXT NOT NULL,
+            resume_step INTEGER NOT NULL, created_at REAL NOT NULL, stopped_at REAL, PRIMARY KEY (job_id, epoch));
+        CREATE TABLE events (sequence INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL,
+            job_id TEXT NOT NULL, unit_id TEXT NOT NULL DEFAULT '', epoch INTEGER NOT NULL DEFAULT 0,
+            kind TEXT NOT NULL, reason TEXT NOT NULL DEFAULT '', fields TEXT NOT NULL DEFAULT '{}');
+    """)
+    old.execute("INSERT INTO jobs VALUES ('lm-1', ?, 'running', 1000, 'ab', 3, 40, 1.0, 2.0)",
+                (spec.SerializeToString(),))
+    old.execute("INSERT INTO epochs VALUES ('lm-1', 3, ?, ?, 'grow', 40, 2.0, NULL)",
+                (table.SerializeToString(), rendezvous.SerializeToString()))
+    old.execute("INSERT INTO events (time, job_id, epoch, kind, reason, fields) "
+                "VALUES (2.5, 'lm-1', 3, 'epoch_stopped', 'stopped', '{\"from_epoch\": 2}')")
+    old.commit()
+    old.close()
+
+    store = StateStore(path)
+    [job] = store.jobs()
+    assert job.generation == 3 and job.step == 40 and job.state is JobState.RUNNING
+    found = store.generation("lm-1", 3)
+    assert found is not None and found[0].members == members and found[0].resume_step == 40
+    [event] = store.events("lm-1")
+    assert (event.kind, event.generation, event.fields) == ("generation_stopped", 3, {"from_generation": 2})
+    store.close()
+    assert StateStore(path).jobs()[0].generation == 3, "a converted file opens as it is"
+
+    newer = tmp_path / "newer.db"
+    StateStore(newer).close()
+    db = sqlite3.connect(str(newer))
+    db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION + 1),))
+    db.commit()
+    db.close()
+    with pytest.raises(StoreError, match=f"schema version {SCHEMA_VERSION + 1}"):
+        StateStore(newer)
 
 
 def test_spec_defaults_and_errors_name_the_field() -> None:
@@ -141,7 +198,7 @@ def test_worker_environment_is_torchrun_compatible_and_holds_no_secret(tmp_path:
         "MASTER_ADDR": "n1", "MASTER_PORT": "29400", "TORCHELASTIC_RESTART_COUNT": "2",
         "TORCHELASTIC_MAX_RESTARTS": "2147483647", "TORCHELASTIC_RUN_ID": "j", "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCHELASTIC_ERROR_FILE": str(tmp_path / "e.json")}
-    assert env["TIDAL_EPOCH"] == "3" and env["FOO"] == "bar"
+    assert env["TIDAL_GENERATION"] == "3" and env["FOO"] == "bar"
     assert "TIDAL_JOB_SECRET" not in env and "TIDAL_SECRET_FILE" not in env and env["OMP_NUM_THREADS"] == "1"
     # As under torchrun, a value the job sets wins over the default.
     own = worker_environment({}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "OMP_NUM_THREADS": "4"},
@@ -184,7 +241,7 @@ def test_state_gauges_are_read_from_the_jobs_at_scrape_time() -> None:
     metrics.read_job_states(lambda: jobs, ["pending", "running"], ["active", "left"])
     text = generate_latest(metrics.registry).decode()
     for line in ('tidal_jobs{state="running"} 1.0', 'tidal_jobs{state="pending"} 0.0',
-                 'tidal_units{state="active"} 2.0', 'tidal_world_size{job="j"} 2.0', 'tidal_epoch{job="j"} 3.0',
+                 'tidal_units{state="active"} 2.0', 'tidal_world_size{job="j"} 2.0', 'tidal_generation{job="j"} 3.0',
                  "tidal_launchers_connected 2.0"):
         assert line in text
     jobs.clear()

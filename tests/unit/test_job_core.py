@@ -51,7 +51,7 @@ class Driver:
     def connect(self, unit: str, port: int = 0, *, last_generation: int = 0, workers: tuple[int, ...] = ()) -> None:
         self.feed(core.LauncherConnected(unit, launcher_pb2.Register(
             job_id="j-1", unit_id=unit, nodes=[f"node-{unit}"], address="127.0.0.1",
-            store_port=port or 1000 + ord(unit[-1]), last_epoch=last_generation, worker_pids=list(workers))))
+            store_port=port or 1000 + ord(unit[-1]), last_generation=last_generation, worker_pids=list(workers))))
         self.links[unit] = core.Link(last_heartbeat_at=self.clock)
 
     def beat(self, unit: str, *steps: int) -> None:
@@ -72,10 +72,11 @@ class Driver:
         return self.feed(core.LauncherSaid(unit, launcher_pb2.LauncherMessage(**body)))  # type: ignore[arg-type]
 
     def report(self, unit: str, generation: int, phase: int, step: int = 0) -> list[core.Effect]:
-        return self.say(unit, epoch_report=launcher_pb2.EpochReport(epoch=generation, phase=phase, step=step))
+        return self.say(unit, generation_report=launcher_pb2.GenerationReport(generation=generation, phase=phase,
+                                                                              step=step))
 
     def exit(self, unit: str, generation: int, code: int, local_rank: int = 0) -> list[core.Effect]:
-        return self.say(unit, worker_exited=launcher_pb2.WorkerExited(epoch=generation, local_rank=local_rank,
+        return self.say(unit, worker_exited=launcher_pb2.WorkerExited(generation=generation, local_rank=local_rank,
                                                                       pid=4000, exit_code=code))
 
     def events(self, since: list[core.Effect] | None = None) -> list[str]:
@@ -93,7 +94,7 @@ def sent(effects: list[core.Effect], unit: str | None = None) -> list[str]:
             continue
         kind = effect.message.WhichOneof("body")
         body = getattr(effect.message, kind or "")
-        said.append(f"{kind.removesuffix('_epoch')}:{body.epoch}" if kind != "leave" else "leave")
+        said.append(f"{kind.removesuffix('_generation')}:{body.generation}" if kind != "leave" else "leave")
     return said
 
 
@@ -143,7 +144,7 @@ def test_the_watermark_rises_with_the_slowest_rank_and_names_the_holders_of_the_
     effects = driver.tick()
     assert sent(effects, "c") == ["reconfigure:2"]
     reconfigure = next(e.message.reconfigure for e in effects if isinstance(e, core.Send))
-    assert reconfigure.target_step == 40 and list(reconfigure.state_sources) == ["a", "b"]
+    assert reconfigure.target_step == 40
     fields = driver.event("world_reconfiguring").fields
     assert fields is not None and fields["target_step"] == 40 and fields["state_holders"] == "a,b"
 
@@ -161,10 +162,10 @@ def test_a_live_generation_that_holds_no_state_says_so_and_a_worker_that_finds_n
     effects = driver.tick()
     assert sent(effects, "b") == ["start:2"]
     assert "state_not_held" in driver.events(effects)
-    start = next(e.message.start_epoch for e in effects if isinstance(e, core.Send))
-    assert start.resume_step == 25 and list(start.state_holders) == []
+    start = next(e.message.start_generation for e in effects if isinstance(e, core.Send))
+    assert start.resume_step == 25 and driver.event("world_formed").fields["state_holders"] == "-"
     # Its worker finds no checkpoint: the job fails loudly, and never trains from step 0.
-    effects = driver.report("b", 2, launcher_pb2.EPOCH_PHASE_STATE_LOST, step=25)
+    effects = driver.report("b", 2, launcher_pb2.GENERATION_PHASE_STATE_LOST, step=25)
     assert driver.state.job.state is JobState.FAILED
     assert driver.events(effects)[0] == "state_lost"
 
@@ -174,15 +175,15 @@ def test_resuming_from_a_checkpoint_lowers_the_watermark_with_an_event_naming_th
     formed(driver, "a")
     driver.beat("a", 30)
     driver.tick(1.0)
-    driver.report("a", 1, launcher_pb2.EPOCH_PHASE_RESUMED_FROM_CHECKPOINT, step=20)
+    driver.report("a", 1, launcher_pb2.GENERATION_PHASE_RESUMED_FROM_CHECKPOINT, step=20)
     assert driver.state.job.step == 20
     fields = driver.event("resumed_from_checkpoint").fields
     assert fields == {"checkpoint_step": 20, "target_step": 30, "steps_redone": 10}
 
 
-def start_of(effects: list[core.Effect], unit: str) -> launcher_pb2.StartEpoch:
-    return next(e.message.start_epoch for e in effects
-                if isinstance(e, core.Send) and e.unit_id == unit and e.message.HasField("start_epoch"))
+def start_of(effects: list[core.Effect], unit: str) -> launcher_pb2.StartGeneration:
+    return next(e.message.start_generation for e in effects
+                if isinstance(e, core.Send) and e.unit_id == unit and e.message.HasField("start_generation"))
 
 
 def test_a_failure_in_restart_mode_is_one_message_to_each_survivor_that_stops_and_restarts_it() -> None:
@@ -198,9 +199,10 @@ def test_a_failure_in_restart_mode_is_one_message_to_each_survivor_that_stops_an
     # Generation 1 met at a's store, still in use by its workers until they stop: the next
     # one meets at a store nobody used yet.
     assert start.rendezvous.host_unit_id == "c"
-    assert "epoch_stopping" not in driver.events(effects)
+    assert "generation_stopping" not in driver.events(effects)
     # a's STARTED names its fresh store: from then on it can host again.
-    driver.say("a", epoch_report=launcher_pb2.EpochReport(epoch=2, phase=launcher_pb2.EPOCH_PHASE_STARTED,
+    driver.say("a", generation_report=launcher_pb2.GenerationReport(generation=2,
+                                                                    phase=launcher_pb2.GENERATION_PHASE_STARTED,
                                                           store_port=7777))
     assert driver.state.store_ports["a"] == 7777
 
@@ -225,7 +227,8 @@ def test_a_survivor_that_never_confirms_a_stop_round_fails_at_the_deadline() -> 
     effects = driver.exit("b", 1, code=1)
     assert sent(effects, "a") == sent(effects, "c") == ["stop:1"]
     # (A launcher's reports name the store its next generation would meet at.)
-    driver.say("a", epoch_report=launcher_pb2.EpochReport(epoch=1, phase=launcher_pb2.EPOCH_PHASE_STOPPED,
+    driver.say("a", generation_report=launcher_pb2.GenerationReport(generation=1,
+                                                                    phase=launcher_pb2.GENERATION_PHASE_STOPPED,
                                                           store_port=2001))
     assert driver.state.job.state is JobState.RECONFIGURING, "one survivor has not confirmed yet"
     driver.links.pop("b")
@@ -234,7 +237,7 @@ def test_a_survivor_that_never_confirms_a_stop_round_fails_at_the_deadline() -> 
     assert driver.state.job.state is JobState.RUNNING and driver.state.generation is not None
     assert driver.state.generation.unit_ids == ("a",)
     assert "start:2" in sent(effects, "a")
-    assert driver.events(effects)[-2:] == ["epoch_stopped", "world_formed"]
+    assert driver.events(effects)[-2:] == ["generation_stopped", "world_formed"]
 
 
 def test_silence_of_heartbeats_past_the_timeout_fails_the_unit_and_nothing_earlier() -> None:
@@ -261,9 +264,9 @@ def test_a_leave_during_a_live_change_waits_for_it_and_is_persisted_meanwhile() 
     assert driver.state.deferred_leaves == {"a": ("drained", "drained by uid 0")}
     assert core.SavePending("deferred_leaves", {"a": ["drained", "drained by uid 0"]}) in effects
     assert driver.state.units["a"].state is UnitState.ACTIVE
-    driver.report("c", 2, launcher_pb2.EPOCH_PHASE_STARTED)
+    driver.report("c", 2, launcher_pb2.GENERATION_PHASE_STARTED)
     for unit in "abc":
-        effects = driver.report(unit, 2, launcher_pb2.EPOCH_PHASE_RECONFIGURED, step=7)
+        effects = driver.report(unit, 2, launcher_pb2.GENERATION_PHASE_RECONFIGURED, step=7)
     assert driver.state.units["a"].state is UnitState.LEAVING
     assert driver.state.generation is not None and driver.state.generation.unit_ids == ("b", "c")
     assert "world_reconfigured" in driver.events(effects) and "unit_leaving" in driver.events(effects)
@@ -287,11 +290,11 @@ def test_a_restart_resumes_deferred_leaves_and_node_cool_downs() -> None:
 def test_completion_happens_once_after_the_last_step_and_late_exits_are_no_failure() -> None:
     driver = Driver(min_replicas=2)
     formed(driver, "a", "b")
-    effects = driver.report("a", 1, launcher_pb2.EPOCH_PHASE_FINISHED, step=599)
+    effects = driver.report("a", 1, launcher_pb2.GENERATION_PHASE_FINISHED, step=599)
     assert driver.state.job.state is JobState.FINISHING and driver.state.job.step == 599
     assert driver.events(effects) == ["job_finishing"]
     # A silenced worker of b after the last step is no failure, and nothing re-forms.
-    driver.say("b", worker_exited=launcher_pb2.WorkerExited(epoch=1, local_rank=0, pid=1, exit_code=0, signal=9,
+    driver.say("b", worker_exited=launcher_pb2.WorkerExited(generation=1, local_rank=0, pid=1, exit_code=0, signal=9,
                                                             detail="no beat for 2 s (frozen)"))
     assert driver.state.units["b"].state is UnitState.ACTIVE and "failure_detected" not in driver.events()
     assert driver.state.job.state is JobState.FINISHING
@@ -309,7 +312,7 @@ def test_completion_happens_once_after_the_last_step_and_late_exits_are_no_failu
 def test_a_unit_that_registers_after_the_last_step_is_sent_away() -> None:
     driver = Driver(min_replicas=1)
     formed(driver, "a")
-    driver.report("a", 1, launcher_pb2.EPOCH_PHASE_FINISHED, step=9)
+    driver.report("a", 1, launcher_pb2.GENERATION_PHASE_FINISHED, step=9)
     driver.connect("b")
     assert driver.state.units["b"].state is UnitState.LEAVING
     assert sent(driver.effects, "b") == ["leave"]
@@ -346,7 +349,7 @@ def test_slurm_units_are_submitted_to_min_replicas_and_a_failed_units_node_is_av
     effects = driver.exit("u2", 1, code=1)
     assert core.CancelInSlurm("u2", 502) in effects
     assert driver.state.excluded_nodes(driver.clock) == ("node-u2",)
-    driver.report("u1", 1, launcher_pb2.EPOCH_PHASE_STOPPED)
+    driver.report("u1", 1, launcher_pb2.GENERATION_PHASE_STOPPED)
     assert driver.state.job.state is JobState.DEGRADED
     effects = driver.feed(core.SlurmObserved(view(driver, (node("n1"), node("n2")),
                                                   (slurm_job(501, SlurmJobState.RUNNING),))))
@@ -371,9 +374,9 @@ def test_a_unit_slurm_preempts_leaves_and_a_stale_view_decides_nothing() -> None
 def test_a_register_that_claims_a_generation_the_job_never_had_is_refused() -> None:
     driver = Driver()
     formed(driver, "a", "b")
-    ahead = launcher_pb2.Register(job_id="j-1", unit_id="a", last_epoch=5)
+    ahead = launcher_pb2.Register(job_id="j-1", unit_id="a", last_generation=5)
     assert "claims generation 5" in (core.refusal(driver.state, ahead) or "")
-    unknown = launcher_pb2.Register(job_id="j-1", unit_id="zz", last_epoch=1)
+    unknown = launcher_pb2.Register(job_id="j-1", unit_id="zz", last_generation=1)
     assert "no record of it" in (core.refusal(driver.state, unknown) or "")
     assert core.refusal(driver.state, launcher_pb2.Register(job_id="j-1", unit_id="c")) is None
     driver.feed(core.CancelRequested(uid=0))
@@ -403,7 +406,7 @@ def test_a_live_failure_that_leaves_a_size_the_job_does_not_allow_stops_first() 
     effects = driver.exit("d", 1, code=1)
     assert sent(effects, "a") == ["stop:1"], "3 survivors make no allowed world"
     for unit in "abc":
-        effects = driver.report(unit, 1, launcher_pb2.EPOCH_PHASE_STOPPED)
+        effects = driver.report(unit, 1, launcher_pb2.GENERATION_PHASE_STOPPED)
     assert driver.state.generation is not None and len(driver.state.generation.members) == 2
 
 

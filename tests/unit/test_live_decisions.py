@@ -50,8 +50,8 @@ class Harness:
         self.actor.handle(Said(self.sessions[unit], launcher_pb2.LauncherMessage(**body)))
         self.actor.handle(Tick())
 
-    def report(self, unit: str, epoch: int, phase: int, step: int = 0) -> None:
-        self.say(unit, epoch_report=launcher_pb2.EpochReport(epoch=epoch, phase=phase, step=step))
+    def report(self, unit: str, generation: int, phase: int, step: int = 0) -> None:
+        self.say(unit, generation_report=launcher_pb2.GenerationReport(generation=generation, phase=phase, step=step))
 
     def outbox(self, unit: str) -> list[str]:
         """What the unit was sent since last asked: 'start:E', 'reconfigure:E', 'stop:E', 'leave'."""
@@ -60,14 +60,14 @@ class Harness:
         while not queue.empty():
             message = queue.get_nowait()
             kind = message.WhichOneof("body") if isinstance(message, launcher_pb2.ControllerMessage) else "close"
-            if kind == "start_epoch":
-                said.append(f"start:{message.start_epoch.epoch}")
+            if kind == "start_generation":
+                said.append(f"start:{message.start_generation.generation}")
             elif kind == "reconfigure":
                 table = message.reconfigure.rank_table
-                said.append(f"reconfigure:{message.reconfigure.epoch}:" +
+                said.append(f"reconfigure:{message.reconfigure.generation}:" +
                             ",".join(a.unit_id for a in table.assignments))
-            elif kind == "stop_epoch":
-                said.append(f"stop:{message.stop_epoch.epoch}")
+            elif kind == "stop_generation":
+                said.append(f"stop:{message.stop_generation.generation}")
             else:
                 said.append(kind)
         return said
@@ -93,23 +93,23 @@ def test_a_grow_tells_the_joiner_first_and_the_old_world_once_it_is_ready(harnes
     assert harness.outbox("a") == harness.outbox("b") == [], "the old world trains on while the joiner starts"
     assert harness.actor.job.state is JobState.RUNNING and harness.actor.job.generation == 2
 
-    harness.report("c", 2, launcher_pb2.EPOCH_PHASE_STARTED)
+    harness.report("c", 2, launcher_pb2.GENERATION_PHASE_STARTED)
     assert harness.outbox("a") == harness.outbox("b") == ["reconfigure:2:a,b,c"]
     for unit in "abc":
-        harness.report(unit, 2, launcher_pb2.EPOCH_PHASE_RECONFIGURED, step=40)
+        harness.report(unit, 2, launcher_pb2.GENERATION_PHASE_RECONFIGURED, step=40)
     assert harness.kinds()[-3:] == ["world_reconfiguring", "joiners_ready", "world_reconfigured"]
-    assert not any(kind.startswith("epoch_stop") for kind in harness.kinds()), "no survivor stopped"
+    assert not any(kind.startswith("generation_stop") for kind in harness.kinds()), "no survivor stopped"
     assert all(harness.outbox(unit) == [] for unit in "abc")
 
 
 def test_a_leave_reconfigures_without_stopping_anyone(harness: Harness) -> None:
-    harness.say("b", leave_request=launcher_pb2.LeaveRequest(epoch=1, cause=launcher_pb2.LEAVE_CAUSE_PREEMPTED))
+    harness.say("b", leave_request=launcher_pb2.LeaveRequest(generation=1, cause=launcher_pb2.LEAVE_CAUSE_PREEMPTED))
     # The leaver hears the world it is not part of, and leaves after the agreed step.
     assert harness.outbox("a") == harness.outbox("b") == ["reconfigure:2:a"]
-    harness.report("a", 2, launcher_pb2.EPOCH_PHASE_RECONFIGURED, step=10)
-    harness.report("b", 1, launcher_pb2.EPOCH_PHASE_LEFT)
+    harness.report("a", 2, launcher_pb2.GENERATION_PHASE_RECONFIGURED, step=10)
+    harness.report("b", 1, launcher_pb2.GENERATION_PHASE_LEFT)
     assert "world_reconfigured" in harness.kinds() and "unit_left" in harness.kinds()
-    assert not any(kind.startswith("epoch_stop") for kind in harness.kinds())
+    assert not any(kind.startswith("generation_stop") for kind in harness.kinds())
 
 
 def leave_messages(harness: Harness, unit: str) -> list[launcher_pb2.Leave]:
@@ -119,13 +119,13 @@ def leave_messages(harness: Harness, unit: str) -> list[launcher_pb2.Leave]:
 
 
 def test_only_the_last_member_to_leave_is_told_to_save_the_state(harness: Harness) -> None:
-    harness.say("b", leave_request=launcher_pb2.LeaveRequest(epoch=1, cause=launcher_pb2.LEAVE_CAUSE_PREEMPTED))
+    harness.say("b", leave_request=launcher_pb2.LeaveRequest(generation=1, cause=launcher_pb2.LEAVE_CAUSE_PREEMPTED))
     assert harness.outbox("a") == harness.outbox("b") == ["reconfigure:2:a"], "a keeps the state: b just leaves"
-    harness.report("a", 2, launcher_pb2.EPOCH_PHASE_RECONFIGURED, step=10)
-    harness.report("b", 1, launcher_pb2.EPOCH_PHASE_LEFT)
+    harness.report("a", 2, launcher_pb2.GENERATION_PHASE_RECONFIGURED, step=10)
+    harness.report("b", 1, launcher_pb2.GENERATION_PHASE_LEFT)
     assert "state_saving" not in harness.kinds()
 
-    harness.say("a", leave_request=launcher_pb2.LeaveRequest(epoch=2, cause=launcher_pb2.LEAVE_CAUSE_PREEMPTED))
+    harness.say("a", leave_request=launcher_pb2.LeaveRequest(generation=2, cause=launcher_pb2.LEAVE_CAUSE_PREEMPTED))
     (leave,) = leave_messages(harness, "a")
     assert leave.save_state, "a holds the last copy of the state"
     saving = [e for e in harness.store.events("live-1") if e.kind == "state_saving"]
@@ -143,12 +143,12 @@ def degraded_survivor(tmp_path: Path, slurm_units: bool, release_s: float, min_r
     harness.tick()
     assert all(harness.outbox(unit) == ["start:1"] for unit in units)
     harness.actor.handle(Said(harness.sessions["b"], launcher_pb2.LauncherMessage(
-        worker_exited=launcher_pb2.WorkerExited(epoch=1, local_rank=0, pid=77, signal=9))))
+        worker_exited=launcher_pb2.WorkerExited(generation=1, local_rank=0, pid=77, signal=9))))
     for unit in units[2:]:
         harness.actor.handle(Disconnected(harness.sessions[unit], "gone"))
     harness.tick()
     assert harness.outbox("a")[:1] == ["stop:1"], "a alone is below min: it stops, keeping its state in memory"
-    harness.report("a", 1, launcher_pb2.EPOCH_PHASE_STOPPED, step=30)
+    harness.report("a", 1, launcher_pb2.GENERATION_PHASE_STOPPED, step=30)
     assert harness.actor.job.state is JobState.DEGRADED
     return harness
 
@@ -180,13 +180,13 @@ def test_the_step_a_leaver_saved_the_state_at_becomes_the_jobs_step_and_the_next
     (leave,) = leave_messages(harness, "a")
     assert leave.save_state
     before = harness.actor.job.step
-    harness.report("a", 1, launcher_pb2.EPOCH_PHASE_LEFT, step=before + 2)
+    harness.report("a", 1, launcher_pb2.GENERATION_PHASE_LEFT, step=before + 2)
     assert harness.actor.job.step == before + 2
     assert next(j for j in harness.store.jobs() if j.job_id == "live-1").step == before + 2, "on disk too"
     # A plain leave (nothing saved: step 0) never moves it back; a report from a unit no
     # longer leaving (late, repeated) never moves it on.
-    harness.report("a", 1, launcher_pb2.EPOCH_PHASE_LEFT, step=0)
-    harness.report("a", 1, launcher_pb2.EPOCH_PHASE_LEFT, step=before + 9)
+    harness.report("a", 1, launcher_pb2.GENERATION_PHASE_LEFT, step=0)
+    harness.report("a", 1, launcher_pb2.GENERATION_PHASE_LEFT, step=before + 9)
     assert harness.actor.job.step == before + 2
     reason = harness.actor.units["a"].reason
     assert reason.startswith("released: ") and reason.endswith("; left"), "why it was asked, then how it left"
@@ -220,13 +220,13 @@ def test_a_live_job_below_min_holds_its_units_without_slurm_units_or_with_releas
 
 
 def test_a_failure_is_one_message_to_each_survivor_the_next_generation(harness: Harness) -> None:
-    harness.say("b", worker_exited=launcher_pb2.WorkerExited(epoch=1, local_rank=0, pid=77, signal=9))
+    harness.say("b", worker_exited=launcher_pb2.WorkerExited(generation=1, local_rank=0, pid=77, signal=9))
     assert harness.outbox("b")[:1] == ["stop:1"], "the failed unit is told to kill its workers"
     assert harness.outbox("a") == ["start:2"], "no stop round first"
     assert harness.actor.job.state is JobState.RUNNING and harness.actor.job.generation == 2
-    assert not any(kind.startswith("epoch_stop") for kind in harness.kinds())
+    assert not any(kind.startswith("generation_stop") for kind in harness.kinds())
     assert harness.store.generation("live-1", 1)[1] is not None, "generation 1 is recorded as over"
-    harness.report("a", 2, launcher_pb2.EPOCH_PHASE_FIRST_STEP, step=12)
+    harness.report("a", 2, launcher_pb2.GENERATION_PHASE_FIRST_STEP, step=12)
     recovered = [e for e in harness.store.events("live-1") if e.kind == "recovered"]
     assert len(recovered) == 1 and recovered[0].fields["failed_unit"] == "b"
     assert float(recovered[0].fields["failure_to_first_step_s"]) >= 0
@@ -238,14 +238,14 @@ def test_training_that_ends_while_a_grow_is_in_flight_completes_the_job(harness:
     assert harness.outbox("c") == ["reconfigure:2:a,b,c"]
     # The last step came before the joiner was ready: the old world's ranks exit 0.
     for unit in "ab":
-        harness.say(unit, worker_exited=launcher_pb2.WorkerExited(epoch=1, local_rank=0, pid=1, exit_code=0))
+        harness.say(unit, worker_exited=launcher_pb2.WorkerExited(generation=1, local_rank=0, pid=1, exit_code=0))
     assert harness.actor.job.state is JobState.COMPLETED
     assert harness.outbox("c") == ["leave"]
 
 
 def beat(harness: Harness, unit: str, rank: int, step: int) -> None:
     """A heartbeat naming one worker at `step` committed steps."""
-    message = launcher_pb2.Heartbeat(epoch=harness.actor.job.generation, sequence=time.monotonic_ns())
+    message = launcher_pb2.Heartbeat(sequence=time.monotonic_ns())
     message.sent_at.GetCurrentTime()
     worker = launcher_pb2.WorkerProgress(local_rank=0, rank=rank, pid=100 + rank, step=step)
     worker.progress_time.GetCurrentTime()
@@ -270,32 +270,32 @@ def test_a_world_with_no_state_holder_is_named_as_such_with_its_target_step(harn
     harness.tick()
     assert harness.actor.job.step == 80
     # One replica dies, then the other: a fresh unit comes, and it holds nothing at step 80.
-    harness.say("a", worker_exited=launcher_pb2.WorkerExited(epoch=1, local_rank=0, pid=7, signal=9))
+    harness.say("a", worker_exited=launcher_pb2.WorkerExited(generation=1, local_rank=0, pid=7, signal=9))
     assert harness.outbox("b")[-1:] == ["start:2"]
     assert harness.store.events("live-1")[-1].fields["state_holders"] == "b"
-    harness.say("b", worker_exited=launcher_pb2.WorkerExited(epoch=2, local_rank=0, pid=8, signal=9))
+    harness.say("b", worker_exited=launcher_pb2.WorkerExited(generation=2, local_rank=0, pid=8, signal=9))
     assert harness.actor.job.state is JobState.DEGRADED
     harness.connect("c", 1003)
     harness.tick()
     start = None
     while not harness.sessions["c"].outbox.empty():
         message = harness.sessions["c"].outbox.get_nowait()
-        if isinstance(message, launcher_pb2.ControllerMessage) and message.WhichOneof("body") == "start_epoch":
-            start = message.start_epoch
-    assert start is not None and start.resume_step == 80 and list(start.state_holders) == []
+        if isinstance(message, launcher_pb2.ControllerMessage) and message.WhichOneof("body") == "start_generation":
+            start = message.start_generation
+    assert start is not None and start.resume_step == 80
     not_held = [e for e in harness.store.events("live-1") if e.kind == "state_not_held"]
     assert len(not_held) == 1 and not_held[0].fields["target_step"] == "80"
-    harness.report("c", start.epoch, launcher_pb2.EPOCH_PHASE_STATE_LOST, step=80)
+    harness.report("c", start.generation, launcher_pb2.GENERATION_PHASE_STATE_LOST, step=80)
     assert harness.actor.job.state is JobState.FAILED
     assert harness.kinds()[-1] == "state_lost"
 
 
 def test_after_the_last_step_exits_and_silences_are_not_failures_and_the_job_completes_once(
         harness: Harness) -> None:
-    harness.report("a", 1, launcher_pb2.EPOCH_PHASE_FINISHED, step=600)
+    harness.report("a", 1, launcher_pb2.GENERATION_PHASE_FINISHED, step=600)
     assert harness.actor.job.state is JobState.FINISHING and harness.actor.job.step == 600
     # b's worker, finishing too, is killed (say, by a launcher that thought it frozen).
-    harness.say("b", worker_exited=launcher_pb2.WorkerExited(epoch=1, local_rank=0, pid=8, signal=9,
+    harness.say("b", worker_exited=launcher_pb2.WorkerExited(generation=1, local_rank=0, pid=8, signal=9,
                                                              detail="no beat for 2.0 s"))
     assert harness.outbox("a") == [] and harness.outbox("b") == [], "no stop, no new world"
     assert "failure_detected" not in harness.kinds()
@@ -303,14 +303,15 @@ def test_after_the_last_step_exits_and_silences_are_not_failures_and_the_job_com
     harness.connect("c", 1003)
     harness.tick()
     assert harness.outbox("c") == ["leave"]
-    harness.say("a", worker_exited=launcher_pb2.WorkerExited(epoch=1, local_rank=0, pid=9, exit_code=0))
+    harness.say("a", worker_exited=launcher_pb2.WorkerExited(generation=1, local_rank=0, pid=9, exit_code=0))
     assert harness.actor.job.state is JobState.COMPLETED
     completed = [e for e in harness.store.events("live-1") if e.kind == "job_completed"]
     assert len(completed) == 1
     assert completed[0].reason == "training completed at step 600; after the last step b local rank 0 killed by " \
                                   "SIGKILL (no beat for 2.0 s)"
     harness.tick()
-    harness.say("c", epoch_report=launcher_pb2.EpochReport(epoch=1, phase=launcher_pb2.EPOCH_PHASE_LEFT))
+    harness.say("c", generation_report=launcher_pb2.GenerationReport(generation=1,
+                                                                     phase=launcher_pb2.GENERATION_PHASE_LEFT))
     assert [e.kind for e in harness.store.events("live-1")].count("job_completed") == 1
 
 
@@ -318,9 +319,9 @@ def restart_controller(harness: Harness, **config: float) -> None:
     """The controller restarts: a new actor from the same SQLite file; `a` comes back with
     its worker, `b` with none."""
     job = harness.store.jobs()[0]
-    epoch, _ = harness.store.generation(job.job_id, job.generation)
+    generation, _ = harness.store.generation(job.job_id, job.generation)
     harness.config = dataclasses.replace(harness.config, **config)
-    harness.actor = JobActor(job, harness.store.units(job.job_id), epoch, generation_stopped=False,
+    harness.actor = JobActor(job, harness.store.units(job.job_id), generation, generation_stopped=False,
                              config=harness.config, store=harness.store, events=EventLog(harness.store),
                              metrics=ControllerMetrics(), started_at=time.monotonic())
     now = time.monotonic()
@@ -330,7 +331,7 @@ def restart_controller(harness: Harness, **config: float) -> None:
         harness.sessions[unit] = session
         harness.actor.handle(Connected(session, launcher_pb2.Register(
             job_id="live-1", unit_id=unit, secret="s", nodes=[f"node-{unit}"], address="127.0.0.1",
-            last_epoch=1, worker_pids=pids)))
+            last_generation=1, worker_pids=pids)))
 
 
 def test_a_member_back_after_a_controller_restart_without_workers_gets_no_fresh_worker(harness: Harness) -> None:
@@ -338,7 +339,7 @@ def test_a_member_back_after_a_controller_restart_without_workers_gets_no_fresh_
     # No start for b: a fresh worker would join the running world with nothing.
     assert harness.outbox("b") == [] and harness.outbox("a") == []
     # b's queued report comes next on its stream: its worker was killed while the controller was away.
-    harness.say("b", worker_exited=launcher_pb2.WorkerExited(epoch=1, local_rank=0, pid=77, signal=9))
+    harness.say("b", worker_exited=launcher_pb2.WorkerExited(generation=1, local_rank=0, pid=77, signal=9))
     assert harness.outbox("a") == ["stop:1"]
     failure = [e for e in harness.store.events("live-1") if e.kind == "failure_detected"]
     assert len(failure) == 1 and failure[0].unit_id == "b" and "killed by SIGKILL" in failure[0].reason
@@ -355,8 +356,8 @@ def test_a_member_back_without_workers_that_says_nothing_of_them_has_failed(harn
 
 def test_a_member_back_without_workers_because_training_finished_is_no_failure(harness: Harness) -> None:
     restart_controller(harness)
-    harness.report("b", 1, launcher_pb2.EPOCH_PHASE_FINISHED, step=600)
-    harness.say("b", worker_exited=launcher_pb2.WorkerExited(epoch=1, local_rank=0, pid=77, exit_code=0))
+    harness.report("b", 1, launcher_pb2.GENERATION_PHASE_FINISHED, step=600)
+    harness.say("b", worker_exited=launcher_pb2.WorkerExited(generation=1, local_rank=0, pid=77, exit_code=0))
     assert harness.actor.job.state is JobState.FINISHING
     assert "failure_detected" not in harness.kinds()
 
@@ -364,27 +365,27 @@ def test_a_member_back_without_workers_because_training_finished_is_no_failure(h
 def test_a_planned_change_right_after_another_names_every_member_a_state_holder(harness: Harness) -> None:
     harness.connect("c", 1003)
     harness.tick()
-    harness.report("c", 2, launcher_pb2.EPOCH_PHASE_STARTED)
+    harness.report("c", 2, launcher_pb2.GENERATION_PHASE_STARTED)
     for rank, unit in enumerate("abc"):
         beat(harness, unit, rank, 38)
     # The ranks moved at step 40; the heartbeats still say 38 (they are up to a second old).
     for unit in "abc":
-        harness.report(unit, 2, launcher_pb2.EPOCH_PHASE_RECONFIGURED, step=40)
-    harness.say("c", leave_request=launcher_pb2.LeaveRequest(epoch=2, cause=launcher_pb2.LEAVE_CAUSE_DRAINED))
+        harness.report(unit, 2, launcher_pb2.GENERATION_PHASE_RECONFIGURED, step=40)
+    harness.say("c", leave_request=launcher_pb2.LeaveRequest(generation=2, cause=launcher_pb2.LEAVE_CAUSE_PREEMPTED))
     reconfiguring = [e for e in harness.store.events("live-1") if e.kind == "world_reconfiguring"][-1]
     assert reconfiguring.fields["state_holders"] == "a,b"
     assert "state_not_held" not in harness.kinds()
 
 
 def test_a_worker_that_refuses_to_train_fails_the_job_not_its_unit(harness: Harness) -> None:
-    harness.say("b", worker_exited=launcher_pb2.WorkerExited(epoch=1, local_rank=0, pid=9, exit_code=75))
+    harness.say("b", worker_exited=launcher_pb2.WorkerExited(generation=1, local_rank=0, pid=9, exit_code=75))
     assert harness.actor.job.state is JobState.FAILED
     assert harness.kinds()[-1] == "state_lost" and "failure_detected" not in harness.kinds()
 
 
 def test_a_late_state_lost_does_not_fail_a_job_past_its_last_step(harness: Harness) -> None:
-    harness.report("a", 1, launcher_pb2.EPOCH_PHASE_FINISHED, step=600)
-    harness.report("b", 1, launcher_pb2.EPOCH_PHASE_STATE_LOST, step=600)
+    harness.report("a", 1, launcher_pb2.GENERATION_PHASE_FINISHED, step=600)
+    harness.report("b", 1, launcher_pb2.GENERATION_PHASE_STATE_LOST, step=600)
     assert harness.actor.job.state is JobState.FINISHING
 
 
@@ -402,19 +403,19 @@ def test_a_leaving_member_saves_when_the_others_hold_no_state_by_their_heartbeat
     assert harness.actor.job.step == 40
     beat(harness, "b", 1, 0)
     harness.tick()
-    harness.say("a", leave_request=launcher_pb2.LeaveRequest(epoch=1, cause=launcher_pb2.LEAVE_CAUSE_PREEMPTED))
+    harness.say("a", leave_request=launcher_pb2.LeaveRequest(generation=1, cause=launcher_pb2.LEAVE_CAUSE_PREEMPTED))
     (leave,) = leave_messages(harness, "a")
     assert leave.save_state, "b holds nothing at step 40: a's state is the last copy"
 
 
-def heartbeat_of(harness: Harness, unit: str, epoch: int, rank: int, step: int, samples: int, loss: float | None,
+def heartbeat_of(harness: Harness, unit: str, generation: int, rank: int, step: int, samples: int, loss: float | None,
          sequence: int) -> None:
     worker = launcher_pb2.WorkerProgress(local_rank=0, rank=rank, pid=100 + rank, step=step, samples=samples)
     worker.progress_time.GetCurrentTime()
     worker.beat_time.GetCurrentTime()
     if loss is not None:
         worker.loss = loss
-    message = launcher_pb2.Heartbeat(epoch=epoch, sequence=sequence, workers=[worker])
+    message = launcher_pb2.Heartbeat(sequence=sequence, workers=[worker])
     message.sent_at.GetCurrentTime()
     harness.actor.heartbeat(harness.sessions[unit], message)
 
@@ -423,7 +424,7 @@ def test_the_history_follows_the_world_that_trains_not_a_joiner_still_starting(h
     """While a grow is in flight the old world trains on: the history keeps its size, its
     step and its loss; the joiner's standby workers (step 0, no loss) change nothing."""
     for unit in "ab":
-        harness.report(unit, 1, launcher_pb2.EPOCH_PHASE_STARTED)
+        harness.report(unit, 1, launcher_pb2.GENERATION_PHASE_STARTED)
 
     def sample_after(sequence: int, step: int, samples: int, loss: float) -> tuple[object, ...]:
         for rank, unit in enumerate("ab"):

@@ -18,9 +18,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 def test_json_logs_when_not_a_terminal() -> None:
     stream = io.StringIO()
     configure_logging(stream=stream)
-    structlog.get_logger().bind(job="job-1", epoch=3).info("world_reformed", world_size=2)
+    structlog.get_logger().bind(job="job-1", generation=3).info("world_reformed", world_size=2)
     record = json.loads(stream.getvalue())
-    assert record["event"] == "world_reformed" and record["job"] == "job-1" and record["epoch"] == 3
+    assert record["event"] == "world_reformed" and record["job"] == "job-1" and record["generation"] == 3
     assert record["level"] == "info" and record["timestamp"].endswith("Z")
 
 

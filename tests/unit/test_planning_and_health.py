@@ -1,4 +1,4 @@
-"""The pure deciders: epoch planning, world decisions and health verdicts, with the clock
+"""The pure deciders: generation planning, world decisions and health verdicts, with the clock
 passed in."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def test_ranks_count_every_process_of_every_unit() -> None:
 
 
 def test_rendezvous_moves_to_a_live_unit_when_the_old_host_is_gone() -> None:
-    # Epoch 1 was hosted by "a" (group rank 0); "a" failed; the survivors re-form.
+    # Generation 1 was hosted by "a" (group rank 0); "a" failed; the survivors re-form.
     plan = plan_generation(job_id="j", number=2, candidates=[candidate("c", previous=2), candidate("b", previous=1)],
                       replicas=2, reason="r", now=0.0, resume_step=0)
     assert plan.rendezvous_unit_id == "b" and plan.members[0].unit_id == "b"
@@ -130,7 +130,7 @@ def test_a_worker_without_progress_is_hung_but_only_if_it_ever_reported() -> Non
     verdicts = health_verdicts([silent, stalled], now=200.0, policy=POLICY, generation_started_at=100.0,
                                reconnect_deadline=0.0)
     assert verdicts == [Failure("b", "rank 4 made no progress for 70.0 s (timeout 60 s)", "progress")]
-    # Progress from before this epoch started does not count against it.
+    # Progress from before this generation started does not count against it.
     assert health_verdicts([stalled], now=200.0, policy=POLICY, generation_started_at=135.0,
                            reconnect_deadline=0.0) == []
 

@@ -1,4 +1,4 @@
-"""The wire protocol: every world-changing message carries its epoch; stubs import as
+"""The wire protocol: every world-changing message carries its generation; stubs import as
 tidal.proto; garbage on the wire is a decode error, not a crash elsewhere."""
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ def test_package_and_services() -> None:
 
 
 @pytest.mark.parametrize("message", [
-    launcher_pb2.StartEpoch, launcher_pb2.Reconfigure, launcher_pb2.StopEpoch, launcher_pb2.Leave,
-    launcher_pb2.Heartbeat, launcher_pb2.WorkerExited, launcher_pb2.LeaveRequest, launcher_pb2.EpochReport,
+    launcher_pb2.StartGeneration, launcher_pb2.Reconfigure, launcher_pb2.StopGeneration, launcher_pb2.Leave,
+    launcher_pb2.WorkerExited, launcher_pb2.LeaveRequest, launcher_pb2.GenerationReport,
 ])
-def test_world_messages_carry_the_epoch(message: type) -> None:
-    assert "epoch" in message.DESCRIPTOR.fields_by_name
+def test_world_messages_carry_the_generation(message: type) -> None:
+    assert "generation" in message.DESCRIPTOR.fields_by_name
 
 
 def test_round_trip_of_a_reconfigure_command() -> None:
@@ -31,9 +31,8 @@ def test_round_trip_of_a_reconfigure_command() -> None:
         common_pb2.RankAssignment(unit_id="u1", nodes=["n1"], group_rank=0, first_rank=0, procs_per_node=2),
         common_pb2.RankAssignment(unit_id="u2", nodes=["n2"], group_rank=1, first_rank=2, procs_per_node=2)])
     command = launcher_pb2.ControllerMessage(reconfigure=launcher_pb2.Reconfigure(
-        epoch=3, from_epoch=2, target_step=120, rank_table=table,
-        rendezvous=common_pb2.Rendezvous(host="127.0.0.1", port=29500, host_unit_id="u2"),
-        state_sources=["u1"]))
+        generation=3, from_generation=2, target_step=120, rank_table=table,
+        rendezvous=common_pb2.Rendezvous(host="127.0.0.1", port=29500, host_unit_id="u2")))
     decoded = launcher_pb2.ControllerMessage.FromString(command.SerializeToString())
     assert decoded.WhichOneof("body") == "reconfigure" and decoded == command
 

@@ -53,9 +53,10 @@ def test_a_launcher_finds_its_node_and_its_leader_in_what_srun_sets() -> None:
         unit_nodes({"SLURM_JOB_ID": "7"}, 2)
 
 
-def start_epoch(unit_nodes_: list[str], first_rank: int, world_size: int, procs: int = 2) -> launcher_pb2.StartEpoch:
-    return launcher_pb2.StartEpoch(
-        epoch=3, resume_step=40,
+def start_generation(unit_nodes_: list[str], first_rank: int, world_size: int,
+                     procs: int = 2) -> launcher_pb2.StartGeneration:
+    return launcher_pb2.StartGeneration(
+        generation=3, resume_step=40,
         rank_table=common_pb2.RankTable(world_size=world_size, groups=2, assignments=[common_pb2.RankAssignment(
             unit_id="u2", nodes=unit_nodes_, group_rank=1, first_rank=first_rank, procs_per_node=procs)]),
         rendezvous=common_pb2.Rendezvous(host="hostA", port=1234, host_unit_id="u1"))
@@ -63,7 +64,7 @@ def start_epoch(unit_nodes_: list[str], first_rank: int, world_size: int, procs:
 
 def test_a_two_node_units_ranks_are_laid_out_node_by_node_with_torchruns_node_rank() -> None:
     # Two units of 2 nodes x 2 processes: u2 holds ranks 4..7, node n3 the first two.
-    start = start_epoch(["n3", "n4"], first_rank=4, world_size=8)
+    start = start_generation(["n3", "n4"], first_rank=4, world_size=8)
     leader, follower = node_placement(start, "u2", 0), node_placement(start, "u2", 1)
     assert leader is not None and follower is not None
     assert (leader.first_rank, leader.group_rank, leader.group_world_size) == (4, 2, 4)
@@ -77,7 +78,7 @@ def test_a_two_node_units_ranks_are_laid_out_node_by_node_with_torchruns_node_ra
     assert all(e["MASTER_ADDR"] == "hostA" and e["MASTER_PORT"] == "1234" and e["GROUP_RANK"] == "3"
                and "TIDAL_SECRET_FILE" not in e for e in envs)
     # A one-node unit keeps the unit's group rank and the number of units, as before.
-    single = node_placement(start_epoch(["n3"], first_rank=2, world_size=4), "u2")
+    single = node_placement(start_generation(["n3"], first_rank=2, world_size=4), "u2")
     assert single is not None and (single.first_rank, single.group_rank, single.group_world_size) == (2, 1, 2)
 
 
@@ -127,12 +128,12 @@ def test_a_follower_without_the_jobs_secret_is_refused_and_the_leader_then_admit
             reader, writer = await connect_to_leader(layout(1, port), secret="right", timeout_s=5.0, **IDENTITY)
             await asyncio.sleep(0.05)
             assert events == [FollowerJoined(1, "n2")] and hub.complete
-            hub.send_all(launcher_pb2.LeaderMessage(stop=launcher_pb2.NodeStop(epoch=4)))
+            hub.send_all(launcher_pb2.LeaderMessage(stop=launcher_pb2.NodeStop(generation=4)))
             relayed = await read_frame(reader, launcher_pb2.LeaderMessage)
-            assert relayed.WhichOneof("body") == "stop" and relayed.stop.epoch == 4
-            await write_frame(writer, launcher_pb2.FollowerMessage(stopped=launcher_pb2.NodeStopped(epoch=4)))
+            assert relayed.WhichOneof("body") == "stop" and relayed.stop.generation == 4
+            await write_frame(writer, launcher_pb2.FollowerMessage(stopped=launcher_pb2.NodeStopped(generation=4)))
             await asyncio.sleep(0.05)
-            assert isinstance(events[-1], FollowerSaid) and events[-1].message.stopped.epoch == 4
+            assert isinstance(events[-1], FollowerSaid) and events[-1].message.stopped.generation == 4
             # The same node cannot join twice.
             with pytest.raises((LeaderRefused, TimeoutError)):
                 await connect_to_leader(layout(1, port), secret="right", timeout_s=0.2, **IDENTITY)

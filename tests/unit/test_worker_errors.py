@@ -86,7 +86,7 @@ def test_the_failure_event_names_the_workers_exception() -> None:
     driver = Driver(mode=common_pb2.JOB_MODE_RESTART)
     formed(driver, "a", "b")
     traceback = 'Traceback (most recent call last):\n  File "train.py", line 9, in main\nValueError: boom 42'
-    driver.say("b", worker_exited=launcher_pb2.WorkerExited(epoch=1, local_rank=0, pid=77, exit_code=1,
+    driver.say("b", worker_exited=launcher_pb2.WorkerExited(generation=1, local_rank=0, pid=77, exit_code=1,
                                                              error="ValueError: boom 42", traceback=traceback))
     failure = driver.event("failure_detected")
     assert failure.reason == "worker rank 1 (pid 77) exit code 1: ValueError: boom 42"
