@@ -230,7 +230,7 @@ def command_status(args: argparse.Namespace) -> int:
         print(json.dumps([_as_dict(job) for job in jobs], indent=2))
         return EXIT_OK
     now = time.time()
-    headers = ["JOB", "STATE", "MODE", "REPLICAS(now/min/max)", "WORLD", "GENERATION", "STEP", "SAMPLES/S", "GOODPUT",
+    headers = ["JOB", "STATE", "MODE", "REPLICAS(now/min/max)", "WORLD", "GEN", "STEP", "SAMPLES/S", "GOODPUT",
                "LAST EVENT"]
     if not jobs:
         print("no jobs" + ("" if args.all else " running (--all shows ended ones too)"))
