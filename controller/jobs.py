@@ -417,7 +417,7 @@ class JobActor:
         asyncio.get_running_loop().run_in_executor(None, submit)
 
     def _observe_throughput(self, now: float) -> None:
-        world = self._training_world()
+        world = self.state.training_world
         # The world that trains: its members' workers (a joiner's workers on standby report
         # step 0 and would pull the step, hence the rate, down while they start).
         members = ([session for m in world.members if (session := self.sessions.get(m.unit_id)) is not None]
@@ -434,17 +434,6 @@ class JobActor:
         # The newest loss said: that of the member with the most samples trained.
         newest = max(((s.samples, s.loss) for s in members if s.loss is not None), default=(0, None))
         self._keep_progress(step, samples, world.world_size if world is not None else 0, newest[1])
-
-    def _training_world(self) -> GenerationRecord | None:
-        """The world whose ranks train now: the running generation, or while a live world
-        change is in flight the one it changes from (its members train on until they move;
-        the joiners start meanwhile); None when no world runs."""
-        state = self.state
-        if self.job.state is not JobState.RUNNING or state.stop is not None:
-            return None
-        if state.reconfigure is not None:
-            return state.reconfigure.previous
-        return state.generation
 
     def _keep_progress(self, step: int, samples: int, world_size: int, loss: float | None) -> None:
         sample = ProgressSample(time=time.time(), step=step, samples=samples, world_size=world_size, loss=loss)

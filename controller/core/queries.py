@@ -81,7 +81,7 @@ def yielding_job(state: State, view: ClusterView) -> sharing.YieldingJob | None:
 def world_size(state: State) -> int:
     """The size of the world training now (0 when none trains)."""
     world = state.training_world
-    return world.world_size if world is not None and state.job.state is JobState.RUNNING else 0
+    return world.world_size if world is not None else 0
 
 
 def describe_exit(exit_code: int, signal_number: int) -> str:

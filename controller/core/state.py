@@ -358,7 +358,12 @@ class State:
 
     @property
     def training_world(self) -> GenerationRecord | None:
-        """The generation that trains now: while a live change is in flight, the old one."""
+        """The world whose ranks train now (the one definition): the running generation, or
+        while a live world change is in flight the one it changes from (its members train
+        on until they move; the joiners start meanwhile); None when no world runs (the job
+        is not RUNNING, or a stop is in flight)."""
+        if self.job.state is not JobState.RUNNING or self.stop is not None:
+            return None
         return self.reconfigure.previous if self.reconfigure is not None else self.generation
 
     def excluded_nodes(self, now: float) -> tuple[str, ...]:

@@ -147,7 +147,7 @@ def observe_progress(t: Step, now: float) -> None:
     written at most once a second (and with every generation)."""
     state = t.state
     world = state.training_world
-    if world is None or t.job.state is not JobState.RUNNING or state.stop is not None:
+    if world is None:
         return
     reports = []
     for member in world.members:
