@@ -199,10 +199,6 @@ class JobActor:
         return self.state.generation
 
     @property
-    def leaving_since(self) -> dict[str, float]:
-        return self.state.leaving_since
-
-    @property
     def slurm(self) -> SlurmUnits | None:
         return self._slurm
 

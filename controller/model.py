@@ -75,8 +75,33 @@ class JobRecord:
     updated_at: float = 0.0
 
 
+@dataclasses.dataclass(frozen=True)
+class UnitFacts:
+    """What this controller knows of a unit besides its stored record: learnt again after a
+    restart, never written to SQLite. Monotonic times unless said; None: not so."""
+
+    # Its launcher has a session open now, and the port of the rendezvous store it serves.
+    connected: bool = False
+    store_port: int = 0
+    # When it last registered, or reconnected, waiting to join (a joiner settles from it).
+    joined_at: float | None = None
+    # When it was asked to leave: past the grace a stop gets, it is cancelled in Slurm.
+    leaving_since: float | None = None
+    # A live member back after a controller restart with no workers, waiting for its reports.
+    back_without_workers_at: float | None = None
+    # While the job is FINISHING: when its session closed without it leaving.
+    disconnected_at: float | None = None
+    # Live mode: a leave asked for while a world change was in flight (cause, detail).
+    deferred_leave: tuple[str, str] | None = None
+    # When sbatch accepted it (wall clock): an older Slurm view proves nothing of it.
+    submitted_at: float = 0.0
+
+
 @dataclasses.dataclass
 class UnitRecord:
+    """One unit: its phase (`state`) and what goes with it. The fields before `facts` are
+    stored in SQLite; `facts` are this controller's own (`UnitFacts`)."""
+
     job_id: str
     unit_id: str
     state: UnitState
@@ -87,6 +112,7 @@ class UnitRecord:
     group_rank: int = -1
     registered_at: float = 0.0
     reason: str = ""
+    facts: UnitFacts = dataclasses.field(default_factory=UnitFacts, compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)

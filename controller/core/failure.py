@@ -106,7 +106,7 @@ def go_on_without(t: Step, what: str) -> bool:
     # Joiners that have settled come along, up to max_replicas: one change, not two.
     settled = sorted((at, u) for u, unit in state.units.items()
                      if unit.state is UnitState.JOINING and t.connected(u)
-                     and (at := state.registered_at.get(u, t.now.monotonic))
+                     and (at := unit.facts.joined_at if unit.facts.joined_at is not None else t.now.monotonic)
                      <= t.now.monotonic - t.config.join_settle_s)
     room = max(0, t.job.spec.max_replicas - len(survivors))
     joiners = tuple(u for _, u in settled[:room])

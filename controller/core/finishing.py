@@ -33,8 +33,7 @@ def begin_finishing(t: Step, unit_id: str, generation: int, step: int, reason: s
     finished_world = world_of(t, generation)
     state.stop = None
     state.reconfigure = None
-    state.deferred_leaves = {}
-    t.save_pending()
+    t.take_deferred_leaves()
     t.emit(SaveJob(t.job))
     t.record("job_finishing", reason, unit_id=unit_id, generation=generation, fields={"step": t.job.step})
     state.finishing_members = ({m.unit_id: m.world_share for m in finished_world.members}
@@ -110,9 +109,8 @@ def end(t: Step, job_state: JobState, kind: str, reason: str) -> None:
             continue
         if unit.state is UnitState.LEAVING:
             continue
-        unit = t.own(unit)
+        unit = t.note(unit, leaving_since=t.now.monotonic)
         unit.state = UnitState.LEAVING
-        state.leaving_since[unit_id] = t.now.monotonic
         t.emit(SaveUnit(unit))
         t.send(unit_id, launcher_pb2.ControllerMessage(leave=launcher_pb2.Leave(generation=number,
                                                                                   reason=reason)))

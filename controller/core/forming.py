@@ -30,7 +30,7 @@ def candidates(t: Step, unit_ids: list[str]) -> list[planning.Candidate]:
     for unit_id in unit_ids:
         unit = state.units[unit_id]
         member = previous.member(unit_id) if previous is not None else None
-        store_port = state.store_ports.get(unit_id, 0)
+        store_port = unit.facts.store_port
         if (not state.live and previous is not None and previous.rendezvous_unit_id == unit_id
                 and store_port == previous.rendezvous_port):
             # Restart mode: that store is the running generation's; the unit's fresh one
@@ -77,7 +77,8 @@ def start_generation(t: Step, survivors: tuple[str, ...], form: planning.Form, n
     state.reconfigure = None
     for unit_id in plan.unit_ids:
         # Each is sent this generation now: nothing left to wait for from before.
-        state.returned_without_workers.pop(unit_id, None)
+        if state.units[unit_id].facts.back_without_workers_at is not None:
+            t.note(state.units[unit_id], back_without_workers_at=None)
     for unit_id in plan.unit_ids:
         t.send(unit_id, start_message(t, plan, unit_id, stop_grace_s=(
             failure.stop_grace_s(t, cause) if cause else None)))
@@ -212,9 +213,7 @@ def on_reconfigure_report(t: Step, unit_id: str, report: launcher_pb2.Generation
                     fields={"cause": pending.cause, "at_step": report.step,
                             "world_size": state.generation.world_size if state.generation else 0,
                             "decision_to_reconfigured_s": f"{now - pending.decided_at:.3f}"})
-        deferred, state.deferred_leaves = state.deferred_leaves, {}
-        t.save_pending()
-        for leave_unit, (cause, detail) in deferred.items():
+        for leave_unit, (cause, detail) in t.take_deferred_leaves().items():
             leaving.leave(t, leave_unit, cause, detail)
 
 

@@ -33,7 +33,7 @@ from tidal.proto.control import EXIT_STATE_LOST
 def handle(t: Step, event: Input) -> None:
     match event:
         case ClockTick(links):
-            t.state.links = {u: link for u, link in links.items() if u in t.state.connected}
+            t.state.links = {u: link for u, link in links.items() if t.connected(u)}
             tick.on_tick(t, t.now.monotonic)
         case LauncherConnected(unit_id, register):
             on_connected(t, unit_id, register)
@@ -58,14 +58,17 @@ def handle(t: Step, event: Input) -> None:
 
 def on_connected(t: Step, unit_id: str, register: launcher_pb2.Register) -> None:
     state, now = t.state, t.now.monotonic
-    state.connected.add(unit_id)
-    state.store_ports[unit_id] = register.store_port
     state.links.pop(unit_id, None)
     unit = state.units.get(unit_id)
     fields = {"address": register.address, "nodes": join_ids(list(register.nodes)),
               "workers": join_ids([str(p) for p in register.worker_pids])}
-    if unit is None or unit.state is UnitState.SUBMITTED:
-        unit = t.own(unit or UnitRecord(job_id=t.job.job_id, unit_id=unit_id, state=UnitState.JOINING))
+    new = unit is None or unit.state is UnitState.SUBMITTED
+    if unit is None:
+        unit = UnitRecord(job_id=t.job.job_id, unit_id=unit_id, state=UnitState.JOINING)
+        state.units[unit_id] = unit
+        t.owned.add(unit_id)
+    unit = t.note(unit, connected=True, store_port=register.store_port, disconnected_at=None)
+    if new:
         unit.state = UnitState.JOINING
         unit.nodes = list(register.nodes) or [register.address]
         unit.address = register.address
@@ -73,14 +76,12 @@ def on_connected(t: Step, unit_id: str, register: launcher_pb2.Register) -> None
         # The id Tidal submitted stays known when a launcher does not report one.
         unit.slurm_job_id = register.slurm_job_id or unit.slurm_job_id
         unit.registered_at = t.now.wall
-        state.units[unit_id] = unit
+        unit = t.note(unit, joined_at=now)
         t.emit(SaveUnit(unit))
         t.record("unit_registered", "launcher registered", unit_id=unit_id, fields=fields)
-        state.registered_at[unit_id] = now
         if t.job.state is JobState.FINISHING:
             leaving.leave(t, unit_id, "finished", "training finished before this unit joined")
         return
-    unit = t.own(unit)
     unit.address = register.address or unit.address
     if t.job.state is JobState.FINISHING:
         if unit.state is UnitState.JOINING or not register.worker_pids:
@@ -91,7 +92,7 @@ def on_connected(t: Step, unit_id: str, register: launcher_pb2.Register) -> None
     generation = state.generation
     member = generation.member(unit_id) if generation is not None else None
     if unit.state is UnitState.JOINING:
-        state.registered_at[unit_id] = now
+        t.note(unit, joined_at=now)
         t.record("launcher_reconnected", "joining unit reconnected", unit_id=unit_id, fields=fields)
         return
     if member is None or generation is None:
@@ -109,7 +110,7 @@ def on_connected(t: Step, unit_id: str, register: launcher_pb2.Register) -> None
         # queued reports (the exit, or "finished") follow on this stream. No fresh worker
         # goes into the running world; if those reports do not settle it within
         # heartbeat_timeout_s, the unit has failed (`tick.on_tick`).
-        state.returned_without_workers[unit_id] = now
+        t.note(unit, back_without_workers_at=now)
         t.record("launcher_reconnected", "back with no workers; waiting for its reports", unit_id=unit_id,
                     generation=generation.number, fields=fields)
     elif t.job.state is JobState.RUNNING:
@@ -131,8 +132,8 @@ def on_said(t: Step, unit_id: str, message: launcher_pb2.LauncherMessage) -> Non
         leaving.leave(t, unit_id, cause, request.detail or cause)
     elif kind == "generation_report":
         report = message.generation_report
-        if report.store_port:
-            state.store_ports[unit_id] = report.store_port
+        if report.store_port and unit_id in state.units:
+            t.note(state.units[unit_id], store_port=report.store_port)
         if report.phase == launcher_pb2.GENERATION_PHASE_LEFT:
             unit = state.units.get(unit_id)
             if (state.live and report.step > t.job.step and report.generation == t.job.generation
@@ -200,15 +201,17 @@ def on_worker_exited(t: Step, unit_id: str, exited: launcher_pb2.WorkerExited) -
 
 def on_disconnected(t: Step, unit_id: str, reason: str) -> None:
     state = t.state
-    state.connected.discard(unit_id)
     state.links.pop(unit_id, None)
     unit = state.units.get(unit_id)
-    if unit is None or unit.state.is_final:
+    if unit is None:
+        return
+    unit = t.note(unit, connected=False)
+    if unit.state.is_final:
         return
     if t.job.state is JobState.FINISHING:
         # Past the last step a closed session is no failure; it may be a blip, so the
         # unit has reconnect_grace_s to come back before it counts as gone (`tick.on_tick`).
-        state.finishing_disconnected[unit_id] = t.now.monotonic
+        t.note(unit, disconnected_at=t.now.monotonic)
         return
     if unit.state is UnitState.LEAVING or t.job.state.is_final:
         leaving.mark_left(t, unit_id, f"session closed ({reason})")
@@ -219,7 +222,7 @@ def on_disconnected(t: Step, unit_id: str, reason: str) -> None:
     if unit.state is UnitState.ACTIVE and state.generation is not None and state.generation.member(unit_id):
         failure.fail(t, unit_id, f"launcher stream broke: {reason}", "stream", t.now.monotonic)
         return
-    state.registered_at.pop(unit_id, None)
+    t.note(unit, joined_at=None)
     t.record("launcher_disconnected", reason, unit_id=unit_id)
 
 

@@ -23,12 +23,12 @@ def leave(t: Step, unit_id: str, cause: str, detail: str) -> None:
                and state.stop is None)
     if running and state.live and connected and state.reconfigure is not None:
         # One world change at a time: this leave follows the one in flight.
-        state.deferred_leaves.setdefault(unit_id, (cause, detail))
+        if unit.facts.deferred_leave is None:
+            t.note(unit, deferred_leave=(cause, detail))
         t.save_pending()
         return
-    unit = t.own(unit)
+    unit = t.note(unit, leaving_since=t.now.monotonic)
     unit.state = UnitState.LEAVING
-    state.leaving_since[unit_id] = t.now.monotonic
     unit.reason = f"{cause}: {detail}" if detail != cause else cause
     number = state.generation.number if state.generation is not None else 0
     t.emit(SaveUnit(unit))
@@ -71,7 +71,7 @@ def release_below_min(t: Step, now: float) -> None:
     holding = sorted(u for u, unit in state.units.items()
                      if unit.state in (UnitState.ACTIVE, UnitState.JOINING) and t.connected(u))
     # A registration restarts the wait: more units may be on their way.
-    since = max([state.degraded_since or now, *(state.registered_at.get(u, 0.0) for u in holding)])
+    since = max([state.degraded_since or now, *(state.units[u].facts.joined_at or 0.0 for u in holding)])
     if not (state.live and state.slurm_units) or not planning.release_below_min(
             below_min_since=since, now=now, release_after_s=t.config.below_min_release_s,
             holding=len(holding)):
@@ -130,12 +130,14 @@ def cancel_overdue_leavers(t: Step, now: float) -> None:
     and kills what runs there, and the closed session marks the unit left."""
     state = t.state
     overdue_s = t.config.restart_grace_s + t.config.heartbeat_timeout_s
-    for unit_id, since in list(state.leaving_since.items()):
-        unit = state.units.get(unit_id)
-        if unit is None or unit.state is not UnitState.LEAVING:
-            del state.leaving_since[unit_id]
+    for unit_id, unit in list(state.units.items()):
+        since = unit.facts.leaving_since
+        if since is None:
+            continue
+        if unit.state is not UnitState.LEAVING:
+            t.note(unit, leaving_since=None)
         elif now - since > overdue_s:
-            del state.leaving_since[unit_id]
+            unit = t.note(unit, leaving_since=None)
             cancelled = (f"; Slurm job {unit.slurm_job_id} cancelled"
                          if state.slurm_units and unit.slurm_job_id else "")
             t.record("unit_leave_overdue", f"still there {now - since:.0f} s after it was asked to leave"

@@ -42,7 +42,7 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
             # and SIGTERM reaches the launcher only at the end of it. Leave now.
             if found is not None and found.is_being_preempted:
                 leaving.leave(t, unit.unit_id, "preempted", f"Slurm preempts job {unit.slurm_job_id}")
-        elif view.observed_at >= state.submitted_at.get(unit.unit_id, 0.0) + 1.0 and (
+        elif view.observed_at >= unit.facts.submitted_at + 1.0 and (
                 found is None or found.state.is_finished):
             # (A view taken before the submission proves nothing.)
             what = found.state.value.lower() if found else "gone from squeue"
@@ -131,8 +131,7 @@ def on_unit_submitted(t: Step, unit_id: str, slurm_job_id: int, error: str) -> N
                         fields={"retry_in_s": f"{backoff:.0f}"})
         return
     state.submit_failures = 0
-    state.submitted_at[unit_id] = t.now.wall
-    unit = t.own(unit)
+    unit = t.note(unit, submitted_at=t.now.wall)
     unit.slurm_job_id = slurm_job_id
     t.emit(SaveUnit(unit))
     t.record("unit_submitted", f"Slurm job {slurm_job_id}", unit_id=unit_id,

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 
 from tidal.controller.config import ControllerConfig
 from tidal.controller.core import sharing
-from tidal.controller.model import GenerationRecord, JobRecord, JobState, UnitRecord, UnitState
+from tidal.controller.model import GenerationRecord, JobRecord, JobState, UnitFacts, UnitRecord, UnitState
 from tidal.proto import common_pb2, launcher_pb2
 from tidal.slurm.snapshot import ClusterView
 
@@ -305,17 +305,11 @@ class State:
     config: ControllerConfig
     # Whether this controller runs the job's units as Slurm jobs.
     slurm_units: bool = False
-    # Units with an open launcher session, the store port each serves, and their heartbeats
-    # as of the last tick.
-    connected: set[str] = dataclasses.field(default_factory=set)
-    store_ports: dict[str, int] = dataclasses.field(default_factory=dict)
+    # What the connected launchers' heartbeats said, as of the last tick (an observation
+    # delivered with the tick, not a membership fact).
     links: dict[str, Link] = dataclasses.field(default_factory=dict)
     stop: PendingStop | None = None
     reconfigure: PendingReconfigure | None = None
-    registered_at: dict[str, float] = dataclasses.field(default_factory=dict)
-    # When each unit was asked to leave: one still there past the grace a stop gets is
-    # cancelled in Slurm.
-    leaving_since: dict[str, float] = dataclasses.field(default_factory=dict)
     last_change_at: float | None = None
     generation_started_at: float = 0.0
     reconnect_deadline: float = 0.0
@@ -326,22 +320,14 @@ class State:
     state_holders: tuple[str, ...] = ()
     # When the watermark (job.step) was last written.
     step_persisted_at: float = 0.0
-    # Live members that reconnected after a controller restart with no workers (when).
-    returned_without_workers: dict[str, float] = dataclasses.field(default_factory=dict)
-    # While FINISHING: members whose session closed without leaving (when).
-    finishing_disconnected: dict[str, float] = dataclasses.field(default_factory=dict)
     # While FINISHING: the units of the world that trained the last step, with their ranks.
     finishing_members: dict[str, int] = dataclasses.field(default_factory=dict)
     failure_detected_at: float | None = None
     recovery: Recovery | None = None
-    # Live mode: leaves asked for while a world change is in flight (cause, detail).
-    deferred_leaves: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
     first_step_generations: set[int] = dataclasses.field(default_factory=set)
     # sbatch refusals in a row, and no new submission before this.
     submit_failures: int = 0
     next_submit_at: float = 0.0
-    # When sbatch accepted each unit (wall clock): an older view proves nothing of it.
-    submitted_at: dict[str, float] = dataclasses.field(default_factory=dict)
     # Nodes where a unit failed: failures there, and no new unit there before (monotonic).
     node_cooldown: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
     growth_held_reason: str = ""
@@ -366,6 +352,16 @@ class State:
             return None
         return self.reconfigure.previous if self.reconfigure is not None else self.generation
 
+    def connected(self, unit_id: str) -> bool:
+        """Whether the unit's launcher has a session open now."""
+        unit = self.units.get(unit_id)
+        return unit is not None and unit.facts.connected
+
+    @property
+    def deferred_leaves(self) -> dict[str, tuple[str, str]]:
+        """Live mode: the leaves asked for while a world change was in flight, by unit."""
+        return {u: unit.facts.deferred_leave for u, unit in self.units.items() if unit.facts.deferred_leave}
+
     def excluded_nodes(self, now: float) -> tuple[str, ...]:
         return tuple(sorted(node for node, (_, until) in self.node_cooldown.items() if now < until))
 
@@ -389,14 +385,13 @@ def restore(job: JobRecord, units: list[UnitRecord], generation: GenerationRecor
     if isinstance(finishing, Mapping):
         state.finishing_members = {str(u): int(n) for u, n in finishing.items() if u in state.units}
     deferred = pending.get("deferred_leaves")
-    if isinstance(deferred, Mapping):
-        for unit_id, (cause, detail) in deferred.items():
-            if unit_id in state.units and not state.units[unit_id].state.is_final:
-                state.deferred_leaves[str(unit_id)] = (str(cause), str(detail))
-    # A unit that was asked to leave before the restart: its grace starts again now.
+    deferred = deferred if isinstance(deferred, Mapping) else {}
     for unit_id, unit in state.units.items():
-        if unit.state is UnitState.LEAVING:
-            state.leaving_since[unit_id] = now.monotonic
+        leave = deferred.get(unit_id)
+        unit.facts = UnitFacts(
+            deferred_leave=(str(leave[0]), str(leave[1])) if leave and not unit.state.is_final else None,
+            # A unit that was asked to leave before the restart: its grace starts again now.
+            leaving_since=now.monotonic if unit.state is UnitState.LEAVING else None)
     if job.state is JobState.RECONFIGURING and generation is not None and not generation_stopped:
         members = {m.unit_id for m in generation.members if not state.units[m.unit_id].state.is_final}
         state.stop = PendingStop(generation=generation.number, cause="restart",
@@ -412,17 +407,13 @@ def working_copy(state: State) -> State:
     input would cost O(units) each time (tens of ms at thousands of units)."""
     stop, pending = state.stop, state.reconfigure
     return dataclasses.replace(
-        state, job=dataclasses.replace(state.job), units=dict(state.units), connected=set(state.connected),
-        store_ports=dict(state.store_ports), links=dict(state.links),
+        state, job=dataclasses.replace(state.job), units=dict(state.units), links=dict(state.links),
         stop=dataclasses.replace(stop, waiting_for=set(stop.waiting_for)) if stop is not None else None,
         reconfigure=(dataclasses.replace(pending, joiners_waiting=set(pending.joiners_waiting),
                                          waiting_for=set(pending.waiting_for)) if pending is not None else None),
-        registered_at=dict(state.registered_at), leaving_since=dict(state.leaving_since),
         exited_ok={u: set(ranks) for u, ranks in state.exited_ok.items()},
         exited_failed={u: dict(ranks) for u, ranks in state.exited_failed.items()},
-        returned_without_workers=dict(state.returned_without_workers),
-        finishing_disconnected=dict(state.finishing_disconnected), finishing_members=dict(state.finishing_members),
-        deferred_leaves=dict(state.deferred_leaves), first_step_generations=set(state.first_step_generations),
-        submitted_at=dict(state.submitted_at), node_cooldown=dict(state.node_cooldown))
+        finishing_members=dict(state.finishing_members), first_step_generations=set(state.first_step_generations),
+        node_cooldown=dict(state.node_cooldown))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 from tidal.controller.config import ControllerConfig
 from tidal.controller.core import planning
@@ -59,11 +60,26 @@ class Step:
                          generation=self.job.generation if generation is None else generation, fields=fields))
 
     def send(self, unit_id: str, message: launcher_pb2.ControllerMessage) -> None:
-        if unit_id in self.state.connected:
+        if self.state.connected(unit_id):
             self.emit(Send(unit_id, message))
 
     def connected(self, unit_id: str) -> bool:
-        return unit_id in self.state.connected
+        return self.state.connected(unit_id)
+
+    def take_deferred_leaves(self) -> dict[str, tuple[str, str]]:
+        """The leaves deferred behind a world change, cleared from their units (and from
+        what SQLite keeps in flight)."""
+        deferred = self.state.deferred_leaves
+        for unit_id in deferred:
+            self.note(self.state.units[unit_id], deferred_leave=None)
+        self.save_pending()
+        return deferred
+
+    def note(self, unit: UnitRecord, **facts: Any) -> UnitRecord:
+        """`unit`'s record (owned) with `facts` (fields of `UnitFacts`) changed."""
+        unit = self.own(unit)
+        unit.facts = dataclasses.replace(unit.facts, **facts)
+        return unit
 
     def sizes(self) -> tuple[int, ...]:
         """The world sizes (in replicas) the job allows."""

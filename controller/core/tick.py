@@ -21,25 +21,24 @@ def on_tick(t: Step, now: float) -> None:
     if t.job.state.is_final:
         return
     if t.job.state is JobState.FINISHING:
-        for unit_id, unit in state.units.items():
+        for unit_id, unit in list(state.units.items()):
             if unit.state.is_final or t.connected(unit_id):
-                state.finishing_disconnected.pop(unit_id, None)
                 continue
-            since = state.finishing_disconnected.get(unit_id)
+            since = unit.facts.disconnected_at
             if (since is not None and now - since > t.config.reconnect_grace_s) or (
                     since is None and now > state.reconnect_deadline):
-                state.finishing_disconnected.pop(unit_id, None)
+                unit = t.note(unit, disconnected_at=None)
                 # Whatever is left of it gives its allocation back.
                 slurm_units.cancel_in_slurm(t, unit)
                 leaving.mark_left(t, unit_id, "launcher out of touch after the last step")
         finishing.maybe_complete(t)
         return
     observe_progress(t, now)
-    for unit_id, since in list(state.returned_without_workers.items()):
-        if now - since > t.config.heartbeat_timeout_s:
-            del state.returned_without_workers[unit_id]
-            returned = state.units.get(unit_id)
-            if returned is not None and returned.state is UnitState.ACTIVE and t.job.state is JobState.RUNNING:
+    for unit_id, returned in list(state.units.items()):
+        since = returned.facts.back_without_workers_at
+        if since is not None and now - since > t.config.heartbeat_timeout_s:
+            returned = t.note(returned, back_without_workers_at=None)
+            if returned.state is UnitState.ACTIVE and t.job.state is JobState.RUNNING:
                 failure.fail(t, unit_id, "came back after a controller restart with no workers left, and said "
                            "nothing of them", "worker_exit", now)
     if state.stop is not None:
@@ -77,9 +76,7 @@ def on_tick(t: Step, now: float) -> None:
             and (now > state.reconnect_deadline or all(t.connected(u) for u in state.generation.unit_ids))):
         # Deferred behind a world change that a controller restart cut short: once the
         # world's launchers are back, so that the leave is a change, not a failure.
-        deferred, state.deferred_leaves = state.deferred_leaves, {}
-        t.save_pending()
-        for leave_unit, (cause, detail) in deferred.items():
+        for leave_unit, (cause, detail) in t.take_deferred_leaves().items():
             leaving.leave(t, leave_unit, cause, detail)
         return
     decide(t, now)
@@ -113,7 +110,8 @@ def decide(t: Step, now: float, after: str = "") -> None:
     else:
         members = tuple(u for u, unit in state.units.items()
                         if unit.state is UnitState.ACTIVE and t.connected(u))
-    joiners = {u: state.registered_at.get(u, now) for u, unit in state.units.items()
+    joiners = {u: unit.facts.joined_at if unit.facts.joined_at is not None else now
+               for u, unit in state.units.items()
                if unit.state is UnitState.JOINING and t.connected(u)}
     spec = t.job.spec
     snapshot = planning.WorldSnapshot(

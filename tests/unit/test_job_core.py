@@ -204,7 +204,7 @@ def test_a_failure_in_restart_mode_is_one_message_to_each_survivor_that_stops_an
     driver.say("a", generation_report=launcher_pb2.GenerationReport(generation=2,
                                                                     phase=launcher_pb2.GENERATION_PHASE_STARTED,
                                                           store_port=7777))
-    assert driver.state.store_ports["a"] == 7777
+    assert driver.state.units["a"].facts.store_port == 7777
 
 
 def test_restart_mode_grows_and_leaves_with_one_message_each() -> None:

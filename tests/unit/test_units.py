@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -281,7 +282,10 @@ def test_a_unit_that_does_not_leave_in_time_is_cancelled_in_slurm(tmp_path: Path
         await asyncio.sleep(0.05)
         assert fake.get_job(slurm_job).state is SlurmJobState.RUNNING
         # ... past restart_grace_s + heartbeat_timeout_s its Slurm job is cancelled.
-        actor.leaving_since["u1"] -= actor.config.restart_grace_s + actor.config.heartbeat_timeout_s + 1
+        leaver = actor.units["u1"]
+        assert leaver.facts.leaving_since is not None
+        leaver.facts = dataclasses.replace(leaver.facts, leaving_since=leaver.facts.leaving_since - (
+            actor.config.restart_grace_s + actor.config.heartbeat_timeout_s + 1))
         actor.put(Tick())
         await settle(lambda: fake.get_job(slurm_job).state is SlurmJobState.CANCELLED)
         overdue = [e for e in actor.store.events("lm-1") if e.kind == "unit_leave_overdue"]
