@@ -112,7 +112,7 @@ class UnitRecord:
     group_rank: int = -1
     registered_at: float = 0.0
     reason: str = ""
-    facts: UnitFacts = dataclasses.field(default_factory=UnitFacts, compare=False, repr=False)
+    facts: UnitFacts = dataclasses.field(default_factory=UnitFacts, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,9 +1,11 @@
-"""Health verdicts and rate bounds: pure functions of observations and a monotonic `now`.
+"""Liveness, judged once: pure functions of what was observed and a monotonic `now`.
 
-A broken stream and a worker's exit are failures the moment they are seen (the job actor
-acts on them directly); what needs a clock is judged here: heartbeats that stopped, a
-worker that stopped making progress, a launcher that did not come back after a controller
-restart. The reasons go into the event log as they are.
+A broken stream and a worker's exit are failures the moment they are seen (the core acts
+on them as inputs); everything that needs a clock is judged here, in `judge`: heartbeats
+that stopped, a worker that stopped making progress, a launcher that did not come back
+after a controller restart, a stop or a live change past its deadline, a unit asked to
+leave that is still there, a unit out of touch after the last step. The reasons go into
+the event log as they are.
 
 A live-mode worker whose liveness beats stop is not judged here: its own launcher judges
 that silence, once, with the limit this controller sends it
@@ -15,6 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from tidal.controller.model import JobState, UnitState
+
+if TYPE_CHECKING:
+    from tidal.controller.core.state import State
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,3 +95,87 @@ def health_verdicts(units: Sequence[UnitHealth], *, now: float, policy: HealthPo
             failures.append(Failure(unit.unit_id, f"rank {rank} made no progress for {age:.1f} s "
                                     f"(timeout {policy.progress_timeout_s:g} s)", "progress"))
     return failures
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdicts:
+    """Every liveness verdict on one job at one `now` (`judge`): who failed, who is gone,
+    who is overdue. Each names the generation (or stop, or change) it was judged against,
+    so that a verdict about a world the same tick already replaced is not applied."""
+
+    # Members of the running generation whose heartbeats, progress or reconnect failed.
+    members: tuple[Failure, ...] = ()
+    members_of: int = 0
+    # Live members back after a controller restart with no workers, saying nothing of them
+    # within heartbeat_timeout_s.
+    back_without_workers: tuple[Failure, ...] = ()
+    # The stop in flight is past its deadline (its generation and deadline, to know it
+    # again): these units never confirmed it.
+    stop_overdue: tuple[int, float] | None = None
+    stop_unconfirmed: tuple[Failure, ...] = ()
+    # The live change in flight is past its deadline: these units did not reach it.
+    change_overdue_of: int = 0
+    change_late: tuple[Failure, ...] = ()
+    # While FINISHING: units out of touch past their grace (they count as left).
+    out_of_touch: tuple[str, ...] = ()
+    # Units asked to leave and still there past the grace a stop gets (unit, since).
+    leave_overdue: tuple[tuple[str, float], ...] = ()
+
+
+def judge(state: State, now: float) -> Verdicts:
+    """The one place the controller judges liveness: a pure function of the job's records
+    (their phases and facts), the heartbeats as of the last tick, and `now`. The tick
+    (`tick.on_tick`) applies the verdicts in order."""
+    config = state.config
+    job_state = state.job.state
+    units = state.units
+    overdue_s = config.restart_grace_s + config.heartbeat_timeout_s
+    leave_overdue = tuple((u, unit.facts.leaving_since) for u, unit in units.items()
+                          if unit.state is UnitState.LEAVING and unit.facts.leaving_since is not None
+                          and now - unit.facts.leaving_since > overdue_s)
+    if job_state.is_final:
+        return Verdicts(leave_overdue=leave_overdue)
+    if job_state is JobState.FINISHING:
+        gone = tuple(u for u, unit in units.items()
+                     if not unit.state.is_final and not unit.facts.connected
+                     and ((unit.facts.disconnected_at is not None
+                           and now - unit.facts.disconnected_at > config.reconnect_grace_s)
+                          or (unit.facts.disconnected_at is None and now > state.reconnect_deadline)))
+        return Verdicts(out_of_touch=gone, leave_overdue=leave_overdue)
+    back = tuple(Failure(u, "came back after a controller restart with no workers left, and said nothing of them",
+                         "worker_exit")
+                 for u, unit in units.items()
+                 if unit.facts.back_without_workers_at is not None
+                 and now - unit.facts.back_without_workers_at > config.heartbeat_timeout_s)
+    stop = state.stop
+    stop_overdue = (stop.generation, stop.deadline) if stop is not None and now > stop.deadline else None
+    unconfirmed = tuple(Failure(u, f"did not confirm the stop of generation {stop.generation} in time", "stop")
+                        for u in sorted(stop.waiting_for)) if stop is not None and stop_overdue else ()
+    members: tuple[Failure, ...] = ()
+    generation = state.generation
+    if job_state is JobState.RUNNING and generation is not None:
+        observed = []
+        for member in generation.members:
+            if units[member.unit_id].state is not UnitState.ACTIVE:
+                continue
+            connected = units[member.unit_id].facts.connected
+            link = state.links.get(member.unit_id)
+            observed.append(UnitHealth(
+                unit_id=member.unit_id, connected=connected,
+                last_heartbeat_at=(link.last_heartbeat_at if link else now) if connected else None,
+                progress_at=link.progress_at if link else {}, beat_at=link.beat_at if link else {},
+                waiting=link.waiting if link else {}))
+        members = tuple(health_verdicts(observed, now=now,
+                                        policy=HealthPolicy(config.heartbeat_timeout_s, config.progress_timeout_s),
+                                        generation_started_at=state.generation_started_at,
+                                        reconnect_deadline=state.reconnect_deadline))
+    change = state.reconfigure
+    late: tuple[Failure, ...] = ()
+    if change is not None and now > change.deadline:
+        waiting = change.joiners_waiting if not change.told_old_members else change.waiting_for
+        late = tuple(Failure(u, f"did not reach generation {change.generation} within "
+                             f"{config.reconfigure_timeout_s:g} s", "reconfigure") for u in sorted(waiting))
+    return Verdicts(members=members, members_of=generation.number if generation is not None else 0,
+                    back_without_workers=back, stop_overdue=stop_overdue, stop_unconfirmed=unconfirmed,
+                    change_overdue_of=change.generation if change is not None and now > change.deadline else 0,
+                    change_late=late, leave_overdue=leave_overdue)

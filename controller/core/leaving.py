@@ -123,23 +123,17 @@ def mark_left(t: Step, unit_id: str, reason: str) -> None:
     t.record("unit_left", reason, unit_id=unit_id)
 
 
-def cancel_overdue_leavers(t: Step, now: float) -> None:
-    """A unit asked to leave that is still there after the grace a stop gets
-    (`restart_grace_s` + `heartbeat_timeout_s`: its launcher or workers hung) has its
-    Slurm job cancelled, so that it never holds a node for nothing; Slurm then signals
-    and kills what runs there, and the closed session marks the unit left."""
+def cancel_overdue_leavers(t: Step, overdue: tuple[tuple[str, float], ...], now: float) -> None:
+    """Units asked to leave that are still there after the grace a stop gets
+    (`restart_grace_s` + `heartbeat_timeout_s`: their launcher or workers hung; judged in
+    `health.judge`) have their Slurm job cancelled, so that they never hold a node for
+    nothing; Slurm then signals and kills what runs there, and the closed session marks the
+    unit left. Each is said once."""
     state = t.state
-    overdue_s = t.config.restart_grace_s + t.config.heartbeat_timeout_s
-    for unit_id, unit in list(state.units.items()):
-        since = unit.facts.leaving_since
-        if since is None:
-            continue
-        if unit.state is not UnitState.LEAVING:
-            t.note(unit, leaving_since=None)
-        elif now - since > overdue_s:
-            unit = t.note(unit, leaving_since=None)
-            cancelled = (f"; Slurm job {unit.slurm_job_id} cancelled"
-                         if state.slurm_units and unit.slurm_job_id else "")
-            t.record("unit_leave_overdue", f"still there {now - since:.0f} s after it was asked to leave"
-                        + cancelled, unit_id=unit_id)
-            slurm_units.cancel_in_slurm(t, unit)
+    for unit_id, since in overdue:
+        unit = t.note(state.units[unit_id], leaving_since=None)
+        cancelled = (f"; Slurm job {unit.slurm_job_id} cancelled"
+                     if state.slurm_units and unit.slurm_job_id else "")
+        t.record("unit_leave_overdue", f"still there {now - since:.0f} s after it was asked to leave" + cancelled,
+                 unit_id=unit_id)
+        slurm_units.cancel_in_slurm(t, unit)

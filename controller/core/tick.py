@@ -1,12 +1,11 @@
-"""Each clock tick: deadlines (a stop or a live change overdue, a unit back without workers),
-health verdicts, the committed step, and the decision to form or grow a world."""
+"""Each clock tick: the liveness verdicts (`health.judge`) applied in order, the committed
+step, and the decision to form or grow a world."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from tidal.controller.core import failure, finishing, forming, leaving, planning, slurm_units
-from tidal.controller.core.health import Failure, HealthPolicy, UnitHealth, health_verdicts
+from tidal.controller.core import failure, finishing, forming, health, leaving, planning, slurm_units
 from tidal.controller.core.progress import MemberProgress, committed_step
 from tidal.controller.core.state import (
     SaveJob,
@@ -16,36 +15,30 @@ from tidal.controller.model import JobState, UnitState
 
 
 def on_tick(t: Step, now: float) -> None:
+    """Apply the tick's liveness verdicts (`health.judge`, the one place liveness is judged)
+    in order, then decide whether to form or grow a world."""
     state = t.state
-    leaving.cancel_overdue_leavers(t, now)
+    verdicts = health.judge(state, now)
+    leaving.cancel_overdue_leavers(t, verdicts.leave_overdue, now)
     if t.job.state.is_final:
         return
     if t.job.state is JobState.FINISHING:
-        for unit_id, unit in list(state.units.items()):
-            if unit.state.is_final or t.connected(unit_id):
-                continue
-            since = unit.facts.disconnected_at
-            if (since is not None and now - since > t.config.reconnect_grace_s) or (
-                    since is None and now > state.reconnect_deadline):
-                unit = t.note(unit, disconnected_at=None)
-                # Whatever is left of it gives its allocation back.
-                slurm_units.cancel_in_slurm(t, unit)
-                leaving.mark_left(t, unit_id, "launcher out of touch after the last step")
+        for unit_id in verdicts.out_of_touch:
+            unit = t.note(state.units[unit_id], disconnected_at=None)
+            # Whatever is left of it gives its allocation back.
+            slurm_units.cancel_in_slurm(t, unit)
+            leaving.mark_left(t, unit_id, "launcher out of touch after the last step")
         finishing.maybe_complete(t)
         return
     observe_progress(t, now)
-    for unit_id, returned in list(state.units.items()):
-        since = returned.facts.back_without_workers_at
-        if since is not None and now - since > t.config.heartbeat_timeout_s:
-            returned = t.note(returned, back_without_workers_at=None)
-            if returned.state is UnitState.ACTIVE and t.job.state is JobState.RUNNING:
-                failure.fail(t, unit_id, "came back after a controller restart with no workers left, and said "
-                           "nothing of them", "worker_exit", now)
+    for back in verdicts.back_without_workers:
+        returned = t.note(state.units[back.unit_id], back_without_workers_at=None)
+        if returned.state is UnitState.ACTIVE and t.job.state is JobState.RUNNING:
+            failure.fail(t, back.unit_id, back.reason, back.cause, now)
     if state.stop is not None:
-        if now > state.stop.deadline:
-            for unit_id in sorted(state.stop.waiting_for):
-                failure.fail(t, unit_id, f"did not confirm the stop of generation {state.stop.generation} in time",
-                           "stop", now)
+        if verdicts.stop_overdue == (state.stop.generation, state.stop.deadline):
+            for late in verdicts.stop_unconfirmed:
+                failure.fail(t, late.unit_id, late.reason, late.cause, now)
             if state.stop is not None:
                 state.stop.waiting_for.clear()
             failure.maybe_finish_stop(t)
@@ -54,23 +47,21 @@ def on_tick(t: Step, now: float) -> None:
         leaving.release_below_min(t, now)
         if t.job.state.is_final:
             return
-    if t.job.state is JobState.RUNNING and state.generation is not None:
-        failures = health_failures(t, now)
-        if failures:
-            # Failures found together are taken together: the world re-forms once.
-            together = [(f.unit_id, f.reason, now) for f in failures
-                        if failure.fail(t, f.unit_id, f.reason, f.cause, now, regroup=False)]
-            if together and t.job.state is JobState.RUNNING:
-                failure.regroup_survivors(t, together)
-            if t.job.state is not JobState.RUNNING:
-                return
+    generation = state.generation
+    if (t.job.state is JobState.RUNNING and generation is not None and verdicts.members
+            and generation.number == verdicts.members_of):
+        # Failures found together are taken together: the world re-forms once. (Verdicts
+        # about a generation this tick already replaced wait for the next tick's.)
+        together = [(f.unit_id, f.reason, now) for f in verdicts.members
+                    if failure.fail(t, f.unit_id, f.reason, f.cause, now, regroup=False)]
+        if together and t.job.state is JobState.RUNNING:
+            failure.regroup_survivors(t, together)
+        if t.job.state is not JobState.RUNNING:
+            return
     if state.reconfigure is not None:
-        if now > state.reconfigure.deadline:
-            pending = state.reconfigure
-            late = sorted(pending.joiners_waiting if not pending.told_old_members else pending.waiting_for)
-            for unit_id in late:
-                failure.fail(t, unit_id, f"did not reach generation {pending.generation} within "
-                           f"{t.config.reconfigure_timeout_s:g} s", "reconfigure", now)
+        if verdicts.change_overdue_of == state.reconfigure.generation:
+            for late in verdicts.change_late:
+                failure.fail(t, late.unit_id, late.reason, late.cause, now)
         return
     if (state.deferred_leaves and t.job.state is JobState.RUNNING and state.generation is not None
             and (now > state.reconnect_deadline or all(t.connected(u) for u in state.generation.unit_ids))):
@@ -80,25 +71,6 @@ def on_tick(t: Step, now: float) -> None:
             leaving.leave(t, leave_unit, cause, detail)
         return
     decide(t, now)
-
-
-def health_failures(t: Step, now: float) -> list[Failure]:
-    state = t.state
-    assert state.generation is not None
-    observed: list[UnitHealth] = []
-    for member in state.generation.members:
-        if state.units[member.unit_id].state is not UnitState.ACTIVE:
-            continue
-        connected = t.connected(member.unit_id)
-        link = state.links.get(member.unit_id)
-        observed.append(UnitHealth(
-            unit_id=member.unit_id, connected=connected,
-            last_heartbeat_at=(link.last_heartbeat_at if link else now) if connected else None,
-            progress_at=link.progress_at if link else {}, beat_at=link.beat_at if link else {},
-            waiting=link.waiting if link else {}))
-    policy = HealthPolicy(t.config.heartbeat_timeout_s, t.config.progress_timeout_s)
-    return health_verdicts(observed, now=now, policy=policy, generation_started_at=state.generation_started_at,
-                           reconnect_deadline=state.reconnect_deadline)
 
 
 def decide(t: Step, now: float, after: str = "") -> None:

@@ -446,3 +446,24 @@ def test_a_settled_joiner_comes_along_into_the_generation_a_failure_forms() -> N
     effects = driver.exit("b", 1, code=1)
     assert sent(effects, "a") == sent(effects, "c") == ["start:2"]
     assert driver.state.generation is not None and set(driver.state.generation.unit_ids) == {"a", "c"}
+
+
+def test_liveness_is_judged_in_one_pure_function_of_the_records_and_now() -> None:
+    """`health.judge` names every verdict a tick acts on; the state it reads is untouched."""
+    from tidal.controller.core import health
+
+    driver = Driver(mode=common_pb2.JOB_MODE_LIVE, min_replicas=2, max_replicas=2)
+    formed(driver, "a", "b")
+    state = driver.state
+    before = copy.deepcopy(state)
+    assert health.judge(state, driver.clock) == health.Verdicts(members_of=state.job.generation)
+    later = health.judge(state, driver.clock + CONFIG.heartbeat_timeout_s + 0.5)
+    assert {f.unit_id for f in later.members} == {"a", "b"} and {f.cause for f in later.members} == {"heartbeat"}
+    assert later.members_of == state.job.generation and not later.leave_overdue
+    assert state == before
+    # A unit asked to leave is overdue only past restart_grace_s + heartbeat_timeout_s.
+    driver.feed(core.DrainRequested(("b",), 0))
+    leaving_at = driver.clock
+    overdue_s = CONFIG.restart_grace_s + CONFIG.heartbeat_timeout_s
+    assert health.judge(driver.state, leaving_at + overdue_s - 0.1).leave_overdue == ()
+    assert health.judge(driver.state, leaving_at + overdue_s + 0.1).leave_overdue == (("b", leaving_at),)
