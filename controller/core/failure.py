@@ -26,8 +26,8 @@ from tidal.proto import launcher_pb2
 
 
 def fail(t: Step, unit_id: str, reason: str, cause: str, detected_at: float,
-          failed_at: float | None = None, regroup: bool = True,
-          fields: Mapping[str, str] | None = None) -> bool:
+         failed_at: float | None = None, regroup: bool = True,
+         fields: Mapping[str, str] | None = None) -> bool:
     """The one failure path: record, tell the failed unit to kill its workers, and move
     the others to the next generation (`regroup_survivors`; with `regroup` False the caller does,
     once for failures found together). `failed_at` (wall clock) is when the failure
@@ -51,7 +51,7 @@ def fail(t: Step, unit_id: str, reason: str, cause: str, detected_at: float,
     unit.state = UnitState.FAILED
     unit.reason = reason
     t.emit(SaveUnit(unit), Record("failure_detected", reason, unit_id=unit_id, generation=number,
-                                     fields={"cause": cause, **(fields or {})}), FailureCounted(cause))
+                                  fields={"cause": cause, **(fields or {})}), FailureCounted(cause))
     if state.slurm_units:
         slurm_units.cool_down(t, unit, detected_at)
         # A failed unit never comes back: whatever is left of it (a hung launcher, a
@@ -116,7 +116,7 @@ def go_on_without(t: Step, what: str) -> bool:
 
 
 def next_generation_now(t: Step, members: tuple[str, ...], joiners: tuple[str, ...], cause: str,
-                         reason: str) -> bool:
+                        reason: str) -> bool:
     """Form and send the next generation of `members` + `joiners` now, as one message to
     each (StartGeneration; in restart mode the launcher stops the old workers first), if
     they make a size the job allows and one of them can host the rendezvous. Whether it
@@ -127,7 +127,7 @@ def next_generation_now(t: Step, members: tuple[str, ...], joiners: tuple[str, .
     if not members or planning.choose_world_size(count, t.sizes()) != count:
         return False
     forming.start_generation(t, members, planning.Form(replicas=count, joiners=joiners, reason=reason),
-                           t.now.monotonic, cause=cause)
+                             t.now.monotonic, cause=cause)
     if previous is None or t.job.generation == previous.number:
         return False
     t.emit(GenerationStopped(t.job.job_id, previous.number, t.now.wall))
@@ -140,7 +140,7 @@ def stop_grace_s(t: Step, cause: str) -> float:
 
 
 def stop_message(t: Step, generation: int, reason: str, cause: str,
-                  failed_unit_id: str = "") -> launcher_pb2.ControllerMessage:
+                 failed_unit_id: str = "") -> launcher_pb2.ControllerMessage:
     return launcher_pb2.ControllerMessage(stop_generation=launcher_pb2.StopGeneration(
         generation=generation, reason=reason, failed_unit_id=failed_unit_id,
         grace=duration(stop_grace_s(t, cause))))
@@ -165,7 +165,7 @@ def begin_stop(t: Step, cause: str, reason: str, detected_at: float) -> None:
     t.job.state = JobState.RECONFIGURING
     t.emit(SaveJob(t.job))
     t.record("generation_stopping", reason, generation=state.generation.number,
-                fields={"cause": cause, "waiting_for": join_ids(sorted(waiting))})
+             fields={"cause": cause, "waiting_for": join_ids(sorted(waiting))})
     message = stop_message(t, state.stop.generation, reason, cause)
     for unit_id in sorted(waiting):
         if state.units[unit_id].state is not UnitState.LEAVING:
@@ -183,8 +183,8 @@ def maybe_finish_stop(t: Step) -> None:
     elapsed = now - stop.detected_at
     t.emit(GenerationStopped(t.job.job_id, stop.generation, t.now.wall))
     t.record("generation_stopped", f"every rank of generation {stop.generation} stopped",
-                generation=stop.generation,
-                fields={"cause": stop.cause, "detection_to_all_stopped_s": f"{elapsed:.3f}"})
+             generation=stop.generation,
+             fields={"cause": stop.cause, "detection_to_all_stopped_s": f"{elapsed:.3f}"})
     if stop.cause == "failure":
         t.emit(StopTimed(elapsed))
     if t.job.state.is_final:
@@ -193,4 +193,4 @@ def maybe_finish_stop(t: Step) -> None:
     if t.job.state is JobState.RECONFIGURING:
         alive = sum(1 for u in state.units.values() if u.state in (UnitState.ACTIVE, UnitState.JOINING))
         t.set_state(JobState.DEGRADED, f"{alive} replica(s) alive, below min_replicas "
-                        f"{t.job.spec.min_replicas}; waiting for more")
+                    f"{t.job.spec.min_replicas}; waiting for more")

@@ -64,14 +64,14 @@ def on_exit_after_finish(t: Step, unit_id: str, exited: launcher_pb2.WorkerExite
     if exited.exit_code == 0 and exited.signal == 0:
         state.exited_ok.setdefault(unit_id, set()).add(exited.local_rank)
         t.record("worker_finished", f"local rank {exited.local_rank} (pid {exited.pid}) exited 0",
-                    unit_id=unit_id)
+                 unit_id=unit_id)
     else:
         how = describe_worker_exit(exited)
         state.exited_failed.setdefault(unit_id, {})[exited.local_rank] = how
         t.record("worker_failed_after_training",
-                    f"local rank {exited.local_rank} (pid {exited.pid}) {how} after the last step; "
-                    "training is complete, so nothing re-forms", unit_id=unit_id,
-                    fields=worker_error_fields(exited))
+                 f"local rank {exited.local_rank} (pid {exited.pid}) {how} after the last step; "
+                 "training is complete, so nothing re-forms", unit_id=unit_id,
+                 fields=worker_error_fields(exited))
     maybe_complete(t)
 
 
@@ -113,4 +113,4 @@ def end(t: Step, job_state: JobState, kind: str, reason: str) -> None:
         unit.state = UnitState.LEAVING
         t.emit(SaveUnit(unit))
         t.send(unit_id, launcher_pb2.ControllerMessage(leave=launcher_pb2.Leave(generation=number,
-                                                                                  reason=reason)))
+                                                                                reason=reason)))

@@ -44,7 +44,7 @@ def candidates(t: Step, unit_ids: list[str]) -> list[planning.Candidate]:
 
 
 def start_generation(t: Step, survivors: tuple[str, ...], form: planning.Form, now: float,
-                      cause: str = "") -> None:
+                     cause: str = "") -> None:
     """Commit the next generation of `survivors` + the form's joiners and send each its
     StartGeneration. `cause` (failure, grow, leave) is set when it replaces a running
     generation in one message: the old workers' stop grace follows from it."""
@@ -52,8 +52,8 @@ def start_generation(t: Step, survivors: tuple[str, ...], form: planning.Form, n
     chosen = list(survivors) + list(form.joiners)
     try:
         plan = planning.plan_generation(job_id=t.job.job_id, number=t.job.generation + 1,
-                                   candidates=candidates(t, chosen), replicas=form.replicas,
-                                   reason=form.reason, now=t.now.wall, resume_step=t.job.step)
+                                        candidates=candidates(t, chosen), replicas=form.replicas,
+                                        reason=form.reason, now=t.now.wall, resume_step=t.job.step)
     except ValueError as error:
         t.emit(Note("generation_not_formed", {"reason": str(error)}, warning=True))
         return
@@ -85,7 +85,7 @@ def start_generation(t: Step, survivors: tuple[str, ...], form: planning.Form, n
 
 
 def commit_generation(t: Step, plan: GenerationRecord, unit_ids: list[str], kind: str, reason: str,
-                       fields: dict[str, object]) -> None:
+                      fields: dict[str, object]) -> None:
     """What is persisted before any message about the generation leaves: the generation
     with its rank table, the job's generation number, each of `unit_ids` in its place (a
     member is active; a unit left out waits as a joiner) and the event `kind`."""
@@ -101,7 +101,7 @@ def commit_generation(t: Step, plan: GenerationRecord, unit_ids: list[str], kind
 
 
 def start_message(t: Step, generation: GenerationRecord, unit_id: str,
-                   stop_grace_s: float | None = None) -> launcher_pb2.ControllerMessage:
+                  stop_grace_s: float | None = None) -> launcher_pb2.ControllerMessage:
     start = launcher_pb2.StartGeneration(
         generation=generation.number, rank_table=generation.rank_table(only_unit=unit_id),
         rendezvous=generation.rendezvous(), resume_step=generation.resume_step)
@@ -118,9 +118,9 @@ def state_fields(t: Step, plan: GenerationRecord) -> dict[str, object]:
     state.state_holders = holders(t, plan.unit_ids)
     if state.live and plan.resume_step > 0 and not state.state_holders:
         t.record("state_not_held",
-                    f"no member of generation {plan.number} holds the training state at step "
-                    f"{plan.resume_step}: its workers resume from a checkpoint at or before it, or "
-                    "refuse to train", generation=plan.number, fields={"target_step": plan.resume_step})
+                 f"no member of generation {plan.number} holds the training state at step "
+                 f"{plan.resume_step}: its workers resume from a checkpoint at or before it, or "
+                 "refuse to train", generation=plan.number, fields={"target_step": plan.resume_step})
     return {"target_step": plan.resume_step, "state_holders": join_ids(list(state.state_holders))}
 
 
@@ -136,7 +136,7 @@ def holders(t: Step, unit_ids: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def reconfigure(t: Step, joiners: tuple[str, ...], leaving: tuple[str, ...], cause: str, reason: str,
-                 now: float) -> None:
+                now: float) -> None:
     """Plan the next generation from the running one plus `joiners` minus `leaving`,
     commit it, and tell the joiners (or, with none, every old member) to move there."""
     state = t.state
@@ -146,8 +146,8 @@ def reconfigure(t: Step, joiners: tuple[str, ...], leaving: tuple[str, ...], cau
     chosen = kept + list(joiners)
     try:
         plan = planning.plan_generation(job_id=t.job.job_id, number=t.job.generation + 1,
-                                   candidates=candidates(t, chosen), replicas=len(chosen), reason=reason,
-                                   now=t.now.wall, resume_step=t.job.step)
+                                        candidates=candidates(t, chosen), replicas=len(chosen), reason=reason,
+                                        now=t.now.wall, resume_step=t.job.step)
     except ValueError as error:
         t.emit(Note("reconfigure_not_planned", {"reason": str(error)}, warning=True))
         return
@@ -198,7 +198,7 @@ def on_reconfigure_report(t: Step, unit_id: str, report: launcher_pb2.Generation
         pending.joiners_waiting.discard(unit_id)
         if not pending.joiners_waiting and not pending.told_old_members:
             t.record("joiners_ready", "every joiner's workers are up", generation=pending.generation,
-                        fields={"decision_to_ready_s": f"{now - pending.decided_at:.3f}"})
+                     fields={"decision_to_ready_s": f"{now - pending.decided_at:.3f}"})
             tell_old_members(t)
     elif report.phase == launcher_pb2.GENERATION_PHASE_RECONFIGURED:
         pending.waiting_for.discard(unit_id)
@@ -209,10 +209,10 @@ def on_reconfigure_report(t: Step, unit_id: str, report: launcher_pb2.Generation
         # steps the state holders are judged by.)
         t.emit(SaveJob(t.job))
         t.record("world_reconfigured", f"every rank moved from generation {pending.from_generation} "
-                    "in-process", generation=pending.generation,
-                    fields={"cause": pending.cause, "at_step": report.step,
-                            "world_size": state.generation.world_size if state.generation else 0,
-                            "decision_to_reconfigured_s": f"{now - pending.decided_at:.3f}"})
+                 "in-process", generation=pending.generation,
+                 fields={"cause": pending.cause, "at_step": report.step,
+                         "world_size": state.generation.world_size if state.generation else 0,
+                         "decision_to_reconfigured_s": f"{now - pending.decided_at:.3f}"})
         for leave_unit, (cause, detail) in t.take_deferred_leaves().items():
             leaving.leave(t, leave_unit, cause, detail)
 
@@ -235,10 +235,10 @@ def on_first_step(t: Step, unit_id: str, report: launcher_pb2.GenerationReport) 
                        "failure_to_first_step_s": f"{at - recovery.failed_at:.3f}",
                        "detection_to_first_step_s": f"{at - recovery.detected_at:.3f}"})
         t.record("recovered", f"survivors completed step {report.step} at world size "
-                    f"{generation.world_size}", unit_id=unit_id, generation=report.generation, fields=fields)
+                 f"{generation.world_size}", unit_id=unit_id, generation=report.generation, fields=fields)
         return
     t.record("first_step", f"first step of generation {report.generation} completed", unit_id=unit_id,
-                generation=report.generation, fields=fields)
+             generation=report.generation, fields=fields)
 
 
 def on_state_lost(t: Step, reason: str) -> None:
@@ -255,6 +255,6 @@ def on_resumed_from_checkpoint(t: Step, unit_id: str, report: launcher_pb2.Gener
     t.job.step = report.step
     t.emit(SaveJob(t.job))
     t.record("resumed_from_checkpoint", report.detail or f"resumed from the checkpoint at step {report.step}",
-                unit_id=unit_id, generation=report.generation,
-                fields={"checkpoint_step": report.step, "target_step": target,
-                        "steps_redone": max(0, target - report.step)})
+             unit_id=unit_id, generation=report.generation,
+             fields={"checkpoint_step": report.step, "target_step": target,
+                     "steps_redone": max(0, target - report.step)})

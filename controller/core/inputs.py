@@ -101,10 +101,10 @@ def on_connected(t: Step, unit_id: str, register: launcher_pb2.Register) -> None
         state.stop.waiting_for.add(unit_id)
         t.send(unit_id, failure.stop_message(t, state.stop.generation, state.stop.reason, state.stop.cause))
         t.record("launcher_reconnected", "told to stop the generation being stopped", unit_id=unit_id,
-                    generation=generation.number, fields=fields)
+                 generation=generation.number, fields=fields)
     elif register.last_generation == generation.number and register.worker_pids:
         t.record("launcher_reattached", f"still running generation {generation.number}; workers untouched",
-                    unit_id=unit_id, generation=generation.number, fields=fields)
+                 unit_id=unit_id, generation=generation.number, fields=fields)
     elif state.live and register.last_generation and not register.worker_pids and t.job.state is JobState.RUNNING:
         # A live member back with no workers lost them while the controller was away: its
         # queued reports (the exit, or "finished") follow on this stream. No fresh worker
@@ -112,13 +112,13 @@ def on_connected(t: Step, unit_id: str, register: launcher_pb2.Register) -> None
         # heartbeat_timeout_s, the unit has failed (`tick.on_tick`).
         t.note(unit, back_without_workers_at=now)
         t.record("launcher_reconnected", "back with no workers; waiting for its reports", unit_id=unit_id,
-                    generation=generation.number, fields=fields)
+                 generation=generation.number, fields=fields)
     elif t.job.state is JobState.RUNNING:
         t.send(unit_id, forming.start_message(t, generation, unit_id))
         had = (f"at generation {register.last_generation}" if register.worker_pids
                else "without workers")
         t.record("generation_start_resent", f"reconnected {had}; sent generation {generation.number} again",
-                    unit_id=unit_id, generation=generation.number, fields=fields)
+                 unit_id=unit_id, generation=generation.number, fields=fields)
 
 
 def on_said(t: Step, unit_id: str, message: launcher_pb2.LauncherMessage) -> None:
@@ -148,12 +148,12 @@ def on_said(t: Step, unit_id: str, message: launcher_pb2.LauncherMessage) -> Non
                 finishing.maybe_complete(t)
         elif report.phase == launcher_pb2.GENERATION_PHASE_FINISHED:
             finishing.begin_finishing(t, unit_id, report.generation, report.step,
-                                  f"unit {unit_id} committed the last step, {report.step}")
+                                      f"unit {unit_id} committed the last step, {report.step}")
         elif report.phase == launcher_pb2.GENERATION_PHASE_RESUMED_FROM_CHECKPOINT:
             forming.on_resumed_from_checkpoint(t, unit_id, report)
         elif report.phase == launcher_pb2.GENERATION_PHASE_STATE_LOST:
             forming.on_state_lost(t, report.detail or f"no member of generation {report.generation} holds step "
-                                f"{report.step} and there is no checkpoint")
+                                  f"{report.step} and there is no checkpoint")
         elif report.phase == launcher_pb2.GENERATION_PHASE_FIRST_STEP:
             forming.on_first_step(t, unit_id, report)
         elif state.reconfigure is not None and report.generation == state.reconfigure.generation:
@@ -173,15 +173,15 @@ def on_worker_exited(t: Step, unit_id: str, exited: launcher_pb2.WorkerExited) -
         # The worker refused to train: no state at the target and no checkpoint (its
         # own report says more, and normally comes first).
         forming.on_state_lost(t, f"a worker of unit {unit_id} exited {EXIT_STATE_LOST}: no replica holds the "
-                            f"training state at step {t.job.step} and there is no checkpoint")
+                              f"training state at step {t.job.step} and there is no checkpoint")
         return
     current = {state.generation.number} if state.generation is not None else set()
     if state.reconfigure is not None:
         current.add(state.reconfigure.from_generation)
     if state.generation is None or exited.generation not in current or t.job.state is not JobState.RUNNING:
         t.emit(StaleMessageCounted(),
-                  Note("stale_message_ignored", {"unit": unit_id, "kind": "worker_exited",
-                                                 "message_generation": exited.generation}))
+               Note("stale_message_ignored", {"unit": unit_id, "kind": "worker_exited",
+                                              "message_generation": exited.generation}))
         return
     member = state.generation.member(unit_id)
     if member is None:
@@ -194,9 +194,9 @@ def on_worker_exited(t: Step, unit_id: str, exited: launcher_pb2.WorkerExited) -
         finishing.on_exit_after_finish(t, unit_id, exited)
         return
     failure.fail(t, unit_id, f"worker rank {rank} (pid {exited.pid}) {describe_worker_exit(exited)}",
-               "silent" if exited.detail else "worker_exit", t.now.monotonic,
-               failed_at=exited.exited_at.ToNanoseconds() / 1e9 if exited.HasField("exited_at") else None,
-               fields=worker_error_fields(exited))
+                 "silent" if exited.detail else "worker_exit", t.now.monotonic,
+                 failed_at=exited.exited_at.ToNanoseconds() / 1e9 if exited.HasField("exited_at") else None,
+                 fields=worker_error_fields(exited))
 
 
 def on_disconnected(t: Step, unit_id: str, reason: str) -> None:
@@ -235,7 +235,7 @@ def on_resize(t: Step, min_replicas: int, max_replicas: int, uid: int) -> None:
     spec.max_replicas = max_replicas or spec.max_replicas
     t.emit(SaveJob(t.job))
     t.record("job_resized", f"by uid {uid}",
-                fields={"min_replicas": spec.min_replicas, "max_replicas": spec.max_replicas})
+             fields={"min_replicas": spec.min_replicas, "max_replicas": spec.max_replicas})
     if state.generation is not None and t.job.state is JobState.RUNNING:
         surplus = len(state.generation.members) - spec.max_replicas
         for member in sorted(state.generation.members, key=lambda m: -m.group_rank)[:max(0, surplus)]:

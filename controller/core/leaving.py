@@ -43,8 +43,8 @@ def leave(t: Step, unit_id: str, cause: str, detail: str) -> None:
         save_state = was_active and holds_last_state(t, unit_id)
         if save_state:
             t.record("state_saving", f"unit {unit_id} holds the last copy of the training state: its workers "
-                        "write it to disk before leaving, and the next world resumes from it",
-                        unit_id=unit_id, generation=number)
+                     "write it to disk before leaving, and the next world resumes from it",
+                     unit_id=unit_id, generation=number)
         t.send(unit_id, launcher_pb2.ControllerMessage(leave=launcher_pb2.Leave(
             generation=number, reason=unit.reason, save_state=save_state)))
     else:
@@ -55,9 +55,10 @@ def leave(t: Step, unit_id: str, cause: str, detail: str) -> None:
         return
     if was_active and t.job.state is JobState.RUNNING and state.generation is not None:
         staying = tuple(u for u in state.generation.unit_ids if state.units[u].state is UnitState.ACTIVE)
-        if state.live or not all(t.connected(u) for u in staying) or not failure.next_generation_now(t,
-                staying, (), "leave", f"unit {unit_id} leaves ({cause})"):
-            failure.begin_stop(t, "leave", f"unit {unit_id} leaves ({cause})", t.now.monotonic)
+        why = f"unit {unit_id} leaves ({cause})"
+        if (state.live or not all(t.connected(u) for u in staying)
+                or not failure.next_generation_now(t, staying, (), "leave", why)):
+            failure.begin_stop(t, "leave", why, t.now.monotonic)
 
 
 def release_below_min(t: Step, now: float) -> None:
@@ -80,11 +81,11 @@ def release_below_min(t: Step, now: float) -> None:
     queued = sorted(u for u, unit in state.units.items() if unit.state is UnitState.SUBMITTED)
     state.released_below_min = True
     t.record("below_min_released",
-                f"below min_replicas {spec.min_replicas} for {now - since:.0f} s: {len(holding)} unit(s) give "
-                "their nodes back; the last to hold the training state saves it, and the job resumes from it "
-                f"once {spec.min_replicas} node(s) are idle",
-                fields={"units": join_ids(holding), "cancelled_queued": join_ids(queued),
-                        "below_min_release_s": f"{t.config.below_min_release_s:g}"})
+             f"below min_replicas {spec.min_replicas} for {now - since:.0f} s: {len(holding)} unit(s) give "
+             "their nodes back; the last to hold the training state saves it, and the job resumes from it "
+             f"once {spec.min_replicas} node(s) are idle",
+             fields={"units": join_ids(holding), "cancelled_queued": join_ids(queued),
+                     "below_min_release_s": f"{t.config.below_min_release_s:g}"})
     for unit_id in queued:
         slurm_units.cancel_in_slurm(t, state.units[unit_id])
         mark_left(t, unit_id, "cancelled while queued: the job gave its nodes back below min_replicas")
@@ -92,7 +93,7 @@ def release_below_min(t: Step, now: float) -> None:
     holders = set(state.state_holders)
     for unit_id in sorted(holding, key=lambda u: (u in holders, u)):
         leave(t, unit_id, "released", f"below min_replicas {spec.min_replicas} for "
-                    f"{t.config.below_min_release_s:g} s (below_min_release_s): nodes given back")
+              f"{t.config.below_min_release_s:g} s (below_min_release_s): nodes given back")
 
 
 def holds_last_state(t: Step, unit_id: str) -> bool:

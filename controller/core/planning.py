@@ -72,8 +72,8 @@ def plan_generation(*, job_id: str, number: int, candidates: Sequence[Candidate]
         members.append(member)
         first_rank += member.world_share
     return GenerationRecord(job_id=job_id, number=number, members=tuple(members), rendezvous_host=host.address,
-                       rendezvous_port=host.store_port, rendezvous_unit_id=host.unit_id, reason=reason,
-                       created_at=now, resume_step=resume_step)
+                            rendezvous_port=host.store_port, rendezvous_unit_id=host.unit_id, reason=reason,
+                            created_at=now, resume_step=resume_step)
 
 
 @dataclasses.dataclass(frozen=True)

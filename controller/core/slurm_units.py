@@ -20,7 +20,7 @@ from tidal.slurm.snapshot import ClusterView
 
 
 def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
-              yields: tuple[sharing.YieldOrder, ...]) -> None:
+             yields: tuple[sharing.YieldOrder, ...]) -> None:
     """Reconcile units with what Slurm shows, yield what the cluster-wide plan asks,
     then submit what the job needs. A stale view (Slurm did not answer) decides
     nothing."""
@@ -72,7 +72,7 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
         # Other elastic jobs share these idle nodes by weight.
         count = grow_allowance
         note_growth_held(t, f"{demand.count - count} of {demand.count} idle node(s) go to other elastic "
-                               f"jobs by weight (this job's weight {spec.weight or 1})")
+                         f"jobs by weight (this job's weight {spec.weight or 1})")
     for _ in range(count):
         submit_unit(t, demand.reason, excluded)
 
@@ -86,7 +86,7 @@ def note_growth_held(t: Step, reason: str) -> None:
 
 def on_requeued(t: Step, unit: UnitRecord, slurm_job_id: int) -> None:
     t.record("unit_requeued", f"Slurm requeued job {slurm_job_id}; Tidal cancels the requeued copy and "
-                "places replacements itself", unit_id=unit.unit_id, fields={"slurm_job_id": slurm_job_id})
+             "places replacements itself", unit_id=unit.unit_id, fields={"slurm_job_id": slurm_job_id})
     cancel_in_slurm(t, unit)
     if unit.state is UnitState.SUBMITTED:
         unit_lost(t, unit, f"Slurm job {slurm_job_id} requeued before its launcher registered")
@@ -103,7 +103,7 @@ def cool_down(t: Step, unit: UnitRecord, now: float) -> None:
         t.state.node_cooldown[node] = (failures, now + seconds)
         t.save_pending()
         t.record("node_excluded", f"unit {unit.unit_id} failed there", unit_id=unit.unit_id,
-                    fields={"node": node, "failures": failures, "for_s": f"{seconds:.0f}"})
+                 fields={"node": node, "failures": failures, "for_s": f"{seconds:.0f}"})
 
 
 def submit_unit(t: Step, reason: str, excluded: tuple[str, ...]) -> None:
@@ -128,20 +128,20 @@ def on_unit_submitted(t: Step, unit_id: str, slurm_job_id: int, error: str) -> N
         backoff = min(60.0, t.config.slurm_poll_interval_s * 2 ** state.submit_failures)
         state.next_submit_at = t.now.monotonic + backoff
         unit_lost(t, unit, f"sbatch refused the unit: {error}", kind="unit_submit_failed",
-                        fields={"retry_in_s": f"{backoff:.0f}"})
+                  fields={"retry_in_s": f"{backoff:.0f}"})
         return
     state.submit_failures = 0
     unit = t.note(unit, submitted_at=t.now.wall)
     unit.slurm_job_id = slurm_job_id
     t.emit(SaveUnit(unit))
     t.record("unit_submitted", f"Slurm job {slurm_job_id}", unit_id=unit_id,
-                fields={"slurm_job_id": slurm_job_id})
+             fields={"slurm_job_id": slurm_job_id})
     if t.job.state.is_final or unit.state.is_final:
         cancel_in_slurm(t, unit)
 
 
 def unit_lost(t: Step, unit: UnitRecord, reason: str, kind: str = "unit_lost",
-               fields: dict[str, object] | None = None) -> None:
+              fields: dict[str, object] | None = None) -> None:
     """A unit that never registered is gone (Slurm ended it, or sbatch refused it)."""
     unit = t.own(unit)
     unit.state = UnitState.FAILED
