@@ -183,12 +183,6 @@ class StepResult:
     # The gradient's global 2-norm before clipping (None: Elastic's max_grad_norm not set).
     grad_norm: float | None = None
 
-    @property
-    def epoch(self) -> int:
-        """The generation, under the name earlier versions gave it (scripts that read
-        `result.epoch` keep working; new code reads `result.generation`)."""
-        return self.generation
-
 
 class Ledger:
     """Optional JSONL record of every step attempt and commit (for audits and tests)."""
