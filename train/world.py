@@ -5,14 +5,15 @@ generation's world over the control channel (`tidal.proto.control`): a `World` w
 worker's rank in it (rank -1: leave after the agreed step), or a `Stop` of the current
 generation. `Membership` is the worker's side of that protocol, one state machine:
 
-    STANDBY ──world──▶ FORMING ──formed──▶ FORMED ──first step committed──▶ TRAINING
-                        ▲   │                 │                               │
-           next world   │   │ broken          │ broken (a peer lost, a stop)  │
-                        │   ▼                 ▼                               │
-                        └─ BROKEN ◀───────────┴───────────────────────────────┤
-                        └───────────── the ranks agreed to change worlds ◀────┘
-    a world naming rank -1, in any phase ──▶ LEAVING (the state saved first when asked; exit 0)
-    the job's last step committed ──▶ FINISHED
+    phase     does, or waits for                                      then
+    STANDBY   the launcher's first world (started ahead: TIDAL_STANDBY) FORMING, LEAVING
+    FORMING   the peers arrive, the groups connect, the state agreed   FORMED, BROKEN
+    FORMED    its first step commits (reported once: `first_step`)     TRAINING, BROKEN
+    TRAINING  steps, until the ranks agree that the world changes      FORMING, LEAVING,
+                                                                       BROKEN, FINISHED
+    BROKEN    out of the broken world (`stopped`): the launcher's next FORMING, LEAVING
+    LEAVING   named rank -1: the state written when asked, `left`, exit 0
+    FINISHED  the job's last step committed (`finished`)
 
 A world change is not waited for in a step: each rank that has heard of the next world
 says so in its step's control all-reduce (`change_announced`), and after that step every
