@@ -291,7 +291,8 @@ class Elastic:
         groups = self.membership.groups
         samples = step_samples(self.order, step=step, start=self.counters.position, global_batch=batch_size,
                                rank=world.rank, world_size=world.world_size)
-        self.ledger.write("attempt", epoch=world.generation, step=step, rank=world.rank, world_size=world.world_size,
+        self.ledger.write("attempt", generation=world.generation, step=step, rank=world.rank,
+                          world_size=world.world_size,
                           indices=samples.indices)
         model = self.parts.model
         model.train()
@@ -376,7 +377,8 @@ class Elastic:
         step = self.counters.step
         self.last_loss = loss
         # cpu_s: this process's CPU seconds so far (benchmarks read CPU time per step from it).
-        self.ledger.write("commit", epoch=world.generation, step=step - 1, rank=world.rank, world_size=world.world_size,
+        self.ledger.write("commit", generation=world.generation, step=step - 1, rank=world.rank,
+                          world_size=world.world_size,
                           loss=loss, cpu_s=time.process_time())
         now = time.monotonic()
         self.membership.committed(step)

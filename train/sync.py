@@ -235,7 +235,7 @@ class StateSync:
         self.log.info("state_transferred", role="source" if me in sources else "receiver", sources=sources,
                       receivers=receivers, shard=groups.shard_rank, bytes=stats.bytes, items=stats.items,
                       seconds=round(seconds, 4))
-        self.ledger.write("transfer", epoch=world.generation, shard=groups.shard_rank,
+        self.ledger.write("transfer", generation=world.generation, shard=groups.shard_rank,
                           role="source" if me in sources else "receiver", sources=sources, receivers=receivers,
                           bytes=stats.bytes, items=stats.items, staging_bytes=stats.staging_bytes, seconds=seconds)
 
@@ -267,12 +267,12 @@ class StateSync:
             if channel is not None:
                 # Every rank says it, so that every launcher reports it before the exit.
                 channel.send(StateLostMessage(generation=world.generation, target_step=target_step, detail=detail))
-            self.ledger.write("state_lost", epoch=world.generation, target_step=target_step)
+            self.ledger.write("state_lost", generation=world.generation, target_step=target_step)
             raise StateLost(detail)
         detail = (f"no rank of generation {world.generation} holds step {target_step}; resumed from the "
                   f"checkpoint at step {held}: steps {held}..{target_step - 1} are redone")
         self.log.warning("resumed_from_checkpoint", step=held, target_step=target_step)
-        self.ledger.write("resumed", epoch=world.generation, step=held, target_step=target_step)
+        self.ledger.write("resumed", generation=world.generation, step=held, target_step=target_step)
         if channel is not None and world.rank == 0:
             channel.send(Resumed(generation=world.generation, step=held, target_step=target_step, detail=detail))
 

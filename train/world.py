@@ -135,7 +135,7 @@ def form_timeout_s(timeout_s: float, world_size: int) -> float:
 
 def world_from_env(env: dict[str, str] | os._Environ[str]) -> World:
     """The world the environment names (the launcher's first one, torchrun's, or alone)."""
-    return World(generation=int(env.get("TIDAL_EPOCH", "0")), rank=int(env.get("RANK", "0")),
+    return World(generation=int(env.get("TIDAL_GENERATION", "0")), rank=int(env.get("RANK", "0")),
                  world_size=int(env.get("WORLD_SIZE", "1")), master_addr=env.get("MASTER_ADDR", ""),
                  master_port=int(env.get("MASTER_PORT", "0") or 0),
                  target_step=int(env.get("TIDAL_TARGET_STEP", "0") or 0))
@@ -278,7 +278,7 @@ class Membership:
         seconds = time.monotonic() - started
         step = self.counters.step
         self.channel.send(Formed(generation=world.generation, step=step, digest=state_digest))
-        self.ledger.write("formed", epoch=world.generation, rank=world.rank, world_size=world.world_size,
+        self.ledger.write("formed", generation=world.generation, rank=world.rank, world_size=world.world_size,
                           shard=self.shard_rank, step=step, digest=state_digest, source=source, seconds=seconds)
         self.log.info("world_formed", generation=world.generation, rank=world.rank, world_size=world.world_size,
                       step=step, state_source=source, seconds=round(seconds, 4))
@@ -353,7 +353,7 @@ class Membership:
         assert self.channel is not None
         self.phase = Phase.FINISHED
         self.channel.send(Finished(generation=generation, step=self.counters.step))
-        self.ledger.write("finished", epoch=generation, step=self.counters.step)
+        self.ledger.write("finished", generation=generation, step=self.counters.step)
 
     # Changing worlds.
 
@@ -368,7 +368,7 @@ class Membership:
             self.close_groups(broken=True)
             generation = self.world.generation
             self.log.warning("world_broken", generation=generation, step=self.counters.step, reason=reason)
-            self.ledger.write("abandoned", epoch=generation, step=self.counters.step, reason=reason)
+            self.ledger.write("abandoned", generation=generation, step=self.counters.step, reason=reason)
             try:
                 self.channel.send(Stopped(generation=generation, step=self.counters.step))
                 # As long as the launcher lives: a job below min_replicas waits for nodes, for
@@ -409,7 +409,7 @@ class Membership:
         self.close_groups()
         saved_to = self._before_leaving(decision.save)
         self.log.info("leaving", generation=world.generation, step=self.counters.step, saved_to=saved_to or None)
-        self.ledger.write("left", epoch=world.generation, step=self.counters.step, saved_to=saved_to)
+        self.ledger.write("left", generation=world.generation, step=self.counters.step, saved_to=saved_to)
         self.channel.send(Left(generation=world.generation, step=self.counters.step, saved_to=saved_to))
         raise SystemExit(0)
 

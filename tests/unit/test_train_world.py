@@ -68,7 +68,7 @@ def test_groups_connect_within_seconds_and_a_little_per_rank_never_past_the_time
 
 def test_the_first_world_comes_from_the_environment() -> None:
     assert world_from_env({}) == World(generation=0, rank=0, world_size=1, master_addr="", master_port=0)
-    env = {"TIDAL_EPOCH": "3", "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "7",
+    env = {"TIDAL_GENERATION": "3", "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "7",
            "TIDAL_TARGET_STEP": "40"}
     assert world_from_env(env) == World(generation=3, rank=1, world_size=2, master_addr="h", master_port=7,
                                         target_step=40)
