@@ -18,12 +18,16 @@ that path is not exercised by the tests."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
+
+from tidal.train.errors import WorldBroken
 
 _fixed_store: Any = None
 
@@ -113,6 +117,31 @@ def form_groups(backend: str, store: Any, *, rank: int, world_size: int, shard_s
         _set_timeout(group, timeout)
     return Groups(world=world, replica=replica, rank=rank, world_size=world_size, shard_size=shard_size,
                   shard_rank=shard_rank)
+
+
+class Collectives:
+    """Waits on a generation's collectives. While a rank waits in one, `waiting` is True
+    (its beat thread says so to the launcher: when one rank hangs, the others wait for it,
+    and that tells a hang's cause from its victims); a collective that fails breaks the
+    world (`WorldBroken`)."""
+
+    def __init__(self) -> None:
+        self.waiting = False
+
+    @contextlib.contextmanager
+    def waiting_in(self) -> Iterator[None]:
+        """Around a wait for this generation's collectives."""
+        self.waiting = True
+        try:
+            yield
+        except RuntimeError as error:
+            raise WorldBroken(f"a collective failed: {error}") from error
+        finally:
+            self.waiting = False
+
+    def wait(self, work: Any) -> None:
+        with self.waiting_in():
+            work.wait()
 
 
 def _set_timeout(group: Any, timeout: datetime.timedelta) -> None:

@@ -1,0 +1,237 @@
+"""The worker library's decisions about worlds and state, pure and without a process group:
+what a worker does with a world its launcher names (`tidal.train.world`), who sends the
+state to whom and whether the job's step is held (`tidal.train.sync`), a rank's
+micro-batches (`tidal.train.elastic`); and `Membership`'s state machine driven by the
+launcher's messages over a channel that keeps no socket."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from tidal.proto.control import FirstStep, Left, Stopped, WorkerToLauncher, World
+from tidal.train.channel import WorkerChannel
+from tidal.train.elastic import micro_batch_plan
+from tidal.train.errors import StateMismatch, WorldBroken
+from tidal.train.ledger import Ledger
+from tidal.train.state import Counters
+from tidal.train.sync import (
+    Verdict,
+    disagreeing_shards,
+    judge_target,
+    lost_detail,
+    plan_sync,
+    writes_on_leaving,
+)
+from tidal.train.world import (
+    Join,
+    Leave,
+    Membership,
+    Phase,
+    decide,
+    form_timeout_s,
+    guarded,
+    interruption,
+    world_from_env,
+)
+
+
+def _world(generation: int, rank: int = 0, world_size: int = 2, **fields: object) -> World:
+    return World(generation=generation, rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=1,
+                 **fields)  # type: ignore[arg-type]
+
+
+def test_a_world_naming_rank_minus_one_is_left_and_saved_only_by_a_worker_that_was_in_one() -> None:
+    assert decide(Phase.TRAINING, _world(3)) == Join(_world(3))
+    leave = _world(3, rank=-1, save=True)
+    assert decide(Phase.TRAINING, leave) == Leave(leave, save=True)
+    assert decide(Phase.BROKEN, leave) == Leave(leave, save=True)
+    assert decide(Phase.STANDBY, leave) == Leave(leave, save=False), "on standby it holds no state"
+    assert decide(Phase.TRAINING, _world(3, rank=-1)) == Leave(_world(3, rank=-1), save=False)
+
+
+def test_waiting_for_a_world_ends_on_its_stop_or_a_newer_world() -> None:
+    world = _world(4)
+    assert interruption(world, doing="reaching the store", stopped=False, newer=None) is None
+    assert interruption(world, doing="reaching the store", stopped=True, newer=_world(5)) == (
+        "stopped while reaching the store of generation 4")
+    assert interruption(world, doing="waiting for the peers", stopped=False, newer=_world(5)) == (
+        "generation 5 was announced while generation 4 formed")
+
+
+def test_groups_connect_within_seconds_and_a_little_per_rank_never_past_the_timeout() -> None:
+    assert form_timeout_s(120.0, 100) == pytest.approx(6.0)
+    assert form_timeout_s(2.0, 100) == 2.0
+
+
+def test_the_first_world_comes_from_the_environment() -> None:
+    assert world_from_env({}) == World(generation=0, rank=0, world_size=1, master_addr="", master_port=0)
+    env = {"TIDAL_GENERATION": "3", "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "7",
+           "TIDAL_TARGET_STEP": "40"}
+    assert world_from_env(env) == World(generation=3, rank=1, world_size=2, master_addr="h", master_port=7,
+                                        target_step=40)
+
+
+def test_guarded_turns_a_broken_world_into_its_reason_and_lets_other_errors_through() -> None:
+    def broken() -> None:
+        raise WorldBroken("peer lost")
+
+    assert guarded(broken) == "peer lost"
+    assert guarded(lambda x: x + 1, 1) == 2
+    with pytest.raises(ValueError):
+        guarded(int, "x")
+
+
+def test_the_most_advanced_replicas_send_and_the_others_receive() -> None:
+    # A fresh job: nobody holds state, replica 0's fresh one is everyone's.
+    fresh = plan_sync([-1, -1, -1], shard_size=1, shard_rank=0)
+    assert (fresh.target, fresh.sources, fresh.receivers) == (-1, [0], [1, 2])
+    # Two survivors at step 40 (one committed a step the other abandoned: 41 wins), a joiner.
+    plan = plan_sync([40, 41, -1], shard_size=1, shard_rank=0)
+    assert (plan.target, plan.sources, plan.receivers) == (41, [1], [0, 2])
+    # Everyone in step: no transfer.
+    assert plan_sync([7, 7], shard_size=1, shard_rank=0).receivers == []
+    # Replicas of two workers (ranks 0-1, 2-3, 4-5): shard 1 of replicas 0 and 2 hold step 9.
+    sharded = plan_sync([9, 9, -1, -1, 9, 9], shard_size=2, shard_rank=1)
+    assert (sharded.target, sharded.sources, sharded.receivers) == (9, [0, 2], [1])
+
+
+def test_shards_of_replicas_at_different_steps_are_a_mismatch() -> None:
+    with pytest.raises(StateMismatch, match="no replica holds shard 1 at step 9"):
+        plan_sync([9, 8, 8, 8], shard_size=2, shard_rank=1)
+
+
+def test_the_job_step_is_held_resumed_from_a_checkpoint_or_lost() -> None:
+    assert judge_target(50, 50, live=True) is Verdict.HELD
+    assert judge_target(51, 50, live=True) is Verdict.HELD
+    assert judge_target(-1, 0, live=True) is Verdict.HELD, "a fresh job"
+    assert judge_target(40, 50, live=True) is Verdict.RESUMED
+    assert judge_target(-1, 50, live=True) is Verdict.LOST
+    assert judge_target(-1, 50, live=False) is Verdict.BEHIND, "restart mode only warns"
+    assert judge_target(40, 50, live=False) is Verdict.BEHIND
+
+
+def test_a_lost_state_says_where_it_was_looked_for() -> None:
+    folder = Path("/shared/tidal-state/job-1")
+    assert "nothing in /shared/tidal-state/job-1" in lost_detail(3, 50, state_folder=folder, has_checkpointer=True)
+    assert "no checkpoint was found" in lost_detail(3, 50, state_folder=None, has_checkpointer=True)
+    detail = lost_detail(3, 50, state_folder=None, has_checkpointer=False)
+    assert detail.startswith("no rank of generation 3 holds the training state at step 50")
+    assert detail.endswith("the script keeps no checkpoint (checkpoint_dir/checkpoint_every): refusing to train "
+                           "from step 0")
+
+
+def test_digests_are_compared_per_shard_index() -> None:
+    assert disagreeing_shards(["a", "b", "a", "b"], 2) == {}
+    assert disagreeing_shards(["a", "b", "a", "c"], 2) == {1: ["b", "c"]}
+    assert disagreeing_shards(["a", "a", "x"], 1) == {0: ["a", "x"]}
+
+
+def test_one_copy_of_a_whole_replica_is_saved_and_every_shard_of_a_sharded_one() -> None:
+    assert writes_on_leaving(has_state=True, shard_size=1, local_rank=0)
+    assert not writes_on_leaving(has_state=True, shard_size=1, local_rank=1)
+    assert writes_on_leaving(has_state=True, shard_size=2, local_rank=1)
+    assert not writes_on_leaving(has_state=False, shard_size=2, local_rank=0)
+
+
+def test_a_rank_runs_its_share_in_micro_batches_and_under_fsdp_as_many_as_the_largest_share() -> None:
+    assert micro_batch_plan([1, 2, 3, 4, 5], global_batch=10, world_size=2, micro_batch=2, uniform=False) == [
+        [1, 2], [3, 4], [5]]
+    assert micro_batch_plan([1, 2, 3, 4, 5], global_batch=10, world_size=2, micro_batch=None, uniform=False) == [
+        [1, 2, 3, 4, 5]]
+    # B = 7 over 2 ranks: shares of 4 and 3; with micro-batches of 2 both run two.
+    assert micro_batch_plan([5, 6, 7], global_batch=7, world_size=2, micro_batch=2, uniform=True) == [[5, 6], [7]]
+    # A rank with an empty share (B < world size) runs one empty micro-batch.
+    assert micro_batch_plan([], global_batch=3, world_size=4, micro_batch=None, uniform=True) == [[]]
+    assert micro_batch_plan([], global_batch=3, world_size=4, micro_batch=None, uniform=False) == []
+
+
+class QueuedChannel(WorkerChannel):
+    """A WorkerChannel with no socket: the launcher's messages are given in advance, what
+    the worker says is kept. Its world and stop bookkeeping is WorkerChannel's own."""
+
+    def __init__(self, *worlds: World) -> None:
+        self._changed = threading.Condition()
+        self.worlds = {world.generation: world for world in worlds}
+        self.stopped_generation = 0
+        self.closed = False
+        self.said: list[WorkerToLauncher] = []
+
+    def send(self, message: WorkerToLauncher) -> None:
+        self.said.append(message)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _membership(channel: QueuedChannel, world: World, phase: Phase, saved: list[bool]) -> Membership:
+    def before_leaving(save: bool) -> str:
+        saved.append(save)
+        return "/shared/state" if save else ""
+
+    def agree(groups: object, world: World) -> tuple[int, str]:
+        raise AssertionError("no world is formed in these tests")
+
+    membership = Membership(backend="gloo", shard_size=1, shard_rank=0, timeout_s=5.0, counters=Counters(step=12),
+                            ledger=Ledger(None), agree=agree, before_leaving=before_leaving)
+    membership.channel, membership.world, membership.phase = channel, world, phase
+    return membership
+
+
+def test_the_first_step_of_a_world_is_reported_once() -> None:
+    channel = QueuedChannel()
+    membership = _membership(channel, _world(2), Phase.FORMED, [])
+    membership.committed(13)
+    membership.committed(14)
+    assert channel.said == [FirstStep(generation=2, step=13)]
+    assert membership.phase is Phase.TRAINING
+
+
+def test_a_stop_of_the_current_generation_breaks_the_step_and_a_newer_world_is_announced() -> None:
+    channel = QueuedChannel(_world(3))
+    membership = _membership(channel, _world(2), Phase.TRAINING, [])
+    assert membership.change_announced()
+    membership.check_stop()
+    channel.stopped_generation = 2
+    with pytest.raises(WorldBroken, match="the launcher stopped generation 2"):
+        membership.check_stop()
+
+
+def test_a_broken_world_waits_for_the_next_and_a_stop_while_forming_waits_again() -> None:
+    # Generation 3 is stopped before this rank reached its store, and generation 4 named:
+    # it tells this unit to leave holding the job's last copy of the state.
+    channel = QueuedChannel(_world(3))
+    saved: list[bool] = []
+    membership = _membership(channel, _world(2), Phase.TRAINING, saved)
+    real_form = membership.form
+
+    def form(world: World) -> None:
+        channel.stopped_generation = world.generation
+        channel.worlds[4] = _world(4, rank=-1, save=True)
+        real_form(world)
+
+    membership.form = form  # type: ignore[method-assign]
+    with pytest.raises(SystemExit) as exited:
+        membership.recover("a collective failed: connection closed")
+    assert exited.value.code == 0
+    assert channel.said == [Stopped(generation=2, step=12), Stopped(generation=3, step=12),
+                            Left(generation=4, step=12, saved_to="/shared/state")]
+    assert saved == [True] and membership.phase is Phase.LEAVING
+
+
+def test_a_world_change_the_ranks_agreed_on_can_be_a_leave() -> None:
+    channel = QueuedChannel(_world(3, rank=-1))
+    saved: list[bool] = []
+    membership = _membership(channel, _world(2), Phase.TRAINING, saved)
+    with pytest.raises(SystemExit):
+        membership.move_on()
+    assert channel.said == [Left(generation=3, step=12, saved_to="")] and saved == [False]
+
+
+def test_a_fixed_world_does_not_recover() -> None:
+    membership = _membership(QueuedChannel(), _world(0, world_size=1), Phase.TRAINING, [])
+    membership.channel = None
+    with pytest.raises(RuntimeError, match="training failed in a fixed world: peer lost"):
+        membership.recover("peer lost")

@@ -1,0 +1,448 @@
+"""This worker's membership in the job's worlds, as its launcher names them.
+
+Under a Tidal launcher in live mode (`TIDAL_CONTROL_SOCKET` set) the launcher names each
+generation's world over the control channel (`tidal.proto.control`): a `World` with this
+worker's rank in it (rank -1: leave after the agreed step), or a `Stop` of the current
+generation. `Membership` is the worker's side of that protocol, one state machine:
+
+    phase     does, or waits for                                      then
+    STANDBY   the launcher's first world (started ahead: TIDAL_STANDBY) FORMING, LEAVING
+    FORMING   the peers arrive, the groups connect, the state agreed   FORMED, BROKEN
+    FORMED    its first step commits (reported once: `first_step`)     TRAINING, BROKEN
+    TRAINING  steps, until the ranks agree that the world changes      FORMING, LEAVING,
+                                                                       BROKEN, FINISHED
+    BROKEN    out of the broken world (`stopped`): the launcher's next FORMING, LEAVING
+    LEAVING   named rank -1: the state written when asked, `left`, exit 0
+    FINISHED  the job's last step committed (`finished`)
+
+A world change is not waited for in a step: each rank that has heard of the next world
+says so in its step's control all-reduce (`change_announced`), and after that step every
+rank moves (`move_on`). A failure breaks the step where it is (`WorldBroken`, caught by
+`guarded`), and the rank waits for the next world (`recover`). Outside a launcher (alone,
+under torchrun, in restart mode) the world is fixed: formed once from the environment.
+
+The decisions are pure (`decide`, `interruption`, `form_timeout_s`); `Membership` carries
+them out. What the ranks do with the training state once they meet is the `agree`
+callback's (`tidal.train.sync`); the step itself is `tidal.train.elastic`'s."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import enum
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import structlog
+import torch.distributed as dist
+
+from tidal.proto.control import Beat, Finished, FirstStep, Formed, Left, Stopped, World
+from tidal.train.channel import ChannelClosed, WorkerChannel
+from tidal.train.errors import AccountingError, StateLost, StateMismatch, WorldBroken
+from tidal.train.groups import Groups, fixed_world_store, form_groups
+from tidal.train.ledger import Ledger
+from tidal.train.state import Counters
+
+log = structlog.get_logger("tidal.train.world")
+
+# The generation's store answers at once while its launcher lives; past this, its host is gone.
+STORE_TIMEOUT_S = 10.0
+# Once every rank of a generation arrived, its process group connects within this (plus a
+# little per rank). A member lost in that window (a node failing while a world forms) must
+# not hold the others in gloo's connect for the whole process-group timeout, nor past
+# their launcher's stop grace (10 s), which would kill them and their state with them.
+FORM_TIMEOUT_S = 5.0
+FORM_TIMEOUT_PER_RANK_S = 0.01
+# A worker started ahead (standby) waits this long for a world; its launcher ends it
+# sooner if the unit leaves.
+STANDBY_TIMEOUT_S = 7 * 24 * 3600.0
+# A live worker's first SIGTERM is held this long ($TIDAL_TERM_WAIT_S): Slurm ending an
+# allocation signals every process in it, and the launcher must first learn from the
+# controller whether this unit holds the job's last copy of the state and saves it before
+# leaving. A second SIGTERM (the launcher's own stop sends two) ends the worker at once.
+TERM_WAIT_S = 3.0
+
+
+class Phase(enum.Enum):
+    """Where this worker stands in the job's worlds."""
+
+    # Made, not yet in any world (`Membership.open` not run).
+    STARTING = "starting"
+    # Started ahead of any world (TIDAL_STANDBY=1): waiting for the launcher to name one.
+    STANDBY = "standby"
+    # Meeting the peers of a generation and agreeing on the training state.
+    FORMING = "forming"
+    # In a formed world; its first step not committed yet (that is reported once).
+    FORMED = "formed"
+    # In a formed world that has committed a step.
+    TRAINING = "training"
+    # Out of a broken world (a peer lost, a stop): waiting for the launcher's next one.
+    BROKEN = "broken"
+    # Told to leave: writing the state when asked, then exiting 0.
+    LEAVING = "leaving"
+    # Committed the job's last step: no world changes any more.
+    FINISHED = "finished"
+
+
+# Decisions.
+
+
+@dataclasses.dataclass(frozen=True)
+class Join:
+    """Form this world."""
+
+    world: World
+
+
+@dataclasses.dataclass(frozen=True)
+class Leave:
+    """Leave the job after the agreed step; `save`: write the state first (this unit
+    holds the job's last copy)."""
+
+    world: World
+    save: bool
+
+
+def decide(phase: Phase, world: World) -> Join | Leave:
+    """What a worker in `phase` does with a world its launcher named: leave (rank -1),
+    saving the state first when asked, unless it never joined a world (on standby it holds
+    no state, so there is nothing to save); otherwise form it."""
+    if world.leaves:
+        return Leave(world, save=world.save and phase is not Phase.STANDBY)
+    return Join(world)
+
+
+def interruption(world: World, *, doing: str, stopped: bool, newer: World | None) -> str | None:
+    """Why a rank `doing` something to form `world` gives up (None: it goes on): its
+    launcher stopped that generation, or announced a newer one meanwhile. Then the peers
+    may never come (they went straight to the newer one, or it replaced this one after a
+    failure), so nothing is gained by waiting; the rank takes the newer one instead."""
+    if stopped:
+        return f"stopped while {doing} of generation {world.generation}"
+    if newer is not None:
+        return f"generation {newer.generation} was announced while generation {world.generation} formed"
+    return None
+
+
+def form_timeout_s(timeout_s: float, world_size: int) -> float:
+    """How long a generation's groups may take to connect once every rank arrived."""
+    return min(timeout_s, FORM_TIMEOUT_S + FORM_TIMEOUT_PER_RANK_S * world_size)
+
+
+def world_from_env(env: dict[str, str] | os._Environ[str]) -> World:
+    """The world the environment names (the launcher's first one, torchrun's, or alone)."""
+    return World(generation=int(env.get("TIDAL_GENERATION", "0")), rank=int(env.get("RANK", "0")),
+                 world_size=int(env.get("WORLD_SIZE", "1")), master_addr=env.get("MASTER_ADDR", ""),
+                 master_port=int(env.get("MASTER_PORT", "0") or 0),
+                 target_step=int(env.get("TIDAL_TARGET_STEP", "0") or 0))
+
+
+T = TypeVar("T")
+
+
+def guarded(action: Callable[..., T], *args: Any) -> T | str:
+    """`action(*args)`'s result, or the reason it broke the world (as a str), with the
+    exception and everything its traceback holds already released. Recovery must run
+    outside the except clause: the traceback holds the failed collective, and with it
+    the old process group, whose connections must close for the peers to see this rank
+    leave."""
+    try:
+        return action(*args)
+    except WorldBroken as broken:
+        return str(broken) or "the world broke"
+
+
+# Carrying them out.
+
+# Agrees on the training state in a world just met (its groups: None in a world of one);
+# returns the first source replica and this rank's digest of its shard.
+Agree = Callable[[Groups | None, World], tuple[int, str]]
+
+
+class Membership:
+    """This worker's membership: the world it is in, that world's groups, and the control
+    channel to its launcher (None in a fixed world)."""
+
+    def __init__(self, *, backend: str, shard_size: int, shard_rank: int, timeout_s: float, counters: Counters,
+                 ledger: Ledger, agree: Agree, before_leaving: Callable[[bool], str]) -> None:
+        self.backend = backend
+        self.shard_size = shard_size
+        self.shard_rank = shard_rank
+        # The process groups' timeout (the backstop), and how long a rank waits for peers
+        # or for its next world.
+        self.timeout_s = timeout_s
+        # Read only: the step reported in the messages.
+        self.counters = counters
+        self.ledger = ledger
+        self._agree = agree
+        # Waits for a checkpoint in flight, writes the state if asked; returns its folder or "".
+        self._before_leaving = before_leaving
+        self.phase = Phase.STARTING
+        self.world: World | None = None
+        self.channel: WorkerChannel | None = None
+        self.groups: Groups | None = None
+        # The generation's rendezvous store, kept for the world's life.
+        self._store: Any = None
+        self.log = log.bind(pid=os.getpid())
+
+    @property
+    def live(self) -> bool:
+        return self.channel is not None
+
+    # Entering the first world.
+
+    def open(self, env: dict[str, str] | os._Environ[str], beat: Callable[[], Beat]) -> bool:
+        """Connect to the launcher (live mode: `TIDAL_CONTROL_SOCKET`), start the beats, and
+        learn the first world; on standby, wait until the launcher names it. Returns whether
+        this worker joins a running world (its state then comes from the members: it skips
+        the checkpoint)."""
+        socket_path = env.get("TIDAL_CONTROL_SOCKET")
+        if socket_path and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+        if socket_path:
+            self.channel = WorkerChannel(socket_path, int(env.get("LOCAL_RANK", "0")), os.getpid())
+            self.channel.start_beats(beat)
+        self.world = world_from_env(env)
+        joining = env.get("TIDAL_JOINING") == "1"
+        if self.channel is not None and env.get("TIDAL_STANDBY") == "1":
+            # Started ahead of any world: wait until the launcher names one, and whether it
+            # joins a running world.
+            self.phase = Phase.STANDBY
+            self.world = self.channel.wait_world(after_generation=0, timeout_s=STANDBY_TIMEOUT_S)
+            joining = self.world.joining
+            decision = decide(self.phase, self.world)
+            if isinstance(decision, Leave):
+                # Told to leave before it ever joined a world (the unit leaves, or gives its
+                # node back).
+                self.leave(decision)
+        return joining
+
+    def enter(self) -> None:
+        """Form the first world: a fixed one at the world's store, or the launcher's."""
+        assert self.world is not None
+        if not self.live:
+            groups = None
+            if self.world.world_size > 1:
+                timeout = datetime.timedelta(seconds=self.timeout_s)
+                groups = self._form_groups(dist.PrefixStore("tidal/fixed", fixed_world_store()), self.world,
+                                           timeout, timeout)
+            self.groups = groups
+            self._agree(groups, self.world)
+            self.phase = Phase.FORMED
+            return
+        broken = guarded(self.form, self.world)
+        if isinstance(broken, str):
+            self.recover(broken)
+
+    # Forming a world.
+
+    def form(self, world: World) -> None:
+        """Join `world`'s process group (every member arrives first, so waiting stays
+        interruptible by a stop) and agree on the training state."""
+        assert self.channel is not None
+        started = time.monotonic()
+        self.phase = Phase.FORMING
+        self.close_groups()
+        self.world = world
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        try:
+            store = self._connect_store(world)
+            store.set_timeout(timeout)
+            self._store = store
+            # One store serves the launcher's life; each generation meets under its own prefix.
+            prefix = dist.PrefixStore(f"gen/{world.generation}", store)
+            prefix.add("arrived", 1)
+            deadline = started + self.timeout_s
+            while prefix.add("arrived", 0) < world.world_size:
+                self._check_interrupted(world, "waiting for the peers")
+                if time.monotonic() > deadline:
+                    raise WorldBroken(f"peers of generation {world.generation} did not arrive within "
+                                      f"{self.timeout_s:g} s")
+                time.sleep(0.002)
+            # Formed, the groups' collectives (the state's transfer first) get the full
+            # timeout, the backstop.
+            self.groups = self._form_groups(dist.PrefixStore("group", prefix), world,
+                                            datetime.timedelta(seconds=form_timeout_s(self.timeout_s,
+                                                                                      world.world_size)),
+                                            timeout)
+            source, state_digest = self._agree(self.groups, world)
+        except (RuntimeError, ValueError) as error:
+            if isinstance(error, (StateMismatch, AccountingError, StateLost)):
+                raise
+            raise WorldBroken(f"forming generation {world.generation} failed: {error}") from error
+        self.phase = Phase.FORMED
+        seconds = time.monotonic() - started
+        step = self.counters.step
+        self.channel.send(Formed(generation=world.generation, step=step, digest=state_digest))
+        self.ledger.write("formed", generation=world.generation, rank=world.rank, world_size=world.world_size,
+                          shard=self.shard_rank, step=step, digest=state_digest, source=source, seconds=seconds)
+        self.log.info("world_formed", generation=world.generation, rank=world.rank, world_size=world.world_size,
+                      step=step, state_source=source, seconds=round(seconds, 4))
+
+    def _check_interrupted(self, world: World, doing: str) -> None:
+        assert self.channel is not None
+        reason = interruption(world, doing=doing, stopped=self.channel.stop_requested(world.generation),
+                              newer=self.channel.next_world(world.generation))
+        if reason is not None:
+            raise WorldBroken(reason)
+
+    def _connect_store(self, world: World) -> dist.TCPStore:
+        """The generation's rendezvous store, on its host launcher. That host may be gone (it
+        failed during the change): attempts of one second each, a stop between any two,
+        and past STORE_TIMEOUT_S the world counts as broken."""
+        deadline = time.monotonic() + min(self.timeout_s, STORE_TIMEOUT_S)
+        while True:
+            self._check_interrupted(world, "reaching the store")
+            try:
+                return dist.TCPStore(world.master_addr, world.master_port, is_master=False,
+                                     timeout=datetime.timedelta(seconds=1), wait_for_workers=False)
+            except RuntimeError as error:
+                if time.monotonic() > deadline:
+                    raise WorldBroken(f"the store of generation {world.generation} at {world.master_addr}:"
+                                      f"{world.master_port} does not answer: {error}") from error
+                time.sleep(0.05)
+
+    def _form_groups(self, store: Any, world: World, connect: datetime.timedelta,
+                     timeout: datetime.timedelta) -> Groups | None:
+        if world.world_size == 1:
+            return None
+        try:
+            return form_groups(self.backend, store, rank=world.rank, world_size=world.world_size,
+                               shard_size=self.shard_size, shard_rank=self.shard_rank,
+                               connect_timeout=connect, timeout=timeout)
+        except ValueError as error:
+            # A world that does not fit the strategy's replicas is a planning bug, never retried.
+            raise StateMismatch(f"generation {world.generation}: {error}") from error
+
+    def close_groups(self, broken: bool = False) -> None:
+        """Leave the generation's groups (aborted after a failure: a destroy would wait on
+        collectives that will never finish). The unit's shard group stays."""
+        if self.groups is not None:
+            self.groups.close(broken)
+        self.groups = None
+
+    # During a step.
+
+    def check_stop(self) -> None:
+        """Raises WorldBroken once the launcher stopped this generation."""
+        if self.channel is not None and self.world is not None and self.channel.stop_requested(self.world.generation):
+            raise WorldBroken(f"the launcher stopped generation {self.world.generation}")
+
+    def change_announced(self) -> bool:
+        """The launcher named a newer world (this rank says so in its step's control
+        all-reduce, so that all ranks learn together that the world changes after it)."""
+        assert self.world is not None
+        return self.channel is not None and self.channel.next_world(self.world.generation) is not None
+
+    def committed(self, step: int) -> None:
+        """A step committed in this world: the first one is reported."""
+        assert self.world is not None
+        if self.phase is Phase.FORMED:
+            self.phase = Phase.TRAINING
+            if self.channel is not None:
+                self.channel.send(FirstStep(generation=self.world.generation, step=step))
+
+    def finish(self, generation: int) -> None:
+        """The job's last step is committed: say so before the script's own code after
+        train() runs and before anything is torn down, so that from here on an exit or a
+        silence is not a failure and no new world forms."""
+        assert self.channel is not None
+        self.phase = Phase.FINISHED
+        self.channel.send(Finished(generation=generation, step=self.counters.step))
+        self.ledger.write("finished", generation=generation, step=self.counters.step)
+
+    # Changing worlds.
+
+    def recover(self, reason: str) -> None:
+        """Out of the broken world; wait for the launcher to name the next one and join it
+        (or leave). In a fixed world a break is the end."""
+        if self.channel is None:
+            raise RuntimeError(f"training failed in a fixed world: {reason}")
+        assert self.world is not None
+        while True:
+            self.phase = Phase.BROKEN
+            self.close_groups(broken=True)
+            generation = self.world.generation
+            self.log.warning("world_broken", generation=generation, step=self.counters.step, reason=reason)
+            self.ledger.write("abandoned", generation=generation, step=self.counters.step, reason=reason)
+            try:
+                self.channel.send(Stopped(generation=generation, step=self.counters.step))
+                # As long as the launcher lives: a job below min_replicas waits for nodes, for
+                # minutes or hours, and this rank's memory is the training state meanwhile (a
+                # launcher that dies closes the channel, and this wait ends).
+                world = self.channel.wait_world(after_generation=max(generation, self.channel.stopped_generation),
+                                                timeout_s=STANDBY_TIMEOUT_S)
+                decision = decide(self.phase, world)
+                if isinstance(decision, Leave):
+                    self.leave(decision)
+            except (ChannelClosed, TimeoutError) as error:
+                raise RuntimeError(f"no world to join after generation {generation}: {error}") from error
+            failed = guarded(self.form, world)
+            if not isinstance(failed, str):
+                return
+            reason = failed
+
+    def move_on(self) -> None:
+        """The ranks agreed to change worlds after this step: wait for this rank's copy of
+        the new world (it is on its way) and join it, or leave."""
+        assert self.channel is not None and self.world is not None
+        try:
+            world = self.channel.wait_world(after_generation=self.world.generation, timeout_s=self.timeout_s)
+        except (ChannelClosed, TimeoutError) as error:
+            raise RuntimeError(f"peers agreed on a world change this rank never heard of: {error}") from error
+        decision = decide(self.phase, world)
+        if isinstance(decision, Leave):
+            self.leave(decision)
+        broken = guarded(self.form, world)
+        if isinstance(broken, str):
+            self.recover(broken)
+
+    def leave(self, decision: Leave) -> None:
+        """Leave the job: out of the groups, the state written first when asked; exits 0."""
+        assert self.channel is not None
+        world = decision.world
+        self.phase = Phase.LEAVING
+        self.close_groups()
+        saved_to = self._before_leaving(decision.save)
+        self.log.info("leaving", generation=world.generation, step=self.counters.step, saved_to=saved_to or None)
+        self.ledger.write("left", generation=world.generation, step=self.counters.step, saved_to=saved_to)
+        self.channel.send(Left(generation=world.generation, step=self.counters.step, saved_to=saved_to))
+        raise SystemExit(0)
+
+    # Slurm's SIGTERM.
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """A first SIGTERM: wait (in a thread) for the launcher to say this unit leaves,
+        saving the state if it holds the last copy; if it does not within TERM_WAIT_S, end
+        as SIGTERM would have. Any later SIGTERM ends the process at once."""
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        wait_s = float(os.environ.get("TIDAL_TERM_WAIT_S", TERM_WAIT_S))
+        self.log.info("sigterm_held", wait_s=wait_s, step=self.counters.step)
+
+        def end_unless_leaving() -> None:
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                if self.phase is Phase.LEAVING or self._leave_announced():
+                    return
+                time.sleep(0.05)
+            if not (self.phase is Phase.LEAVING or self._leave_announced()):
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=end_unless_leaving, name="tidal-sigterm", daemon=True).start()
+
+    def _leave_announced(self) -> bool:
+        """The launcher named a world this worker leaves for (it goes at the next step's end)."""
+        world, channel = self.world, self.channel
+        if channel is None:
+            return False
+        announced = channel.next_world(world.generation if world is not None else 0)
+        return announced is not None and announced.leaves
+
+    def close(self) -> None:
+        self.close_groups()
+        if self.channel is not None:
+            self.channel.close()
