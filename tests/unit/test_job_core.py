@@ -467,3 +467,31 @@ def test_liveness_is_judged_in_one_pure_function_of_the_records_and_now() -> Non
     overdue_s = CONFIG.restart_grace_s + CONFIG.heartbeat_timeout_s
     assert health.judge(driver.state, leaving_at + overdue_s - 0.1).leave_overdue == ()
     assert health.judge(driver.state, leaving_at + overdue_s + 0.1).leave_overdue == (("b", leaving_at),)
+
+
+def test_a_unit_that_left_while_the_controller_was_away_is_gone_once_slurm_says_its_job_ended() -> None:
+    """Chaos seeds 2 and 9 (hardened harness): a unit asked to leave that left while the
+    controller restarted kept the stop round waiting until it was overdue. Its Slurm job's
+    end settles it at once."""
+    driver = Driver(min_replicas=2, max_replicas=2, slurm_units=True)
+    driver.feed(core.SlurmObserved(view(driver, (node("n1"), node("n2")))))
+    driver.feed(core.UnitSubmitted("u1", 701))
+    driver.feed(core.UnitSubmitted("u2", 702))
+    driver.connect("u1")
+    driver.connect("u2")
+    driver.tick()
+    assert driver.state.generation is not None and len(driver.state.generation.members) == 2
+    driver.feed(core.DrainRequested(("u2",), uid=0))
+    assert driver.state.units["u2"].state is UnitState.LEAVING
+    # The controller restarts; u2's launcher left meanwhile, u1's comes back.
+    job, units = driver.state.job, list(driver.state.units.values())
+    driver.state = core.restore(job, units, driver.state.generation, generation_stopped=False, pending={},
+                                config=CONFIG, now=driver.now, slurm_units=True)
+    driver.connect("u1", last_generation=driver.state.job.generation, workers=(11,))
+    driver.clock += 1.5
+    running = (slurm_job(701, SlurmJobState.RUNNING),)
+    effects = driver.feed(core.SlurmObserved(view(driver, (), (*running, slurm_job(702, SlurmJobState.RUNNING)))))
+    assert driver.state.units["u2"].state is UnitState.LEAVING, "its Slurm job still runs: it may come back"
+    effects = driver.feed(core.SlurmObserved(view(driver, (), (*running, slurm_job(702, SlurmJobState.COMPLETED)))))
+    assert driver.state.units["u2"].state is UnitState.LEFT
+    assert "unit_left" in driver.events(effects) and "unit_leave_overdue" not in driver.events()
