@@ -1032,18 +1032,6 @@ class ChaosRun:
         return [f"+{at - self.submitted_at:7.2f} s  {text}" for at, text in sorted(lines, key=lambda x: x[0])]
 
 
-def code_version() -> str:
-    """The commit the run exercised, and whether the working tree differed from it."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return f"{head}{' with uncommitted changes' if dirty else ''}"
-
-
 def run_seed(seed: int, reference: Reference, folder: Path, **options: Any) -> SeedResult:
     return ChaosRun(seed, reference, folder, **options).run()
 
@@ -1091,7 +1079,7 @@ def main() -> None:
     rows.append(Row(benchmark="chaos", metric="seeds passed", unit="fraction", tidal=passed / max(1, len(results)),
                     goal="all", met=passed == len(results), tidal_samples=[float(r.passed) for r in results]))
     write_result("chaos", rows, quick=args.quick,
-                 settings={"code": code_version(), "seeds": seeds, "steps": steps, "deadline_s": args.deadline,
+                 settings={"seeds": seeds, "steps": steps, "deadline_s": args.deadline,
                            "hog_processes": HOG_PROCESSES,
                            "controller": CONTROLLER_SETTINGS,
                            "runs": [{"seed": r.seed, "passed": r.passed, "faults": r.faults, "skipped": r.skipped,
