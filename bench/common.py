@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import math
 import os
@@ -167,6 +168,8 @@ def machine() -> dict[str, Any]:
 
 
 def parser(description: str) -> argparse.ArgumentParser:
+    """Every benchmark's command line; notes the code version as the run starts."""
+    code_version()
     result = argparse.ArgumentParser(description=description)
     result.add_argument("--quick", action="store_true", help="a smoke run: fewer, shorter repetitions")
     result.add_argument("--repeat", type=int, default=0, help="repetitions (default: the benchmark's own)")
@@ -186,10 +189,12 @@ def workspace(keep: Path | None, name: str) -> Iterator[Path]:
         yield Path(scratch)
 
 
+@functools.cache
 def code_version() -> str:
     """The code a run measured: `git describe --always --dirty` of the repository (a
     "-dirty" suffix: the working tree differed from that commit), or "unknown" outside a
-    git checkout."""
+    git checkout. Asked once per process: `parser()` asks at the start of a run, so that a
+    commit made while a long benchmark runs does not stand for the code it measured."""
     try:
         result = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True,
                                 text=True, timeout=10)
