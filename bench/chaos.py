@@ -43,7 +43,8 @@ events and the harness's actions; exit 1 if any seed fails):
 - every step 0..K-1 is committed, and for each (step, generation) that committed, the
   union of the ranks' attempted samples is the fixed run's set for that step. A step
   committed by every rank of one generation and tried again later (committed or abandoned)
-  went back: a problem unless a resumed_from_checkpoint covers it. A step broken in one
+  went back (an abandon counts where the rank had attempted the step): a problem unless
+  a resumed_from_checkpoint covers it. A step broken in one
   generation (some ranks committed it, or every rank abandoned it) and redone in the next
   is noted; a generation abandoned with no newer one formed is a problem;
 - the final parameters (--out) equal a fixed single-process run's to 1e-9 and step == K;
@@ -602,6 +603,9 @@ def unhealthy_events(events: Sequence[Seen], harm: Harm, t0: float) -> list[str]
             if not harm.hurt_at(event.unit_id, at):
                 problems.append(f"{describe(event, t0)}: of a unit the harness did not hurt")
         elif event.kind == "state_not_held":
+            # (It comes just before the world_formed of the generation it is about.)
+            if holders and all(harm.hurt_at(u, at) for u in holders):
+                why_not_held, lost_all_holders = "the harness hurt every holder", True
             if why_not_held is None:
                 problems.append(f"{describe(event, t0)}: no holder left the state saved and the harness hurt "
                                 "no generation's every holder")
@@ -683,10 +687,12 @@ def step_verdict(records: Sequence[Mapping[str, Any]], reference: Sequence[Seque
     tried again. A step committed by every rank of one generation is done: one attempted
     again (committed or abandoned in a later generation) means training went back, which
     only a resumed_from_checkpoint covering it (checkpoint_step <= step < target_step)
-    explains, and that event is judged by `unhealthy_events`. A step broken in one
-    generation (some ranks committed it, or every rank abandoned it) is redone in the next:
-    noted. A generation every rank of which abandoned a step must be followed by a newer
-    generation (the world was changed, not left broken)."""
+    explains, and that event is judged by `unhealthy_events`. An abandon by a rank that had
+    not attempted the step in that generation (a joiner still waiting for the state)
+    redoes nothing. A step broken in one generation (some ranks committed it, or every rank
+    abandoned it) is redone in the next: noted. A generation every rank of which abandoned
+    a step must be followed by a newer generation (the world was changed, not left
+    broken)."""
     verdict = StepVerdict()
     steps = len(reference)
     commits: dict[tuple[int, int], list[Mapping[str, Any]]] = defaultdict(list)
@@ -742,7 +748,16 @@ def step_verdict(records: Sequence[Mapping[str, Any]], reference: Sequence[Seque
                 committed = sorted({r["rank"] for r in done})
                 broke[f"epoch {epoch} broke at it (ranks {committed} of {world_size} committed, "
                       f"pids {sorted({r['pid'] for r in done})})"].append(step)
-    for step, epoch in sorted(abandoned):
+    # pid -> the (step, epoch) it attempted: an abandon by a rank that never began the step
+    # (a joiner whose world broke while it waited for the state, still at step 0) redoes
+    # nothing.
+    tried_by: dict[int, set[tuple[int, int]]] = defaultdict(set)
+    for (step, epoch), tried in attempts.items():
+        for record in tried:
+            tried_by[record["pid"]].add((step, epoch))
+    for (step, epoch), records_of in sorted(abandoned.items()):
+        if not any((step, epoch) in tried_by[r["pid"]] for r in records_of):
+            continue
         if step in done_in and epoch > done_in[step]:
             what = (f"committed by every rank of epoch {done_in[step]} and attempted again (abandoned) in epoch "
                     f"{epoch}")

@@ -128,6 +128,16 @@ def test_state_not_held_after_the_last_holder_saved_it_or_every_holder_was_hurt_
     assert chaos.unhealthy_events(lost, Harm(hurt=[Hurt("u1", T0 + 5.0), Hurt("u2", T0 + 5.0)]), T0) == []
 
 
+def test_state_not_held_just_after_the_harness_hurt_every_holder_the_controller_knew_is_expected() -> None:
+    """(The event comes just before the world_formed of its generation; the holders are
+    the previous generation's, as the controller judged them from heartbeats.)"""
+    events = [generation("world_reconfiguring", 1.0, 7, "u5,u6,u7,u8", "u5"),
+              event("failure_detected", 5.0, "u5"), event("state_not_held", 5.05, epoch=8),
+              generation("world_formed", 5.05, 8, "u6,u7,u8", "-")]
+    assert chaos.unhealthy_events(events, Harm(hurt=[Hurt("u5", T0 + 5.0)]), T0) == []
+    assert chaos.unhealthy_events(events, Harm(hurt=[Hurt("u6", T0 + 5.0)]), T0)
+
+
 def test_a_resume_from_a_checkpoint_that_redoes_steps_is_a_problem_while_a_holder_survives() -> None:
     events = [generation("world_formed", 1.0, 1, "u1,u2", "u1,u2"), event("failure_detected", 5.0, "u1"),
               generation("world_formed", 5.0, 2, "u2", "u2"),
@@ -234,10 +244,19 @@ def test_a_step_committed_by_every_rank_and_again_later_went_back_unless_a_resum
 
 
 def test_an_abandoned_attempt_at_a_step_already_done_went_back() -> None:
-    records = [r for step in range(6) for r in commit_step(step, 1, 2)] + abandon(3, 2, 2)
+    records = ([r for step in range(6) for r in commit_step(step, 1, 2)]
+               + [attempt(3, 2, rank, 2) for rank in range(2)] + abandon(3, 2, 2))
     verdict = chaos.step_verdict(records, REFERENCE, generations(1, 2, 3))
     assert verdict.problems == ["step(s) 3 committed by every rank of epoch 1 and attempted again (abandoned) in "
                                 "epoch 2 (training went back)"], verdict
+
+
+def test_a_joiner_that_abandons_before_it_attempted_a_step_redoes_nothing() -> None:
+    """(Seen on the mini cluster: a joiner still at step 0, waiting for the state, wrote
+    `abandoned` at step 0 when a newer generation was announced while its own formed.)"""
+    records = [r for step in range(6) for r in commit_step(step, 1, 2)] + abandon(0, 2, 1)
+    verdict = chaos.step_verdict(records, REFERENCE, generations(1, 2, 3))
+    assert verdict.problems == [], verdict
 
 
 def test_a_step_broken_by_a_failure_and_redone_in_the_next_generation_is_noted_not_failed() -> None:
