@@ -33,8 +33,8 @@ left, which saves the state as it leaves) and `save` (--max 1, the one replica d
 then a controller restart, an urgent job or a grow while it saves). Each landed fault is
 recorded with its aim and what the harness saw when it landed. A fault that cannot land
 (no candidate, the moment never came) is replaced at once by another drawn from the seed,
-the slot and the attempt, up to 3 times; a slot that lands none, or faults the job ended
-before, fail the seed.
+the slot and the attempt, up to 3 times; one that finds the job in its last steps is aimed
+at them instead; a slot that lands none, or faults the job ended before, fail the seed.
 
 Checks per seed (a failing seed prints the problems and the timeline: the controller's
 events and the harness's actions; exit 1 if any seed fails):
@@ -1052,8 +1052,12 @@ class ChaosRun:
         for slot, planned in enumerate(self.plan):
             fault, reasons = planned, []
             for attempt in range(MAX_REDRAWS + 1):
-                # A fault aimed at a recovery lands right after the one before (which starts one).
-                if not self.pause(0.0 if fault.aim == "recovery" else fault.gap_s):
+                # A fault aimed at a recovery lands right after the one before (which starts
+                # one); one aimed at the last steps once they have come, at once.
+                self.tail.poll()
+                at_once = fault.aim == "recovery" or (fault.aim == "last_steps"
+                                                      and self.tail.last_step >= self.steps - self.margin)
+                if not self.pause(0.0 if at_once else fault.gap_s):
                     why_not = "job ended"
                 else:
                     why_not = self.inject(fault, slot, attempt)
@@ -1062,6 +1066,10 @@ class ChaosRun:
                 reasons.append(f"{fault.kind}@{fault.aim}: {why_not}")
                 self.skipped.append(f"{fault.kind}@{fault.aim} ({why_not})")
                 self.act(f"skip {fault.kind}@{fault.aim}", detail=why_not)
+                if why_not == "job ending" and fault.aim != "last_steps":
+                    # The last steps have come first: the fault lands there instead.
+                    fault = dataclasses.replace(fault, aim="last_steps")
+                    continue
                 if why_not in ("job ended", "job ending"):
                     left = [f"{f.kind}@{f.aim}" for f in self.plan[slot:]]
                     self.problems.append(f"fault(s) {', '.join(left)} never landed: the job reached its last steps "
