@@ -502,7 +502,7 @@ class Seen:
     kind: str
     at: float
     unit_id: str = ""
-    epoch: int = 0
+    generation: int = 0
     reason: str = ""
     fields: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
@@ -513,7 +513,8 @@ class Seen:
 
 
 def seen(events: Sequence[admin_pb2.Event]) -> list[Seen]:
-    return [Seen(kind=e.kind, at=e.time.ToNanoseconds() / 1e9, unit_id=e.unit_id, epoch=e.epoch, reason=e.reason,
+    return [Seen(kind=e.kind, at=e.time.ToNanoseconds() / 1e9, unit_id=e.unit_id, generation=e.generation,
+                 reason=e.reason,
                  fields=dict(e.fields)) for e in events]
 
 
@@ -550,7 +551,7 @@ class Harm:
 
 
 def describe(event: Seen, t0: float) -> str:
-    return (f"{event.kind} of {event.unit_id or 'the job'} at +{event.at - t0:.1f} s (epoch {event.epoch}): "
+    return (f"{event.kind} of {event.unit_id or 'the job'} at +{event.at - t0:.1f} s (generation {event.generation}): "
             f"{event.reason}")
 
 
@@ -700,25 +701,25 @@ def step_verdict(records: Sequence[Mapping[str, Any]], reference: Sequence[Seque
     abandoned: dict[tuple[int, int], list[Mapping[str, Any]]] = defaultdict(list)
     for record in records:
         if record["kind"] == "commit":
-            commits[(record["step"], record["epoch"])].append(record)
+            commits[(record["step"], record["generation"])].append(record)
         elif record["kind"] == "attempt":
-            attempts[(record["step"], record["epoch"])].append(record)
+            attempts[(record["step"], record["generation"])].append(record)
         elif record["kind"] == "abandoned":
-            abandoned[(record["step"], record["epoch"])].append(record)
-    epochs_of: dict[int, list[int]] = defaultdict(list)
-    for step, epoch in sorted(commits):
-        epochs_of[step].append(epoch)
-    missing = [s for s in range(steps) if s not in epochs_of]
+            abandoned[(record["step"], record["generation"])].append(record)
+    generations_of: dict[int, list[int]] = defaultdict(list)
+    for step, generation in sorted(commits):
+        generations_of[step].append(generation)
+    missing = [s for s in range(steps) if s not in generations_of]
     if missing:
         verdict.problems.append(f"steps never committed: {ranges(missing)}")
-    beyond = sorted(s for s in epochs_of if s >= steps)
+    beyond = sorted(s for s in generations_of if s >= steps)
     if beyond:
         verdict.problems.append(f"steps past the last one committed: {ranges(beyond)}")
     # step -> the first generation every rank of which committed it.
     done_in: dict[int, int] = {}
-    for (step, epoch), done in sorted(commits.items()):
+    for (step, generation), done in sorted(commits.items()):
         if step not in done_in and len({r["rank"] for r in done}) >= done[0]["world_size"]:
-            done_in[step] = epoch
+            done_in[step] = generation
     rewinds = [(int(e.fields.get("checkpoint_step", "0") or 0), int(e.fields.get("target_step", "0") or 0))
                for e in events if e.kind == "resumed_from_checkpoint"]
 
@@ -729,45 +730,45 @@ def step_verdict(records: Sequence[Mapping[str, Any]], reference: Sequence[Seque
     went_back: dict[str, list[int]] = defaultdict(list)
     explained: dict[str, list[int]] = defaultdict(list)
     broke: dict[str, list[int]] = defaultdict(list)
-    for step in range(min(steps, max(epochs_of, default=-1) + 1)):
-        for epoch in epochs_of.get(step, []):
-            done = commits[(step, epoch)]
+    for step in range(min(steps, max(generations_of, default=-1) + 1)):
+        for generation in generations_of.get(step, []):
+            done = commits[(step, generation)]
             world_size = done[0]["world_size"]
-            tried = attempts[(step, epoch)]
+            tried = attempts[(step, generation)]
             union = sorted(i for a in tried for i in a["indices"])
             ranks = sorted(a["rank"] for a in tried)
             if union != list(reference[step]) or ranks != list(range(world_size)):
                 expected = set(reference[step])
-                wrong_samples[f"epoch {epoch} (world size {world_size}, attempts by ranks {ranks}, "
+                wrong_samples[f"generation {generation} (world size {world_size}, attempts by ranks {ranks}, "
                               f"{len(set(union) - expected)} extra, {len(expected - set(union))} missing, "
                               f"{len(union) - len(set(union))} twice)"].append(step)
-            if step in done_in and epoch > done_in[step]:
-                what = f"committed by every rank of epoch {done_in[step]} and again in epoch {epoch}"
+            if step in done_in and generation > done_in[step]:
+                what = f"committed by every rank of generation {done_in[step]} and again in generation {generation}"
                 (explained if rewound(step) else went_back)[what].append(step)
-            elif step not in done_in or epoch < done_in[step]:
+            elif step not in done_in or generation < done_in[step]:
                 committed = sorted({r["rank"] for r in done})
-                broke[f"epoch {epoch} broke at it (ranks {committed} of {world_size} committed, "
+                broke[f"generation {generation} broke at it (ranks {committed} of {world_size} committed, "
                       f"pids {sorted({r['pid'] for r in done})})"].append(step)
-    # pid -> the (step, epoch) it attempted: an abandon by a rank that never began the step
+    # pid -> the (step, generation) it attempted: an abandon by a rank that never began the step
     # (a joiner whose world broke while it waited for the state, still at step 0) redoes
     # nothing.
     tried_by: dict[int, set[tuple[int, int]]] = defaultdict(set)
-    for (step, epoch), tried in attempts.items():
+    for (step, generation), tried in attempts.items():
         for record in tried:
-            tried_by[record["pid"]].add((step, epoch))
-    for (step, epoch), records_of in sorted(abandoned.items()):
-        if not any((step, epoch) in tried_by[r["pid"]] for r in records_of):
+            tried_by[record["pid"]].add((step, generation))
+    for (step, generation), records_of in sorted(abandoned.items()):
+        if not any((step, generation) in tried_by[r["pid"]] for r in records_of):
             continue
-        if step in done_in and epoch > done_in[step]:
-            what = (f"committed by every rank of epoch {done_in[step]} and attempted again (abandoned) in epoch "
-                    f"{epoch}")
+        if step in done_in and generation > done_in[step]:
+            what = (f"committed by every rank of generation {done_in[step]} and attempted again (abandoned) in "
+                    f"generation {generation}")
             (explained if rewound(step) else went_back)[what].append(step)
-    generations = {e.epoch for e in events if e.kind in ("world_formed", "world_reconfiguring")}
-    for epoch in sorted({epoch for (_, epoch) in abandoned}):
-        if events and not any(g > epoch for g in generations):
-            steps_of = sorted(step for (step, e) in abandoned if e == epoch)
-            verdict.problems.append(f"step(s) {ranges(steps_of)} abandoned in epoch {epoch}, and no newer generation "
-                                    "formed: the world broke and was not changed")
+    generations = {e.generation for e in events if e.kind in ("world_formed", "world_reconfiguring")}
+    for generation in sorted({generation for (_, generation) in abandoned}):
+        if events and not any(g > generation for g in generations):
+            steps_of = sorted(step for (step, e) in abandoned if e == generation)
+            verdict.problems.append(f"step(s) {ranges(steps_of)} abandoned in generation {generation}, and no newer "
+                                    "generation formed: the world broke and was not changed")
     for what, found in wrong_samples.items():
         verdict.problems.append(f"step(s) {ranges(found)}: the samples are not the fixed run's: {what}")
     for what, found in went_back.items():
@@ -775,7 +776,7 @@ def step_verdict(records: Sequence[Mapping[str, Any]], reference: Sequence[Seque
     for what, found in explained.items():
         verdict.notes.append(f"step(s) {ranges(found)} {what}, after a resumed_from_checkpoint")
     for what, found in broke.items():
-        verdict.notes.append(f"step(s) {ranges(found)}: {what}; redone in a later epoch")
+        verdict.notes.append(f"step(s) {ranges(found)}: {what}; redone in a later generation")
     if abandoned:
         count = sum(len(r) for r in abandoned.values())
         verdict.notes.append(f"{count} abandoned step attempt(s) in the ledger (steps "
@@ -970,9 +971,9 @@ class ChaosRun:
         what, cause = "", ""
         for event in self.seen:
             if event.kind == "world_reconfiguring":
-                what, cause = f"generation {event.epoch} reconfiguring", event.fields.get("cause", "")
-            elif event.kind == "epoch_stopping":
-                what, cause = f"generation {event.epoch} stopping", event.fields.get("cause", "")
+                what, cause = f"generation {event.generation} reconfiguring", event.fields.get("cause", "")
+            elif event.kind == "generation_stopping":
+                what, cause = f"generation {event.generation} stopping", event.fields.get("cause", "")
             elif event.kind in ("world_reconfigured", "world_formed", "job_finishing"):
                 what, cause = "", ""
         return what, cause
@@ -1533,9 +1534,10 @@ class ChaosRun:
         self.problems += unexplained_leaves(recorded, self.harm, self.submitted_at)
         for event in events:
             if event.kind == "state_not_held":
-                self.notes.append(f"state_not_held at epoch {event.epoch}: {event.reason}")
-            elif event.kind == "epoch_stopped" and float(event.fields.get("detection_to_all_stopped_s", 0)) > 5:
-                self.notes.append(f"epoch {event.epoch} took {event.fields['detection_to_all_stopped_s']} s to stop")
+                self.notes.append(f"state_not_held at generation {event.generation}: {event.reason}")
+            elif event.kind == "generation_stopped" and float(event.fields.get("detection_to_all_stopped_s", 0)) > 5:
+                took = event.fields["detection_to_all_stopped_s"]
+                self.notes.append(f"generation {event.generation} took {took} s to stop")
         hard = [f"{f.label()} ({f.moment})" for f in self.landed if f.aim != AIM_ANY]
         if hard:
             self.notes.append(f"faults at hard moments: {'; '.join(hard)}")
@@ -1590,7 +1592,7 @@ class ChaosRun:
         for event in self.events_at_end:
             at = event.time.ToNanoseconds() / 1e9
             fields = " ".join(f"{k}={v}" for k, v in sorted(event.fields.items()))
-            lines.append((at, f"{event.kind:<20} {event.unit_id or '-':<4} e{event.epoch:<3} {event.reason}"
+            lines.append((at, f"{event.kind:<20} {event.unit_id or '-':<4} e{event.generation:<3} {event.reason}"
                               + (f" [{fields}]" if fields else "")))
         for action in self.actions:
             lines.append((action.at, f">> {action.kind} {action.unit_id} {action.detail}".rstrip()))

@@ -16,8 +16,9 @@ from tidal.slurm import SlurmError
 T0 = 1000.0
 
 
-def event(kind: str, at: float, unit_id: str = "", epoch: int = 1, **fields: str) -> Seen:
-    return Seen(kind=kind, at=T0 + at, unit_id=unit_id, epoch=epoch, reason=f"{kind} for the test", fields=fields)
+def event(kind: str, at: float, unit_id: str = "", generation: int = 1, **fields: str) -> Seen:
+    return Seen(kind=kind, at=T0 + at, unit_id=unit_id, generation=generation, reason=f"{kind} for the test",
+                fields=fields)
 
 
 # The draw.
@@ -102,15 +103,15 @@ def test_a_refused_submission_is_always_a_problem() -> None:
     assert chaos.unhealthy_events([event("unit_submit_failed", 5.0, "u3")], harm, T0)
 
 
-def generation(kind: str, at: float, epoch: int, members: str, holders: str) -> Seen:
-    return event(kind, at, epoch=epoch, members=members, state_holders=holders)
+def generation(kind: str, at: float, generation: int, members: str, holders: str) -> Seen:
+    return event(kind, at, generation=generation, members=members, state_holders=holders)
 
 
 def test_state_not_held_is_a_problem_while_a_holder_survives() -> None:
     events = [generation("world_formed", 1.0, 1, "u1,u2", "u1,u2"),
               event("failure_detected", 5.0, "u1"),
               generation("world_formed", 5.0, 2, "u2,u3", "-"),
-              event("state_not_held", 5.0, epoch=2)]
+              event("state_not_held", 5.0, generation=2)]
     problems = chaos.unhealthy_events(events, Harm(hurt=[Hurt("u1", T0 + 4.9)]), T0)
     assert len(problems) == 1 and problems[0].startswith("state_not_held"), problems
 
@@ -118,11 +119,11 @@ def test_state_not_held_is_a_problem_while_a_holder_survives() -> None:
 def test_state_not_held_after_the_last_holder_saved_it_or_every_holder_was_hurt_is_expected() -> None:
     saved = [generation("world_formed", 1.0, 1, "u1", "u1"), event("state_saving", 5.0, "u1"),
              event("unit_left", 5.5, "u1"), generation("world_formed", 9.0, 2, "u2", "-"),
-             event("state_not_held", 9.0, epoch=2)]
+             event("state_not_held", 9.0, generation=2)]
     assert chaos.unhealthy_events(saved, Harm(drained={"u1": T0 + 5.0}), T0) == []
     lost = [generation("world_formed", 1.0, 1, "u1,u2", "u1,u2"), event("failure_detected", 5.0, "u1"),
             event("failure_detected", 5.0, "u2"), generation("world_formed", 9.0, 2, "u3", "-"),
-            event("state_not_held", 9.0, epoch=2),
+            event("state_not_held", 9.0, generation=2),
             event("resumed_from_checkpoint", 10.0, "u3", 2, steps_redone="40", checkpoint_step="100",
                   target_step="140")]
     assert chaos.unhealthy_events(lost, Harm(hurt=[Hurt("u1", T0 + 5.0), Hurt("u2", T0 + 5.0)]), T0) == []
@@ -132,7 +133,7 @@ def test_state_not_held_just_after_the_harness_hurt_every_holder_the_controller_
     """(The event comes just before the world_formed of its generation; the holders are
     the previous generation's, as the controller judged them from heartbeats.)"""
     events = [generation("world_reconfiguring", 1.0, 7, "u5,u6,u7,u8", "u5"),
-              event("failure_detected", 5.0, "u5"), event("state_not_held", 5.05, epoch=8),
+              event("failure_detected", 5.0, "u5"), event("state_not_held", 5.05, generation=8),
               generation("world_formed", 5.05, 8, "u6,u7,u8", "-")]
     assert chaos.unhealthy_events(events, Harm(hurt=[Hurt("u5", T0 + 5.0)]), T0) == []
     assert chaos.unhealthy_events(events, Harm(hurt=[Hurt("u6", T0 + 5.0)]), T0)
@@ -205,21 +206,21 @@ PER_STEP = 6
 REFERENCE = [list(range(step * PER_STEP, (step + 1) * PER_STEP)) for step in range(6)]
 
 
-def attempt(step: int, epoch: int, rank: int, world: int, kind: str = "attempt") -> dict[str, Any]:
+def attempt(step: int, generation: int, rank: int, world: int, kind: str = "attempt") -> dict[str, Any]:
     share = PER_STEP // world
-    return {"kind": kind, "step": step, "epoch": epoch, "rank": rank, "world_size": world, "pid": 100 + rank,
-            "indices": REFERENCE[step][rank * share:(rank + 1) * share], "time": T0 + step + epoch / 10}
+    return {"kind": kind, "step": step, "generation": generation, "rank": rank, "world_size": world, "pid": 100 + rank,
+            "indices": REFERENCE[step][rank * share:(rank + 1) * share], "time": T0 + step + generation / 10}
 
 
-def commit_step(step: int, epoch: int, world: int, ranks: list[int] | None = None) -> list[dict[str, Any]]:
+def commit_step(step: int, generation: int, world: int, ranks: list[int] | None = None) -> list[dict[str, Any]]:
     done = range(world) if ranks is None else ranks
-    return [attempt(step, epoch, r, world) for r in range(world)] + [
-        attempt(step, epoch, r, world, kind="commit") for r in done]
+    return [attempt(step, generation, r, world) for r in range(world)] + [
+        attempt(step, generation, r, world, kind="commit") for r in done]
 
 
-def abandon(step: int, epoch: int, world: int) -> list[dict[str, Any]]:
-    return [{"kind": "abandoned", "step": step, "epoch": epoch, "rank": r, "pid": 100 + r, "reason": "broken",
-             "time": T0 + step + epoch / 10} for r in range(world)]
+def abandon(step: int, generation: int, world: int) -> list[dict[str, Any]]:
+    return [{"kind": "abandoned", "step": step, "generation": generation, "rank": r, "pid": 100 + r, "reason": "broken",
+             "time": T0 + step + generation / 10} for r in range(world)]
 
 
 def generations(*numbers: int) -> list[Seen]:
@@ -235,7 +236,7 @@ def test_every_step_once_with_the_fixed_runs_samples_passes() -> None:
 def test_a_step_committed_by_every_rank_and_again_later_went_back_unless_a_resume_covers_it() -> None:
     records = [r for step in range(6) for r in commit_step(step, 1, 2)] + commit_step(4, 2, 2) + commit_step(5, 2, 2)
     verdict = chaos.step_verdict(records, REFERENCE, generations(1, 2))
-    assert verdict.problems == ["step(s) 4-5 committed by every rank of epoch 1 and again in epoch 2 "
+    assert verdict.problems == ["step(s) 4-5 committed by every rank of generation 1 and again in generation 2 "
                                 "(training went back)"], verdict
     resumed = [*generations(1, 2), event("resumed_from_checkpoint", 3.0, "u1", 2, checkpoint_step="4",
                                          target_step="6", steps_redone="2")]
@@ -247,8 +248,8 @@ def test_an_abandoned_attempt_at_a_step_already_done_went_back() -> None:
     records = ([r for step in range(6) for r in commit_step(step, 1, 2)]
                + [attempt(3, 2, rank, 2) for rank in range(2)] + abandon(3, 2, 2))
     verdict = chaos.step_verdict(records, REFERENCE, generations(1, 2, 3))
-    assert verdict.problems == ["step(s) 3 committed by every rank of epoch 1 and attempted again (abandoned) in "
-                                "epoch 2 (training went back)"], verdict
+    assert verdict.problems == ["step(s) 3 committed by every rank of generation 1 and attempted again (abandoned) in "
+                                "generation 2 (training went back)"], verdict
 
 
 def test_a_joiner_that_abandons_before_it_attempted_a_step_redoes_nothing() -> None:
@@ -264,14 +265,14 @@ def test_a_step_broken_by_a_failure_and_redone_in_the_next_generation_is_noted_n
                + abandon(3, 1, 1) + [r for step in range(3, 6) for r in commit_step(step, 2, 1)])
     verdict = chaos.step_verdict(records, REFERENCE, generations(1, 2))
     assert verdict.problems == [], verdict
-    assert any("epoch 1 broke at it (ranks [0] of 2 committed" in n for n in verdict.notes), verdict
+    assert any("generation 1 broke at it (ranks [0] of 2 committed" in n for n in verdict.notes), verdict
     assert any("abandoned step attempt(s)" in n for n in verdict.notes), verdict
 
 
 def test_a_world_that_broke_and_was_never_changed_is_a_problem() -> None:
     records = [r for step in range(6) for r in commit_step(step, 1, 2)] + abandon(6, 1, 2)
     verdict = chaos.step_verdict(records, REFERENCE, generations(1))
-    assert verdict.problems == ["step(s) 6 abandoned in epoch 1, and no newer generation formed: the world broke "
+    assert verdict.problems == ["step(s) 6 abandoned in generation 1, and no newer generation formed: the world broke "
                                 "and was not changed"], verdict
 
 
