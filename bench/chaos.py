@@ -10,7 +10,7 @@ controller that runs units as Slurm jobs and polls every second (as `make demo`)
 
 Faults (seeded `random.Random(seed)`: 4-6 of them, a few seconds apart, each only while
 the job trains with enough replicas for it to make sense; a replica that holds the
-training state always survives a fault):
+training state always survives a fault, or, the last one, leaves gracefully and saves it):
 
 - `grow`: resize --max back up after a shrink, or let it grow; at 4 replicas, --max 3 and
   back to 4 a few seconds later;
@@ -24,20 +24,42 @@ training state always survives a fault):
   again later;
 - `controller_restart`: the controller SIGKILLed and started again on the same SQLite.
 
+About half the faults (drawn per fault from a second generator of the seed) are aimed at a
+hard moment: `recovery` (while a world change is in flight: it lands right after the fault
+before it), `grow` (while units join; with every node in the world, --max 3 then 4 makes
+one), `last_steps` (the last 5 % of the steps, before the last 10; the seed's last fault),
+`last_holder` (--max 1, then a drain or an urgent job on every node hits the one replica
+left, which saves the state as it leaves) and `save` (--max 1, the one replica drained,
+then a controller restart, an urgent job or a grow while it saves). Each landed fault is
+recorded with its aim and what the harness saw when it landed. A fault that cannot land
+(no candidate, the moment never came) is replaced at once by another drawn from the seed,
+the slot and the attempt, up to 3 times; one that finds the job in its last steps is aimed
+at them instead; a slot that lands none, or faults the job ended before, fail the seed.
+
 Checks per seed (a failing seed prints the problems and the timeline: the controller's
 events and the harness's actions; exit 1 if any seed fails):
 
 - the job ends COMPLETED, with exactly one `job_completed` event, within the deadline;
 - every step 0..K-1 is committed, and for each (step, generation) that committed, the
   union of the ranks' attempted samples is the fixed run's set for that step. A step
-  committed in two generations is allowed only where the first one broke at that step
-  (not every rank committed it), and is reported;
+  committed by every rank of one generation and tried again later (committed or abandoned)
+  went back (an abandon counts where the rank had attempted the step): a problem unless
+  a resumed_from_checkpoint covers it. A step broken in one
+  generation (some ranks committed it, or every rank abandoned it) and redone in the next
+  is noted; a generation abandoned with no newer one formed is a problem;
 - the final parameters (--out) equal a fixed single-process run's to 1e-9 and step == K;
-- no survivor restarted: each (unit, local rank) ran one worker PID (launchers' logs);
-- no healthy unit failed: every `failure_detected` names a unit the harness hurt (killed,
-  stopped or node-failed); drains, resizes, preemptions and controller restarts are
-  graceful and must fail no unit;
-- nothing is left: the units' Slurm jobs end, no launcher or worker outlives the job.
+- no survivor restarted: each (unit, local rank) ran one worker PID (launchers' logs); no
+  healthy unit told to leave: every unit_leaving has a cause a fault or a policy explains
+  (drained: a unit the harness drained; preempted, requeued: an urgent job or a node
+  down; resized: a lowered --max; released: below_min_released named it; finished: after
+  job_finishing; nothing else), and every member dropped from a generation failed or left;
+- no healthy unit failed: failure_detected, unit_lost, unit_submit_failed,
+  unit_leave_overdue, worker_failed_after_training, state_not_held and a
+  resumed_from_checkpoint that redoes steps each fail the seed unless the harness's acts
+  explain them (see `unhealthy_events`); drains, resizes, preemptions and controller
+  restarts are graceful and must fail no unit;
+- nothing is left: the units' Slurm jobs end (a Slurm that does not answer fails this
+  too), no launcher or worker outlives the job.
 
 The fixed run is train_mlp.py alone with the same arguments and --step-time 0 (the step
 time is a sleep; the numbers are the same), OMP_NUM_THREADS=1."""
@@ -47,7 +69,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import itertools
 import json
 import os
 import random
@@ -56,7 +77,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +93,7 @@ GLOBAL_BATCH = 24
 MICRO_BATCH = 4
 STEP_TIME_S = 0.01
 NODES = 4
-DEFAULT_STEPS = 800
+DEFAULT_STEPS = 1600
 DEFAULT_DEADLINE_S = 360.0
 PARAMETER_TOLERANCE = 1e-9
 # As `make demo`: units are Slurm jobs, polled every second; a failed node is avoided for
@@ -83,12 +104,25 @@ FAULTS = ("grow", "drain", "shrink", "kill_worker", "kill_launcher", "stop_worke
           "controller_restart")
 # How long a fault waits for the job to train with enough replicas before it is skipped.
 PRECONDITION_WAIT_S = 30.0
+# How long a fault aimed at a hard moment waits for it (a grow or a single replica is made
+# for it first where needed), and how long a grow made for a fault waits after the shrink.
+HARD_MOMENT_WAIT_S = 25.0
+GROW_PREPARATION_S = 2.0
 # An injector's answer that skips the fault at once instead of waiting for it to make sense.
 SKIP = "skip: "
 # A unit trains if its workers committed a step this recently.
 TRAINING_WINDOW_S = 3.0
 # A stopped worker's unit may fail until this long after its SIGCONT.
 STOP_EXCUSE_S = 15.0
+# An event may carry a time up to this much before the harness's record of the act that
+# caused it (the harness notes the time after the call).
+EVENT_EARLY_S = 0.5
+# What a job-wide fault explains goes on this long after it ends (a preemption Slurm
+# decided before an urgent job was cancelled, a lowered --max acted on late).
+WINDOW_SLACK_S = 10.0
+# A fault aimed at the last steps lands at least this many steps before the last (a rank 0
+# killed after the last step takes the --out file with it: the script's, not Tidal's, loss).
+LAST_STEPS_CLEARANCE = 10
 HOG_PROCESSES = 2
 
 
@@ -300,6 +334,26 @@ def wait_cluster_idle(slurm: CliJsonSlurmClient, timeout_s: float = 120.0) -> No
 
 # One seed.
 
+# Where a fault is aimed. `any`: while the job trains, away from its last steps (as
+# before). The hard moments: `recovery` (while a world change is in flight: a generation
+# being formed or reconfigured, a unit leaving or joining; it lands at once after the fault
+# before it, which starts one), `grow` (while units join), `last_steps` (in the last 5 % of
+# the steps, before the last), `last_holder` (on the only replica that holds the training
+# state: --max 1 first, then the fault on the one left), `save` (while that last holder,
+# drained, saves the state as it leaves).
+AIM_ANY = "any"
+HARD_AIMS = ("recovery", "grow", "last_steps", "last_holder", "save")
+# The share of faults aimed at a hard moment (drawn per fault).
+HARD_AIM_SHARE = 0.5
+# The faults that make sense at a moment where not every kind does: the last holder may
+# only be taken gracefully (it saves the state as it leaves); a saving holder must not be
+# killed (the state would be lost: the fallback checkpoint's case, not this harness's).
+AIM_KINDS = {"last_holder": ("drain", "urgent"), "save": ("controller_restart", "urgent", "grow")}
+# A fault that cannot land is replaced at once by another drawn for its slot, this many
+# times; one still skipped after that fails the seed.
+MAX_REDRAWS = 3
+
+
 @dataclasses.dataclass
 class PlannedFault:
     kind: str
@@ -310,13 +364,60 @@ class PlannedFault:
     pick: float
     duration_s: float
     nodes: int
+    # The moment it is aimed at (AIM_ANY or one of HARD_AIMS).
+    aim: str = AIM_ANY
 
 
 def plan_faults(seed: int) -> list[PlannedFault]:
+    """The faults of a seed, in order: the kinds and timings as drawn by random.Random(seed)
+    (the same sequence as before aims existed), then each fault's aim drawn from a second
+    generator of the seed. At most one fault is aimed at the last steps (it goes last: no
+    fault follows the end) and at most one at the last holder or a save (each shrinks the
+    job to one replica first); a fault at the last holder or a save takes a kind that makes
+    sense there, and an urgent job there takes every node."""
     rng = random.Random(seed)
-    return [PlannedFault(kind=rng.choice(FAULTS), gap_s=rng.uniform(1.0, 3.5), pick=rng.random(),
-                         duration_s=rng.uniform(3.0, 8.0), nodes=rng.choice((2, 3)))
-            for _ in range(rng.randint(4, 6))]
+    faults = [PlannedFault(kind=rng.choice(FAULTS), gap_s=rng.uniform(1.0, 3.5), pick=rng.random(),
+                           duration_s=rng.uniform(3.0, 8.0), nodes=rng.choice((2, 3)))
+              for _ in range(rng.randint(4, 6))]
+    aims = random.Random(f"chaos-aims-{seed}")
+    last_steps = one_replica = False
+    for fault in faults:
+        aim = aims.choice(HARD_AIMS) if aims.random() < HARD_AIM_SHARE else AIM_ANY
+        if (aim == "last_steps" and last_steps) or (aim in AIM_KINDS and one_replica):
+            aim = AIM_ANY
+        last_steps |= aim == "last_steps"
+        one_replica |= aim in AIM_KINDS
+        fault.aim = aim
+        if aim in AIM_KINDS and fault.kind not in AIM_KINDS[aim]:
+            fault.kind = aims.choice(AIM_KINDS[aim])
+        if aim in AIM_KINDS and fault.kind == "urgent":
+            fault.nodes = NODES
+    return [f for f in faults if f.aim != "last_steps"] + [f for f in faults if f.aim == "last_steps"]
+
+
+def redraw(seed: int, slot: int, attempt: int) -> PlannedFault:
+    """The fault that replaces slot `slot`'s after `attempt` skips: drawn from the seed, the
+    slot and the attempt only (a seed stays one sequence), aimed anywhere, soon."""
+    rng = random.Random(f"chaos-redraw-{seed}-{slot}-{attempt}")
+    return PlannedFault(kind=rng.choice(FAULTS), gap_s=rng.uniform(0.5, 1.5), pick=rng.random(),
+                        duration_s=rng.uniform(3.0, 8.0), nodes=rng.choice((2, 3)))
+
+
+@dataclasses.dataclass
+class Landed:
+    """A fault the harness did, for the run record: its kind, the moment it was aimed at,
+    what the harness saw when it landed (the job's step, state, the world change in flight)
+    and, for a replacement, the slot and attempt."""
+
+    kind: str
+    aim: str
+    at_s: float
+    moment: str
+    slot: int
+    attempt: int = 0
+
+    def label(self) -> str:
+        return self.kind if self.aim == AIM_ANY else f"{self.kind}@{self.aim}"
 
 
 @dataclasses.dataclass
@@ -356,6 +457,8 @@ class SeedResult:
     timeline: list[str]
     folder: Path
     job_id: str = ""
+    # Every fault that landed, with its aim and the moment seen (faults holds their labels).
+    landed: list[Landed] = dataclasses.field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -388,6 +491,309 @@ def ranges(numbers: Sequence[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
+# The checks over what was recorded: pure functions of the controller's events (as `Seen`),
+# the workers' ledger and what the harness did (`Harm`), so that unit tests feed them
+# recorded lists (tests/unit/test_chaos_checks.py).
+
+@dataclasses.dataclass(frozen=True)
+class Seen:
+    """One controller event, as the checks read it (`at`: wall-clock seconds)."""
+
+    kind: str
+    at: float
+    unit_id: str = ""
+    generation: int = 0
+    reason: str = ""
+    fields: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def ids(self, key: str) -> set[str]:
+        """A field that lists unit ids ("u1,u3"; "-" or absent: none)."""
+        value = self.fields.get(key, "")
+        return {u for u in value.split(",") if u and u != "-"}
+
+
+def seen(events: Sequence[admin_pb2.Event]) -> list[Seen]:
+    return [Seen(kind=e.kind, at=e.time.ToNanoseconds() / 1e9, unit_id=e.unit_id, generation=e.generation,
+                 reason=e.reason,
+                 fields=dict(e.fields)) for e in events]
+
+
+@dataclasses.dataclass
+class Window:
+    """A job-wide fault in force from `since` to `until`: an urgent job (`urgent`), a
+    lowered --max (`shrink`), the controller down (`controller_down`), a node down
+    (`node_down`)."""
+
+    kind: str
+    since: float
+    until: float = float("inf")
+
+
+@dataclasses.dataclass
+class Harm:
+    """What the harness did that may explain an event: units hurt (killed, stopped,
+    node-failed), units drained, and job-wide windows."""
+
+    hurt: list[Hurt] = dataclasses.field(default_factory=list)
+    # unit -> when the harness drained it.
+    drained: dict[str, float] = dataclasses.field(default_factory=dict)
+    windows: list[Window] = dataclasses.field(default_factory=list)
+
+    def hurt_at(self, unit_id: str, at: float) -> Hurt | None:
+        return next((h for h in self.hurt if h.unit_id == unit_id and h.since - EVENT_EARLY_S <= at <= h.until), None)
+
+    def window_at(self, kinds: Sequence[str], at: float) -> Window | None:
+        return next((w for w in self.windows
+                     if w.kind in kinds and w.since - EVENT_EARLY_S <= at <= w.until + WINDOW_SLACK_S), None)
+
+    def drained_before(self, unit_id: str, at: float) -> bool:
+        return unit_id in self.drained and self.drained[unit_id] - EVENT_EARLY_S <= at
+
+
+def describe(event: Seen, t0: float) -> str:
+    return (f"{event.kind} of {event.unit_id or 'the job'} at +{event.at - t0:.1f} s (generation {event.generation}): "
+            f"{event.reason}")
+
+
+def unhealthy_events(events: Sequence[Seen], harm: Harm, t0: float) -> list[str]:
+    """Every event a user would call a fault that what the harness did does not explain:
+
+    - failure_detected: a unit failed (its workers or launcher died or fell silent): only
+      of a unit the harness hurt;
+    - unit_lost: a unit's Slurm job ended before its launcher registered: only of a unit
+      the harness hurt, or while an urgent job preempted units or a node was down;
+    - unit_submit_failed: sbatch refused a unit: never (the mini cluster takes every
+      submission; a refusal means Tidal asked for something Slurm cannot give);
+    - unit_leave_overdue: a unit asked to leave was still there past the grace (its
+      launcher or workers hung): only of a unit the harness hurt (a killed launcher or a
+      stopped worker cannot answer);
+    - worker_failed_after_training: a worker exited badly after the last step: only of a
+      unit the harness hurt;
+    - state_not_held: no member of a new generation holds the training state: only right
+      after the last holder left saving it (state_saving, below_min_released), or when the
+      harness hurt every holder of the previous generation;
+    - resumed_from_checkpoint that redoes steps (steps_redone > 0): training went back;
+      only where the state_not_held before it was explained by the harness hurting every
+      holder (a saved state is at the target step: nothing is redone)."""
+    problems: list[str] = []
+    holders: set[str] = set()
+    # A generation with no holder may follow: the last holder saved the state, or every
+    # holder was hurt (None: neither).
+    why_not_held: str | None = None
+    lost_all_holders = False
+    for event in events:
+        at = event.at
+        if event.kind in ("world_formed", "world_reconfiguring"):
+            if event.ids("state_holders"):
+                why_not_held = None
+            if holders and all(harm.hurt_at(u, at) for u in holders):
+                why_not_held, lost_all_holders = "the harness hurt every holder", True
+            holders = event.ids("state_holders") or holders
+        elif event.kind in ("state_saving", "below_min_released"):
+            why_not_held = "the last holder saved the state as it left"
+        if event.kind == "failure_detected":
+            if not harm.hurt_at(event.unit_id, at):
+                problems.append(f"{describe(event, t0)}: a unit the harness did not hurt failed")
+        elif event.kind == "unit_lost":
+            if not (harm.hurt_at(event.unit_id, at) or harm.window_at(("urgent", "node_down"), at)):
+                problems.append(f"{describe(event, t0)}: a unit was lost with no urgent job, node failure or "
+                                "harm to explain it")
+        elif event.kind == "unit_submit_failed":
+            problems.append(f"{describe(event, t0)}: sbatch refused a unit")
+        elif event.kind in ("unit_leave_overdue", "worker_failed_after_training"):
+            if not harm.hurt_at(event.unit_id, at):
+                problems.append(f"{describe(event, t0)}: of a unit the harness did not hurt")
+        elif event.kind == "state_not_held":
+            # (It comes just before the world_formed of the generation it is about.)
+            if holders and all(harm.hurt_at(u, at) for u in holders):
+                why_not_held, lost_all_holders = "the harness hurt every holder", True
+            if why_not_held is None:
+                problems.append(f"{describe(event, t0)}: no holder left the state saved and the harness hurt "
+                                "no generation's every holder")
+        elif event.kind == "resumed_from_checkpoint":
+            redone = int(event.fields.get("steps_redone", "0") or 0)
+            if redone > 0 and not lost_all_holders:
+                problems.append(f"{describe(event, t0)}: {redone} step(s) redone (training went back) with no "
+                                "fault that took every holder of the state")
+    return problems
+
+
+def unexplained_leaves(events: Sequence[Seen], harm: Harm, t0: float) -> list[str]:
+    """Every unit told to leave, or dropped from the world, that no fault targeted and no
+    policy explains:
+
+    - unit_leaving with cause `drained`: only a unit the harness drained; `preempted` and
+      `requeued`: only while an urgent job ran (or, requeued, a node was down or the unit
+      was hurt); `resized`: only while the harness had lowered --max; `released`: only a
+      unit a below_min_released before it named; `finished`: only after job_finishing;
+      any other cause (`yielded`: another job's share, with no other job here): never;
+    - a member of one generation missing from the next (world_formed,
+      world_reconfiguring) with no failure_detected, unit_leaving or unit_left of it
+      since it became a member."""
+    problems: list[str] = []
+    released: set[str] = set()
+    finishing = False
+    members: set[str] = set()
+    # unit -> the events that let it drop out of the world, since it last became a member.
+    excused: set[str] = set()
+    for event in events:
+        at, unit = event.at, event.unit_id
+        if event.kind == "below_min_released":
+            released |= event.ids("units")
+        elif event.kind == "job_finishing":
+            finishing = True
+        elif event.kind in ("failure_detected", "unit_left", "unit_lost"):
+            excused.add(unit)
+        elif event.kind == "unit_leaving":
+            excused.add(unit)
+            cause = event.fields.get("cause", "")
+            if cause == "drained":
+                ok = harm.drained_before(unit, at)
+            elif cause == "preempted":
+                ok = harm.window_at(("urgent",), at) is not None
+            elif cause == "requeued":
+                ok = bool(harm.window_at(("urgent", "node_down"), at) or harm.hurt_at(unit, at))
+            elif cause == "resized":
+                ok = harm.window_at(("shrink",), at) is not None
+            elif cause == "released":
+                ok = unit in released
+            elif cause == "finished":
+                ok = finishing
+            else:
+                ok = False
+            if not ok:
+                problems.append(f"{describe(event, t0)}: a healthy unit was told to leave ({cause or 'no cause'}) "
+                                "with no fault or policy to explain it")
+        elif event.kind in ("world_formed", "world_reconfiguring"):
+            new = event.ids("members")
+            for dropped in sorted(members - new - excused):
+                problems.append(f"{describe(event, t0)}: member {dropped} of the previous generation was dropped "
+                                "with no failure or leave of it")
+            for joined in new - members:
+                excused.discard(joined)
+            members = new
+    return problems
+
+
+@dataclasses.dataclass
+class StepVerdict:
+    problems: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+def step_verdict(records: Sequence[Mapping[str, Any]], reference: Sequence[Sequence[int]],
+                 events: Sequence[Seen] = ()) -> StepVerdict:
+    """The ledger's steps against the fixed run's (`reference`: each step's sorted sample
+    indices): every step committed, with the fixed run's samples; and no committed step
+    tried again. A step committed by every rank of one generation is done: one attempted
+    again (committed or abandoned in a later generation) means training went back, which
+    only a resumed_from_checkpoint covering it (checkpoint_step <= step < target_step)
+    explains, and that event is judged by `unhealthy_events`. An abandon by a rank that had
+    not attempted the step in that generation (a joiner still waiting for the state)
+    redoes nothing. A step broken in one generation (some ranks committed it, or every rank
+    abandoned it) is redone in the next: noted. A generation every rank of which abandoned
+    a step must be followed by a newer generation (the world was changed, not left
+    broken)."""
+    verdict = StepVerdict()
+    steps = len(reference)
+    commits: dict[tuple[int, int], list[Mapping[str, Any]]] = defaultdict(list)
+    attempts: dict[tuple[int, int], list[Mapping[str, Any]]] = defaultdict(list)
+    abandoned: dict[tuple[int, int], list[Mapping[str, Any]]] = defaultdict(list)
+    for record in records:
+        if record["kind"] == "commit":
+            commits[(record["step"], record["generation"])].append(record)
+        elif record["kind"] == "attempt":
+            attempts[(record["step"], record["generation"])].append(record)
+        elif record["kind"] == "abandoned":
+            abandoned[(record["step"], record["generation"])].append(record)
+    generations_of: dict[int, list[int]] = defaultdict(list)
+    for step, generation in sorted(commits):
+        generations_of[step].append(generation)
+    missing = [s for s in range(steps) if s not in generations_of]
+    if missing:
+        verdict.problems.append(f"steps never committed: {ranges(missing)}")
+    beyond = sorted(s for s in generations_of if s >= steps)
+    if beyond:
+        verdict.problems.append(f"steps past the last one committed: {ranges(beyond)}")
+    # step -> the first generation every rank of which committed it.
+    done_in: dict[int, int] = {}
+    for (step, generation), done in sorted(commits.items()):
+        if step not in done_in and len({r["rank"] for r in done}) >= done[0]["world_size"]:
+            done_in[step] = generation
+    rewinds = [(int(e.fields.get("checkpoint_step", "0") or 0), int(e.fields.get("target_step", "0") or 0))
+               for e in events if e.kind == "resumed_from_checkpoint"]
+
+    def rewound(step: int) -> bool:
+        return any(low <= step < high for low, high in rewinds)
+
+    wrong_samples: dict[str, list[int]] = defaultdict(list)
+    went_back: dict[str, list[int]] = defaultdict(list)
+    explained: dict[str, list[int]] = defaultdict(list)
+    broke: dict[str, list[int]] = defaultdict(list)
+    for step in range(min(steps, max(generations_of, default=-1) + 1)):
+        for generation in generations_of.get(step, []):
+            done = commits[(step, generation)]
+            world_size = done[0]["world_size"]
+            tried = attempts[(step, generation)]
+            union = sorted(i for a in tried for i in a["indices"])
+            ranks = sorted(a["rank"] for a in tried)
+            if union != list(reference[step]) or ranks != list(range(world_size)):
+                expected = set(reference[step])
+                wrong_samples[f"generation {generation} (world size {world_size}, attempts by ranks {ranks}, "
+                              f"{len(set(union) - expected)} extra, {len(expected - set(union))} missing, "
+                              f"{len(union) - len(set(union))} twice)"].append(step)
+            if step in done_in and generation > done_in[step]:
+                what = f"committed by every rank of generation {done_in[step]} and again in generation {generation}"
+                (explained if rewound(step) else went_back)[what].append(step)
+            elif step not in done_in or generation < done_in[step]:
+                committed = sorted({r["rank"] for r in done})
+                broke[f"generation {generation} broke at it (ranks {committed} of {world_size} committed, "
+                      f"pids {sorted({r['pid'] for r in done})})"].append(step)
+    # pid -> the (step, generation) it attempted: an abandon by a rank that never began the step
+    # (a joiner whose world broke while it waited for the state, still at step 0) redoes
+    # nothing.
+    tried_by: dict[int, set[tuple[int, int]]] = defaultdict(set)
+    for (step, generation), tried in attempts.items():
+        for record in tried:
+            tried_by[record["pid"]].add((step, generation))
+    for (step, generation), records_of in sorted(abandoned.items()):
+        if not any((step, generation) in tried_by[r["pid"]] for r in records_of):
+            continue
+        if step in done_in and generation > done_in[step]:
+            what = (f"committed by every rank of generation {done_in[step]} and attempted again (abandoned) in "
+                    f"generation {generation}")
+            (explained if rewound(step) else went_back)[what].append(step)
+    generations = {e.generation for e in events if e.kind in ("world_formed", "world_reconfiguring")}
+    for generation in sorted({generation for (_, generation) in abandoned}):
+        if events and not any(g > generation for g in generations):
+            steps_of = sorted(step for (step, e) in abandoned if e == generation)
+            verdict.problems.append(f"step(s) {ranges(steps_of)} abandoned in generation {generation}, and no newer "
+                                    "generation formed: the world broke and was not changed")
+    for what, found in wrong_samples.items():
+        verdict.problems.append(f"step(s) {ranges(found)}: the samples are not the fixed run's: {what}")
+    for what, found in went_back.items():
+        verdict.problems.append(f"step(s) {ranges(found)} {what} (training went back)")
+    for what, found in explained.items():
+        verdict.notes.append(f"step(s) {ranges(found)} {what}, after a resumed_from_checkpoint")
+    for what, found in broke.items():
+        verdict.notes.append(f"step(s) {ranges(found)}: {what}; redone in a later generation")
+    if abandoned:
+        count = sum(len(r) for r in abandoned.values())
+        verdict.notes.append(f"{count} abandoned step attempt(s) in the ledger (steps "
+                             f"{ranges([s for (s, _) in abandoned])}), none of a step done before")
+    return verdict
+
+
+def slurm_leftover_problems(answer: list[int] | SlurmError, waited_s: float) -> list[str]:
+    """The units' Slurm jobs still active after the wait, as `squeue` answered it; an
+    error is a problem too (nothing proves the units ended)."""
+    if isinstance(answer, SlurmError):
+        return [f"Slurm did not answer whether the units' jobs ended ({waited_s:g} s after the job ended): {answer}"]
+    if answer:
+        return [f"units' Slurm jobs still active {waited_s:g} s after the job ended: {answer} (cancelled here)"]
+    return []
+
+
 class ChaosRun:
     """One live job on the mini cluster, the faults of one seed against it, and the checks."""
 
@@ -412,7 +818,16 @@ class ChaosRun:
         self.job_id = ""
         self.submitted_at = 0.0
         self.actions: list[Action] = []
-        self.hurt: list[Hurt] = []
+        self.harm = Harm()
+        self.hurt = self.harm.hurt
+        self.landed: list[Landed] = []
+        # The controller's events as the fault loop saw them (for the moments).
+        self.seen: list[Seen] = []
+        self.last_sequence = 0
+        # For a fault at the last holder or a save: whether the harness set --max 1 for it,
+        # and the holder it drained to make it save.
+        self.one_replica = False
+        self.saver = ""
         # Units the harness killed, drained or stopped: never counted on to hold the state.
         self.taken: set[str] = set()
         self.heals: list[Heal] = []
@@ -489,7 +904,7 @@ class ChaosRun:
             self.check()
         return SeedResult(seed=self.seed, faults=self.done, skipped=self.skipped,
                           seconds=time.monotonic() - started, problems=self.problems, notes=self.notes,
-                          timeline=self.timeline(), folder=self.folder, job_id=self.job_id)
+                          timeline=self.timeline(), folder=self.folder, job_id=self.job_id, landed=self.landed)
 
     def past_deadline(self) -> bool:
         self.check_controller()
@@ -525,35 +940,146 @@ class ChaosRun:
             time.sleep(0.5)
 
     def training(self, job: admin_pb2.Job | None) -> bool:
+        """The job trains (RUNNING, a step committed within TRAINING_WINDOW_S) and is not in
+        its last steps."""
+        return self.committing(job) and job is not None and job.state == admin_pb2.JOB_STATE_RUNNING \
+            and self.tail.last_step < self.steps - self.margin
+
+    def committing(self, job: admin_pb2.Job | None) -> bool:
+        """The job has not ended or begun to finish, and a step was committed within
+        TRAINING_WINDOW_S (whatever the job's state: a world change may be in flight)."""
         self.tail.poll()
-        return (job is not None and job.state == admin_pb2.JOB_STATE_RUNNING
-                and self.tail.last_commit_at > time.time() - 3.0
-                and self.tail.last_step < self.steps - self.margin)
+        return (job is not None and not self.ended(job) and job.state != admin_pb2.JOB_STATE_FINISHING
+                and self.tail.last_commit_at > time.time() - TRAINING_WINDOW_S
+                and self.tail.last_step < self.steps - 1)
+
+    def poll_events(self) -> None:
+        """The controller's new events into self.seen (nothing while it is down)."""
+        with contextlib.suppress(grpc.RpcError), self.controller.admin() as admin:
+            while True:
+                page = admin.events(self.job_id, after_sequence=self.last_sequence, limit=1000)
+                if page:
+                    self.last_sequence = page[-1].sequence
+                    self.seen += seen(page)
+                if len(page) < 1000:
+                    return
+
+    def generation_in_flight(self) -> tuple[str, str]:
+        """(what, cause) of the world change the events show in flight: a generation being
+        reconfigured that has not moved yet, or one being stopped that no new one
+        followed; ("", "") if none."""
+        what, cause = "", ""
+        for event in self.seen:
+            if event.kind == "world_reconfiguring":
+                what, cause = f"generation {event.generation} reconfiguring", event.fields.get("cause", "")
+            elif event.kind == "generation_stopping":
+                what, cause = f"generation {event.generation} stopping", event.fields.get("cause", "")
+            elif event.kind in ("world_reconfigured", "world_formed", "job_finishing"):
+                what, cause = "", ""
+        return what, cause
+
+    def in_flight(self, job: admin_pb2.Job) -> list[str]:
+        """The world changes in flight now, in words (empty: none)."""
+        self.poll_events()
+        found = []
+        if job.state in (admin_pb2.JOB_STATE_RECONFIGURING, admin_pb2.JOB_STATE_DEGRADED):
+            found.append(f"job {admin_pb2.JobState.Name(job.state).removeprefix('JOB_STATE_')}")
+        what, cause = self.generation_in_flight()
+        if what:
+            found.append(f"{what} ({cause or 'no cause'})")
+        for state, name in ((admin_pb2.UNIT_STATE_JOINING, "joining"), (admin_pb2.UNIT_STATE_LEAVING, "leaving"),
+                            (admin_pb2.UNIT_STATE_SUBMITTED, "submitted")):
+            units = sorted(u.unit_id for u in job.units if u.state == state)
+            if units:
+                found.append(f"{','.join(units)} {name}")
+        return found
+
+    def moment(self, fault: PlannedFault, job: admin_pb2.Job | None) -> str:
+        """What the job is doing now, in words, if it is at the moment `fault` aims at;
+        "" if it is not (yet)."""
+        if job is None:
+            return ""
+        where = f"step {self.tail.last_step}/{self.steps}, world size {job.world_size}"
+        if fault.aim == AIM_ANY:
+            return f"training at {where}" if self.training(job) else ""
+        if not self.committing(job):
+            return ""
+        if fault.aim == "recovery":
+            flight = [f for f in self.in_flight(job) if not f.endswith(" submitted")]
+            return f"mid-recovery at {where}: {'; '.join(flight)}" if flight else ""
+        if fault.aim == "grow":
+            flight = self.in_flight(job)
+            growing = [f for f in flight if "(grow)" in f or f.endswith((" joining", " submitted"))]
+            return f"mid-grow at {where}: {'; '.join(flight)}" if growing else ""
+        if fault.aim == "last_steps":
+            first, last = self.steps - self.margin, self.steps - LAST_STEPS_CLEARANCE
+            return f"in the last steps, at {where}" if first <= self.tail.last_step < last else ""
+        units = self.active_units(job)
+        trainers = self.trainers(job)
+        if fault.aim == "last_holder":
+            others = [u.unit_id for u in job.units if u.state in (admin_pb2.UNIT_STATE_JOINING,
+                                                                  admin_pb2.UNIT_STATE_LEAVING)]
+            if len(units) == 1 and trainers == {units[0].unit_id} and not others and not self.in_flight_generation():
+                return f"{units[0].unit_id} the only replica, holding the state at {where}"
+            return ""
+        if fault.aim == "save":
+            self.poll_events()
+            saver = self.saver
+            if saver and any(e.kind == "state_saving" and e.unit_id == saver for e in self.seen) and any(
+                    u.unit_id == saver and u.state == admin_pb2.UNIT_STATE_LEAVING for u in job.units):
+                return f"mid-save: {saver} (the last holder, drained) saving the state as it leaves, at {where}"
+            return ""
+        raise ValueError(f"unknown aim {fault.aim}")
+
+    def in_flight_generation(self) -> bool:
+        self.poll_events()
+        return bool(self.generation_in_flight()[0])
 
     def inject_faults(self) -> None:
+        """Each slot of the plan lands a fault: the planned one, or, when it cannot land (no
+        candidate, the moment never came), up to MAX_REDRAWS others drawn for the slot at
+        once. A slot that lands none, and every slot left when the job ends, is a problem."""
         if not self.plan:
             return
         # Faults hurt a world that trains: a failure while workers still start is another case.
         deadline = time.time() + 180
-        while not self.training(self.job()):
+        while not self.committing(self.job()):
             if self.ended(self.last_job) or self.past_deadline() or time.time() > deadline:
-                self.skipped += [f"{f.kind} (the job never trained)" for f in self.plan]
+                self.skipped += [f"{f.kind}@{f.aim} (the job never trained)" for f in self.plan]
+                self.problems.append(f"no fault landed: the job never trained ({len(self.plan)} planned)")
                 return
             self.run_due_heals()
             time.sleep(0.25)
-        for index, fault in enumerate(self.plan):
-            if not self.pause(fault.gap_s):
-                self.skipped += [f"{f.kind} (job ended)" for f in self.plan[index:]]
-                break
-            why_not = self.inject(fault)
-            if why_not:
-                self.skipped.append(f"{fault.kind} ({why_not})")
-                self.act(f"skip {fault.kind}", detail=why_not)
+        for slot, planned in enumerate(self.plan):
+            fault, reasons = planned, []
+            for attempt in range(MAX_REDRAWS + 1):
+                # A fault aimed at a recovery lands right after the one before (which starts
+                # one); one aimed at the last steps once they have come, at once.
+                self.tail.poll()
+                at_once = fault.aim == "recovery" or (fault.aim == "last_steps"
+                                                      and self.tail.last_step >= self.steps - self.margin)
+                if not self.pause(0.0 if at_once else fault.gap_s):
+                    why_not = "job ended"
+                else:
+                    why_not = self.inject(fault, slot, attempt)
+                if not why_not:
+                    break
+                reasons.append(f"{fault.kind}@{fault.aim}: {why_not}")
+                self.skipped.append(f"{fault.kind}@{fault.aim} ({why_not})")
+                self.act(f"skip {fault.kind}@{fault.aim}", detail=why_not)
+                if why_not == "job ending" and fault.aim != "last_steps":
+                    # The last steps have come first: the fault lands there instead.
+                    fault = dataclasses.replace(fault, aim="last_steps")
+                    continue
+                if why_not in ("job ended", "job ending"):
+                    left = [f"{f.kind}@{f.aim}" for f in self.plan[slot:]]
+                    self.problems.append(f"fault(s) {', '.join(left)} never landed: the job reached its last steps "
+                                         f"before them ({'; '.join(reasons)})")
+                    return
+                fault = redraw(self.seed, slot, attempt + 1)
             else:
-                self.done.append(fault.kind)
-            if self.tail.last_step >= self.steps - self.margin:
-                self.skipped += [f"{f.kind} (job ending)" for f in self.plan[index + 1:]]
-                break
+                self.problems.append(f"fault slot {slot} ({planned.kind}@{planned.aim}) landed no fault in "
+                                     f"{MAX_REDRAWS + 1} draws: {'; '.join(reasons)}")
 
     def wait_for_end(self) -> None:
         while True:
@@ -574,28 +1100,94 @@ class ChaosRun:
 
     # Faults.
 
-    def inject(self, fault: PlannedFault) -> str:
-        """Do the fault once the job trains with enough replicas for it; the reason if not."""
+    def prepare(self, fault: PlannedFault, job: admin_pb2.Job) -> None:
+        """For a fault mid-grow with every node in the world: --max NODES - 1, back to NODES
+        a moment later (a grow to come). For a fault at the last holder or a save: --max 1
+        (once; back to NODES after the fault lands), so that one replica is left; for a
+        save, once one is, drain it."""
+        if fault.aim == "grow":
+            if (not self.shrunk and job.world_size >= NODES and job.spec.max_replicas >= NODES
+                    and not self.in_flight(job) and self.committing(job)):
+                self.open_window("shrink")
+                with self.controller.admin() as admin:
+                    admin.resize(self.job_id, max_replicas=NODES - 1)
+                self.shrunk = True
+                self.act("resize", detail=f"--max {NODES - 1}, back to {NODES} in {GROW_PREPARATION_S:g} s: a grow "
+                                          "for a fault aimed at it")
+                self.heals.append(Heal(time.time() + GROW_PREPARATION_S, "shrink", self.unshrink))
+            return
+        if fault.aim not in AIM_KINDS:
+            return
+        if not self.one_replica:
+            self.heals = [h for h in self.heals if h.what != "shrink"]
+            with self.controller.admin() as admin:
+                admin.resize(self.job_id, max_replicas=1)
+            self.shrunk = True
+            self.one_replica = True
+            self.open_window("shrink")
+            self.act("resize", detail=f"--max 1 (world size {job.world_size}): one replica left to hold the state, "
+                                      f"for a fault aimed at {'it' if fault.aim == 'last_holder' else 'its save'}")
+            return
+        if fault.aim == "save" and not self.saver:
+            holder = self.moment(dataclasses.replace(fault, aim="last_holder"), job)
+            if holder:
+                (unit,) = self.active_units(job)
+                self.saver = unit.unit_id
+                self.taken.add(unit.unit_id)
+                self.harm.drained[unit.unit_id] = time.time()
+                with self.controller.admin() as admin:
+                    drained = admin.drain(unit.unit_id)
+                self.act("drain", unit.unit_id, f"on {','.join(unit.nodes)} ({','.join(drained) or 'nothing drained'})"
+                                                f": {holder}; it saves the state as it leaves")
+
+    def inject(self, fault: PlannedFault, slot: int, attempt: int) -> str:
+        """Do the fault once the job is at the moment it aims at, with enough replicas for
+        it; the reason if not."""
         injector = getattr(self, f"fault_{fault.kind}")
-        deadline = time.time() + PRECONDITION_WAIT_S
-        why_not = "the job did not train"
-        while time.time() < deadline:
-            job = self.job()
-            if self.ended(job):
-                return "job ended"
-            if self.training(job):
-                assert job is not None
-                why_not = injector(fault, job, dry_run=True)
-                if not why_not:
-                    return injector(fault, job, dry_run=False)
-                if why_not.startswith(SKIP):
-                    return why_not.removeprefix(SKIP)
-            if self.tail.last_step >= self.steps - self.margin:
-                return "job ending"
-            self.run_due_heals()
-            self.poll_urgent()
-            time.sleep(0.25)
-        return why_not
+        waited_s = PRECONDITION_WAIT_S if fault.aim == AIM_ANY else HARD_MOMENT_WAIT_S
+        deadline = time.time() + waited_s
+        why_not = f"the moment ({fault.aim}) did not come within {waited_s:g} s"
+        self.one_replica, self.saver = False, ""
+        try:
+            while time.time() < deadline or fault.aim == "last_steps":
+                job = self.job()
+                if self.ended(job):
+                    return "job ended"
+                if job is not None:
+                    self.prepare(fault, job)
+                    gone = (admin_pb2.UNIT_STATE_LEFT, admin_pb2.UNIT_STATE_FAILED)
+                    if fault.aim == "save" and self.saver and any(
+                            u.unit_id == self.saver and u.state in gone for u in job.units):
+                        return f"{self.saver} had saved the state and left before the fault could land"
+                moment = self.moment(fault, job)
+                if moment:
+                    assert job is not None
+                    why_not = injector(fault, job, dry_run=True)
+                    if not why_not:
+                        at = time.time()
+                        why_not = injector(fault, job, dry_run=False)
+                        if not why_not:
+                            self.landed.append(Landed(fault.kind, fault.aim, round(at - self.submitted_at, 2),
+                                                      moment, slot, attempt))
+                            self.done.append(self.landed[-1].label())
+                            self.act(f"landed {self.landed[-1].label()}", detail=moment)
+                            return ""
+                    if why_not.startswith(SKIP):
+                        return why_not.removeprefix(SKIP)
+                self.tail.poll()
+                if fault.aim == "last_steps" and self.tail.last_step >= self.steps - LAST_STEPS_CLEARANCE:
+                    return "job ending"
+                if fault.aim not in ("last_steps", "save") and self.tail.last_step >= self.steps - self.margin:
+                    return "job ending"
+                self.run_due_heals()
+                self.poll_urgent()
+                # A save lasts a moment: look often.
+                time.sleep(0.05 if fault.aim == "save" else 0.25)
+            return why_not
+        finally:
+            if self.one_replica and self.shrunk:
+                delay = fault.duration_s if any(f.slot == slot and f.attempt == attempt for f in self.landed) else 0.0
+                self.heals.append(Heal(time.time() + delay, "shrink", self.unshrink))
 
     def active_units(self, job: admin_pb2.Job) -> list[admin_pb2.Unit]:
         return sorted((u for u in job.units if u.state == admin_pb2.UNIT_STATE_ACTIVE), key=lambda u: u.unit_id)
@@ -650,6 +1242,7 @@ class ChaosRun:
                 self.act("grow", detail=f"let it grow from {job.world_size} (max {job.spec.max_replicas})")
             return ""
         if not dry_run:
+            self.open_window("shrink")
             with self.controller.admin() as admin:
                 admin.resize(self.job_id, max_replicas=NODES - 1)
             self.shrunk = True
@@ -661,12 +1254,24 @@ class ChaosRun:
         with self.controller.admin() as admin:
             admin.resize(self.job_id, max_replicas=NODES)
         self.shrunk = False
+        self.close_window("shrink")
         self.act("resize", detail=f"--max {NODES}")
+
+    def open_window(self, kind: str) -> Window:
+        window = Window(kind, time.time())
+        self.harm.windows.append(window)
+        return window
+
+    def close_window(self, kind: str) -> None:
+        for window in self.harm.windows:
+            if window.kind == kind and window.until == float("inf"):
+                window.until = time.time()
 
     def fault_shrink(self, fault: PlannedFault, job: admin_pb2.Job, dry_run: bool) -> str:
         if self.shrunk or job.world_size < 3:
             return f"world size {job.world_size}" if not self.shrunk else "already shrunk"
         if not dry_run:
+            self.open_window("shrink")
             with self.controller.admin() as admin:
                 admin.resize(self.job_id, max_replicas=2)
             self.shrunk = True
@@ -675,14 +1280,17 @@ class ChaosRun:
         return ""
 
     def fault_drain(self, fault: PlannedFault, job: admin_pb2.Job, dry_run: bool) -> str:
+        """Drain an active unit such that another holds the state, or, aimed at the last
+        holder, the only one (it saves the state as it leaves)."""
         units = self.active_units(job)
-        if len(units) < 2:
+        if len(units) < (1 if fault.aim == "last_holder" else 2):
             return f"{len(units)} active replica(s)"
         unit = units[min(len(units) - 1, int(fault.pick * len(units)))]
-        if not self.trainers(job) - {unit.unit_id}:
+        if fault.aim != "last_holder" and not self.trainers(job) - {unit.unit_id}:
             return f"no replica but {unit.unit_id} trains"
         if not dry_run:
             self.taken.add(unit.unit_id)
+            self.harm.drained[unit.unit_id] = time.time()
             with self.controller.admin() as admin:
                 drained = admin.drain(unit.unit_id)
             self.act("drain", unit.unit_id, f"on {','.join(unit.nodes)}: {','.join(drained) or 'nothing drained'}")
@@ -759,12 +1367,14 @@ class ChaosRun:
                 name="chaos-urgent", script="#!/bin/sh\nsleep 600\n", partition="urgent", nodes=fault.nodes,
                 exclusive=True, requeue=False, output=str(self.folder / "urgent-%j.out")))
             self.urgent_jobs[urgent] = []
+            window = self.open_window("urgent")
             duration = fault.duration_s + 4.0
             self.act("urgent job", detail=f"Slurm job {urgent} on {fault.nodes} nodes for {duration:.1f} s")
 
             def cancel() -> None:
                 self.poll_urgent()
                 self.slurm.cancel(urgent)
+                window.until = time.time()
                 ran_on = ",".join(self.urgent_jobs[urgent]) or "no node yet"
                 self.act("scancel urgent", detail=f"Slurm job {urgent} (ran on {ran_on})")
 
@@ -798,6 +1408,7 @@ class ChaosRun:
         self.taken.add(unit.unit_id)
         # The node dies: its slurmd, then everything its unit ran there (the launcher, its
         # workers, the slurmstepd above it).
+        window = self.open_window("node_down")
         minicluster("kill-node", node)
         self.down_nodes.add(node)
         victims = [launcher, *children_of(launcher)]
@@ -813,6 +1424,7 @@ class ChaosRun:
         def restart() -> None:
             minicluster("start-node", node)
             self.down_nodes.discard(node)
+            window.until = time.time()
             self.act("node back", detail=node)
 
         self.heals.append(Heal(time.time() + fault.duration_s + 5.0, f"start-node {node}", restart))
@@ -821,6 +1433,7 @@ class ChaosRun:
     def fault_controller_restart(self, fault: PlannedFault, job: admin_pb2.Job, dry_run: bool) -> str:
         if not dry_run:
             down_s = fault.duration_s / 2
+            window = self.open_window("controller_down")
             self.controller.kill()
             self.act("kill -9 controller", detail=f"down for {down_s:.1f} s")
             time.sleep(down_s)
@@ -828,6 +1441,7 @@ class ChaosRun:
                 self.controller.start()
             except Exception as error:
                 raise Aborted(f"the controller did not start again on its SQLite: {error}") from error
+            window.until = time.time()
             self.act("controller started", detail=f"log controller-{self.controller.starts}.log")
         return ""
 
@@ -861,23 +1475,25 @@ class ChaosRun:
             self.job()
             self.controller.stop()
 
-    def units_in_slurm(self) -> list[int]:
+    def units_in_slurm(self) -> list[int] | SlurmError:
+        """The units' Slurm jobs still active, or Slurm's error."""
         try:
             return [j.job_id for j in self.slurm.list_jobs() if j.name.startswith(f"tidal-{self.job_id}-")
                     and j.is_active]
-        except SlurmError:
-            return [-1]
+        except SlurmError as error:
+            return error
 
     def check_nothing_left(self) -> None:
-        deadline = time.time() + 60
-        while self.units_in_slurm() and time.time() < deadline:
+        waited_s = 60.0
+        deadline = time.time() + waited_s
+        answer = self.units_in_slurm()
+        while answer != [] and time.time() < deadline:
             time.sleep(1.0)
-        left = [j for j in self.units_in_slurm() if j > 0]
-        if left:
-            self.problems.append(f"units' Slurm jobs still active 60 s after the job ended: {left} (cancelled here)")
-            for slurm_job in left:
-                with contextlib.suppress(SlurmError):
-                    self.slurm.cancel(slurm_job)
+            answer = self.units_in_slurm()
+        self.problems += slurm_leftover_problems(answer, waited_s)
+        for slurm_job in answer if isinstance(answer, list) else []:
+            with contextlib.suppress(SlurmError):
+                self.slurm.cancel(slurm_job)
         pids = {pid for unit in unit_processes(self.controller.state_dir, self.job_id).values()
                 for pid in unit.launchers + [p for ps in unit.workers.values() for p in ps]}
         pids |= {int(p.stem.split("-")[1]) for p in self.ledger_dir.glob("ledger-*.jsonl")}
@@ -907,69 +1523,28 @@ class ChaosRun:
             ends = [k for k in kinds if k in ("job_completed", "job_failed", "job_cancelled")]
             self.problems.append(f"the job did not end COMPLETED exactly once: state {state}, end events {ends}, "
                                  f"last event {events[-1].kind}: {events[-1].reason}")
-        self.check_steps(read_ledger(self.ledger_dir))
+        records = read_ledger(self.ledger_dir)
+        recorded = seen(events)
+        steps = step_verdict(records, self.reference.indices, recorded)
+        self.problems += steps.problems
+        self.notes += steps.notes
         self.check_parameters()
-        self.check_workers(read_ledger(self.ledger_dir))
-        self.check_failures(events)
+        self.check_workers(records)
+        self.problems += unhealthy_events(recorded, self.harm, self.submitted_at)
+        self.problems += unexplained_leaves(recorded, self.harm, self.submitted_at)
         for event in events:
             if event.kind == "state_not_held":
                 self.notes.append(f"state_not_held at generation {event.generation}: {event.reason}")
             elif event.kind == "generation_stopped" and float(event.fields.get("detection_to_all_stopped_s", 0)) > 5:
                 took = event.fields["detection_to_all_stopped_s"]
                 self.notes.append(f"generation {event.generation} took {took} s to stop")
-
-    def check_steps(self, records: list[dict[str, Any]]) -> None:
-        commits: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
-        attempts: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
-        for record in records:
-            if record["kind"] == "commit":
-                commits[(record["step"], record["generation"])].append(record)
-            elif record["kind"] == "attempt":
-                attempts[(record["step"], record["generation"])].append(record)
-        generations_of: dict[int, list[int]] = defaultdict(list)
-        for step, generation in sorted(commits):
-            generations_of[step].append(generation)
-        missing = [s for s in range(self.steps) if s not in generations_of]
-        if missing:
-            self.problems.append(f"steps never committed: {ranges(missing)}")
-        beyond = sorted(s for s in generations_of if s >= self.steps)
-        if beyond:
-            self.problems.append(f"steps past the last one committed: {ranges(beyond)}")
-        wrong_samples: dict[str, list[int]] = defaultdict(list)
-        redone: dict[str, list[int]] = defaultdict(list)
-        broke: dict[str, list[int]] = defaultdict(list)
-        for step in range(min(self.steps, max(generations_of, default=-1) + 1)):
-            generations = generations_of.get(step, [])
-            for generation in generations:
-                done = commits[(step, generation)]
-                world_size = done[0]["world_size"]
-                tried = attempts[(step, generation)]
-                union = sorted(i for a in tried for i in a["indices"])
-                ranks = sorted(a["rank"] for a in tried)
-                if union != self.reference.indices[step] or ranks != list(range(world_size)):
-                    expected = set(self.reference.indices[step])
-                    wrong_samples[f"generation {generation} (world size {world_size}, attempts by ranks {ranks}, "
-                                  f"{len(set(union) - expected)} extra, {len(expected - set(union))} missing, "
-                                  f"{len(union) - len(set(union))} twice)"].append(step)
-            for first, later in itertools.pairwise(generations):
-                done = commits[(step, first)]
-                committed = sorted({r["rank"] for r in done})
-                if len(committed) >= done[0]["world_size"]:
-                    redone[f"committed by every rank of generation {first} and again in generation {later}"
-                           ].append(step)
-                else:
-                    broke[f"generation {first} broke at it (ranks {committed} of {done[0]['world_size']} committed, "
-                          f"pids {sorted({r['pid'] for r in done})}); redone in generation {later}"].append(step)
-        for what, steps in wrong_samples.items():
-            self.problems.append(f"step(s) {ranges(steps)}: the samples are not the fixed run's: {what}")
-        for what, steps in redone.items():
-            self.problems.append(f"step(s) {ranges(steps)} {what} (training went back)")
-        for what, steps in broke.items():
-            self.notes.append(f"step(s) {ranges(steps)}: {what}")
-        abandoned = [r for r in records if r["kind"] == "abandoned"]
-        if abandoned:
-            self.notes.append(f"{len(abandoned)} abandoned step attempt(s) in the ledger "
-                              f"(steps {ranges([r['step'] for r in abandoned])})")
+        hard = [f"{f.label()} ({f.moment})" for f in self.landed if f.aim != AIM_ANY]
+        if hard:
+            self.notes.append(f"faults at hard moments: {'; '.join(hard)}")
+        redrawn = [f.label() for f in self.landed if f.attempt]
+        if redrawn:
+            self.notes.append(f"drawn again after a skip, and landed: {', '.join(redrawn)} (skipped: "
+                              f"{'; '.join(self.skipped)})")
 
     def check_parameters(self) -> None:
         if not self.out.exists():
@@ -1012,16 +1587,6 @@ class ChaosRun:
         if strangers:
             self.problems.append(f"ledger PIDs {strangers} belong to no unit's launcher log")
 
-    def check_failures(self, events: list[admin_pb2.Event]) -> None:
-        for event in events:
-            if event.kind != "failure_detected":
-                continue
-            at = event.time.ToNanoseconds() / 1e9
-            if any(h.unit_id == event.unit_id and h.since - 0.5 <= at <= h.until for h in self.hurt):
-                continue
-            self.problems.append(f"failure_detected of {event.unit_id} at +{at - self.submitted_at:.1f} s "
-                                 f"(generation {event.generation}), which the harness did not hurt: {event.reason}")
-
     def timeline(self) -> list[str]:
         lines: list[tuple[float, str]] = []
         for event in self.events_at_end:
@@ -1032,18 +1597,6 @@ class ChaosRun:
         for action in self.actions:
             lines.append((action.at, f">> {action.kind} {action.unit_id} {action.detail}".rstrip()))
         return [f"+{at - self.submitted_at:7.2f} s  {text}" for at, text in sorted(lines, key=lambda x: x[0])]
-
-
-def code_version() -> str:
-    """The commit the run exercised, and whether the working tree differed from it."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return f"{head}{' with uncommitted changes' if dirty else ''}"
 
 
 def run_seed(seed: int, reference: Reference, folder: Path, **options: Any) -> SeedResult:
@@ -1093,10 +1646,12 @@ def main() -> None:
     rows.append(Row(benchmark="chaos", metric="seeds passed", unit="fraction", tidal=passed / max(1, len(results)),
                     goal="all", met=passed == len(results), tidal_samples=[float(r.passed) for r in results]))
     write_result("chaos", rows, quick=args.quick,
-                 settings={"code": code_version(), "seeds": seeds, "steps": steps, "deadline_s": args.deadline,
+                 settings={"seeds": seeds, "steps": steps, "deadline_s": args.deadline,
                            "hog_processes": HOG_PROCESSES,
                            "controller": CONTROLLER_SETTINGS,
+                           "hard_aim_share": HARD_AIM_SHARE, "max_redraws": MAX_REDRAWS,
                            "runs": [{"seed": r.seed, "passed": r.passed, "faults": r.faults, "skipped": r.skipped,
+                                     "landed": [dataclasses.asdict(f) for f in r.landed],
                                      "seconds": round(r.seconds, 1), "problems": r.problems, "notes": r.notes}
                                     for r in results]})
     sys.exit(0 if passed == len(results) else 1)

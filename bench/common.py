@@ -1,7 +1,8 @@
 """What every benchmark shares: the machine, the result files, medians and ratios.
 
 Each benchmark is a module run from the repository root (`python -m bench.overhead`),
-writes `bench/results/<name>.json` (its rows, the command, the machine, the date), and
+writes `bench/results/<name>.json` (its rows, the command, the machine, the code version
+(`git describe --always --dirty`), the date), and
 `python -m bench.report` turns every result file into bench/RESULTS.md. `--quick` runs a
 smoke version (`make test` runs those and checks they run, never their timing)."""
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import math
 import os
@@ -166,6 +168,8 @@ def machine() -> dict[str, Any]:
 
 
 def parser(description: str) -> argparse.ArgumentParser:
+    """Every benchmark's command line; notes the code version as the run starts."""
+    code_version()
     result = argparse.ArgumentParser(description=description)
     result.add_argument("--quick", action="store_true", help="a smoke run: fewer, shorter repetitions")
     result.add_argument("--repeat", type=int, default=0, help="repetitions (default: the benchmark's own)")
@@ -185,6 +189,20 @@ def workspace(keep: Path | None, name: str) -> Iterator[Path]:
         yield Path(scratch)
 
 
+@functools.cache
+def code_version() -> str:
+    """The code a run measured: `git describe --always --dirty` of the repository (a
+    "-dirty" suffix: the working tree differed from that commit), or "unknown" outside a
+    git checkout. Asked once per process: `parser()` asks at the start of a run, so that a
+    commit made while a long benchmark runs does not stand for the code it measured."""
+    try:
+        result = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True,
+                                text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return result.stdout.strip() if result.returncode == 0 and result.stdout.strip() else "unknown"
+
+
 def write_result(name: str, rows: list[Row], *, quick: bool, settings: dict[str, Any], text: str = "",
                  extra: dict[str, Any] | None = None) -> Path:
     """Write the benchmark's result file; `text`, when given, is a paragraph RESULTS.md
@@ -194,7 +212,7 @@ def write_result(name: str, rows: list[Row], *, quick: bool, settings: dict[str,
     path = RESULTS_DIR / f"{name}{'.quick' if quick else ''}.json"
     command = "python -m bench." + name + "".join(f" {shlex.quote(a)}" for a in sys.argv[1:])
     document = {"benchmark": name, "command": command, "quick": quick, "machine": machine(),
-                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                "code": code_version(), "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 "settings": settings, "rows": [asdict(r) for r in rows], **({"text": text} if text else {}),
                 **(extra or {})}
     path.write_text(json.dumps(document, indent=2) + "\n")

@@ -40,6 +40,12 @@ def ettr_table(document: dict) -> list[str]:
     return lines
 
 
+def measured_code(document: dict) -> str:
+    """The code version a result file says it measured (older files kept it, if at all,
+    in the chaos settings)."""
+    return document.get("code") or document.get("settings", {}).get("code") or "not recorded"
+
+
 def main() -> None:
     documents = {}
     for path in sorted(RESULTS_DIR.glob("*.json")):
@@ -54,7 +60,12 @@ def main() -> None:
              "where the benchmark has one. Re-run one row with its command below.", ""]
     if missing:
         lines += [f"**Not measured yet:** {', '.join(missing)}.", ""]
-    lines += ["| benchmark | metric | Tidal | baseline | ratio | goal | met |", "|---|---|---|---|---|---|---|"]
+    lines += ["What each benchmark measured, and when (`code` is `git describe --always --dirty` at the run; "
+              "a `-dirty` suffix means the working tree differed from that commit):", "",
+              "| benchmark | code | date |", "|---|---|---|"]
+    for name in [n for n in ORDER if n in documents] + sorted(set(documents) - set(ORDER)):
+        lines.append(f"| {name} | `{measured_code(documents[name])}` | {documents[name].get('date', 'not recorded')} |")
+    lines += ["", "| benchmark | metric | Tidal | baseline | ratio | goal | met |", "|---|---|---|---|---|---|---|"]
     for name in [n for n in ORDER if n in documents] + sorted(set(documents) - set(ORDER)):
         for row in documents[name]["rows"]:
             ratio = f"{row['ratio']:.3g} ({row['ratio_meaning']})" if row.get("ratio") is not None else "—"
@@ -67,7 +78,8 @@ def main() -> None:
         document = documents[name]
         machine = document["machine"]
         lines += [f"### {name}", ""] + ([document["text"], ""] if document.get("text") else [])
-        lines += [f"- command: `{document['command']}`", f"- date: {document['date']}",
+        lines += [f"- command: `{document['command']}`", f"- code: {measured_code(document)}",
+                  f"- date: {document['date']}",
                   f"- machine: {machine['cores']} cores ({machine['cpu']}), {machine['memory_gib']} GiB, "
                   f"kernel {machine['kernel']}, Python {machine['python']}, torch {machine['torch']}, "
                   f"{machine['slurm'] or 'no Slurm'}, {machine['backend']}",

@@ -55,3 +55,52 @@ def slurm(mini_cluster: dict) -> Iterator[CliJsonSlurmClient]:
         while time.monotonic() < deadline and any(
                 j.job_id in leftovers and j.is_active for j in client.list_jobs()):
             time.sleep(0.5)
+
+
+# Under TIDAL_TEST_REQUIRE_SLURM=1 (`make test`, CI) a test of the Slurm or integration tier
+# that skips has not run, and a run that reports it as anything but a failure lets a broken
+# tier pass unseen: its skip (pytest.skip, a skipif mark, a module's importorskip) fails,
+# with the skip's reason. Expected failures (xfail) are left alone.
+REQUIRED_TIERS = ("slurm", "integration")
+
+
+def skips_must_fail() -> bool:
+    return os.environ.get("TIDAL_TEST_REQUIRE_SLURM") == "1"
+
+
+def in_required_tier(path: Path) -> bool:
+    """Whether `path` lies in tests/slurm/ or tests/integration/ (of this repository or of
+    a copy of its layout)."""
+    parts = path.parts
+    return any(parts[i] == "tests" and parts[i + 1] in REQUIRED_TIERS for i in range(len(parts) - 1))
+
+
+def skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr)
+
+
+def failed_skip_message(reason: str) -> str:
+    return (f"skipped under TIDAL_TEST_REQUIRE_SLURM=1, which requires every test of the {'/'.join(REQUIRED_TIERS)} "
+            f"tiers to run: {reason}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    if (report.skipped and not hasattr(report, "wasxfail") and skips_must_fail()
+            and in_required_tier(Path(str(item.path)))):
+        report.outcome = "failed"
+        report.longrepr = failed_skip_message(skip_reason(report))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    outcome = yield
+    report: pytest.CollectReport = outcome.get_result()
+    if report.skipped and skips_must_fail() and in_required_tier(Path(str(collector.path))):
+        report.outcome = "failed"
+        report.longrepr = failed_skip_message(skip_reason(report))

@@ -14,9 +14,11 @@ from tidal.slurm import CliJsonSlurmClient
 
 pytestmark = pytest.mark.slurm
 
-# Short runs: `make test` runs each in well under its 300 s timeout when Tidal works.
-CHAOS_STEPS = 600
-CHAOS_DEADLINE_S = 200.0
+# Runs long enough for a seed's 4-6 faults, some waiting for a hard moment, to land before
+# the last steps (a fault the job ends before fails the seed); each ends well within the
+# seeds' 420 s timeout when Tidal works.
+CHAOS_STEPS = 1600
+CHAOS_DEADLINE_S = 300.0
 FIXED_WORLD_STEPS = 600
 # Long enough for all four faults of the churn scenario to land before the end.
 CHURN_STEPS = 1200
@@ -34,6 +36,7 @@ def hog() -> Iterator[list[int]]:
         yield pids
 
 
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_a_seeded_sequence_of_faults_ends_completed_once_with_the_fixed_runs_steps_and_parameters(
         seed: int, slurm: CliJsonSlurmClient, mini_cluster: dict, chaos_reference: chaos.Reference,
