@@ -153,6 +153,12 @@ def judge(state: State, now: float) -> Verdicts:
                         for u in sorted(stop.waiting_for)) if stop is not None and stop_overdue else ()
     members: tuple[Failure, ...] = ()
     generation = state.generation
+    # A pause of the judge is not the silence of the judged: when this tick comes more
+    # than a heartbeat interval after the previous one, this controller was held up (a
+    # slow disk under its SQLite, no CPU) and heartbeats may be waiting unread; silence is
+    # judged again at the next tick, once they are read. (A broken stream or a worker's
+    # exit is an input, seen whatever the clock.)
+    held_up = state.last_tick_at is not None and now - state.last_tick_at > config.heartbeat_interval_s
     if job_state is JobState.RUNNING and generation is not None:
         observed = []
         for member in generation.members:
@@ -165,10 +171,10 @@ def judge(state: State, now: float) -> Verdicts:
                 last_heartbeat_at=(link.last_heartbeat_at if link else now) if connected else None,
                 progress_at=link.progress_at if link else {}, beat_at=link.beat_at if link else {},
                 waiting=link.waiting if link else {}))
-        members = tuple(health_verdicts(observed, now=now,
-                                        policy=HealthPolicy(config.heartbeat_timeout_s, config.progress_timeout_s),
-                                        generation_started_at=state.generation_started_at,
-                                        reconnect_deadline=state.reconnect_deadline))
+        members = tuple(failure for failure in health_verdicts(
+            observed, now=now, policy=HealthPolicy(config.heartbeat_timeout_s, config.progress_timeout_s),
+            generation_started_at=state.generation_started_at, reconnect_deadline=state.reconnect_deadline)
+            if not (held_up and failure.cause == "heartbeat"))
     change = state.reconfigure
     late: tuple[Failure, ...] = ()
     if change is not None and now > change.deadline:

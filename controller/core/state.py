@@ -311,6 +311,10 @@ class State:
     stop: PendingStop | None = None
     reconfigure: PendingReconfigure | None = None
     last_change_at: float | None = None
+    # When the previous tick was taken (monotonic): a tick much later than it says the
+    # controller itself was held up, and heartbeats it could not read meanwhile are no
+    # launcher's silence (`health.judge`).
+    last_tick_at: float | None = None
     generation_started_at: float = 0.0
     reconnect_deadline: float = 0.0
     # While FINISHING: local ranks that exited 0, and those that exited otherwise (how), by unit.

@@ -19,6 +19,7 @@ def on_tick(t: Step, now: float) -> None:
     in order, then decide whether to form or grow a world."""
     state = t.state
     verdicts = health.judge(state, now)
+    state.last_tick_at = now
     leaving.cancel_overdue_leavers(t, verdicts.leave_overdue, now)
     if t.job.state.is_final:
         return

@@ -457,8 +457,11 @@ def test_liveness_is_judged_in_one_pure_function_of_the_records_and_now() -> Non
     state = driver.state
     before = copy.deepcopy(state)
     assert health.judge(state, driver.clock) == health.Verdicts(members_of=state.job.generation)
-    later = health.judge(state, driver.clock + CONFIG.heartbeat_timeout_s + 0.5)
+    at = driver.clock + CONFIG.heartbeat_timeout_s + 0.5
+    later = health.judge(dataclasses.replace(state, last_tick_at=at - 0.25), at)
     assert {f.unit_id for f in later.members} == {"a", "b"} and {f.cause for f in later.members} == {"heartbeat"}
+    # The same silence seen by a tick long after the previous one: the controller was held up.
+    assert health.judge(state, at).members == ()
     assert later.members_of == state.job.generation and not later.leave_overdue
     assert state == before
     # A unit asked to leave is overdue only past restart_grace_s + heartbeat_timeout_s.
@@ -495,3 +498,21 @@ def test_a_unit_that_left_while_the_controller_was_away_is_gone_once_slurm_says_
     effects = driver.feed(core.SlurmObserved(view(driver, (), (*running, slurm_job(702, SlurmJobState.COMPLETED)))))
     assert driver.state.units["u2"].state is UnitState.LEFT
     assert "unit_left" in driver.events(effects) and "unit_leave_overdue" not in driver.events()
+
+
+def test_a_tick_after_the_controller_was_held_up_judges_no_heartbeat_silence_until_the_next() -> None:
+    """Chaos seed 4 (hardened harness): a healthy unit was failed for 3.1 s without a
+    heartbeat while the machine was loaded. A tick that comes more than a heartbeat interval
+    after the previous one says the controller itself was held up; silence is judged at the
+    next tick, once the heartbeats waiting unread are read. A unit really gone still fails."""
+    driver = Driver(min_replicas=1, max_replicas=2)
+    formed(driver, "a", "b")
+    driver.tick(0.25)
+    driver.links["a"] = core.Link(last_heartbeat_at=driver.clock)
+    # The controller is held up for 3.5 s: neither heartbeat was read meanwhile.
+    effects = driver.tick(3.5)
+    assert "failure_detected" not in driver.events(effects)
+    # Read now: a's heartbeat is fresh, b's launcher really went silent.
+    driver.links["a"] = core.Link(last_heartbeat_at=driver.clock)
+    effects = driver.tick(0.25)
+    assert [e.unit_id for e in effects if isinstance(e, core.Record) and e.kind == "failure_detected"] == ["b"]
