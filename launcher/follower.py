@@ -58,18 +58,15 @@ class FollowerOptions:
     leave_timeout_s: float = 20.0
 
 
-class Follower(NodeAgent):
+class Follower(NodeAgent[FollowerOptions]):
     exited_event = "follower_exited"
     event_failed_event = "follower_event_failed"
 
     def __init__(self, options: FollowerOptions) -> None:
         super().__init__(
-            job_id=options.job_id, unit_id=options.unit_id, stop_grace_s=options.stop_grace_s,
-            leave_timeout_s=options.leave_timeout_s,
-            run_dir=Path(tempfile.mkdtemp(prefix=f"tidal-{options.unit_id}-node{options.layout.index}-")),
+            options, run_dir=Path(tempfile.mkdtemp(prefix=f"tidal-{options.unit_id}-node{options.layout.index}-")),
             log=log.bind(job=options.job_id, unit=options.unit_id, node=options.layout.node,
                          node_index=options.layout.index))
-        self.options = options
         self.pending_start: launcher_pb2.NodeStart | None = None
         # The epoch a stop was asked for, answered with NodeStopped once the workers are gone.
         self.stop_asked: int | None = None
@@ -240,7 +237,7 @@ class Follower(NodeAgent):
             self.last_report_at = now.monotonic
             self._send(launcher_pb2.FollowerMessage(report=launcher_pb2.NodeReport(workers=self.progress_entries())))
 
-    def _apply_own(self, action: decisions.Action) -> None:
+    def _apply_own(self, action: object) -> None:
         match action:
             case decisions.ExitAfterStop(state, exit_code, reason):
                 self.exit_after_stop = (state, exit_code, reason)

@@ -27,11 +27,10 @@ from pathlib import Path
 
 import structlog
 
-from tidal.launcher import decisions
+from tidal.launcher import decisions, worlds
 from tidal.launcher.control import LauncherChannel, WorkerSaid
 from tidal.launcher.events import WorkersStopped
 from tidal.launcher.lifecycle import (
-    EXIT_OK,
     EXIT_REFUSED,
     EXIT_UNIT_FAILED,
     EXIT_USAGE,
@@ -39,7 +38,7 @@ from tidal.launcher.lifecycle import (
     LauncherState,
 )
 from tidal.launcher.link import ControllerLink, ControllerSaid, LinkDown, LinkRefused, LinkUp
-from tidal.launcher.live import LIVE_TERM_REPEAT_S, LiveMode, left_detail
+from tidal.launcher.live import LIVE_TERM_REPEAT_S, LiveMode
 from tidal.launcher.liveness import Now, Observations, WorkerWatch
 from tidal.launcher.node import NodeAgent
 from tidal.launcher.nodes import (
@@ -93,13 +92,10 @@ class LauncherOptions:
     node_timeout_s: float = 10.0
 
 
-class Agent(NodeAgent):
+class Agent(NodeAgent[LauncherOptions]):
     def __init__(self, options: LauncherOptions) -> None:
-        super().__init__(job_id=options.job_id, unit_id=options.unit_id, stop_grace_s=options.stop_grace_s,
-                         leave_timeout_s=options.leave_timeout_s,
-                         run_dir=Path(tempfile.mkdtemp(prefix=f"tidal-{options.unit_id}-")),
+        super().__init__(options, run_dir=Path(tempfile.mkdtemp(prefix=f"tidal-{options.unit_id}-")),
                          log=log.bind(job=options.job_id, unit=options.unit_id))
-        self.options = options
         self.registered: launcher_pb2.Registered | None = None
         self.started_at = time.monotonic()
         self.heartbeat_sequence = 0
@@ -114,9 +110,8 @@ class Agent(NodeAgent):
         # Live mode: workers started ahead of any world, waiting to be named in one.
         self.standby = False
         # The store the next generation hosted here meets at (its port is what this unit
-        # reports), and in restart mode the one the running generation's ranks use.
+        # reports, `store_port`), and in restart mode the one the running generation's ranks use.
         self.store: ServedStore | None = None
-        self.store_port = 0
         self.serving_store: ServedStore | None = None
         self.live = LiveMode(self, LauncherChannel(self.run_dir / "control.sock", post=self.events.put_nowait))
         self.link = ControllerLink(options.controller, register=self._register_message, post=self.events.put_nowait,
@@ -146,7 +141,11 @@ class Agent(NodeAgent):
         generation and send it in one message, without a stop round first."""
         self.store = None
         self.store = ServedStore(self.options.address)
-        self.store_port = self.store.port
+
+    @property
+    def store_port(self) -> int:
+        """The port of the store the next generation hosted here meets at (0: none)."""
+        return self.store.port if self.store is not None else 0
 
     def _register_message(self) -> launcher_pb2.Register:
         running = self.workers is not None and not self.workers.all_exited
@@ -264,108 +263,15 @@ class Agent(NodeAgent):
 
     def _on_command(self, message: launcher_pb2.ControllerMessage) -> None:
         kind = message.WhichOneof("body")
+        view = self.leader_view()
         if kind == "start_epoch":
-            self._on_start_epoch(message.start_epoch)
+            self.apply(worlds.on_start(view, message.start_epoch))
         elif kind == "stop_epoch":
-            self._on_stop_epoch(message.stop_epoch)
+            self.apply(worlds.on_stop(view, message.stop_epoch, self.options.unit_id))
         elif kind == "leave":
-            leave = message.leave
-            self.log.info("leave_ordered", generation=leave.epoch, reason=leave.reason, save_state=leave.save_state)
-            if leave.save_state and self.live_workers_running and self.state is not LauncherState.LEAVING:
-                self.live.leave_saving_state()
-            else:
-                self.stop_workers(LauncherState.LEAVING, self.options.stop_grace_s)
+            self.apply(worlds.on_leave(view, message.leave))
         elif kind == "reconfigure":
-            self._on_reconfigure(message.reconfigure)
-
-    def _on_stop_epoch(self, stop: launcher_pb2.StopEpoch) -> None:
-        if stop.failed_unit_id == self.options.unit_id:
-            self.failed_self = True
-            self.link.close()
-        if stop.epoch < self.generation:
-            self.log.info("stale_stop_ignored", stop_generation=stop.epoch, generation=self.generation)
-            return
-        self.log.info("generation_stop_ordered", generation=stop.epoch, reason=stop.reason)
-        self.pending_start = None
-        self.stopping_for_start = False
-        if self.live.workers.finished and not self.failed_self:
-            # Training is over here (a rank committed the last step): the workers run the
-            # script's own code and exit by themselves; nothing to stop.
-            self.log.info("stop_after_finish_ignored", generation=stop.epoch)
-            return
-        if self.live_workers_running and not self.failed_self and self.state is not LauncherState.LEAVING:
-            self.live.stop(stop.epoch)
-            return
-        grace_s = stop.grace.ToNanoseconds() / 1e9 if stop.HasField("grace") else self.options.stop_grace_s
-        if self.failed_self and self.live_mode:
-            # Live mode: the survivors wait in a collective until this unit's workers
-            # are gone (a hung rank must become a dead one), and nothing here is kept.
-            grace_s = 0.0
-        self.stop_workers(LauncherState.STOPPING, grace_s)
-
-    def _on_start_epoch(self, start: launcher_pb2.StartEpoch) -> None:
-        if self.state is LauncherState.LEAVING or self.state.is_final:
-            return
-        if self.live.workers.finished:
-            # Training is over here: no worker of this unit starts again.
-            self.log.warning("start_after_finish_ignored", generation=start.epoch)
-            return
-        if self.live_workers_running and self.state is not LauncherState.STOPPING:
-            # Live mode: the workers that stopped in-process (or wait on standby) join the
-            # new world. One still training in an older generation (a failure is this one
-            # message) is not stopped: a rank in a collective with the lost one sees it fail
-            # and takes the new world; the others move at the end of the step, none of which
-            # is lost; a rank still forming the older world gives it up for the newer one.
-            self.standby = False
-            self.generation = max(self.generation, start.epoch)
-            self.live.send_worlds(start.epoch, start.rank_table, start.rendezvous, target_step=start.resume_step)
-            self.state = LauncherState.RUNNING
-            self.report(start.epoch, launcher_pb2.EPOCH_PHASE_STARTED, step=start.resume_step)
-            return
-        if self.workers is not None and not self.workers.all_exited:
-            if self.workers.generation == start.epoch:
-                return
-            # Restart mode: one message is the whole change; the old workers go first (with
-            # the grace it names: short after a failure), then the new generation starts.
-            self.pending_start = start
-            self.stopping_for_start = True
-            grace_s = (start.stop_grace.ToNanoseconds() / 1e9 if start.HasField("stop_grace")
-                       else self.options.stop_grace_s)
-            self.stop_workers(LauncherState.STOPPING, grace_s)
-            return
-        if self.state is LauncherState.STOPPING:
-            self.pending_start = start
-            return
-        self._start(start)
-
-    def _on_reconfigure(self, reconfigure: launcher_pb2.Reconfigure) -> None:
-        if (self.state.is_final or self.state is LauncherState.LEAVING
-                or (reconfigure.epoch <= self.generation and self.workers is not None)):
-            return
-        if self.live.workers.finished:
-            self.log.warning("reconfigure_after_finish_ignored", generation=reconfigure.epoch)
-            return
-        if self.live_workers_running and self.standby:
-            # A joiner whose workers wait on standby: ready as soon as all said hello.
-            self.standby = False
-            self.generation = reconfigure.epoch
-            self.state = LauncherState.RUNNING
-            self.live.workers.ready_generation = reconfigure.epoch
-            self.live.send_worlds(reconfigure.epoch, reconfigure.rank_table, reconfigure.rendezvous, joining=True,
-                                  target_step=reconfigure.target_step)
-            if self.workers is not None and self.live.workers.hello >= {w.local_rank for w in self.workers.workers}:
-                self.live.report_once(reconfigure.epoch, launcher_pb2.EPOCH_PHASE_STARTED,
-                                      detail="workers ready to join (started ahead)")
-            return
-        if self.live_workers_running:
-            self.live.send_worlds(reconfigure.epoch, reconfigure.rank_table, reconfigure.rendezvous,
-                                  target_step=reconfigure.target_step)
-            return
-        if self.state in (LauncherState.WAITING, LauncherState.CONNECTING):
-            # A joiner: start the workers; they wait at the new world's rendezvous.
-            self._start(launcher_pb2.StartEpoch(epoch=reconfigure.epoch, rank_table=reconfigure.rank_table,
-                                                rendezvous=reconfigure.rendezvous,
-                                                resume_step=reconfigure.target_step), joining=True)
+            self.apply(worlds.on_reconfigure(view, message.reconfigure))
 
     # Workers.
 
@@ -451,24 +357,7 @@ class Agent(NodeAgent):
         if self.state.is_final:
             return
         self.log.info("workers_stopped", generation=generation, state=self.state.value)
-        if self.state is LauncherState.LEAVING:
-            # The step the state was saved at, if it was (the job's committed step).
-            saved = self.live.workers.saved
-            self.report(self.generation, launcher_pb2.EPOCH_PHASE_LEFT, detail=left_detail(saved),
-                        step=max((step for _, step in saved.values()), default=0))
-            self.finish(LauncherState.SUCCEEDED, EXIT_OK, "left the job")
-            return
-        if self.failed_self:
-            self.finish(LauncherState.FAILED, EXIT_UNIT_FAILED, "the controller declared this unit failed")
-            return
-        self.live.workers.stop_deadline = None
-        self.state = LauncherState.WAITING
-        replaced, self.stopping_for_start = self.stopping_for_start, False
-        if not replaced:
-            self.report(self.generation, launcher_pb2.EPOCH_PHASE_STOPPED, store_port=self.store_port)
-        if self.pending_start is not None:
-            start, self.pending_start = self.pending_start, None
-            self._start(start)
+        self.apply(worlds.on_workers_stopped(self.leader_view()))
 
     # The decisions' inputs and the actions only the leader takes.
 
@@ -485,6 +374,19 @@ class Agent(NodeAgent):
             live_mode=self.live_mode, link_connected=self.link.connected, leave_requested_at=self.leave_requested_at,
             left=frozenset(live.left), finished=frozenset(live.finished), silenced=dict(live.silenced),
             live_stop_deadline=live.stop_deadline)
+
+    def leader_view(self) -> worlds.LeaderView:
+        group = self.workers
+        live = self.live.workers
+        return worlds.LeaderView(
+            state=self.state, generation=self.generation, stop_grace_s=self.options.stop_grace_s,
+            live_mode=self.live_mode, live_workers_running=self.live_workers_running,
+            workers_generation=group.generation if group is not None and not group.all_exited else None,
+            workers_started=group is not None, standby=self.standby, failed_self=self.failed_self,
+            finished=bool(live.finished),
+            all_said_hello=group is not None and live.hello >= {w.local_rank for w in group.workers},
+            stopping_for_start=self.stopping_for_start, pending_start=self.pending_start,
+            saved=tuple(live.saved.values()))
 
     @property
     def worker_silence_limit_s(self) -> float:
@@ -521,8 +423,37 @@ class Agent(NodeAgent):
             self.last_heartbeat_at = now.monotonic
             self.link.send(launcher_pb2.LauncherMessage(heartbeat=self._heartbeat()), reliable=False)
 
-    def _apply_own(self, action: decisions.Action) -> None:
+    def _apply_own(self, action: object) -> None:
         match action:
+            case worlds.Enter(state, generation):
+                self.state = state
+                if generation is not None:
+                    self.generation = generation
+            case worlds.HoldStart(start, replacing):
+                self.pending_start = start
+                if replacing is not None:
+                    self.stopping_for_start = replacing
+            case worlds.StartWorkers(start, joining):
+                self._start(start, joining=joining)
+            case worlds.DeclaredFailed():
+                self.failed_self = True
+                self.link.close()
+            case worlds.LiveStop(generation):
+                self.live.stop(generation)
+            case worlds.LeaveSavingState():
+                self.live.leave_saving_state()
+            case worlds.SendWorlds(generation, rank_table, rendezvous, joining, target_step):
+                self.live.send_worlds(generation, rank_table, rendezvous, joining=joining, target_step=target_step)
+            case worlds.LeaveStandby():
+                self.standby = False
+            case worlds.AwaitReady(generation):
+                self.live.workers.ready_generation = generation
+            case worlds.Report(generation, phase, step, detail, once, with_store_port):
+                if once:
+                    self.live.report_once(generation, phase, step=step, detail=detail)
+                else:
+                    self.report(generation, phase, step=step, detail=detail,
+                                store_port=self.store_port if with_store_port else 0)
             case decisions.CheckLiveStopped():
                 self.live.check_stopped()
             case decisions.ReportLeft(detail):

@@ -50,15 +50,6 @@ if TYPE_CHECKING:
 LIVE_TERM_REPEAT_S = 0.3
 
 
-def left_detail(saved: dict[int, tuple[str, int]]) -> str:
-    """The LEFT report's detail: where the unit's workers wrote the job's state, if they did."""
-    if not saved:
-        return "left"
-    steps = sorted({step for _, step in saved.values()})
-    folders = sorted({folder for folder, _ in saved.values()})
-    return f"left after saving the training state at step {','.join(map(str, steps))} to {', '.join(folders)}"
-
-
 @dataclasses.dataclass
 class LiveWorkers:
     """What live-mode workers told the launcher, by local rank."""
@@ -119,7 +110,7 @@ class LiveMode:
         """Name generation `generation`'s world to each worker (rank -1: leave after the agreed step)."""
         agent = self.agent
         assert agent.workers is not None
-        mine = next((a for a in table.assignments if a.unit_id == agent.unit_id), None)
+        mine = next((a for a in table.assignments if a.unit_id == agent.options.unit_id), None)
         agent.generation = generation
         for worker in agent.workers.workers:
             rank = mine.first_rank + worker.local_rank if mine is not None else -1
@@ -131,7 +122,7 @@ class LiveMode:
                 master_port=rendezvous.port, joining=joining, target_step=target_step))
         if mine is None:
             agent.state = LauncherState.LEAVING
-            self.workers.stop_deadline = time.monotonic() + agent.leave_timeout_s
+            self.workers.stop_deadline = time.monotonic() + agent.options.leave_timeout_s
         agent.log.info("world_sent", generation=generation, in_world=mine is not None, world_size=table.world_size)
 
     def leave_saving_state(self) -> None:
@@ -146,7 +137,7 @@ class LiveMode:
             self.channel.send(worker.local_rank, World(generation=agent.generation + 1, rank=-1, world_size=0,
                                                        master_addr="", master_port=0, save=True))
         agent.state = LauncherState.LEAVING
-        self.workers.stop_deadline = time.monotonic() + agent.leave_timeout_s
+        self.workers.stop_deadline = time.monotonic() + agent.options.leave_timeout_s
         agent.log.info("leaving_with_state", generation=agent.generation)
 
     def stop(self, generation: int) -> None:
@@ -155,7 +146,7 @@ class LiveMode:
         assert agent.workers is not None
         agent.state = LauncherState.STOPPING
         agent.generation = max(agent.generation, generation)
-        self.workers.stop_deadline = time.monotonic() + agent.stop_grace_s
+        self.workers.stop_deadline = time.monotonic() + agent.options.stop_grace_s
         for worker in agent.workers.workers:
             self.channel.send(worker.local_rank, Stop(generation=generation))
         self.check_stopped()

@@ -18,7 +18,7 @@ import signal
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from tidal.launcher import decisions
 from tidal.launcher.events import SignalReceived, Tick, WorkerExit, WorkersStopped
@@ -36,7 +36,26 @@ from tidal.launcher.workers import (
 from tidal.proto import launcher_pb2
 
 
-class NodeAgent:
+class NodeSettings(Protocol):
+    """What every launcher's options say (`leader.LauncherOptions`, `follower.FollowerOptions`)."""
+
+    @property
+    def job_id(self) -> str: ...
+
+    @property
+    def unit_id(self) -> str: ...
+
+    @property
+    def stop_grace_s(self) -> float: ...
+
+    @property
+    def leave_timeout_s(self) -> float: ...
+
+
+OptionsT = TypeVar("OptionsT", bound=NodeSettings)
+
+
+class NodeAgent(Generic[OptionsT]):
     """What every launcher of a unit runs. A role supplies: `_open` (connect; False ends
     the launcher), `_close`, `_on_event` (its own events), `_on_workers_stopped`,
     `_send_up` (a worker's exit, to the controller or the leader), `observe` (what its
@@ -47,12 +66,8 @@ class NodeAgent:
     exited_event: ClassVar[str] = "launcher_exited"
     event_failed_event: ClassVar[str] = "launcher_event_failed"
 
-    def __init__(self, *, job_id: str, unit_id: str, stop_grace_s: float, leave_timeout_s: float, run_dir: Path,
-                 log: Any) -> None:
-        self.job_id = job_id
-        self.unit_id = unit_id
-        self.stop_grace_s = stop_grace_s
-        self.leave_timeout_s = leave_timeout_s
+    def __init__(self, options: OptionsT, *, run_dir: Path, log: Any) -> None:
+        self.options = options
         self.state = LauncherState.CONNECTING
         self.events: asyncio.Queue[object] = asyncio.Queue()
         self.generation = 0
@@ -117,7 +132,7 @@ class NodeAgent:
         verdicts = liveness_verdicts(self.observe(now), now)
         self.apply(decisions.on_tick(self.view(), verdicts, now.monotonic))
 
-    def apply(self, actions: Iterable[decisions.Action]) -> None:
+    def apply(self, actions: Iterable[object]) -> None:
         """The one place the decisions' actions are carried out, in order."""
         for action in actions:
             if self.state.is_final:
@@ -158,8 +173,8 @@ class NodeAgent:
         progress = [self.run_dir / f"progress-{local}" for local in range(procs)]
         errors = error_files(self.run_dir, placement.generation, procs)
         environments = [worker_environment(os.environ, extra_environment, placement=placement, local_rank=local,
-                                           job_id=self.job_id, unit_id=self.unit_id, progress_file=progress[local],
-                                           error_file=errors[local])
+                                           job_id=self.options.job_id, unit_id=self.options.unit_id,
+                                           progress_file=progress[local], error_file=errors[local])
                         for local in range(procs)]
         generation = placement.generation
         return start_workers(
@@ -254,6 +269,6 @@ class NodeAgent:
     def view(self) -> decisions.NodeView:
         raise NotImplementedError
 
-    def _apply_own(self, action: decisions.Action) -> None:
+    def _apply_own(self, action: object) -> None:
         raise NotImplementedError
 
