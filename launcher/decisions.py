@@ -13,7 +13,7 @@ import dataclasses
 import signal
 from collections.abc import Mapping
 
-from tidal.launcher.lifecycle import EXIT_OK, EXIT_UNREACHABLE, LauncherState
+from tidal.launcher.lifecycle import EXIT_OK, EXIT_UNREACHABLE, LauncherState, exit_status
 from tidal.launcher.liveness import Silence, Verdict, Watched
 
 
@@ -171,7 +171,7 @@ def on_worker_exit(view: NodeView, generation: int, local_rank: int, returncode:
     signal that killed it)."""
     if view.group_generation is None or view.group_generation != generation or view.group_stopping:
         return ()  # an older group's, or one the launcher is stopping: no failure
-    exit_code, signum = (0, -returncode) if returncode < 0 else (returncode, 0)
+    exit_code, signum = exit_status(returncode)
     if view.live_mode and returncode == 0 and (local_rank in view.left or view.state is LauncherState.LEAVING):
         # Left the world after its last step, as the controller asked.
         if view.group_all_exited and view.state is LauncherState.LEAVING:

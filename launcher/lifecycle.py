@@ -12,6 +12,14 @@ EXIT_USAGE = 2
 EXIT_REFUSED = 3
 EXIT_UNREACHABLE = 4
 
+
+
+def exit_status(returncode: int) -> tuple[int, int]:
+    """A worker's (exit_code, signal) as the protocol reports them, from its return code
+    (negative: killed by that signal)."""
+    return (0, -returncode) if returncode < 0 else (returncode, 0)
+
+
 # How often a launcher looks at its workers and peers (the leader's heartbeats go every
 # heartbeat_interval, a follower's reports every second).
 TICK_INTERVAL_S = 0.25
