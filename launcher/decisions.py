@@ -91,7 +91,7 @@ class CheckLiveStopped:
 
 @dataclasses.dataclass(frozen=True)
 class ReportLeft:
-    """The leader: report EPOCH_PHASE_LEFT with `detail`."""
+    """The leader: report GENERATION_PHASE_LEFT with `detail`."""
 
     detail: str
 

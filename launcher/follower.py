@@ -68,7 +68,7 @@ class Follower(NodeAgent[FollowerOptions]):
             log=log.bind(job=options.job_id, unit=options.unit_id, node=options.layout.node,
                          node_index=options.layout.index))
         self.pending_start: launcher_pb2.NodeStart | None = None
-        # The epoch a stop was asked for, answered with NodeStopped once the workers are gone.
+        # The generation a stop was asked for, answered with NodeStopped once the workers are gone.
         self.stop_asked: int | None = None
         # How the follower exits once its workers are gone (LEAVING).
         self.exit_after_stop: tuple[LauncherState, int, str] | None = None
@@ -147,7 +147,7 @@ class Follower(NodeAgent[FollowerOptions]):
                 self._start(message.start)
         elif kind == "stop":
             self.pending_start = None
-            self.stop_asked = message.stop.epoch
+            self.stop_asked = message.stop.generation
             self.stop_workers(LauncherState.STOPPING,
                               message.stop.grace.ToNanoseconds() / 1e9 if message.stop.HasField("grace")
                               else self.options.stop_grace_s)
@@ -167,15 +167,15 @@ class Follower(NodeAgent[FollowerOptions]):
         start = relayed.start
         placement = node_placement(start, options.unit_id, options.layout.index)
         if placement is None:
-            self.log.warning("not_in_rank_table", generation=start.epoch)
+            self.log.warning("not_in_rank_table", generation=start.generation)
             return
-        generation = start.epoch
+        generation = start.generation
         self.generation = generation
         try:
             self.workers = self.start_group(placement, relayed.registered, dict(relayed.registered.environment))
         except OSError as error:
             self.log.error("workers_not_started", generation=generation, error=str(error))
-            exited = launcher_pb2.WorkerExited(epoch=generation, local_rank=0, pid=0, exit_code=127,
+            exited = launcher_pb2.WorkerExited(generation=generation, local_rank=0, pid=0, exit_code=127,
                                                detail=f"node {options.layout.node}: {error}")
             exited.exited_at.GetCurrentTime()
             self._send_up(exited)
@@ -197,7 +197,7 @@ class Follower(NodeAgent[FollowerOptions]):
         if self._workers_running:
             return  # an older stop finished; the current one is still under way
         if self.stop_asked is not None:
-            self._send(launcher_pb2.FollowerMessage(stopped=launcher_pb2.NodeStopped(epoch=self.stop_asked)))
+            self._send(launcher_pb2.FollowerMessage(stopped=launcher_pb2.NodeStopped(generation=self.stop_asked)))
             self.stop_asked = None
         if self.exit_after_stop is not None:
             self.finish(*self.exit_after_stop)

@@ -21,8 +21,6 @@ import signal
 import sys
 import tempfile
 import time
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as package_version
 from pathlib import Path
 
 import structlog
@@ -100,11 +98,11 @@ class Agent(NodeAgent[LauncherOptions]):
         self.started_at = time.monotonic()
         self.heartbeat_sequence = 0
         self.last_heartbeat_at = 0.0
-        # The generation a StartEpoch named while the old workers still stop.
-        self.pending_start: launcher_pb2.StartEpoch | None = None
+        # The generation a StartGeneration named while the old workers still stop.
+        self.pending_start: launcher_pb2.StartGeneration | None = None
         # The controller declared this unit failed: its workers go, the launcher exits 1.
         self.failed_self = False
-        # Restart mode: the workers stop because a StartEpoch replaced their generation (its
+        # Restart mode: the workers stop because a StartGeneration replaced their generation (its
         # STARTED is the one acknowledgment; no STOPPED is reported).
         self.stopping_for_start = False
         # Live mode: workers started ahead of any world, waiting to be named in one.
@@ -153,10 +151,9 @@ class Agent(NodeAgent[LauncherOptions]):
         return launcher_pb2.Register(
             job_id=self.options.job_id, unit_id=self.options.unit_id, secret=self.options.secret,
             nodes=list(self.options.nodes), address=self.options.address,
-            procs_per_node=self.registered.procs_per_node if self.registered else 0,
-            slurm_job_id=self.options.slurm_job_id, last_epoch=self.generation,
+            slurm_job_id=self.options.slurm_job_id, last_generation=self.generation,
             worker_pids=(self.workers.pids if running and self.workers else []) + followers,
-            launcher_version=_version(), store_port=self.store_port)
+            store_port=self.store_port)
 
     async def _open(self) -> bool:
         try:
@@ -242,7 +239,7 @@ class Agent(NodeAgent[LauncherOptions]):
             return
         if self.state is LauncherState.CONNECTING:
             self.state = LauncherState.WAITING
-        self.log.info("registered", controller_generation=registered.current_epoch, own_generation=self.generation,
+        self.log.info("registered", controller_generation=registered.current_generation, own_generation=self.generation,
                       state=self.state.value)
         if self.leave_requested_at is not None and self.state is not LauncherState.LEAVING:
             self._request_leave()
@@ -255,7 +252,7 @@ class Agent(NodeAgent[LauncherOptions]):
         waits for the first world on the control channel (TIDAL_STANDBY=1)."""
         assert self.registered is not None
         procs = self.registered.procs_per_node or 1
-        placeholder = launcher_pb2.StartEpoch(epoch=0, rank_table=common_pb2.RankTable(
+        placeholder = launcher_pb2.StartGeneration(generation=0, rank_table=common_pb2.RankTable(
             world_size=procs, groups=1, assignments=[common_pb2.RankAssignment(
                 unit_id=self.options.unit_id, nodes=list(self.options.nodes), group_rank=0, first_rank=0,
                 procs_per_node=procs)]))
@@ -264,10 +261,10 @@ class Agent(NodeAgent[LauncherOptions]):
     def _on_command(self, message: launcher_pb2.ControllerMessage) -> None:
         kind = message.WhichOneof("body")
         view = self.leader_view()
-        if kind == "start_epoch":
-            self.apply(worlds.on_start(view, message.start_epoch))
-        elif kind == "stop_epoch":
-            self.apply(worlds.on_stop(view, message.stop_epoch, self.options.unit_id))
+        if kind == "start_generation":
+            self.apply(worlds.on_start(view, message.start_generation))
+        elif kind == "stop_generation":
+            self.apply(worlds.on_stop(view, message.stop_generation, self.options.unit_id))
         elif kind == "leave":
             self.apply(worlds.on_leave(view, message.leave))
         elif kind == "reconfigure":
@@ -275,33 +272,33 @@ class Agent(NodeAgent[LauncherOptions]):
 
     # Workers.
 
-    def _start(self, start: launcher_pb2.StartEpoch, joining: bool = False, standby: bool = False) -> None:
+    def _start(self, start: launcher_pb2.StartGeneration, joining: bool = False, standby: bool = False) -> None:
         assert self.registered is not None
         placement = node_placement(start, self.options.unit_id)
         if placement is None:
-            self.log.warning("not_in_rank_table", generation=start.epoch)
+            self.log.warning("not_in_rank_table", generation=start.generation)
             return
         serving = (self.store_port, self.serving_store.port if self.serving_store is not None else 0)
         if start.rendezvous.host_unit_id == self.options.unit_id and start.rendezvous.port not in serving:
             self.log.warning("rendezvous_port_mismatch", named=start.rendezvous.port, serving=self.store_port)
         extra = dict(self.registered.environment)
         if self.live_mode:
-            self.live.reset(ready_generation=start.epoch if joining else 0)
+            self.live.reset(ready_generation=start.generation if joining else 0)
             extra.update({"TIDAL_MODE": "live", "TIDAL_CONTROL_SOCKET": str(self.live.channel.path),
                           "TIDAL_JOINING": "1" if joining else "0", "TIDAL_STANDBY": "1" if standby else "0",
                           # The unit's workers form their own fixed group (HybridSharded's shard
                           # group) at this launcher's store, which lives as long as the unit;
                           # the name is new for every set of workers started.
                           "TIDAL_UNIT_STORE": f"{self.options.address}:{self.store_port}",
-                          "TIDAL_UNIT_GROUP": f"{self.options.unit_id}/{start.epoch}/{int(time.time() * 1000)}"})
-        generation = start.epoch
+                          "TIDAL_UNIT_GROUP": f"{self.options.unit_id}/{start.generation}/{int(time.time() * 1000)}"})
+        generation = start.generation
         try:
             self.workers = self.start_group(placement, self.registered, extra)
         except OSError as error:
             self.log.error("workers_not_started", generation=generation, error=str(error))
             self.generation = generation
             self.link.send(launcher_pb2.LauncherMessage(worker_exited=launcher_pb2.WorkerExited(
-                epoch=generation, local_rank=0, pid=0, exit_code=127)))
+                generation=generation, local_rank=0, pid=0, exit_code=127)))
             self.state = LauncherState.WAITING
             return
         if self.hub is not None:
@@ -320,7 +317,7 @@ class Agent(NodeAgent[LauncherOptions]):
             self.serving_store = self.store
             self._new_store()
         if not joining:
-            self.report(generation, launcher_pb2.EPOCH_PHASE_STARTED, step=start.resume_step,
+            self.report(generation, launcher_pb2.GENERATION_PHASE_STARTED, step=start.resume_step,
                         store_port=self.store_port)
         self.log.info("generation_started", generation=generation, rank=placement.first_rank,
                       world_size=placement.world_size, master=f"{placement.master_addr}:{placement.master_port}")
@@ -457,7 +454,7 @@ class Agent(NodeAgent[LauncherOptions]):
             case decisions.CheckLiveStopped():
                 self.live.check_stopped()
             case decisions.ReportLeft(detail):
-                self.report(self.generation, launcher_pb2.EPOCH_PHASE_LEFT, detail=detail)
+                self.report(self.generation, launcher_pb2.GENERATION_PHASE_LEFT, detail=detail)
             case decisions.RequestLeave():
                 self._request_leave()
             case decisions.ClearLiveStopDeadline():
@@ -474,21 +471,21 @@ class Agent(NodeAgent[LauncherOptions]):
     def _send_up(self, exited: launcher_pb2.WorkerExited) -> None:
         self.link.send(launcher_pb2.LauncherMessage(worker_exited=exited))
 
-    def report(self, generation: int, phase: launcher_pb2.EpochPhase, step: int = 0, store_port: int = 0,
+    def report(self, generation: int, phase: launcher_pb2.GenerationPhase, step: int = 0, store_port: int = 0,
                detail: str = "") -> None:
-        report = launcher_pb2.EpochReport(epoch=generation, phase=phase, step=step, store_port=store_port,
+        report = launcher_pb2.GenerationReport(generation=generation, phase=phase, step=step, store_port=store_port,
                                           detail=detail)
         report.at.GetCurrentTime()
-        self.link.send(launcher_pb2.LauncherMessage(epoch_report=report))
+        self.link.send(launcher_pb2.LauncherMessage(generation_report=report))
 
     def _request_leave(self) -> None:
-        request = launcher_pb2.LeaveRequest(epoch=self.generation, cause=launcher_pb2.LEAVE_CAUSE_PREEMPTED,
+        request = launcher_pb2.LeaveRequest(generation=self.generation, cause=launcher_pb2.LEAVE_CAUSE_PREEMPTED,
                                             detail="SIGTERM")
         self.link.send(launcher_pb2.LauncherMessage(leave_request=request))
 
     def _heartbeat(self) -> launcher_pb2.Heartbeat:
         self.heartbeat_sequence += 1
-        beat = launcher_pb2.Heartbeat(epoch=self.generation, sequence=self.heartbeat_sequence)
+        beat = launcher_pb2.Heartbeat(sequence=self.heartbeat_sequence)
         beat.sent_at.GetCurrentTime()
         beat.workers.extend(self.progress_entries(self.live.workers.beats))
         per_node = self.registered.procs_per_node if self.registered is not None else 0
@@ -522,7 +519,7 @@ class Agent(NodeAgent[LauncherOptions]):
     def _on_follower_worker_exit(self, index: int, exited: launcher_pb2.WorkerExited) -> None:
         """A worker of a follower's node exited on its own: a worker exit of this unit (its
         local rank counted over the unit's nodes)."""
-        if self.state.is_final or exited.epoch != self.generation:
+        if self.state.is_final or exited.generation != self.generation:
             return
         if self.stopping_nodes is not None and not self.stopping_nodes.done():
             return
@@ -531,7 +528,7 @@ class Agent(NodeAgent[LauncherOptions]):
         forwarded = launcher_pb2.WorkerExited()
         forwarded.CopyFrom(exited)
         forwarded.local_rank = index * per_node + exited.local_rank
-        self.log.info("node_worker_exited", node=node, generation=exited.epoch, local_rank=forwarded.local_rank,
+        self.log.info("node_worker_exited", node=node, generation=exited.generation, local_rank=forwarded.local_rank,
                       pid=exited.pid, exit_code=exited.exit_code, signal=exited.signal)
         self._send_up(forwarded)
 
@@ -548,16 +545,9 @@ class Agent(NodeAgent[LauncherOptions]):
             self.finish(LauncherState.FAILED, EXIT_UNIT_FAILED, f"{what} (before the unit registered)")
             return
         per_node = self.registered.procs_per_node if self.registered is not None else 0
-        exited = launcher_pb2.WorkerExited(epoch=self.generation, local_rank=index * per_node, pid=0,
+        exited = launcher_pb2.WorkerExited(generation=self.generation, local_rank=index * per_node, pid=0,
                                            signal=signal.SIGKILL, detail=what)
         exited.exited_at.GetCurrentTime()
         self._send_up(exited)
         self.failed_self = True
         self.stop_workers(LauncherState.STOPPING, 1.0)
-
-
-def _version() -> str:
-    try:
-        return package_version("tidal-elastic")
-    except PackageNotFoundError:
-        return "unknown"

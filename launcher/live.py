@@ -60,10 +60,10 @@ class LiveWorkers:
     # Where each worker that left as the state's last holder wrote it, and at which step.
     saved: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)
     formed: dict[int, int] = dataclasses.field(default_factory=dict)
-    # (generation, EpochPhase) reports already sent: STARTED (a joiner's workers ready),
+    # (generation, GenerationPhase) reports already sent: STARTED (a joiner's workers ready),
     # RECONFIGURED, FIRST_STEP; each goes once.
     reported: set[tuple[int, int]] = dataclasses.field(default_factory=set)
-    # A joiner reports its workers ready (EPOCH_PHASE_STARTED) once all said hello.
+    # A joiner reports its workers ready (GENERATION_PHASE_STARTED) once all said hello.
     ready_generation: int = 0
     stop_deadline: float | None = None
     # Each worker's last beat: (when, waiting in a collective, samples trained so far,
@@ -100,7 +100,8 @@ class LiveMode:
         self.channel.reset()
         self.workers = LiveWorkers(ready_generation=ready_generation)
 
-    def report_once(self, generation: int, phase: launcher_pb2.EpochPhase, step: int = 0, detail: str = "") -> None:
+    def report_once(self, generation: int, phase: launcher_pb2.GenerationPhase, step: int = 0,
+                    detail: str = "") -> None:
         if (generation, phase) not in self.workers.reported:
             self.workers.reported.add((generation, phase))
             self.agent.report(generation, phase, step=step, detail=detail)
@@ -175,15 +176,15 @@ class LiveMode:
             case Hello():
                 live.hello.add(local_rank)
                 if live.ready_generation and live.hello >= everyone:
-                    self.report_once(live.ready_generation, launcher_pb2.EPOCH_PHASE_STARTED,
+                    self.report_once(live.ready_generation, launcher_pb2.GENERATION_PHASE_STARTED,
                                      detail="workers ready to join")
             case Formed(generation=generation, step=step):
                 live.formed[local_rank] = generation
                 live.idle.discard(local_rank)
                 if all(live.formed.get(r) == generation for r in everyone):
-                    self.report_once(generation, launcher_pb2.EPOCH_PHASE_RECONFIGURED, step=step)
+                    self.report_once(generation, launcher_pb2.GENERATION_PHASE_RECONFIGURED, step=step)
             case FirstStep(generation=generation, step=step):
-                self.report_once(generation, launcher_pb2.EPOCH_PHASE_FIRST_STEP, step=step)
+                self.report_once(generation, launcher_pb2.GENERATION_PHASE_FIRST_STEP, step=step)
             case Stopped():
                 live.idle.add(local_rank)
                 self.check_stopped()
@@ -193,14 +194,14 @@ class LiveMode:
                     live.saved[local_rank] = (saved_to, step)
             case Finished(generation=generation, step=step):
                 live.finished.add(local_rank)
-                self.report_once(generation, launcher_pb2.EPOCH_PHASE_FINISHED, step=step,
+                self.report_once(generation, launcher_pb2.GENERATION_PHASE_FINISHED, step=step,
                                  detail="committed the last step")
                 self.check_stopped()
             case Resumed(generation=generation, step=step, detail=detail):
-                self.report_once(generation, launcher_pb2.EPOCH_PHASE_RESUMED_FROM_CHECKPOINT, step=step,
+                self.report_once(generation, launcher_pb2.GENERATION_PHASE_RESUMED_FROM_CHECKPOINT, step=step,
                                  detail=detail)
             case StateLost(generation=generation, target_step=target_step, detail=detail):
-                self.report_once(generation, launcher_pb2.EPOCH_PHASE_STATE_LOST, step=target_step, detail=detail)
+                self.report_once(generation, launcher_pb2.GENERATION_PHASE_STATE_LOST, step=target_step, detail=detail)
             case Beat(samples=samples, waiting=waiting, loss=loss):
                 live.beats[local_rank] = (time.time(), waiting, max(0, samples), loss)
                 live.slow.discard(local_rank)

@@ -211,7 +211,7 @@ class NodeAgent(Generic[OptionsT]):
         self.log.info("worker_exited", generation=group.generation, rank=worker.rank, pid=worker.pid,
                       exit_code=action.exit_code, signal=action.signal,
                       error=error.message if error is not None else None)
-        exited = launcher_pb2.WorkerExited(epoch=self.generation, local_rank=worker.local_rank, pid=worker.pid,
+        exited = launcher_pb2.WorkerExited(generation=self.generation, local_rank=worker.local_rank, pid=worker.pid,
                                            exit_code=action.exit_code, signal=action.signal, detail=action.detail,
                                            error=error.message if error is not None else "",
                                            traceback=error.traceback if error is not None else "")

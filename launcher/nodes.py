@@ -15,7 +15,7 @@ followers, connect to it:
 - who: both sides prove they hold the job's secret (the file every launcher of the unit
   reads; never argv, never the wire): HMAC-SHA256 over both nonces, the role and the unit
   (`proof`). A connection that fails the proof is closed; the leader keeps serving.
-- what: the leader relays each generation (`NodeStart`: the controller's StartEpoch and
+- what: the leader relays each generation (`NodeStart`: the controller's StartGeneration and
   Registered) and each stop; a follower starts and stops its own workers with the same
   machinery as the leader (`workers`), and reports their progress and exits.
 - loss: a connection that breaks, or stays silent for `node_timeout_s`, loses the node
@@ -103,7 +103,7 @@ def unit_nodes(env: Mapping[str, str], count: int, port_base: int = DEFAULT_PORT
                      ports=leader_ports(int(env["SLURM_JOB_ID"]), port_base))
 
 
-def node_placement(start: launcher_pb2.StartEpoch, unit_id: str, node_index: int = 0) -> Placement | None:
+def node_placement(start: launcher_pb2.StartGeneration, unit_id: str, node_index: int = 0) -> Placement | None:
     """Where the workers of node `node_index` of unit `unit_id` sit in `start`'s world, or
     None when the unit is not in it. The unit's ranks are laid out node by node: node i's
     workers take first_rank + i * procs_per_node + local_rank. GROUP_RANK / GROUP_WORLD_SIZE
@@ -119,7 +119,7 @@ def node_placement(start: launcher_pb2.StartEpoch, unit_id: str, node_index: int
     else:
         group_rank = mine.group_rank
         group_world_size = start.rank_table.groups or len(start.rank_table.assignments)
-    return Placement(generation=start.epoch, first_rank=mine.first_rank + node_index * per_node,
+    return Placement(generation=start.generation, first_rank=mine.first_rank + node_index * per_node,
                      group_rank=group_rank, group_world_size=group_world_size, procs_per_node=per_node,
                      world_size=start.rank_table.world_size, master_addr=start.rendezvous.host,
                      master_port=start.rendezvous.port, target_step=start.resume_step)
@@ -268,7 +268,7 @@ class FollowerHub:
         """Stop every follower's workers and wait for each to confirm, or to be lost (a
         follower that does not confirm within the grace and the node timeout is lost)."""
         waiting: list[asyncio.Future[None]] = []
-        stop = launcher_pb2.LeaderMessage(stop=launcher_pb2.NodeStop(epoch=generation))
+        stop = launcher_pb2.LeaderMessage(stop=launcher_pb2.NodeStop(generation=generation))
         stop.stop.grace.FromNanoseconds(int(grace_s * 1e9))
         loop = asyncio.get_running_loop()
         for follower in self.followers.values():

@@ -84,7 +84,7 @@ def worker_environment(base: Mapping[str, str], extra: Mapping[str, str], *, pla
         "TORCHELASTIC_ERROR_FILE": str(error_file),
         "TIDAL_JOB_ID": job_id,
         "TIDAL_UNIT_ID": unit_id,
-        "TIDAL_EPOCH": str(placement.generation),
+        "TIDAL_GENERATION": str(placement.generation),
         "TIDAL_TARGET_STEP": str(placement.target_step),
         "TIDAL_PROGRESS_FILE": str(progress_file),
     })

@@ -1,5 +1,5 @@
-"""The leader's decisions on the controller's messages, pure: a world message (StartEpoch,
-Reconfigure), a stop (StopEpoch), a Leave, and the end of a stop (its workers gone). Each
+"""The leader's decisions on the controller's messages, pure: a world message (StartGeneration,
+Reconfigure), a stop (StopGeneration), a Leave, and the end of a stop (its workers gone). Each
 is a function of a snapshot of the leader (`LeaderView`) and the message, returning
 actions (`decisions.Action` and the leader's own below) that `leader.Agent` carries out in
 one place (`node.NodeAgent.apply`). No clock is read, no message sent, no process touched.
@@ -40,7 +40,7 @@ class LeaderView:
     finished: bool = False
     all_said_hello: bool = False
     stopping_for_start: bool = False
-    pending_start: launcher_pb2.StartEpoch | None = None
+    pending_start: launcher_pb2.StartGeneration | None = None
     # Live mode: where each worker that left as the state's last holder wrote it, and at which step.
     saved: tuple[tuple[str, int], ...] = ()
 
@@ -60,13 +60,13 @@ class HoldStart:
     `replacing`: it replaces their generation (its STARTED is the one acknowledgment),
     None: leave that as it is."""
 
-    start: launcher_pb2.StartEpoch | None
+    start: launcher_pb2.StartGeneration | None
     replacing: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class StartWorkers:
-    start: launcher_pb2.StartEpoch
+    start: launcher_pb2.StartGeneration
     joining: bool = False
 
 
@@ -115,10 +115,10 @@ class AwaitReady:
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-    """An EpochReport to the controller (`once`: at most once per generation and phase)."""
+    """An GenerationReport to the controller (`once`: at most once per generation and phase)."""
 
     generation: int
-    phase: launcher_pb2.EpochPhase
+    phase: launcher_pb2.GenerationPhase
     step: int = 0
     detail: str = ""
     once: bool = False
@@ -130,33 +130,33 @@ LeaderAction = (Action | DeclaredFailed | HoldStart | StartWorkers | LiveStop | 
                 | LeaveStandby | AwaitReady | Report)
 
 
-def _grace_s(message: launcher_pb2.StopEpoch | launcher_pb2.StartEpoch, default_s: float) -> float:
+def _grace_s(message: launcher_pb2.StopGeneration | launcher_pb2.StartGeneration, default_s: float) -> float:
     """The SIGTERM-to-SIGKILL grace a stop (or a start replacing a generation) names, else the default."""
-    if isinstance(message, launcher_pb2.StopEpoch):
+    if isinstance(message, launcher_pb2.StopGeneration):
         return message.grace.ToNanoseconds() / 1e9 if message.HasField("grace") else default_s
     return message.stop_grace.ToNanoseconds() / 1e9 if message.HasField("stop_grace") else default_s
 
 
-def on_start(view: LeaderView, start: launcher_pb2.StartEpoch) -> tuple[LeaderAction, ...]:
-    """StartEpoch: generation `start.epoch` is this (in restart mode: its workers start;
+def on_start(view: LeaderView, start: launcher_pb2.StartGeneration) -> tuple[LeaderAction, ...]:
+    """StartGeneration: generation `start.generation` is this (in restart mode: its workers start;
     in live mode: its workers move to it)."""
     if view.state is LauncherState.LEAVING or view.state.is_final:
         return ()
     if view.finished:
         # Training is over here: no worker of this unit starts again.
-        return (Log("start_after_finish_ignored", {"generation": start.epoch}, warning=True),)
+        return (Log("start_after_finish_ignored", {"generation": start.generation}, warning=True),)
     if view.live_workers_running and view.state is not LauncherState.STOPPING:
         # Live mode: the workers that stopped in-process (or wait on standby) join the
         # new world. One still training in an older generation (a failure is this one
         # message) is not stopped: a rank in a collective with the lost one sees it fail
         # and takes the new world; the others move at the end of the step, none of which
         # is lost; a rank still forming the older world gives it up for the newer one.
-        return (LeaveStandby(), Enter(view.state, max(view.generation, start.epoch)),
-                SendWorlds(start.epoch, start.rank_table, start.rendezvous, target_step=start.resume_step),
+        return (LeaveStandby(), Enter(view.state, max(view.generation, start.generation)),
+                SendWorlds(start.generation, start.rank_table, start.rendezvous, target_step=start.resume_step),
                 Enter(LauncherState.RUNNING),
-                Report(start.epoch, launcher_pb2.EPOCH_PHASE_STARTED, step=start.resume_step))
+                Report(start.generation, launcher_pb2.GENERATION_PHASE_STARTED, step=start.resume_step))
     if view.workers_generation is not None:
-        if view.workers_generation == start.epoch:
+        if view.workers_generation == start.generation:
             return ()
         # Restart mode: one message is the whole change; the old workers go first (with
         # the grace it names: short after a failure), then the new generation starts.
@@ -168,49 +168,51 @@ def on_start(view: LeaderView, start: launcher_pb2.StartEpoch) -> tuple[LeaderAc
 
 
 def on_reconfigure(view: LeaderView, reconfigure: launcher_pb2.Reconfigure) -> tuple[LeaderAction, ...]:
-    """Reconfigure (live mode): the world changes to `reconfigure.epoch`, in-process."""
+    """Reconfigure (live mode): the world changes to `reconfigure.generation`, in-process."""
     if (view.state.is_final or view.state is LauncherState.LEAVING
-            or (reconfigure.epoch <= view.generation and view.workers_started)):
+            or (reconfigure.generation <= view.generation and view.workers_started)):
         return ()
     if view.finished:
-        return (Log("reconfigure_after_finish_ignored", {"generation": reconfigure.epoch}, warning=True),)
-    world = SendWorlds(reconfigure.epoch, reconfigure.rank_table, reconfigure.rendezvous,
+        return (Log("reconfigure_after_finish_ignored", {"generation": reconfigure.generation}, warning=True),)
+    world = SendWorlds(reconfigure.generation, reconfigure.rank_table, reconfigure.rendezvous,
                        target_step=reconfigure.target_step)
     if view.live_workers_running and view.standby:
         # A joiner whose workers wait on standby: ready as soon as all said hello.
-        actions: list[LeaderAction] = [LeaveStandby(), Enter(LauncherState.RUNNING, reconfigure.epoch),
-                                       AwaitReady(reconfigure.epoch), dataclasses.replace(world, joining=True)]
+        actions: list[LeaderAction] = [LeaveStandby(), Enter(LauncherState.RUNNING, reconfigure.generation),
+                                       AwaitReady(reconfigure.generation), dataclasses.replace(world, joining=True)]
         if view.all_said_hello:
-            actions.append(Report(reconfigure.epoch, launcher_pb2.EPOCH_PHASE_STARTED, once=True,
+            actions.append(Report(reconfigure.generation, launcher_pb2.GENERATION_PHASE_STARTED, once=True,
                                   detail="workers ready to join (started ahead)"))
         return tuple(actions)
     if view.live_workers_running:
         return (world,)
     if view.state in (LauncherState.WAITING, LauncherState.CONNECTING):
         # A joiner: start the workers; they wait at the new world's rendezvous.
-        return (StartWorkers(launcher_pb2.StartEpoch(epoch=reconfigure.epoch, rank_table=reconfigure.rank_table,
+        return (StartWorkers(launcher_pb2.StartGeneration(generation=reconfigure.generation,
+                                                          rank_table=reconfigure.rank_table,
                                                      rendezvous=reconfigure.rendezvous,
                                                      resume_step=reconfigure.target_step), joining=True),)
     return ()
 
 
-def on_stop(view: LeaderView, stop: launcher_pb2.StopEpoch, unit_id: str) -> tuple[LeaderAction, ...]:
-    """StopEpoch: the generation stops (naming this unit failed: its workers go for good)."""
+def on_stop(view: LeaderView, stop: launcher_pb2.StopGeneration, unit_id: str) -> tuple[LeaderAction, ...]:
+    """StopGeneration: the generation stops (naming this unit failed: its workers go for good)."""
     actions: list[LeaderAction] = []
     failed_self = view.failed_self
     if stop.failed_unit_id == unit_id:
         failed_self = True
         actions.append(DeclaredFailed())
-    if stop.epoch < view.generation:
-        return (*actions, Log("stale_stop_ignored", {"stop_generation": stop.epoch, "generation": view.generation}))
-    actions += [Log("generation_stop_ordered", {"generation": stop.epoch, "reason": stop.reason}),
+    if stop.generation < view.generation:
+        return (*actions, Log("stale_stop_ignored", {"stop_generation": stop.generation,
+                                                     "generation": view.generation}))
+    actions += [Log("generation_stop_ordered", {"generation": stop.generation, "reason": stop.reason}),
                 HoldStart(None, replacing=False)]
     if view.finished and not failed_self:
         # Training is over here (a rank committed the last step): the workers run the
         # script's own code and exit by themselves; nothing to stop.
-        return (*actions, Log("stop_after_finish_ignored", {"generation": stop.epoch}))
+        return (*actions, Log("stop_after_finish_ignored", {"generation": stop.generation}))
     if view.live_workers_running and not failed_self and view.state is not LauncherState.LEAVING:
-        return (*actions, LiveStop(stop.epoch))
+        return (*actions, LiveStop(stop.generation))
     grace_s = _grace_s(stop, view.stop_grace_s)
     if failed_self and view.live_mode:
         # Live mode: the survivors wait in a collective until this unit's workers
@@ -222,7 +224,8 @@ def on_stop(view: LeaderView, stop: launcher_pb2.StopEpoch, unit_id: str) -> tup
 def on_leave(view: LeaderView, leave: launcher_pb2.Leave) -> tuple[LeaderAction, ...]:
     """Leave: the unit leaves the job (its live workers saving the job's state first, when
     it holds the last copy)."""
-    logged = Log("leave_ordered", {"generation": leave.epoch, "reason": leave.reason, "save_state": leave.save_state})
+    logged = Log("leave_ordered", {"generation": leave.generation, "reason": leave.reason,
+                                   "save_state": leave.save_state})
     if leave.save_state and view.live_workers_running and view.state is not LauncherState.LEAVING:
         return (logged, LeaveSavingState())
     return (logged, StopWorkers(LauncherState.LEAVING, view.stop_grace_s))
@@ -244,7 +247,7 @@ def on_workers_stopped(view: LeaderView) -> tuple[LeaderAction, ...]:
         return ()
     if view.state is LauncherState.LEAVING:
         # The step the state was saved at, if it was (the job's committed step).
-        return (Report(view.generation, launcher_pb2.EPOCH_PHASE_LEFT, detail=left_detail(view.saved),
+        return (Report(view.generation, launcher_pb2.GENERATION_PHASE_LEFT, detail=left_detail(view.saved),
                        step=max((step for _, step in view.saved), default=0)),
                 Finish(LauncherState.SUCCEEDED, EXIT_OK, "left the job"))
     if view.failed_self:
@@ -252,8 +255,8 @@ def on_workers_stopped(view: LeaderView) -> tuple[LeaderAction, ...]:
     actions: list[LeaderAction] = [ClearLiveStopDeadline(), Enter(LauncherState.WAITING),
                                    HoldStart(None, replacing=False)]
     if not view.stopping_for_start:
-        # A generation replaced by a StartEpoch is acknowledged by its STARTED alone.
-        actions.append(Report(view.generation, launcher_pb2.EPOCH_PHASE_STOPPED, with_store_port=True))
+        # A generation replaced by a StartGeneration is acknowledged by its STARTED alone.
+        actions.append(Report(view.generation, launcher_pb2.GENERATION_PHASE_STOPPED, with_store_port=True))
     if view.pending_start is not None:
         actions.append(StartWorkers(view.pending_start))
     return tuple(actions)

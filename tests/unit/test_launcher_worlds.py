@@ -1,4 +1,4 @@
-"""The leader's decisions on the controller's messages, pure: a world message (StartEpoch,
+"""The leader's decisions on the controller's messages, pure: a world message (StartGeneration,
 Reconfigure), a stop, a Leave and the end of a stop, asserted on the actions they return."""
 
 from __future__ import annotations
@@ -37,15 +37,16 @@ TABLE = common_pb2.RankTable(world_size=2, assignments=[common_pb2.RankAssignmen
 RENDEZVOUS = common_pb2.Rendezvous(host="h", port=29500, host_unit_id="u1")
 
 
-def start(epoch: int, grace_s: float | None = None) -> launcher_pb2.StartEpoch:
-    message = launcher_pb2.StartEpoch(epoch=epoch, rank_table=TABLE, rendezvous=RENDEZVOUS, resume_step=40)
+def start(generation: int, grace_s: float | None = None) -> launcher_pb2.StartGeneration:
+    message = launcher_pb2.StartGeneration(generation=generation, rank_table=TABLE, rendezvous=RENDEZVOUS,
+                                           resume_step=40)
     if grace_s is not None:
         message.stop_grace.FromNanoseconds(int(grace_s * 1e9))
     return message
 
 
-def stop(epoch: int, failed: str = "", grace_s: float | None = None) -> launcher_pb2.StopEpoch:
-    message = launcher_pb2.StopEpoch(epoch=epoch, reason="r", failed_unit_id=failed)
+def stop(generation: int, failed: str = "", grace_s: float | None = None) -> launcher_pb2.StopGeneration:
+    message = launcher_pb2.StopGeneration(generation=generation, reason="r", failed_unit_id=failed)
     if grace_s is not None:
         message.grace.FromNanoseconds(int(grace_s * 1e9))
     return message
@@ -79,14 +80,14 @@ def test_live_workers_move_to_the_new_world_in_process() -> None:
     actions = on_start(LIVE, start(5))
     assert actions == (LeaveStandby(), Enter(LauncherState.RUNNING, 5),
                        SendWorlds(5, TABLE, RENDEZVOUS, target_step=40), Enter(LauncherState.RUNNING),
-                       Report(5, launcher_pb2.EPOCH_PHASE_STARTED, step=40))
+                       Report(5, launcher_pb2.GENERATION_PHASE_STARTED, step=40))
     # While they stop (a stop round), a world message waits for them like a restart.
     stopping = dataclasses.replace(LIVE, state=LauncherState.STOPPING)
     assert kinds(on_start(stopping, start(5))) == [HoldStart, StopWorkers]
 
 
 def test_a_reconfigure_names_the_world_to_live_workers_and_starts_a_joiners() -> None:
-    reconfigure = launcher_pb2.Reconfigure(epoch=5, rank_table=TABLE, rendezvous=RENDEZVOUS, target_step=40)
+    reconfigure = launcher_pb2.Reconfigure(generation=5, rank_table=TABLE, rendezvous=RENDEZVOUS, target_step=40)
     assert on_reconfigure(LIVE, reconfigure) == (SendWorlds(5, TABLE, RENDEZVOUS, target_step=40),)
     # An older one, or one to a leaving unit: nothing.
     assert on_reconfigure(dataclasses.replace(LIVE, generation=5), reconfigure) == ()
@@ -97,11 +98,11 @@ def test_a_reconfigure_names_the_world_to_live_workers_and_starts_a_joiners() ->
         LeaveStandby(), Enter(LauncherState.RUNNING, 5), AwaitReady(5),
         SendWorlds(5, TABLE, RENDEZVOUS, joining=True, target_step=40))
     ready = on_reconfigure(dataclasses.replace(standby, all_said_hello=True), reconfigure)
-    assert ready[-1] == Report(5, launcher_pb2.EPOCH_PHASE_STARTED, once=True,
+    assert ready[-1] == Report(5, launcher_pb2.GENERATION_PHASE_STARTED, once=True,
                                detail="workers ready to join (started ahead)")
     # A joiner with no workers yet starts them at the new world's rendezvous.
     [joining] = on_reconfigure(dataclasses.replace(WAITING, live_mode=True), reconfigure)
-    assert joining == StartWorkers(launcher_pb2.StartEpoch(epoch=5, rank_table=TABLE, rendezvous=RENDEZVOUS,
+    assert joining == StartWorkers(launcher_pb2.StartGeneration(generation=5, rank_table=TABLE, rendezvous=RENDEZVOUS,
                                                            resume_step=40), joining=True)
 
 
@@ -129,10 +130,10 @@ def test_live_workers_stop_in_process_unless_their_unit_failed() -> None:
 
 
 def test_a_leave_saves_the_state_in_process_when_asked_else_stops_the_workers() -> None:
-    saving = launcher_pb2.Leave(epoch=3, reason="preempted", save_state=True)
+    saving = launcher_pb2.Leave(generation=3, reason="preempted", save_state=True)
     assert kinds(on_leave(LIVE, saving)) == [LeaveSavingState]
     assert kinds(on_leave(RESTART, saving)) == [StopWorkers]
-    assert on_leave(LIVE, launcher_pb2.Leave(epoch=3))[-1] == StopWorkers(LauncherState.LEAVING, 10.0)
+    assert on_leave(LIVE, launcher_pb2.Leave(generation=3))[-1] == StopWorkers(LauncherState.LEAVING, 10.0)
 
 
 # The end of a stop.
@@ -141,7 +142,7 @@ def test_a_leave_saves_the_state_in_process_when_asked_else_stops_the_workers() 
 def test_once_stopped_a_leaving_unit_reports_where_it_saved_and_exits_0_a_failed_one_exits_1() -> None:
     leaving = dataclasses.replace(RESTART, state=LauncherState.LEAVING, saved=(("/ckpt", 120), ("/ckpt", 120)))
     report, finish = on_workers_stopped(leaving)
-    assert report == Report(3, launcher_pb2.EPOCH_PHASE_LEFT, step=120,
+    assert report == Report(3, launcher_pb2.GENERATION_PHASE_LEFT, step=120,
                             detail="left after saving the training state at step 120 to /ckpt")
     assert finish == Finish(LauncherState.SUCCEEDED, EXIT_OK, "left the job")
     assert left_detail(()) == "left"
@@ -154,7 +155,7 @@ def test_once_stopped_the_unit_reports_stopped_or_starts_the_generation_that_rep
     stopped = dataclasses.replace(RESTART, state=LauncherState.STOPPING)
     assert on_workers_stopped(stopped) == (ClearLiveStopDeadline(), Enter(LauncherState.WAITING),
                                            HoldStart(None, replacing=False),
-                                           Report(3, launcher_pb2.EPOCH_PHASE_STOPPED, with_store_port=True))
+                                           Report(3, launcher_pb2.GENERATION_PHASE_STOPPED, with_store_port=True))
     replaced = dataclasses.replace(stopped, stopping_for_start=True, pending_start=start(4))
     assert kinds(on_workers_stopped(replaced)) == [ClearLiveStopDeadline, Enter, HoldStart, StartWorkers]
     assert on_workers_stopped(dataclasses.replace(stopped, state=LauncherState.FAILED)) == ()
