@@ -177,3 +177,119 @@ def silence_verdict(*, silent_s: float, limit_s: float, sample_at_last_beat: Pro
         return SilenceVerdict(Silence.WATCHING, f"no beat for {silent_s:.1f} s and no CPU time in the "
                               f"{watched_s:.1f} s watched so far")
     return SilenceVerdict(Silence.FROZEN, f"no beat and no CPU time for {min(silent_s, watched_s):.1f} s")
+
+
+# One verdict over everything a launcher watches.
+
+
+@dataclasses.dataclass(frozen=True)
+class Now:
+    """The injected clock: `monotonic` for deadlines and the peers' silence, `wall` for the
+    workers' beats (they carry the worker's wall time)."""
+
+    monotonic: float
+    wall: float
+
+
+class Watched(enum.Enum):
+    """What a launcher judges the liveness of."""
+
+    # The launcher itself, not registered yet: the controller unreachable past the limit.
+    CONTROLLER = "controller"
+    # A follower's leader, or the leader's followers: silent past the node timeout.
+    LEADER = "leader"
+    FOLLOWER = "follower"
+    # A live-mode worker whose beats stopped: `silence_verdict`.
+    WORKER = "worker"
+    # The launcher's own loop, held up longer than the silence limit: its workers' beats
+    # waited unread, so their silence says nothing yet.
+    SELF = "self"
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerWatch:
+    """One live-mode worker as seen at a look: when its last beat was sent (wall time), the
+    sample taken at its last beat (or at the first silent look), and one taken now (None
+    if it is gone, or not taken because it was not silent past the limit)."""
+
+    local_rank: int
+    last_beat_at: float
+    sample_at_last_beat: ProcessSample | None
+    sample_now: ProcessSample | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Observations:
+    """What a launcher knows of the things it watches at one look.
+
+    `registering_since`: when the launcher started, while it is not registered (None once
+    it is). `peers`: when each peer (a follower by node index, or the leader as 0) was
+    last heard from (monotonic). `workers`: the live-mode workers to judge (neither
+    exited, finished nor killed already) and `previous_look_at` the look before this one
+    (monotonic; 0: none)."""
+
+    registering_since: float | None = None
+    connect_timeout_s: float = 0.0
+    peers: tuple[tuple[int, float], ...] = ()
+    peer_kind: Watched = Watched.FOLLOWER
+    node_timeout_s: float = 0.0
+    workers: tuple[WorkerWatch, ...] = ()
+    worker_silence_limit_s: float = 0.0
+    previous_look_at: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What the launcher does about one watched thing: `key` is the follower's node index
+    or the worker's local rank (0 otherwise); `silence` for a worker (ALIVE otherwise)."""
+
+    watched: Watched
+    key: int
+    lost: bool
+    reason: str
+    silence: Silence = Silence.ALIVE
+    # A worker's: how long its beats have been silent.
+    silent_s: float = 0.0
+
+
+def silent_past(last_at: float, now: float, limit_s: float) -> bool:
+    """Whether something last heard at `last_at` is silent for longer than `limit_s` (the one
+    comparison every liveness rule makes; a limit of 0 or less never expires)."""
+    return limit_s > 0 and now - last_at > limit_s
+
+
+def liveness_verdicts(observed: Observations, now: Now) -> tuple[Verdict, ...]:
+    """The launcher's one liveness judgement, pure: every watched thing that is not simply
+    alive, with what to do about it (`lost`: the peer, or the controller, is given up on;
+    a worker's `silence` says whether it is killed) and a reason for the log.
+
+    - the controller: unreachable when the launcher is still not registered
+      `connect_timeout_s` after it started;
+    - a peer node: lost when silent for longer than `node_timeout_s`;
+    - a worker: judged by `silence_verdict` when its beats stopped for longer than the
+      silence limit, unless the launcher itself was held up for longer than that since
+      its previous look (then one SELF verdict: judge from fresh samples next time)."""
+    verdicts: list[Verdict] = []
+    if (observed.registering_since is not None
+            and silent_past(observed.registering_since, now.monotonic, observed.connect_timeout_s)):
+        verdicts.append(Verdict(Watched.CONTROLLER, 0, True,
+                                f"not registered within {observed.connect_timeout_s:g} s"))
+    for key, last_heard in observed.peers:
+        if silent_past(last_heard, now.monotonic, observed.node_timeout_s):
+            verdicts.append(Verdict(observed.peer_kind, key, True, f"silent for {now.monotonic - last_heard:.1f} s"))
+    limit_s = observed.worker_silence_limit_s
+    if observed.workers and limit_s > 0:
+        if observed.previous_look_at and now.monotonic - observed.previous_look_at > limit_s:
+            verdicts.append(Verdict(Watched.SELF, 0, False, f"this launcher was held up for "
+                                    f"{now.monotonic - observed.previous_look_at:.1f} s; its workers' beats "
+                                    "waited unread"))
+            return tuple(verdicts)
+        for worker in observed.workers:
+            if not silent_past(worker.last_beat_at, now.wall, limit_s):
+                continue
+            silent_s = now.wall - worker.last_beat_at
+            verdict = silence_verdict(silent_s=silent_s, limit_s=limit_s,
+                                      sample_at_last_beat=worker.sample_at_last_beat, sample_now=worker.sample_now)
+            verdicts.append(Verdict(Watched.WORKER, worker.local_rank, verdict.silence is Silence.FROZEN,
+                                    verdict.reason, verdict.silence, silent_s))
+    return tuple(verdicts)

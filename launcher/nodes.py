@@ -43,6 +43,7 @@ from typing import TypeVar
 import structlog
 from google.protobuf.message import DecodeError
 
+from tidal.launcher.liveness import Now, Observations, Watched, liveness_verdicts
 from tidal.launcher.workers import Placement
 from tidal.proto import launcher_pb2
 from tidal.slurm.hostlist import expand
@@ -315,10 +316,11 @@ class FollowerHub:
         beat = launcher_pb2.LeaderMessage(beat=launcher_pb2.NodeBeat())
         while True:
             await asyncio.sleep(BEAT_INTERVAL_S)
-            now = time.monotonic()
+            observed = Observations(peers=tuple((f.index, f.last_heard) for f in self.followers.values() if not f.lost),
+                                    peer_kind=Watched.FOLLOWER, node_timeout_s=self.node_timeout_s)
+            for verdict in liveness_verdicts(observed, Now(monotonic=time.monotonic(), wall=time.time())):
+                self._lose(self.followers[verdict.key], verdict.reason)
             for follower in list(self.followers.values()):
-                if not follower.lost and now - follower.last_heard > self.node_timeout_s:
-                    self._lose(follower, f"silent for {now - follower.last_heard:.1f} s")
                 self._send(follower, beat)
 
     async def _handshake(self, reader: asyncio.StreamReader,

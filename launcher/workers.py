@@ -271,8 +271,3 @@ def _watch_exit(loop: asyncio.AbstractEventLoop, worker: Worker, on_exit: Callab
 
     loop.add_reader(descriptor, exited)
 
-
-def exit_status(returncode: int) -> tuple[int, int]:
-    """(exit_code, signal) as the protocol reports them."""
-    return (0, -returncode) if returncode < 0 else (returncode, 0)
-

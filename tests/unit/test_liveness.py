@@ -3,6 +3,7 @@ from /proc, and the pure verdict on constructed samples."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -13,10 +14,16 @@ import pytest
 
 from tests.waiting import wait_for
 from tidal.launcher.liveness import (
+    Now,
+    Observations,
     ProcessSample,
     Silence,
     SilenceVerdict,
+    Verdict,
+    Watched,
+    WorkerWatch,
     group_members,
+    liveness_verdicts,
     parse_process_stat,
     read_group_sample,
     read_process_sample,
@@ -179,3 +186,60 @@ def test_a_wrappers_child_counts_in_the_workers_cpu_time() -> None:
     finally:
         os.killpg(shell.pid, signal.SIGKILL)
         shell.wait()
+
+
+# The launcher's one liveness verdict over everything it watches.
+
+NOW = Now(monotonic=1000.0, wall=5000.0)
+
+
+def test_nothing_watched_past_its_limit_is_no_verdict() -> None:
+    observed = Observations(registering_since=990.0, connect_timeout_s=600.0, peers=((1, 995.0), (2, 999.9)),
+                            node_timeout_s=10.0, workers=(WorkerWatch(0, 4999.0, None, None),),
+                            worker_silence_limit_s=2.0, previous_look_at=999.75)
+    assert liveness_verdicts(observed, NOW) == ()
+    # A limit of 0 never expires.
+    assert liveness_verdicts(Observations(registering_since=0.0, connect_timeout_s=0.0, peers=((1, 0.0),)), NOW) == ()
+
+
+def test_a_launcher_not_registered_within_the_connect_timeout_finds_the_controller_unreachable() -> None:
+    [verdict] = liveness_verdicts(Observations(registering_since=399.0, connect_timeout_s=600.0), NOW)
+    assert verdict == Verdict(Watched.CONTROLLER, 0, True, "not registered within 600 s")
+    # Once registered, the controller's absence is no verdict: training goes on without it.
+    assert liveness_verdicts(Observations(registering_since=None, connect_timeout_s=600.0), NOW) == ()
+
+
+def test_a_peer_node_silent_past_the_node_timeout_is_lost() -> None:
+    observed = Observations(peers=((1, 985.0), (2, 995.0), (3, 989.9)), peer_kind=Watched.FOLLOWER,
+                            node_timeout_s=10.0)
+    verdicts = liveness_verdicts(observed, NOW)
+    assert [(v.watched, v.key, v.lost) for v in verdicts] == [(Watched.FOLLOWER, 1, True), (Watched.FOLLOWER, 3, True)]
+    assert verdicts[0].reason == "silent for 15.0 s"
+    [leader] = liveness_verdicts(dataclasses.replace(observed, peers=((0, 980.0),), peer_kind=Watched.LEADER), NOW)
+    assert (leader.watched, leader.lost, leader.reason) == (Watched.LEADER, True, "silent for 20.0 s")
+
+
+def test_a_worker_silent_past_the_limit_is_judged_by_its_process() -> None:
+    beat_at = NOW.wall - 3.0
+    at_beat = ProcessSample("S", 1.0, NOW.monotonic - 3.0)
+    frozen = WorkerWatch(0, beat_at, at_beat, ProcessSample("S", 1.0, NOW.monotonic))
+    busy = WorkerWatch(1, beat_at, at_beat, ProcessSample("S", 2.5, NOW.monotonic))
+    first_look = WorkerWatch(2, beat_at, None, ProcessSample("S", 1.0, NOW.monotonic))
+    beating = WorkerWatch(3, NOW.wall - 0.5, None, None)
+    observed = Observations(workers=(frozen, busy, first_look, beating), worker_silence_limit_s=2.0,
+                            previous_look_at=NOW.monotonic - 0.25)
+    verdicts = {v.key: v for v in liveness_verdicts(observed, NOW)}
+    assert set(verdicts) == {0, 1, 2}
+    assert verdicts[0].lost and verdicts[0].silence is Silence.FROZEN and verdicts[0].silent_s == 3.0
+    assert not verdicts[1].lost and verdicts[1].silence is Silence.SLOW and "busy" in verdicts[1].reason
+    assert not verdicts[2].lost and verdicts[2].silence is Silence.WATCHING
+
+
+def test_a_held_up_launcher_judges_no_worker_until_its_next_look() -> None:
+    frozen = WorkerWatch(0, NOW.wall - 5.0, ProcessSample("S", 1.0, NOW.monotonic - 5.0),
+                         ProcessSample("S", 1.0, NOW.monotonic))
+    observed = Observations(workers=(frozen,), worker_silence_limit_s=2.0, previous_look_at=NOW.monotonic - 4.0)
+    [verdict] = liveness_verdicts(observed, NOW)
+    assert (verdict.watched, verdict.lost) == (Watched.SELF, False) and "held up for 4.0 s" in verdict.reason
+    # No silence limit: workers are not judged at all.
+    assert liveness_verdicts(dataclasses.replace(observed, worker_silence_limit_s=0.0), NOW) == ()

@@ -1,0 +1,262 @@
+"""The leader's decisions on the controller's messages, pure: a world message (StartGeneration,
+Reconfigure), a stop (StopGeneration), a Leave, and the end of a stop (its workers gone). Each
+is a function of a snapshot of the leader (`LeaderView`) and the message, returning
+actions (`decisions.Action` and the leader's own below) that `leader.Agent` carries out in
+one place (`node.NodeAgent.apply`). No clock is read, no message sent, no process touched.
+
+Restart mode: a world message is the whole change; the old workers go first, then the new
+generation's start. Live mode: the workers follow a world change in-process (a World over
+the control channel), and only a failed unit's, or a finished one's, are stopped."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tidal.launcher.decisions import Action, ClearLiveStopDeadline, Finish, Log, StopWorkers
+from tidal.launcher.lifecycle import EXIT_OK, EXIT_UNIT_FAILED, LauncherState
+from tidal.proto import common_pb2, launcher_pb2
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaderView:
+    """What the leader's decisions read. `workers_generation`: the generation of its
+    workers still running (None: none runs). `live_workers_running`: live-mode workers
+    that can follow a world change in-process (all alive, not being stopped);
+    `workers_started`: workers were started once (running or not). `finished`:
+    a worker of the unit committed the job's last step. `all_said_hello`: every worker
+    started said hello on the control channel. `pending_start`: a generation waits for
+    the old workers to stop."""
+
+    state: LauncherState
+    generation: int
+    stop_grace_s: float
+    live_mode: bool = False
+    live_workers_running: bool = False
+    workers_generation: int | None = None
+    # Workers were started once (running or not).
+    workers_started: bool = False
+    standby: bool = False
+    failed_self: bool = False
+    finished: bool = False
+    all_said_hello: bool = False
+    stopping_for_start: bool = False
+    pending_start: launcher_pb2.StartGeneration | None = None
+    # Live mode: where each worker that left as the state's last holder wrote it, and at which step.
+    saved: tuple[tuple[str, int], ...] = ()
+
+
+# The leader's own actions.
+
+
+@dataclasses.dataclass(frozen=True)
+class DeclaredFailed:
+    """The controller declared this unit failed: its workers go, the launcher exits 1, and
+    the session with the controller ends."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HoldStart:
+    """Keep `start` (None: drop the one held) for when the old workers are gone;
+    `replacing`: it replaces their generation (its STARTED is the one acknowledgment),
+    None: leave that as it is."""
+
+    start: launcher_pb2.StartGeneration | None
+    replacing: bool | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StartWorkers:
+    start: launcher_pb2.StartGeneration
+    joining: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveStop:
+    """Live mode: the workers abandon the step in flight and wait, in-process."""
+
+    generation: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaveSavingState:
+    """Live mode: the workers write the job's state after the step they agree on, then leave."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SendWorlds:
+    """Live mode: name the world to every worker (leaving it, if it does not name this unit)."""
+
+    generation: int
+    rank_table: common_pb2.RankTable
+    rendezvous: common_pb2.Rendezvous
+    joining: bool = False
+    target_step: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Enter:
+    """Take `state` and `generation` (None: keep it)."""
+
+    state: LauncherState
+    generation: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaveStandby:
+    """Live mode: the workers started ahead are named in a world now."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AwaitReady:
+    """A joiner's live workers: report them ready (STARTED) for `generation` once all said hello."""
+
+    generation: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """An GenerationReport to the controller (`once`: at most once per generation and phase)."""
+
+    generation: int
+    phase: launcher_pb2.GenerationPhase
+    step: int = 0
+    detail: str = ""
+    once: bool = False
+    # With the port of the store this unit serves next.
+    with_store_port: bool = False
+
+
+LeaderAction = (Action | DeclaredFailed | HoldStart | StartWorkers | LiveStop | LeaveSavingState | SendWorlds | Enter
+                | LeaveStandby | AwaitReady | Report)
+
+
+def _grace_s(message: launcher_pb2.StopGeneration | launcher_pb2.StartGeneration, default_s: float) -> float:
+    """The SIGTERM-to-SIGKILL grace a stop (or a start replacing a generation) names, else the default."""
+    if isinstance(message, launcher_pb2.StopGeneration):
+        return message.grace.ToNanoseconds() / 1e9 if message.HasField("grace") else default_s
+    return message.stop_grace.ToNanoseconds() / 1e9 if message.HasField("stop_grace") else default_s
+
+
+def on_start(view: LeaderView, start: launcher_pb2.StartGeneration) -> tuple[LeaderAction, ...]:
+    """StartGeneration: generation `start.generation` is this (in restart mode: its workers start;
+    in live mode: its workers move to it)."""
+    if view.state is LauncherState.LEAVING or view.state.is_final:
+        return ()
+    if view.finished:
+        # Training is over here: no worker of this unit starts again.
+        return (Log("start_after_finish_ignored", {"generation": start.generation}, warning=True),)
+    if view.live_workers_running and view.state is not LauncherState.STOPPING:
+        # Live mode: the workers that stopped in-process (or wait on standby) join the
+        # new world. One still training in an older generation (a failure is this one
+        # message) is not stopped: a rank in a collective with the lost one sees it fail
+        # and takes the new world; the others move at the end of the step, none of which
+        # is lost; a rank still forming the older world gives it up for the newer one.
+        return (LeaveStandby(), Enter(view.state, max(view.generation, start.generation)),
+                SendWorlds(start.generation, start.rank_table, start.rendezvous, target_step=start.resume_step),
+                Enter(LauncherState.RUNNING),
+                Report(start.generation, launcher_pb2.GENERATION_PHASE_STARTED, step=start.resume_step))
+    if view.workers_generation is not None:
+        if view.workers_generation == start.generation:
+            return ()
+        # Restart mode: one message is the whole change; the old workers go first (with
+        # the grace it names: short after a failure), then the new generation starts.
+        return (HoldStart(start, replacing=True),
+                StopWorkers(LauncherState.STOPPING, _grace_s(start, view.stop_grace_s)))
+    if view.state is LauncherState.STOPPING:
+        return (HoldStart(start),)
+    return (StartWorkers(start),)
+
+
+def on_reconfigure(view: LeaderView, reconfigure: launcher_pb2.Reconfigure) -> tuple[LeaderAction, ...]:
+    """Reconfigure (live mode): the world changes to `reconfigure.generation`, in-process."""
+    if (view.state.is_final or view.state is LauncherState.LEAVING
+            or (reconfigure.generation <= view.generation and view.workers_started)):
+        return ()
+    if view.finished:
+        return (Log("reconfigure_after_finish_ignored", {"generation": reconfigure.generation}, warning=True),)
+    world = SendWorlds(reconfigure.generation, reconfigure.rank_table, reconfigure.rendezvous,
+                       target_step=reconfigure.target_step)
+    if view.live_workers_running and view.standby:
+        # A joiner whose workers wait on standby: ready as soon as all said hello.
+        actions: list[LeaderAction] = [LeaveStandby(), Enter(LauncherState.RUNNING, reconfigure.generation),
+                                       AwaitReady(reconfigure.generation), dataclasses.replace(world, joining=True)]
+        if view.all_said_hello:
+            actions.append(Report(reconfigure.generation, launcher_pb2.GENERATION_PHASE_STARTED, once=True,
+                                  detail="workers ready to join (started ahead)"))
+        return tuple(actions)
+    if view.live_workers_running:
+        return (world,)
+    if view.state in (LauncherState.WAITING, LauncherState.CONNECTING):
+        # A joiner: start the workers; they wait at the new world's rendezvous.
+        return (StartWorkers(launcher_pb2.StartGeneration(generation=reconfigure.generation,
+                                                          rank_table=reconfigure.rank_table,
+                                                     rendezvous=reconfigure.rendezvous,
+                                                     resume_step=reconfigure.target_step), joining=True),)
+    return ()
+
+
+def on_stop(view: LeaderView, stop: launcher_pb2.StopGeneration, unit_id: str) -> tuple[LeaderAction, ...]:
+    """StopGeneration: the generation stops (naming this unit failed: its workers go for good)."""
+    actions: list[LeaderAction] = []
+    failed_self = view.failed_self
+    if stop.failed_unit_id == unit_id:
+        failed_self = True
+        actions.append(DeclaredFailed())
+    if stop.generation < view.generation:
+        return (*actions, Log("stale_stop_ignored", {"stop_generation": stop.generation,
+                                                     "generation": view.generation}))
+    actions += [Log("generation_stop_ordered", {"generation": stop.generation, "reason": stop.reason}),
+                HoldStart(None, replacing=False)]
+    if view.finished and not failed_self:
+        # Training is over here (a rank committed the last step): the workers run the
+        # script's own code and exit by themselves; nothing to stop.
+        return (*actions, Log("stop_after_finish_ignored", {"generation": stop.generation}))
+    if view.live_workers_running and not failed_self and view.state is not LauncherState.LEAVING:
+        return (*actions, LiveStop(stop.generation))
+    grace_s = _grace_s(stop, view.stop_grace_s)
+    if failed_self and view.live_mode:
+        # Live mode: the survivors wait in a collective until this unit's workers
+        # are gone (a hung rank must become a dead one), and nothing here is kept.
+        grace_s = 0.0
+    return (*actions, StopWorkers(LauncherState.STOPPING, grace_s))
+
+
+def on_leave(view: LeaderView, leave: launcher_pb2.Leave) -> tuple[LeaderAction, ...]:
+    """Leave: the unit leaves the job (its live workers saving the job's state first, when
+    it holds the last copy)."""
+    logged = Log("leave_ordered", {"generation": leave.generation, "reason": leave.reason,
+                                   "save_state": leave.save_state})
+    if leave.save_state and view.live_workers_running and view.state is not LauncherState.LEAVING:
+        return (logged, LeaveSavingState())
+    return (logged, StopWorkers(LauncherState.LEAVING, view.stop_grace_s))
+
+
+def left_detail(saved: tuple[tuple[str, int], ...]) -> str:
+    """The LEFT report's detail: where the unit's workers wrote the job's state, if they did."""
+    if not saved:
+        return "left"
+    steps = sorted({step for _, step in saved})
+    folders = sorted({folder for folder, _ in saved})
+    return f"left after saving the training state at step {','.join(map(str, steps))} to {', '.join(folders)}"
+
+
+def on_workers_stopped(view: LeaderView) -> tuple[LeaderAction, ...]:
+    """Every worker of the unit is gone after a stop: leave, fail, or wait for (or start)
+    the next generation."""
+    if view.state.is_final:
+        return ()
+    if view.state is LauncherState.LEAVING:
+        # The step the state was saved at, if it was (the job's committed step).
+        return (Report(view.generation, launcher_pb2.GENERATION_PHASE_LEFT, detail=left_detail(view.saved),
+                       step=max((step for _, step in view.saved), default=0)),
+                Finish(LauncherState.SUCCEEDED, EXIT_OK, "left the job"))
+    if view.failed_self:
+        return (Finish(LauncherState.FAILED, EXIT_UNIT_FAILED, "the controller declared this unit failed"),)
+    actions: list[LeaderAction] = [ClearLiveStopDeadline(), Enter(LauncherState.WAITING),
+                                   HoldStart(None, replacing=False)]
+    if not view.stopping_for_start:
+        # A generation replaced by a StartGeneration is acknowledged by its STARTED alone.
+        actions.append(Report(view.generation, launcher_pb2.GENERATION_PHASE_STOPPED, with_store_port=True))
+    if view.pending_start is not None:
+        actions.append(StartWorkers(view.pending_start))
+    return tuple(actions)

@@ -1,0 +1,161 @@
+"""The leader's decisions on the controller's messages, pure: a world message (StartGeneration,
+Reconfigure), a stop, a Leave and the end of a stop, asserted on the actions they return."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tidal.launcher.decisions import ClearLiveStopDeadline, Finish, Log, StopWorkers
+from tidal.launcher.lifecycle import EXIT_OK, EXIT_UNIT_FAILED, LauncherState
+from tidal.launcher.worlds import (
+    AwaitReady,
+    DeclaredFailed,
+    Enter,
+    HoldStart,
+    LeaderView,
+    LeaveSavingState,
+    LeaveStandby,
+    LiveStop,
+    Report,
+    SendWorlds,
+    StartWorkers,
+    left_detail,
+    on_leave,
+    on_reconfigure,
+    on_start,
+    on_stop,
+    on_workers_stopped,
+)
+from tidal.proto import common_pb2, launcher_pb2
+
+RESTART = LeaderView(state=LauncherState.RUNNING, generation=3, stop_grace_s=10.0, workers_generation=3,
+                     workers_started=True)
+WAITING = dataclasses.replace(RESTART, state=LauncherState.WAITING, workers_generation=None, workers_started=False)
+LIVE = dataclasses.replace(RESTART, live_mode=True, live_workers_running=True)
+TABLE = common_pb2.RankTable(world_size=2, assignments=[common_pb2.RankAssignment(unit_id="u1", first_rank=0,
+                                                                                 procs_per_node=1)])
+RENDEZVOUS = common_pb2.Rendezvous(host="h", port=29500, host_unit_id="u1")
+
+
+def start(generation: int, grace_s: float | None = None) -> launcher_pb2.StartGeneration:
+    message = launcher_pb2.StartGeneration(generation=generation, rank_table=TABLE, rendezvous=RENDEZVOUS,
+                                           resume_step=40)
+    if grace_s is not None:
+        message.stop_grace.FromNanoseconds(int(grace_s * 1e9))
+    return message
+
+
+def stop(generation: int, failed: str = "", grace_s: float | None = None) -> launcher_pb2.StopGeneration:
+    message = launcher_pb2.StopGeneration(generation=generation, reason="r", failed_unit_id=failed)
+    if grace_s is not None:
+        message.grace.FromNanoseconds(int(grace_s * 1e9))
+    return message
+
+
+def kinds(actions: tuple[object, ...]) -> list[type]:
+    return [type(action) for action in actions if not isinstance(action, Log)]
+
+
+# A world message.
+
+
+def test_restart_mode_starts_a_waiting_unit_at_once_and_replaces_running_workers_first() -> None:
+    assert on_start(WAITING, start(4)) == (StartWorkers(start(4)),)
+    # One message is the whole change: the old workers go (with the grace it names), then it starts.
+    assert on_start(RESTART, start(4, grace_s=1.5)) == (HoldStart(start(4, grace_s=1.5), replacing=True),
+                                                        StopWorkers(LauncherState.STOPPING, 1.5))
+    assert on_start(RESTART, start(4))[-1] == StopWorkers(LauncherState.STOPPING, 10.0)
+    # The same generation again: nothing; a stop under way: it waits.
+    assert on_start(RESTART, start(3)) == ()
+    assert on_start(dataclasses.replace(WAITING, state=LauncherState.STOPPING), start(4)) == (HoldStart(start(4)),)
+
+
+def test_a_leaving_finished_or_final_unit_starts_nothing() -> None:
+    for state in (LauncherState.LEAVING, LauncherState.SUCCEEDED, LauncherState.FAILED):
+        assert on_start(dataclasses.replace(WAITING, state=state), start(4)) == ()
+    assert kinds(on_start(dataclasses.replace(LIVE, finished=True), start(4))) == []
+
+
+def test_live_workers_move_to_the_new_world_in_process() -> None:
+    actions = on_start(LIVE, start(5))
+    assert actions == (LeaveStandby(), Enter(LauncherState.RUNNING, 5),
+                       SendWorlds(5, TABLE, RENDEZVOUS, target_step=40), Enter(LauncherState.RUNNING),
+                       Report(5, launcher_pb2.GENERATION_PHASE_STARTED, step=40))
+    # While they stop (a stop round), a world message waits for them like a restart.
+    stopping = dataclasses.replace(LIVE, state=LauncherState.STOPPING)
+    assert kinds(on_start(stopping, start(5))) == [HoldStart, StopWorkers]
+
+
+def test_a_reconfigure_names_the_world_to_live_workers_and_starts_a_joiners() -> None:
+    reconfigure = launcher_pb2.Reconfigure(generation=5, rank_table=TABLE, rendezvous=RENDEZVOUS, target_step=40)
+    assert on_reconfigure(LIVE, reconfigure) == (SendWorlds(5, TABLE, RENDEZVOUS, target_step=40),)
+    # An older one, or one to a leaving unit: nothing.
+    assert on_reconfigure(dataclasses.replace(LIVE, generation=5), reconfigure) == ()
+    assert on_reconfigure(dataclasses.replace(LIVE, state=LauncherState.LEAVING), reconfigure) == ()
+    # Workers waiting on standby: named in it as joiners, ready once all said hello.
+    standby = dataclasses.replace(LIVE, standby=True, state=LauncherState.WAITING)
+    assert on_reconfigure(standby, reconfigure) == (
+        LeaveStandby(), Enter(LauncherState.RUNNING, 5), AwaitReady(5),
+        SendWorlds(5, TABLE, RENDEZVOUS, joining=True, target_step=40))
+    ready = on_reconfigure(dataclasses.replace(standby, all_said_hello=True), reconfigure)
+    assert ready[-1] == Report(5, launcher_pb2.GENERATION_PHASE_STARTED, once=True,
+                               detail="workers ready to join (started ahead)")
+    # A joiner with no workers yet starts them at the new world's rendezvous.
+    [joining] = on_reconfigure(dataclasses.replace(WAITING, live_mode=True), reconfigure)
+    assert joining == StartWorkers(launcher_pb2.StartGeneration(generation=5, rank_table=TABLE, rendezvous=RENDEZVOUS,
+                                                           resume_step=40), joining=True)
+
+
+# A stop and a leave.
+
+
+def test_a_stop_stops_the_workers_with_the_grace_it_names_and_forgets_a_held_start() -> None:
+    assert kinds(on_stop(RESTART, stop(3, grace_s=2.0), "u1")) == [HoldStart, StopWorkers]
+    assert on_stop(RESTART, stop(3, grace_s=2.0), "u1")[-1] == StopWorkers(LauncherState.STOPPING, 2.0)
+    assert HoldStart(None, replacing=False) in on_stop(RESTART, stop(3), "u1")
+    # A stale stop is ignored.
+    assert kinds(on_stop(RESTART, stop(2), "u1")) == []
+
+
+def test_live_workers_stop_in_process_unless_their_unit_failed() -> None:
+    assert on_stop(LIVE, stop(3), "u1")[-1] == LiveStop(3)
+    failed = on_stop(LIVE, stop(3, failed="u1", grace_s=5.0), "u1")
+    # This unit failed: its workers go at once (the survivors wait on them in a collective).
+    assert kinds(failed) == [DeclaredFailed, HoldStart, StopWorkers]
+    assert failed[-1] == StopWorkers(LauncherState.STOPPING, 0.0)
+    # Another unit failed: in-process, as any stop.
+    assert on_stop(LIVE, stop(3, failed="u2"), "u1")[-1] == LiveStop(3)
+    # Past the last step, nothing to stop.
+    assert kinds(on_stop(dataclasses.replace(LIVE, finished=True), stop(3), "u1")) == [HoldStart]
+
+
+def test_a_leave_saves_the_state_in_process_when_asked_else_stops_the_workers() -> None:
+    saving = launcher_pb2.Leave(generation=3, reason="preempted", save_state=True)
+    assert kinds(on_leave(LIVE, saving)) == [LeaveSavingState]
+    assert kinds(on_leave(RESTART, saving)) == [StopWorkers]
+    assert on_leave(LIVE, launcher_pb2.Leave(generation=3))[-1] == StopWorkers(LauncherState.LEAVING, 10.0)
+
+
+# The end of a stop.
+
+
+def test_once_stopped_a_leaving_unit_reports_where_it_saved_and_exits_0_a_failed_one_exits_1() -> None:
+    leaving = dataclasses.replace(RESTART, state=LauncherState.LEAVING, saved=(("/ckpt", 120), ("/ckpt", 120)))
+    report, finish = on_workers_stopped(leaving)
+    assert report == Report(3, launcher_pb2.GENERATION_PHASE_LEFT, step=120,
+                            detail="left after saving the training state at step 120 to /ckpt")
+    assert finish == Finish(LauncherState.SUCCEEDED, EXIT_OK, "left the job")
+    assert left_detail(()) == "left"
+    failed = dataclasses.replace(RESTART, state=LauncherState.STOPPING, failed_self=True)
+    assert on_workers_stopped(failed) == (
+        Finish(LauncherState.FAILED, EXIT_UNIT_FAILED, "the controller declared this unit failed"),)
+
+
+def test_once_stopped_the_unit_reports_stopped_or_starts_the_generation_that_replaced_it() -> None:
+    stopped = dataclasses.replace(RESTART, state=LauncherState.STOPPING)
+    assert on_workers_stopped(stopped) == (ClearLiveStopDeadline(), Enter(LauncherState.WAITING),
+                                           HoldStart(None, replacing=False),
+                                           Report(3, launcher_pb2.GENERATION_PHASE_STOPPED, with_store_port=True))
+    replaced = dataclasses.replace(stopped, stopping_for_start=True, pending_start=start(4))
+    assert kinds(on_workers_stopped(replaced)) == [ClearLiveStopDeadline, Enter, HoldStart, StartWorkers]
+    assert on_workers_stopped(dataclasses.replace(stopped, state=LauncherState.FAILED)) == ()
