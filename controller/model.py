@@ -95,6 +95,10 @@ class UnitFacts:
     deferred_leave: tuple[str, str] | None = None
     # When sbatch accepted it (wall clock): an older Slurm view proves nothing of it.
     submitted_at: float = 0.0
+    # Live mode: a step its workers are known to hold by their reports (a world they
+    # reached with the state verified, a first step they committed), which heartbeats
+    # may not say yet (they are up to an interval old).
+    holds_step: int = 0
 
 
 @dataclasses.dataclass

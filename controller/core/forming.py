@@ -126,13 +126,20 @@ def state_fields(t: Step, plan: GenerationRecord) -> dict[str, object]:
 
 def holders(t: Step, unit_ids: tuple[str, ...]) -> tuple[str, ...]:
     """Live mode: which of `unit_ids` hold the state at the job's committed step, as
-    their heartbeats said by the last tick."""
+    their heartbeats said by the last tick, or their reports said since (`holds_step`: a
+    joiner's heartbeats still say step 0 a moment after it reached the world)."""
     state = t.state
     if not state.live:
         return ()
-    return state_holders(t.job.step, {
-        unit_id: list(link.steps.values()) for unit_id in unit_ids
-        if t.connected(unit_id) and (link := state.links.get(unit_id)) is not None})
+    steps: dict[str, list[int]] = {}
+    for unit_id in unit_ids:
+        if not t.connected(unit_id):
+            continue
+        link = state.links.get(unit_id)
+        reported = state.units[unit_id].facts.holds_step
+        beats = list(link.steps.values()) if link is not None else []
+        steps[unit_id] = [max(step, reported) for step in beats] or ([reported] if reported else [])
+    return state_holders(t.job.step, steps)
 
 
 def reconfigure(t: Step, joiners: tuple[str, ...], leaving: tuple[str, ...], cause: str, reason: str,
@@ -202,6 +209,8 @@ def on_reconfigure_report(t: Step, unit_id: str, report: launcher_pb2.Generation
             tell_old_members(t)
     elif report.phase == launcher_pb2.GENERATION_PHASE_RECONFIGURED:
         pending.waiting_for.discard(unit_id)
+        if unit_id in state.units and report.step > state.units[unit_id].facts.holds_step:
+            t.note(state.units[unit_id], holds_step=report.step)
         if pending.waiting_for or not pending.told_old_members:
             return
         state.reconfigure = None
@@ -226,6 +235,10 @@ def on_first_step(t: Step, unit_id: str, report: launcher_pb2.GenerationReport) 
             or report.generation in state.first_step_generations):
         return
     state.first_step_generations.add(report.generation)
+    # The step committed collectively: every member holds it.
+    for member in generation.unit_ids:
+        if report.step > state.units[member].facts.holds_step:
+            t.note(state.units[member], holds_step=report.step)
     at = report.at.ToNanoseconds() / 1e9 if report.HasField("at") else t.now.wall
     fields: dict[str, object] = {"step": report.step, "world_size": generation.world_size}
     recovery = state.recovery

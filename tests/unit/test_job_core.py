@@ -516,3 +516,29 @@ def test_a_tick_after_the_controller_was_held_up_judges_no_heartbeat_silence_unt
     driver.links["a"] = core.Link(last_heartbeat_at=driver.clock)
     effects = driver.tick(0.25)
     assert [e.unit_id for e in effects if isinstance(e, core.Record) and e.kind == "failure_detected"] == ["b"]
+
+
+def test_a_joiner_that_reached_the_world_holds_the_state_before_its_heartbeats_say_so() -> None:
+    """Chaos seed 1 (hardened harness): the only holder by heartbeats failed a moment after
+    a grow; the joiners held the state (they had reported reaching the world, state
+    verified) but their heartbeats still said step 0, and the next generation was said to
+    hold no state. Reports count as well as heartbeats."""
+    driver = Driver(min_replicas=1, max_replicas=3)
+    formed(driver, "a")
+    driver.beat("a", 40)
+    driver.tick(0.25)
+    assert driver.state.job.step == 40
+    driver.connect("b")
+    driver.connect("c")
+    driver.tick(0.25)
+    for unit in "bc":
+        driver.report(unit, 2, launcher_pb2.GENERATION_PHASE_STARTED)
+    for unit in "abc":
+        driver.report(unit, 2, launcher_pb2.GENERATION_PHASE_RECONFIGURED, step=42)
+    assert driver.state.reconfigure is None
+    driver.beat("b", 0)
+    driver.beat("c", 0)
+    effects = driver.exit("a", 2, code=1)
+    assert "state_not_held" not in driver.events(effects)
+    fields = driver.event("world_formed").fields
+    assert fields is not None and fields["state_holders"] == "b,c"
