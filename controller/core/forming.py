@@ -88,12 +88,17 @@ def commit_generation(t: Step, plan: GenerationRecord, unit_ids: list[str], kind
                       fields: dict[str, object]) -> None:
     """What is persisted before any message about the generation leaves: the generation
     with its rank table, the job's generation number, each of `unit_ids` in its place (a
-    member is active; a unit left out waits as a joiner) and the event `kind`."""
+    member is active; a unit left out waits as a joiner, and one that was a member says so
+    in `unit_standby`) and the event `kind`."""
     members = set(plan.unit_ids)
     t.emit(SaveGeneration(plan), SaveJob(t.job))
     for unit_id in unit_ids:
         unit = t.own(t.state.units[unit_id])
         member = plan.member(unit_id)
+        if unit_id not in members and unit.state is UnitState.ACTIVE:
+            t.record("unit_standby", f"left out of generation {plan.number}: {len(plan.members)} replica(s) is the "
+                     f"size the job allows (min {t.job.spec.min_replicas}, max {t.job.spec.max_replicas}); it waits "
+                     "to join", unit_id=unit_id, generation=plan.number, fields={"cause": "size"})
         unit.state = UnitState.ACTIVE if unit_id in members else UnitState.JOINING
         unit.group_rank = member.group_rank if member else -1
         t.emit(SaveUnit(unit))

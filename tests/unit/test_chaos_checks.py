@@ -200,6 +200,21 @@ def test_a_member_dropped_from_the_next_generation_needs_a_failure_or_a_leave() 
     assert len(problems) == 1 and "member u2" in problems[0], problems
 
 
+
+def test_a_member_left_out_by_the_sizes_the_job_allows_is_explained_only_by_a_lowered_max() -> None:
+    """Chaos seed 8: a joiner of a world in flight was left out of the next one by a lowered
+    --max; the controller says so (unit_standby), and that explains it while the harness had
+    lowered --max, never otherwise."""
+    events = [generation("world_reconfiguring", 1.0, 4, "u1,u2,u4,u5", "u1,u2,u4"),
+              event("failure_detected", 1.9, "u1"),
+              event("unit_standby", 2.0, "u5", generation=5, cause="size"),
+              generation("world_formed", 2.0, 5, "u2,u4", "u2,u4")]
+    harm = Harm(windows=[Window("shrink", T0 + 1.5)], hurt=[Hurt("u1", T0 + 1.8)])
+    assert chaos.unexplained_leaves(events, harm, T0) == []
+    problems = chaos.unexplained_leaves(events, Harm(hurt=[Hurt("u1", T0 + 1.8)]), T0)
+    assert len(problems) == 1 and "left out of the world" in problems[0], problems
+
+
 # The steps.
 
 PER_STEP = 6

@@ -408,6 +408,9 @@ def test_a_live_failure_that_leaves_a_size_the_job_does_not_allow_stops_first() 
     for unit in "abc":
         effects = driver.report(unit, 1, launcher_pb2.GENERATION_PHASE_STOPPED)
     assert driver.state.generation is not None and len(driver.state.generation.members) == 2
+    [left_out] = set("abc") - set(driver.state.generation.unit_ids)
+    standby = driver.event("unit_standby")
+    assert standby.unit_id == left_out and driver.state.units[left_out].state is UnitState.JOINING
 
 
 def test_a_failure_while_a_member_is_not_back_after_a_restart_waits_for_it_in_a_stop_round() -> None:
