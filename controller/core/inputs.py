@@ -214,10 +214,7 @@ def on_disconnected(t: Step, unit_id: str, reason: str) -> None:
         t.note(unit, disconnected_at=t.now.monotonic)
         return
     if unit.state is UnitState.LEAVING or t.job.state.is_final:
-        leaving.mark_left(t, unit_id, f"session closed ({reason})")
-        if state.stop is not None:
-            state.stop.waiting_for.discard(unit_id)
-            failure.maybe_finish_stop(t)
+        leaving.gone(t, unit_id, f"session closed ({reason})")
         return
     if unit.state is UnitState.ACTIVE and state.generation is not None and state.generation.member(unit_id):
         failure.fail(t, unit_id, f"launcher stream broke: {reason}", "stream", t.now.monotonic)

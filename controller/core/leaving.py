@@ -3,7 +3,7 @@ deferred behind a change in flight, saving the last copy of the state, overdue l
 
 from __future__ import annotations
 
-from tidal.controller.core import failure, forming, planning, slurm_units
+from tidal.controller.core import failure, finishing, forming, planning, slurm_units
 from tidal.controller.core.state import (
     SaveUnit,
 )
@@ -122,6 +122,19 @@ def mark_left(t: Step, unit_id: str, reason: str) -> None:
     unit.reason = f"{unit.reason}; {reason}" if unit.reason and unit.reason != reason else reason
     t.emit(SaveUnit(unit))
     t.record("unit_left", reason, unit_id=unit_id)
+
+
+def gone(t: Step, unit_id: str, reason: str) -> None:
+    """The unit has left (its session closed after it was asked to leave, or its Slurm job
+    ended while it was out of touch): a stop waiting for it goes on without it, and a
+    finishing job may be complete."""
+    mark_left(t, unit_id, reason)
+    state = t.state
+    if state.stop is not None:
+        state.stop.waiting_for.discard(unit_id)
+        failure.maybe_finish_stop(t)
+    elif t.job.state is JobState.FINISHING:
+        finishing.maybe_complete(t)
 
 
 def cancel_overdue_leavers(t: Step, overdue: tuple[tuple[str, float], ...], now: float) -> None:

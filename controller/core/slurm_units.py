@@ -4,7 +4,7 @@ preempted), growth onto idle nodes, submissions and their answers, node cool-dow
 from __future__ import annotations
 
 from tidal.controller import units as unit_rules
-from tidal.controller.core import failure, finishing, leaving, sharing
+from tidal.controller.core import leaving, sharing
 from tidal.controller.core.queries import (
     alive_units,
 )
@@ -36,7 +36,11 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
                     found is None or found.state.is_finished or found.was_requeued):
                 # Asked to leave, and its Slurm job is over (it left while the controller was
                 # away, or Slurm ended it): it is gone now, not at the overdue deadline.
-                left_in_slurm(t, unit, found.state.value.lower() if found else "gone from squeue")
+                if found is not None and found.was_requeued and found.state is SlurmJobState.PENDING:
+                    cancel_in_slurm(t, unit)  # (the requeued copy: Tidal places replacements itself)
+                what = found.state.value.lower() if found else "gone from squeue"
+                leaving.gone(t, unit.unit_id, f"its Slurm job {unit.slurm_job_id} is {what}, with its launcher "
+                             "out of touch")
             continue
         if found is not None and found.was_requeued and found.state is SlurmJobState.PENDING:
             # Slurm requeued the unit (an sbatch option allowed it): its processes are
@@ -98,19 +102,6 @@ def on_requeued(t: Step, unit: UnitRecord, slurm_job_id: int) -> None:
         unit_lost(t, unit, f"Slurm job {slurm_job_id} requeued before its launcher registered")
     else:
         leaving.leave(t, unit.unit_id, "requeued", f"Slurm requeued job {slurm_job_id}")
-
-
-def left_in_slurm(t: Step, unit: UnitRecord, what: str) -> None:
-    """A leaving unit whose Slurm job is over: it has left; a stop waiting for it goes on."""
-    if unit.slurm_job_id and what == "pending":
-        cancel_in_slurm(t, unit)
-    leaving.mark_left(t, unit.unit_id, f"its Slurm job {unit.slurm_job_id} is {what}, with its launcher out of touch")
-    state = t.state
-    if state.stop is not None and unit.unit_id in state.stop.waiting_for:
-        state.stop.waiting_for.discard(unit.unit_id)
-        failure.maybe_finish_stop(t)
-    elif state.job.state is JobState.FINISHING:
-        finishing.maybe_complete(t)
 
 
 def cool_down(t: Step, unit: UnitRecord, now: float) -> None:
