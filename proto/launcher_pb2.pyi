@@ -157,18 +157,12 @@ class GenerationReport(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., phase: _Optional[_Union[GenerationPhase, str]] = ..., step: _Optional[int] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., detail: _Optional[str] = ..., store_port: _Optional[int] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
-    __slots__ = ("registered", "start_generation", "reconfigure", "stop_generation", "leave")
+    __slots__ = ("registered", "generation")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
-    START_GENERATION_FIELD_NUMBER: _ClassVar[int]
-    RECONFIGURE_FIELD_NUMBER: _ClassVar[int]
-    STOP_GENERATION_FIELD_NUMBER: _ClassVar[int]
-    LEAVE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
-    start_generation: StartGeneration
-    reconfigure: Reconfigure
-    stop_generation: StopGeneration
-    leave: Leave
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., start_generation: _Optional[_Union[StartGeneration, _Mapping]] = ..., reconfigure: _Optional[_Union[Reconfigure, _Mapping]] = ..., stop_generation: _Optional[_Union[StopGeneration, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ...) -> None: ...
+    generation: Generation
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., generation: _Optional[_Union[Generation, _Mapping]] = ...) -> None: ...
 
 class Registered(_message.Message):
     __slots__ = ("current_generation", "heartbeat_interval", "heartbeat_timeout", "mode", "progress_timeout", "command", "environment", "working_dir", "procs_per_node", "job_name", "worker_silence_timeout")
@@ -203,55 +197,31 @@ class Registered(_message.Message):
     worker_silence_timeout: _duration_pb2.Duration
     def __init__(self, current_generation: _Optional[int] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., heartbeat_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., mode: _Optional[_Union[_common_pb2.JobMode, str]] = ..., progress_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., command: _Optional[_Iterable[str]] = ..., environment: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., procs_per_node: _Optional[int] = ..., job_name: _Optional[str] = ..., worker_silence_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
-class StartGeneration(_message.Message):
-    __slots__ = ("generation", "rank_table", "rendezvous", "resume_step", "stop_grace")
-    GENERATION_FIELD_NUMBER: _ClassVar[int]
-    RANK_TABLE_FIELD_NUMBER: _ClassVar[int]
-    RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
-    RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
-    STOP_GRACE_FIELD_NUMBER: _ClassVar[int]
-    generation: int
-    rank_table: _common_pb2.RankTable
-    rendezvous: _common_pb2.Rendezvous
-    resume_step: int
-    stop_grace: _duration_pb2.Duration
-    def __init__(self, generation: _Optional[int] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., rendezvous: _Optional[_Union[_common_pb2.Rendezvous, _Mapping]] = ..., resume_step: _Optional[int] = ..., stop_grace: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
-
-class Reconfigure(_message.Message):
-    __slots__ = ("generation", "from_generation", "rank_table", "rendezvous", "target_step")
+class Generation(_message.Message):
+    __slots__ = ("generation", "from_generation", "rank_table", "rendezvous", "target_step", "stop_grace", "reason", "failed_unit_id", "leaving", "save_state", "at_step_boundary")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     FROM_GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_TABLE_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     TARGET_STEP_FIELD_NUMBER: _ClassVar[int]
+    STOP_GRACE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    FAILED_UNIT_ID_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
+    SAVE_STATE_FIELD_NUMBER: _ClassVar[int]
+    AT_STEP_BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     generation: int
     from_generation: int
     rank_table: _common_pb2.RankTable
     rendezvous: _common_pb2.Rendezvous
     target_step: int
-    def __init__(self, generation: _Optional[int] = ..., from_generation: _Optional[int] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., rendezvous: _Optional[_Union[_common_pb2.Rendezvous, _Mapping]] = ..., target_step: _Optional[int] = ...) -> None: ...
-
-class StopGeneration(_message.Message):
-    __slots__ = ("generation", "reason", "failed_unit_id", "grace")
-    GENERATION_FIELD_NUMBER: _ClassVar[int]
-    REASON_FIELD_NUMBER: _ClassVar[int]
-    FAILED_UNIT_ID_FIELD_NUMBER: _ClassVar[int]
-    GRACE_FIELD_NUMBER: _ClassVar[int]
-    generation: int
+    stop_grace: _duration_pb2.Duration
     reason: str
     failed_unit_id: str
-    grace: _duration_pb2.Duration
-    def __init__(self, generation: _Optional[int] = ..., reason: _Optional[str] = ..., failed_unit_id: _Optional[str] = ..., grace: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
-
-class Leave(_message.Message):
-    __slots__ = ("generation", "reason", "save_state")
-    GENERATION_FIELD_NUMBER: _ClassVar[int]
-    REASON_FIELD_NUMBER: _ClassVar[int]
-    SAVE_STATE_FIELD_NUMBER: _ClassVar[int]
-    generation: int
-    reason: str
+    leaving: _containers.RepeatedScalarFieldContainer[str]
     save_state: bool
-    def __init__(self, generation: _Optional[int] = ..., reason: _Optional[str] = ..., save_state: _Optional[bool] = ...) -> None: ...
+    at_step_boundary: bool
+    def __init__(self, generation: _Optional[int] = ..., from_generation: _Optional[int] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., rendezvous: _Optional[_Union[_common_pb2.Rendezvous, _Mapping]] = ..., target_step: _Optional[int] = ..., stop_grace: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., reason: _Optional[str] = ..., failed_unit_id: _Optional[str] = ..., leaving: _Optional[_Iterable[str]] = ..., save_state: _Optional[bool] = ..., at_step_boundary: _Optional[bool] = ...) -> None: ...
 
 class FollowerMessage(_message.Message):
     __slots__ = ("hello", "proof", "report", "worker_exited", "stopped")
@@ -322,8 +292,8 @@ class NodeStart(_message.Message):
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
-    start: StartGeneration
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., start: _Optional[_Union[StartGeneration, _Mapping]] = ...) -> None: ...
+    start: Generation
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., start: _Optional[_Union[Generation, _Mapping]] = ...) -> None: ...
 
 class NodeStop(_message.Message):
     __slots__ = ("generation", "grace")
