@@ -5,15 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from tidal.controller.core import finishing, forming, leaving, planning, slurm_units, tick
-from tidal.controller.core.queries import (
-    duration,
-)
+from tidal.controller.core import finishing, forming, leaving, messages, planning, slurm_units, tick
 from tidal.controller.core.state import (
+    ChangeKind,
     Close,
     FailureCounted,
     GenerationStopped,
-    PendingStop,
+    InFlight,
     Record,
     Recovery,
     SaveJob,
@@ -22,7 +20,6 @@ from tidal.controller.core.state import (
 )
 from tidal.controller.core.step import Step
 from tidal.controller.model import JobState, UnitState, join_ids
-from tidal.proto import launcher_pb2
 
 
 def fail(t: Step, unit_id: str, reason: str, cause: str, detected_at: float,
@@ -58,12 +55,12 @@ def fail(t: Step, unit_id: str, reason: str, cause: str, detected_at: float,
         # node whose slurmd died) gives its allocation back.
         slurm_units.cancel_in_slurm(t, unit)
     if t.connected(unit_id):
-        t.send(unit_id, stop_message(t, number, reason, "failure", failed_unit_id=unit_id))
+        t.send(unit_id, messages.stop(number, reason, stop_grace_s(t, "failure"), failed_unit_id=unit_id))
         t.emit(Close(unit_id, f"unit {unit_id} failed: {reason}"))
     if not was_member:
         return False
-    if state.stop is not None:
-        state.stop.waiting_for.discard(unit_id)
+    if state.stopping is not None:
+        state.stopping.waiting_for.discard(unit_id)
         maybe_finish_stop(t)
         return False
     if state.recovery is None:
@@ -97,7 +94,7 @@ def go_on_without(t: Step, what: str) -> bool:
     stopped first."""
     state = t.state
     generation = state.generation
-    if state.reconfigure is not None or generation is None or t.job.state is not JobState.RUNNING:
+    if state.changing is not None or generation is None or t.job.state is not JobState.RUNNING:
         return False
     survivors = tuple(u for u in generation.unit_ids if state.units[u].state is UnitState.ACTIVE)
     if not all(t.connected(u) for u in survivors):
@@ -118,7 +115,7 @@ def go_on_without(t: Step, what: str) -> bool:
 def next_generation_now(t: Step, members: tuple[str, ...], joiners: tuple[str, ...], cause: str,
                         reason: str) -> bool:
     """Form and send the next generation of `members` + `joiners` now, as one message to
-    each (StartGeneration; in restart mode the launcher stops the old workers first), if
+    each (in restart mode the launcher stops the old workers first), if
     they make a size the job allows and one of them can host the rendezvous. Whether it
     formed."""
     state = t.state
@@ -139,16 +136,9 @@ def stop_grace_s(t: Step, cause: str) -> float:
     return t.config.failure_stop_grace_s if cause == "failure" else t.config.restart_grace_s
 
 
-def stop_message(t: Step, generation: int, reason: str, cause: str,
-                 failed_unit_id: str = "") -> launcher_pb2.ControllerMessage:
-    return launcher_pb2.ControllerMessage(stop_generation=launcher_pb2.StopGeneration(
-        generation=generation, reason=reason, failed_unit_id=failed_unit_id,
-        grace=duration(stop_grace_s(t, cause))))
-
-
 def begin_stop(t: Step, cause: str, reason: str, detected_at: float) -> None:
-    """Broadcast STOP for the running generation to every member and wait for each to
-    confirm (or fail past the deadline)."""
+    """Send the stop (an empty generation) to every member of the running one and wait for
+    each to confirm (or fail past the deadline); it supersedes any change in flight."""
     state = t.state
     assert state.generation is not None
     now = t.now.monotonic
@@ -159,14 +149,13 @@ def begin_stop(t: Step, cause: str, reason: str, detected_at: float) -> None:
     # collective failing): they get the planned-change grace, not a failure's.
     grace_s = t.config.restart_grace_s if state.live else stop_grace_s(t, cause)
     deadline = max(now + grace_s + t.config.heartbeat_timeout_s, state.reconnect_deadline)
-    state.stop = PendingStop(generation=state.generation.number, cause=cause, reason=reason,
-                             detected_at=detected_at, waiting_for=waiting, deadline=deadline)
-    state.reconfigure = None
+    stop = state.in_flight = InFlight(ChangeKind.STOP, generation=state.generation.number, cause=cause,
+                                      reason=reason, decided_at=detected_at, waiting_for=waiting, deadline=deadline)
     t.job.state = JobState.RECONFIGURING
     t.emit(SaveJob(t.job))
     t.record("generation_stopping", reason, generation=state.generation.number,
              fields={"cause": cause, "waiting_for": join_ids(sorted(waiting))})
-    message = stop_message(t, state.stop.generation, reason, cause)
+    message = messages.stop(stop.generation, reason, stop_grace_s(t, cause))
     for unit_id in sorted(waiting):
         if state.units[unit_id].state is not UnitState.LEAVING:
             t.send(unit_id, message)
@@ -175,12 +164,12 @@ def begin_stop(t: Step, cause: str, reason: str, detected_at: float) -> None:
 
 def maybe_finish_stop(t: Step) -> None:
     state = t.state
-    stop = state.stop
+    stop = state.stopping
     if stop is None or stop.waiting_for:
         return
     now = t.now.monotonic
-    state.stop = None
-    elapsed = now - stop.detected_at
+    state.in_flight = None
+    elapsed = now - stop.decided_at
     t.emit(GenerationStopped(t.job.job_id, stop.generation, t.now.wall))
     t.record("generation_stopped", f"every rank of generation {stop.generation} stopped",
              generation=stop.generation,

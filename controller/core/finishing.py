@@ -3,7 +3,7 @@ and the end of a job for any reason (`end`)."""
 
 from __future__ import annotations
 
-from tidal.controller.core import leaving, slurm_units
+from tidal.controller.core import leaving, messages, slurm_units
 from tidal.controller.core.completion import FinishingMember, completion_verdict
 from tidal.controller.core.queries import (
     describe_worker_exit,
@@ -31,8 +31,7 @@ def begin_finishing(t: Step, unit_id: str, generation: int, step: int, reason: s
     t.job.state = JobState.FINISHING
     t.job.step = max(t.job.step, step)
     finished_world = world_of(t, generation)
-    state.stop = None
-    state.reconfigure = None
+    state.in_flight = None
     t.take_deferred_leaves()
     t.emit(SaveJob(t.job))
     t.record("job_finishing", reason, unit_id=unit_id, generation=generation, fields={"step": t.job.step})
@@ -53,8 +52,8 @@ def begin_finishing(t: Step, unit_id: str, generation: int, step: int, reason: s
 def world_of(t: Step, generation: int) -> GenerationRecord | None:
     """The generation numbered `generation`, if it is the newest one or the one a live
     change in flight leaves; else the newest one."""
-    pending = t.state.reconfigure
-    if pending is not None and pending.previous.number == generation:
+    pending = t.state.changing
+    if pending is not None and pending.previous is not None and pending.previous.number == generation:
         return pending.previous
     return t.state.generation
 
@@ -92,7 +91,7 @@ def maybe_complete(t: Step) -> None:
 def end(t: Step, job_state: JobState, kind: str, reason: str) -> None:
     state = t.state
     t.job.state = job_state
-    state.stop = None
+    state.in_flight = None
     number = state.generation.number if state.generation is not None else 0
     t.emit(SaveJob(t.job))
     if state.generation is not None:
@@ -112,5 +111,4 @@ def end(t: Step, job_state: JobState, kind: str, reason: str) -> None:
         unit = t.note(unit, leaving_since=t.now.monotonic)
         unit.state = UnitState.LEAVING
         t.emit(SaveUnit(unit))
-        t.send(unit_id, launcher_pb2.ControllerMessage(leave=launcher_pb2.Leave(generation=number,
-                                                                                reason=reason)))
+        t.send(unit_id, messages.leave(number, unit_id, reason))

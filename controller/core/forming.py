@@ -1,18 +1,16 @@
-"""Forming generations: candidates and ranks, committing and sending a generation (restart
-mode's StartGeneration), live mode's in-process reconfiguration, and what the workers report of
+"""Forming generations: candidates and ranks, committing and sending a generation (at once, to
+each member; or live mode's change at a step boundary), and what the workers report of
 the state they formed with (first step, resumed from a checkpoint, state lost)."""
 
 from __future__ import annotations
 
-from tidal.controller.core import failure, finishing, leaving, planning
+from tidal.controller.core import failure, finishing, leaving, messages, planning
 from tidal.controller.core.progress import state_holders
-from tidal.controller.core.queries import (
-    duration,
-)
 from tidal.controller.core.state import (
+    ChangeKind,
     GenerationCounted,
+    InFlight,
     Note,
-    PendingReconfigure,
     RecoveryTimed,
     SaveGeneration,
     SaveJob,
@@ -45,9 +43,10 @@ def candidates(t: Step, unit_ids: list[str]) -> list[planning.Candidate]:
 
 def start_generation(t: Step, survivors: tuple[str, ...], form: planning.Form, now: float,
                      cause: str = "") -> None:
-    """Commit the next generation of `survivors` + the form's joiners and send each its
-    StartGeneration. `cause` (failure, grow, leave) is set when it replaces a running
-    generation in one message: the old workers' stop grace follows from it."""
+    """Commit the next generation of `survivors` + the form's joiners and send it to each, at
+    once (a newer generation supersedes any change in flight). `cause` (failure, grow,
+    leave) is set when it replaces a running generation in one message: the old workers'
+    stop grace follows from it."""
     state = t.state
     chosen = list(survivors) + list(form.joiners)
     try:
@@ -74,14 +73,14 @@ def start_generation(t: Step, survivors: tuple[str, ...], form: planning.Form, n
     state.generation_started_at = now
     state.last_change_at = now
     state.exited_ok = {}
-    state.reconfigure = None
+    state.in_flight = None
     for unit_id in plan.unit_ids:
         # Each is sent this generation now: nothing left to wait for from before.
         if state.units[unit_id].facts.back_without_workers_at is not None:
             t.note(state.units[unit_id], back_without_workers_at=None)
     for unit_id in plan.unit_ids:
-        t.send(unit_id, start_message(t, plan, unit_id, stop_grace_s=(
-            failure.stop_grace_s(t, cause) if cause else None)))
+        t.send(unit_id, messages.member(plan, unit_id, stop_grace_s=failure.stop_grace_s(t, cause) if cause else None,
+                                        reason=form.reason))
 
 
 def commit_generation(t: Step, plan: GenerationRecord, unit_ids: list[str], kind: str, reason: str,
@@ -103,16 +102,6 @@ def commit_generation(t: Step, plan: GenerationRecord, unit_ids: list[str], kind
         unit.group_rank = member.group_rank if member else -1
         t.emit(SaveUnit(unit))
     t.record(kind, reason, generation=plan.number, fields=fields)
-
-
-def start_message(t: Step, generation: GenerationRecord, unit_id: str,
-                  stop_grace_s: float | None = None) -> launcher_pb2.ControllerMessage:
-    start = launcher_pb2.StartGeneration(
-        generation=generation.number, rank_table=generation.rank_table(only_unit=unit_id),
-        rendezvous=generation.rendezvous(), resume_step=generation.resume_step)
-    if stop_grace_s is not None:
-        start.stop_grace.CopyFrom(duration(stop_grace_s))
-    return launcher_pb2.ControllerMessage(start_generation=start)
 
 
 def state_fields(t: Step, plan: GenerationRecord) -> dict[str, object]:
@@ -167,9 +156,7 @@ def reconfigure(t: Step, joiners: tuple[str, ...], leaving: tuple[str, ...], cau
     # The state's source: the new world's rank 0, a survivor (survivors keep their order).
     source = min(plan.members, key=lambda m: m.group_rank).unit_id
     fields_of_state = state_fields(t, plan)
-    message = launcher_pb2.ControllerMessage(reconfigure=launcher_pb2.Reconfigure(
-        generation=plan.number, from_generation=previous.number, rank_table=plan.rank_table(),
-        rendezvous=plan.rendezvous(), target_step=plan.resume_step))
+    message = messages.at_step_boundary(plan, previous.number, leaving, reason)
     t.job.generation = plan.number
     fields: dict[str, object] = {"cause": cause, "from_generation": previous.number, "world_size": plan.world_size,
                                  "replicas": len(plan.members), "members": join_ids(list(plan.unit_ids)),
@@ -177,10 +164,11 @@ def reconfigure(t: Step, joiners: tuple[str, ...], leaving: tuple[str, ...], cau
                                  "state_source": source, **fields_of_state}
     commit_generation(t, plan, chosen, "world_reconfiguring", reason, fields)
     t.emit(GenerationCounted(t.job.job_id))
-    state.reconfigure = PendingReconfigure(
-        generation=plan.number, from_generation=previous.number, previous=previous, cause=cause, message=message,
-        old_members=old_members, joiners_waiting=set(joiners), waiting_for=set(plan.unit_ids), decided_at=now,
-        deadline=now + t.config.reconfigure_timeout_s)
+    state.in_flight = InFlight(
+        ChangeKind.STEP_BOUNDARY, generation=plan.number, cause=cause, reason=reason, decided_at=now,
+        deadline=now + t.config.reconfigure_timeout_s, waiting_for=set(plan.unit_ids),
+        from_generation=previous.number, previous=previous, message=message, old_members=old_members,
+        joiners_waiting=set(joiners))
     state.generation = plan
     state.generation_started_at = now
     state.last_change_at = now
@@ -193,8 +181,8 @@ def reconfigure(t: Step, joiners: tuple[str, ...], leaving: tuple[str, ...], cau
 
 
 def tell_old_members(t: Step) -> None:
-    pending = t.state.reconfigure
-    assert pending is not None
+    pending = t.state.changing
+    assert pending is not None and pending.message is not None
     pending.told_old_members = True
     for unit_id in pending.old_members:
         if not t.state.units[unit_id].state.is_final:
@@ -203,7 +191,7 @@ def tell_old_members(t: Step) -> None:
 
 def on_reconfigure_report(t: Step, unit_id: str, report: launcher_pb2.GenerationReport) -> None:
     state = t.state
-    pending = state.reconfigure
+    pending = state.changing
     assert pending is not None
     now = t.now.monotonic
     if report.phase == launcher_pb2.GENERATION_PHASE_STARTED and unit_id in pending.joiners_waiting:
@@ -218,7 +206,7 @@ def on_reconfigure_report(t: Step, unit_id: str, report: launcher_pb2.Generation
             t.note(state.units[unit_id], holds_step=report.step)
         if pending.waiting_for or not pending.told_old_members:
             return
-        state.reconfigure = None
+        state.in_flight = None
         # (The watermark rises from heartbeats only, so that it never runs ahead of the
         # steps the state holders are judged by.)
         t.emit(SaveJob(t.job))

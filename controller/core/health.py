@@ -147,7 +147,7 @@ def judge(state: State, now: float) -> Verdicts:
                  for u, unit in units.items()
                  if unit.facts.back_without_workers_at is not None
                  and now - unit.facts.back_without_workers_at > config.heartbeat_timeout_s)
-    stop = state.stop
+    stop = state.stopping
     stop_overdue = (stop.generation, stop.deadline) if stop is not None and now > stop.deadline else None
     unconfirmed = tuple(Failure(u, f"did not confirm the stop of generation {stop.generation} in time", "stop")
                         for u in sorted(stop.waiting_for)) if stop is not None and stop_overdue else ()
@@ -175,7 +175,7 @@ def judge(state: State, now: float) -> Verdicts:
             observed, now=now, policy=HealthPolicy(config.heartbeat_timeout_s, config.progress_timeout_s),
             generation_started_at=state.generation_started_at, reconnect_deadline=state.reconnect_deadline)
             if not (held_up and failure.cause == "heartbeat"))
-    change = state.reconfigure
+    change = state.changing
     late: tuple[Failure, ...] = ()
     if change is not None and now > change.deadline:
         waiting = change.joiners_waiting if not change.told_old_members else change.waiting_for

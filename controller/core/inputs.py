@@ -3,7 +3,7 @@ reports), its session closing, and the admin's requests; the one place inputs ar
 
 from __future__ import annotations
 
-from tidal.controller.core import failure, finishing, forming, leaving, slurm_units, tick
+from tidal.controller.core import failure, finishing, forming, leaving, messages, slurm_units, tick
 from tidal.controller.core.queries import (
     describe_worker_exit,
     worker_error_fields,
@@ -97,9 +97,10 @@ def on_connected(t: Step, unit_id: str, register: launcher_pb2.Register) -> None
         return
     if member is None or generation is None:
         return
-    if state.stop is not None and state.stop.generation == generation.number:
-        state.stop.waiting_for.add(unit_id)
-        t.send(unit_id, failure.stop_message(t, state.stop.generation, state.stop.reason, state.stop.cause))
+    stop = state.stopping
+    if stop is not None and stop.generation == generation.number:
+        stop.waiting_for.add(unit_id)
+        t.send(unit_id, messages.stop(stop.generation, stop.reason, failure.stop_grace_s(t, stop.cause)))
         t.record("launcher_reconnected", "told to stop the generation being stopped", unit_id=unit_id,
                  generation=generation.number, fields=fields)
     elif register.last_generation == generation.number and register.worker_pids:
@@ -114,7 +115,7 @@ def on_connected(t: Step, unit_id: str, register: launcher_pb2.Register) -> None
         t.record("launcher_reconnected", "back with no workers; waiting for its reports", unit_id=unit_id,
                  generation=generation.number, fields=fields)
     elif t.job.state is JobState.RUNNING:
-        t.send(unit_id, forming.start_message(t, generation, unit_id))
+        t.send(unit_id, messages.member(generation, unit_id, reason="sent again after a reconnection"))
         had = (f"at generation {register.last_generation}" if register.worker_pids
                else "without workers")
         t.record("generation_start_resent", f"reconnected {had}; sent generation {generation.number} again",
@@ -156,11 +157,12 @@ def on_said(t: Step, unit_id: str, message: launcher_pb2.LauncherMessage) -> Non
                                   f"{report.step} and there is no checkpoint")
         elif report.phase == launcher_pb2.GENERATION_PHASE_FIRST_STEP:
             forming.on_first_step(t, unit_id, report)
-        elif state.reconfigure is not None and report.generation == state.reconfigure.generation:
+        elif state.changing is not None and report.generation == state.changing.generation:
             forming.on_reconfigure_report(t, unit_id, report)
+        stop = state.stopping
         if (report.phase in (launcher_pb2.GENERATION_PHASE_STOPPED, launcher_pb2.GENERATION_PHASE_LEFT)
-                and state.stop is not None and report.generation == state.stop.generation):
-            state.stop.waiting_for.discard(unit_id)
+                and stop is not None and report.generation == stop.generation):
+            stop.waiting_for.discard(unit_id)
             failure.maybe_finish_stop(t)
 
 
@@ -176,8 +178,8 @@ def on_worker_exited(t: Step, unit_id: str, exited: launcher_pb2.WorkerExited) -
                               f"training state at step {t.job.step} and there is no checkpoint")
         return
     current = {state.generation.number} if state.generation is not None else set()
-    if state.reconfigure is not None:
-        current.add(state.reconfigure.from_generation)
+    if state.changing is not None:
+        current.add(state.changing.from_generation)
     if state.generation is None or exited.generation not in current or t.job.state is not JobState.RUNNING:
         t.emit(StaleMessageCounted(),
                Note("stale_message_ignored", {"unit": unit_id, "kind": "worker_exited",

@@ -3,13 +3,12 @@ deferred behind a change in flight, saving the last copy of the state, overdue l
 
 from __future__ import annotations
 
-from tidal.controller.core import failure, finishing, forming, planning, slurm_units
+from tidal.controller.core import failure, finishing, forming, messages, planning, slurm_units
 from tidal.controller.core.state import (
     SaveUnit,
 )
 from tidal.controller.core.step import Step
 from tidal.controller.model import JobState, UnitState, join_ids
-from tidal.proto import launcher_pb2
 
 
 def leave(t: Step, unit_id: str, cause: str, detail: str) -> None:
@@ -20,8 +19,8 @@ def leave(t: Step, unit_id: str, cause: str, detail: str) -> None:
     was_active = unit.state is UnitState.ACTIVE
     connected = t.connected(unit_id)
     running = (was_active and t.job.state is JobState.RUNNING and state.generation is not None
-               and state.stop is None)
-    if running and state.live and connected and state.reconfigure is not None:
+               and state.stopping is None)
+    if running and state.live and connected and state.changing is not None:
         # One world change at a time: this leave follows the one in flight.
         if unit.facts.deferred_leave is None:
             t.note(unit, deferred_leave=(cause, detail))
@@ -45,13 +44,12 @@ def leave(t: Step, unit_id: str, cause: str, detail: str) -> None:
             t.record("state_saving", f"unit {unit_id} holds the last copy of the training state: its workers "
                      "write it to disk before leaving, and the next world resumes from it",
                      unit_id=unit_id, generation=number)
-        t.send(unit_id, launcher_pb2.ControllerMessage(leave=launcher_pb2.Leave(
-            generation=number, reason=unit.reason, save_state=save_state)))
+        t.send(unit_id, messages.leave(number, unit_id, unit.reason, save_state=save_state))
     else:
         mark_left(t, unit_id, "not connected when asked to leave")
-    if state.stop is not None:
-        if connected and state.stop.generation == number and was_active:
-            state.stop.waiting_for.add(unit_id)
+    if state.stopping is not None:
+        if connected and state.stopping.generation == number and was_active:
+            state.stopping.waiting_for.add(unit_id)
         return
     if was_active and t.job.state is JobState.RUNNING and state.generation is not None:
         staying = tuple(u for u in state.generation.unit_ids if state.units[u].state is UnitState.ACTIVE)
@@ -130,8 +128,8 @@ def gone(t: Step, unit_id: str, reason: str) -> None:
     finishing job may be complete."""
     mark_left(t, unit_id, reason)
     state = t.state
-    if state.stop is not None:
-        state.stop.waiting_for.discard(unit_id)
+    if state.stopping is not None:
+        state.stopping.waiting_for.discard(unit_id)
         failure.maybe_finish_stop(t)
     elif t.job.state is JobState.FINISHING:
         finishing.maybe_complete(t)

@@ -63,7 +63,7 @@ def yielding_job(state: State, view: ClusterView) -> sharing.YieldingJob | None:
     yielding and no world change or stop is in flight."""
     job = state.job
     if (not state.slurm_units or not job.spec.yield_to_pending or job.state is not JobState.RUNNING
-            or state.stop is not None or state.reconfigure is not None):
+            or state.in_flight is not None):
         return None
     candidates = []
     for unit in state.units.values():

@@ -59,7 +59,7 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
             unit_lost(t, unit, f"Slurm job {unit.slurm_job_id} {what} before its launcher registered")
     for order in yields:
         leaving.leave(t, order.unit_id, "yielded", order.reason)
-    if now < state.next_submit_at or state.stop is not None or t.job.state is JobState.FINISHING:
+    if now < state.next_submit_at or state.stopping is not None or t.job.state is JobState.FINISHING:
         return
     spec = t.job.spec
     alive = alive_units(state)

@@ -19,6 +19,7 @@ Times: `Now.monotonic` for deadlines and ages, `Now.wall` for what is recorded."
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping
 
 from tidal.controller.config import ControllerConfig
@@ -251,36 +252,40 @@ PERSISTENT = (SaveJob, SaveUnit, SaveGeneration, GenerationStopped, Record, Save
 # The state.
 
 
-@dataclasses.dataclass
-class PendingStop:
-    """A generation being stopped: who must still confirm, and what comes next."""
+class ChangeKind(enum.Enum):
+    """What the world change in flight waits for."""
 
+    # The generation `InFlight.generation` is stopped (an empty generation went out): its
+    # members confirm STOPPED (or LEFT); then the next generation forms.
+    STOP = "stop"
+    # Live mode: the world moves in-process from `from_generation` to `generation` at a step
+    # boundary its ranks agree on: joiners confirm STARTED, then every member RECONFIGURED.
+    STEP_BOUNDARY = "step_boundary"
+
+
+@dataclasses.dataclass
+class InFlight:
+    """The one world change in flight (a job has at most one; a newer generation supersedes
+    it): the generation message that went out, and who must still confirm it by
+    `deadline`. A change that is one message with nothing to wait for (a form, restart
+    mode's change, a failure's next generation) is never in flight."""
+
+    kind: ChangeKind
+    # STOP: the generation stopped; STEP_BOUNDARY: the new generation.
     generation: int
     cause: str
     reason: str
-    detected_at: float
-    waiting_for: set[str]
-    deadline: float
-
-
-@dataclasses.dataclass
-class PendingReconfigure:
-    """Live mode: a world change in flight, from generation `from_generation` to
-    `generation`. Joiners start their workers first; the old members hear of it once every
-    joiner is ready, so training never waits for a joiner's start-up."""
-
-    generation: int
-    from_generation: int
-    previous: GenerationRecord
-    cause: str
-    message: launcher_pb2.ControllerMessage
-    # Members of `from_generation` to tell (leavers included: they leave after the agreed step).
-    old_members: tuple[str, ...]
-    joiners_waiting: set[str]
-    # Members of `generation` that have not reported GENERATION_PHASE_RECONFIGURED yet.
-    waiting_for: set[str]
     decided_at: float
     deadline: float
+    # Members that have not confirmed yet (STOPPED / LEFT, or RECONFIGURED).
+    waiting_for: set[str]
+    # STEP_BOUNDARY only: the generation it leaves (its members train on until they move),
+    # the message, the old members to tell (leavers included) once every joiner is ready.
+    from_generation: int = 0
+    previous: GenerationRecord | None = None
+    message: launcher_pb2.ControllerMessage | None = None
+    old_members: tuple[str, ...] = ()
+    joiners_waiting: set[str] = dataclasses.field(default_factory=set)
     told_old_members: bool = False
 
 
@@ -308,8 +313,7 @@ class State:
     # What the connected launchers' heartbeats said, as of the last tick (an observation
     # delivered with the tick, not a membership fact).
     links: dict[str, Link] = dataclasses.field(default_factory=dict)
-    stop: PendingStop | None = None
-    reconfigure: PendingReconfigure | None = None
+    in_flight: InFlight | None = None
     last_change_at: float | None = None
     # When the previous tick was taken (monotonic): a tick much later than it says the
     # controller itself was held up, and heartbeats it could not read meanwhile are no
@@ -347,14 +351,26 @@ class State:
         return self.job.spec.mode == common_pb2.JOB_MODE_LIVE
 
     @property
+    def stopping(self) -> InFlight | None:
+        """The stop in flight, if the change in flight is one."""
+        return self.in_flight if self.in_flight is not None and self.in_flight.kind is ChangeKind.STOP else None
+
+    @property
+    def changing(self) -> InFlight | None:
+        """Live mode: the step-boundary change in flight, if it is one."""
+        flight = self.in_flight
+        return flight if flight is not None and flight.kind is ChangeKind.STEP_BOUNDARY else None
+
+    @property
     def training_world(self) -> GenerationRecord | None:
         """The world whose ranks train now (the one definition): the running generation, or
         while a live world change is in flight the one it changes from (its members train
         on until they move; the joiners start meanwhile); None when no world runs (the job
         is not RUNNING, or a stop is in flight)."""
-        if self.job.state is not JobState.RUNNING or self.stop is not None:
+        if self.job.state is not JobState.RUNNING or self.stopping is not None:
             return None
-        return self.reconfigure.previous if self.reconfigure is not None else self.generation
+        changing = self.changing
+        return changing.previous if changing is not None and changing.previous is not None else self.generation
 
     def connected(self, unit_id: str) -> bool:
         """Whether the unit's launcher has a session open now."""
@@ -398,9 +414,9 @@ def restore(job: JobRecord, units: list[UnitRecord], generation: GenerationRecor
             leaving_since=now.monotonic if unit.state is UnitState.LEAVING else None)
     if job.state is JobState.RECONFIGURING and generation is not None and not generation_stopped:
         members = {m.unit_id for m in generation.members if not state.units[m.unit_id].state.is_final}
-        state.stop = PendingStop(generation=generation.number, cause="restart",
-                                 reason="stop resumed after controller restart", detected_at=now.monotonic,
-                                 waiting_for=members, deadline=state.reconnect_deadline + config.restart_grace_s)
+        state.in_flight = InFlight(ChangeKind.STOP, generation=generation.number, cause="restart",
+                                   reason="stop resumed after controller restart", decided_at=now.monotonic,
+                                   waiting_for=members, deadline=state.reconnect_deadline + config.restart_grace_s)
     return state
 
 
@@ -409,12 +425,11 @@ def working_copy(state: State) -> State:
     unit records are copied when first changed (`Step.own`); what is never changed in
     place (generations, links, the config) is shared. A deep copy of every unit at every
     input would cost O(units) each time (tens of ms at thousands of units)."""
-    stop, pending = state.stop, state.reconfigure
+    flight = state.in_flight
     return dataclasses.replace(
         state, job=dataclasses.replace(state.job), units=dict(state.units), links=dict(state.links),
-        stop=dataclasses.replace(stop, waiting_for=set(stop.waiting_for)) if stop is not None else None,
-        reconfigure=(dataclasses.replace(pending, joiners_waiting=set(pending.joiners_waiting),
-                                         waiting_for=set(pending.waiting_for)) if pending is not None else None),
+        in_flight=(dataclasses.replace(flight, joiners_waiting=set(flight.joiners_waiting),
+                                       waiting_for=set(flight.waiting_for)) if flight is not None else None),
         exited_ok={u: set(ranks) for u, ranks in state.exited_ok.items()},
         exited_failed={u: dict(ranks) for u, ranks in state.exited_failed.items()},
         finishing_members=dict(state.finishing_members), first_step_generations=set(state.first_step_generations),

@@ -36,12 +36,12 @@ def on_tick(t: Step, now: float) -> None:
         returned = t.note(state.units[back.unit_id], back_without_workers_at=None)
         if returned.state is UnitState.ACTIVE and t.job.state is JobState.RUNNING:
             failure.fail(t, back.unit_id, back.reason, back.cause, now)
-    if state.stop is not None:
-        if verdicts.stop_overdue == (state.stop.generation, state.stop.deadline):
+    if state.stopping is not None:
+        if verdicts.stop_overdue == (state.stopping.generation, state.stopping.deadline):
             for late in verdicts.stop_unconfirmed:
                 failure.fail(t, late.unit_id, late.reason, late.cause, now)
-            if state.stop is not None:
-                state.stop.waiting_for.clear()
+            if state.stopping is not None:
+                state.stopping.waiting_for.clear()
             failure.maybe_finish_stop(t)
         return
     if t.job.state is JobState.DEGRADED:
@@ -59,8 +59,8 @@ def on_tick(t: Step, now: float) -> None:
             failure.regroup_survivors(t, together)
         if t.job.state is not JobState.RUNNING:
             return
-    if state.reconfigure is not None:
-        if verdicts.change_overdue_of == state.reconfigure.generation:
+    if state.changing is not None:
+        if verdicts.change_overdue_of == state.changing.generation:
             for late in verdicts.change_late:
                 failure.fail(t, late.unit_id, late.reason, late.cause, now)
         return

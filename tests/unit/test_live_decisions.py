@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import generations
 from tidal.controller.config import ControllerConfig
 from tidal.controller.events import EventLog
 from tidal.controller.jobs import Connected, Disconnected, JobActor, Said, Tick
@@ -58,18 +59,7 @@ class Harness:
         said = []
         queue = self.sessions[unit].outbox
         while not queue.empty():
-            message = queue.get_nowait()
-            kind = message.WhichOneof("body") if isinstance(message, launcher_pb2.ControllerMessage) else "close"
-            if kind == "start_generation":
-                said.append(f"start:{message.start_generation.generation}")
-            elif kind == "reconfigure":
-                table = message.reconfigure.rank_table
-                said.append(f"reconfigure:{message.reconfigure.generation}:" +
-                            ",".join(a.unit_id for a in table.assignments))
-            elif kind == "stop_generation":
-                said.append(f"stop:{message.stop_generation.generation}")
-            else:
-                said.append(kind)
+            said.append(generations.said(queue.get_nowait()))
         return said
 
     def kinds(self) -> list[str]:
@@ -112,10 +102,10 @@ def test_a_leave_reconfigures_without_stopping_anyone(harness: Harness) -> None:
     assert not any(kind.startswith("generation_stop") for kind in harness.kinds())
 
 
-def leave_messages(harness: Harness, unit: str) -> list[launcher_pb2.Leave]:
+def leave_messages(harness: Harness, unit: str) -> list[launcher_pb2.Generation]:
     queue = harness.sessions[unit].outbox
     messages = [queue.get_nowait() for _ in range(queue.qsize())]
-    return [m.leave for m in messages if isinstance(m, launcher_pb2.ControllerMessage) and m.HasField("leave")]
+    return [m.generation for m in messages if generations.said(m) == "leave"]
 
 
 def test_only_the_last_member_to_leave_is_told_to_save_the_state(harness: Harness) -> None:
@@ -280,9 +270,9 @@ def test_a_world_with_no_state_holder_is_named_as_such_with_its_target_step(harn
     start = None
     while not harness.sessions["c"].outbox.empty():
         message = harness.sessions["c"].outbox.get_nowait()
-        if isinstance(message, launcher_pb2.ControllerMessage) and message.WhichOneof("body") == "start_generation":
-            start = message.start_generation
-    assert start is not None and start.resume_step == 80
+        if generations.said(message).startswith("start:"):
+            start = message.generation
+    assert start is not None and start.target_step == 80
     not_held = [e for e in harness.store.events("live-1") if e.kind == "state_not_held"]
     assert len(not_held) == 1 and not_held[0].fields["target_step"] == "80"
     harness.report("c", start.generation, launcher_pb2.GENERATION_PHASE_STATE_LOST, step=80)

@@ -1,0 +1,52 @@
+"""The one world-change message (`Generation`, proto/launcher.proto), as each change fills it.
+Every change of a job's world is the next generation with its member table; what a launcher
+does follows from where the message puts it: a member of the new generation, leaving, named
+failed, or (an empty table) stopped with the generation it was in."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from tidal.controller.core.queries import duration
+from tidal.controller.model import GenerationRecord
+from tidal.proto import launcher_pb2
+
+
+def member(generation: GenerationRecord, unit_id: str, stop_grace_s: float | None = None,
+           reason: str = "") -> launcher_pb2.ControllerMessage:
+    """`generation` to one of its members, at once (a form, restart mode's change, a
+    failure's next generation): only the member's own assignment; `stop_grace_s` for the
+    workers of an older generation it replaces."""
+    message = launcher_pb2.Generation(
+        generation=generation.number, rank_table=generation.rank_table(only_unit=unit_id),
+        rendezvous=generation.rendezvous(), target_step=generation.resume_step, reason=reason)
+    if stop_grace_s is not None:
+        message.stop_grace.CopyFrom(duration(stop_grace_s))
+    return launcher_pb2.ControllerMessage(generation=message)
+
+
+def at_step_boundary(generation: GenerationRecord, from_generation: int, leaving: Iterable[str],
+                     reason: str) -> launcher_pb2.ControllerMessage:
+    """Live mode: the world moves from `from_generation` to `generation` at a step boundary
+    its ranks agree on; the whole member table (the workers find who leaves by its absence)."""
+    return launcher_pb2.ControllerMessage(generation=launcher_pb2.Generation(
+        generation=generation.number, from_generation=from_generation, rank_table=generation.rank_table(),
+        rendezvous=generation.rendezvous(), target_step=generation.resume_step, leaving=sorted(leaving),
+        reason=reason, at_step_boundary=True))
+
+
+def stop(generation: int, reason: str, grace_s: float, failed_unit_id: str = "") -> launcher_pb2.ControllerMessage:
+    """An empty generation: the stop of `generation` (naming `failed_unit_id` to the unit the
+    controller declared failed). It takes no number of its own."""
+    message = launcher_pb2.Generation(generation=generation, from_generation=generation, reason=reason,
+                                      failed_unit_id=failed_unit_id)
+    message.stop_grace.CopyFrom(duration(grace_s))
+    return launcher_pb2.ControllerMessage(generation=message)
+
+
+def leave(generation: int, unit_id: str, reason: str, save_state: bool = False) -> launcher_pb2.ControllerMessage:
+    """`unit_id` leaves the job from `generation` (no world follows on it: the job's end, a
+    unit on standby, a leave the world cannot follow in-process); with `save_state`, its
+    live workers first write the job's state, of which it holds the last copy."""
+    return launcher_pb2.ControllerMessage(generation=launcher_pb2.Generation(
+        generation=generation, from_generation=generation, leaving=[unit_id], reason=reason, save_state=save_state))
