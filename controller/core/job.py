@@ -18,8 +18,9 @@ Where each thing lives (a file is one concern):
 | `tick.py` | each clock tick: deadlines, health verdicts, the committed step, form or grow |
 | `forming.py` | planning and sending a generation; live mode's in-process change |
 | `leaving.py` | a unit asked to leave; deferred leaves; saving the last copy of the state |
-| `failure.py` | the one failure path; the next generation from the survivors, or a stop round |
+| `failure.py` | the one failure path; the next generation from the survivors, or the stop (an empty generation) first |
 | `finishing.py` | the last step, completion once, and the end of a job |
+| `messages.py` | the one world-change message (`Generation`), as each kind of change fills it |
 | `slurm_units.py` | units as Slurm jobs: views, submissions, growth, cool-downs |
 | `queries.py` | pure reads of a state for the gRPC layer and the cluster-wide plans |
 

@@ -11,7 +11,7 @@ closes, Slurm cancels and submissions, metrics) in order.
 
 Words: a **generation** is one version of the job's world (its members, their ranks, the
 rendezvous, the step its state must be at and who holds that state); one name on the wire
-(`StartGeneration`), in SQLite (the `generations` table), in metrics, events and the workers'
+(the `Generation` message), in SQLite (the `generations` table), in metrics, events and the workers'
 environment (`TIDAL_GENERATION`). A data *epoch* is a pass over the data set, nothing else.
 
 Times: `Now.monotonic` for deadlines and ages, `Now.wall` for what is recorded."""
