@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import cast
 
 from tidal.proto import admin_pb2, common_pb2
@@ -99,6 +99,11 @@ class UnitFacts:
     # reached with the state verified, a first step they committed), which heartbeats
     # may not say yet (they are up to an interval old).
     holds_step: int = 0
+    # While the job is FINISHING, a member of the finished world: how many of its workers
+    # the end waits for (None: not a member), and those that exited since: 0, or how.
+    finishing_workers: int | None = None
+    exited_ok: frozenset[int] = frozenset()
+    exited_failed: Mapping[int, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

@@ -35,11 +35,13 @@ def begin_finishing(t: Step, unit_id: str, generation: int, step: int, reason: s
     t.take_deferred_leaves()
     t.emit(SaveJob(t.job))
     t.record("job_finishing", reason, unit_id=unit_id, generation=generation, fields={"step": t.job.step})
-    state.finishing_members = ({m.unit_id: m.world_share for m in finished_world.members}
-                               if finished_world is not None else {})
-    t.emit(SavePending("finishing_members", dict(state.finishing_members)))
+    members = {m.unit_id: m.world_share for m in finished_world.members} if finished_world is not None else {}
+    for member_id, unit in list(state.units.items()):
+        if unit.facts.finishing_workers != members.get(member_id):
+            t.note(unit, finishing_workers=members.get(member_id))
+    t.emit(SavePending("finishing_members", members))
     for other_id, unit in list(state.units.items()):
-        if unit.state.is_final or other_id in state.finishing_members:
+        if unit.state.is_final or other_id in members:
             continue
         if unit.state is UnitState.SUBMITTED:
             slurm_units.cancel_in_slurm(t, unit)
@@ -59,14 +61,14 @@ def world_of(t: Step, generation: int) -> GenerationRecord | None:
 
 
 def on_exit_after_finish(t: Step, unit_id: str, exited: launcher_pb2.WorkerExited) -> None:
-    state = t.state
+    unit = t.state.units[unit_id]
     if exited.exit_code == 0 and exited.signal == 0:
-        state.exited_ok.setdefault(unit_id, set()).add(exited.local_rank)
+        t.note(unit, exited_ok=unit.facts.exited_ok | {exited.local_rank})
         t.record("worker_finished", f"local rank {exited.local_rank} (pid {exited.pid}) exited 0",
                  unit_id=unit_id)
     else:
         how = describe_worker_exit(exited)
-        state.exited_failed.setdefault(unit_id, {})[exited.local_rank] = how
+        t.note(unit, exited_failed={**unit.facts.exited_failed, exited.local_rank: how})
         t.record("worker_failed_after_training",
                  f"local rank {exited.local_rank} (pid {exited.pid}) {how} after the last step; "
                  "training is complete, so nothing re-forms", unit_id=unit_id,
@@ -78,11 +80,10 @@ def maybe_complete(t: Step) -> None:
     state = t.state
     if t.job.state is not JobState.FINISHING:
         return
-    members = [FinishingMember(unit_id=unit_id, workers=workers,
-                               exited_ok=frozenset(state.exited_ok.get(unit_id, ())),
-                               exited_failed=dict(state.exited_failed.get(unit_id, {})),
-                               gone=state.units[unit_id].state.is_final)
-               for unit_id, workers in state.finishing_members.items()]
+    members = [FinishingMember(unit_id=unit_id, workers=unit.facts.finishing_workers,
+                               exited_ok=unit.facts.exited_ok, exited_failed=dict(unit.facts.exited_failed),
+                               gone=unit.state.is_final)
+               for unit_id, unit in state.units.items() if unit.facts.finishing_workers is not None]
     verdict = completion_verdict(t.job.step, members)
     if verdict is not None:
         end(t, JobState.COMPLETED, "job_completed", verdict.reason)

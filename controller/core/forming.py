@@ -72,7 +72,6 @@ def start_generation(t: Step, survivors: tuple[str, ...], form: planning.Form, n
     state.generation = plan
     state.generation_started_at = now
     state.last_change_at = now
-    state.exited_ok = {}
     state.in_flight = None
     for unit_id in plan.unit_ids:
         # Each is sent this generation now: nothing left to wait for from before.
@@ -172,7 +171,6 @@ def reconfigure(t: Step, joiners: tuple[str, ...], leaving: tuple[str, ...], cau
     state.generation = plan
     state.generation_started_at = now
     state.last_change_at = now
-    state.exited_ok = {}
     if joiners:
         for unit_id in joiners:
             t.send(unit_id, message)

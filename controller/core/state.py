@@ -322,14 +322,11 @@ class State:
     generation_started_at: float = 0.0
     reconnect_deadline: float = 0.0
     # While FINISHING: local ranks that exited 0, and those that exited otherwise (how), by unit.
-    exited_ok: dict[str, set[int]] = dataclasses.field(default_factory=dict)
-    exited_failed: dict[str, dict[int, str]] = dataclasses.field(default_factory=dict)
     # Live mode: the units that held the newest generation's state when it formed.
     state_holders: tuple[str, ...] = ()
     # When the watermark (job.step) was last written.
     step_persisted_at: float = 0.0
     # While FINISHING: the units of the world that trained the last step, with their ranks.
-    finishing_members: dict[str, int] = dataclasses.field(default_factory=dict)
     failure_detected_at: float | None = None
     recovery: Recovery | None = None
     first_step_generations: set[int] = dataclasses.field(default_factory=set)
@@ -394,8 +391,8 @@ def restore(job: JobRecord, units: list[UnitRecord], generation: GenerationRecor
     state = State(job=job, units={u.unit_id: u for u in units}, generation=generation, config=config,
                   slurm_units=slurm_units, generation_started_at=now.monotonic,
                   reconnect_deadline=now.monotonic + config.reconnect_grace_s)
-    if generation is not None:
-        state.finishing_members = {m.unit_id: m.world_share for m in generation.members}
+    # A finishing world's members: as SQLite says, else the newest generation's.
+    finishing_members = {m.unit_id: m.world_share for m in generation.members} if generation is not None else {}
     offset = now.wall - now.monotonic
     cooldown = pending.get("node_cooldown")
     if isinstance(cooldown, Mapping):
@@ -403,7 +400,7 @@ def restore(job: JobRecord, units: list[UnitRecord], generation: GenerationRecor
             state.node_cooldown[str(node)] = (int(failures), float(until) - offset)
     finishing = pending.get("finishing_members")
     if isinstance(finishing, Mapping):
-        state.finishing_members = {str(u): int(n) for u, n in finishing.items() if u in state.units}
+        finishing_members = {str(u): int(n) for u, n in finishing.items() if u in state.units}
     deferred = pending.get("deferred_leaves")
     deferred = deferred if isinstance(deferred, Mapping) else {}
     for unit_id, unit in state.units.items():
@@ -411,7 +408,8 @@ def restore(job: JobRecord, units: list[UnitRecord], generation: GenerationRecor
         unit.facts = UnitFacts(
             deferred_leave=(str(leave[0]), str(leave[1])) if leave and not unit.state.is_final else None,
             # A unit that was asked to leave before the restart: its grace starts again now.
-            leaving_since=now.monotonic if unit.state is UnitState.LEAVING else None)
+            leaving_since=now.monotonic if unit.state is UnitState.LEAVING else None,
+            finishing_workers=finishing_members.get(unit_id))
     if job.state is JobState.RECONFIGURING and generation is not None and not generation_stopped:
         members = {m.unit_id for m in generation.members if not state.units[m.unit_id].state.is_final}
         state.in_flight = InFlight(ChangeKind.STOP, generation=generation.number, cause="restart",
@@ -430,9 +428,7 @@ def working_copy(state: State) -> State:
         state, job=dataclasses.replace(state.job), units=dict(state.units), links=dict(state.links),
         in_flight=(dataclasses.replace(flight, joiners_waiting=set(flight.joiners_waiting),
                                        waiting_for=set(flight.waiting_for)) if flight is not None else None),
-        exited_ok={u: set(ranks) for u, ranks in state.exited_ok.items()},
-        exited_failed={u: dict(ranks) for u, ranks in state.exited_failed.items()},
-        finishing_members=dict(state.finishing_members), first_step_generations=set(state.first_step_generations),
+        first_step_generations=set(state.first_step_generations),
         node_cooldown=dict(state.node_cooldown))
 
 
