@@ -3,8 +3,8 @@ connection and a session stream of its own, heartbeating at 1 Hz) register as th
 of one job, which forms a world of all of them. Measured on the real controller process:
 its CPU per 1,000 launchers over a steady window, its memory (RSS), and a failure's
 fan-out when one launcher reports a failed worker: the delay from that report to each
-launcher's receipt of what the failure sends it (the next generation's StartGeneration to each
-survivor, the one message a failure is; StopGeneration to the failed one), p50 and p99, at 100,
+launcher's receipt of what the failure sends it (the next Generation to each survivor, the
+one message a failure is; a Generation naming it failed to the failed one), p50 and p99, at 100,
 1,000 and 2,000 launchers. Goals: 2,000 launchers ≤ 50% of one core; fan-out p99 ≤ 500 ms.
 
 The simulated launchers share this machine's 2 cores with the controller, in client
@@ -29,6 +29,7 @@ import grpc
 
 from bench.common import Row, median, parser, percentile, workspace, write_result
 from tests.integration.conftest import ControllerProcess, wait_until
+from tidal.launcher.worlds import Place, placement
 from tidal.proto import admin_pb2, common_pb2, launcher_pb2, launcher_pb2_grpc
 
 LAUNCHERS_PER_CLIENT = 250
@@ -81,19 +82,23 @@ async def simulated_launcher(target: str, job_id: str, secret: str, unit: str, o
                     kind = message.WhichOneof("body")
                     if kind == "registered":
                         registered = True
-                    elif kind == "start_generation":
-                        if 0 < generation < message.start_generation.generation:
-                            # The next generation replacing the running one: a failure's message.
-                            out.append({"unit": unit, "told_at": time.time(), "generation": generation})
-                        generation = message.start_generation.generation
-                        outbox.put_nowait(launcher_pb2.LauncherMessage(generation_report=launcher_pb2.GenerationReport(
-                            generation=generation, phase=launcher_pb2.GENERATION_PHASE_STARTED)))
-                    elif kind == "stop_generation":
-                        out.append({"unit": unit, "told_at": time.time(),
-                                    "generation": message.stop_generation.generation})
-                        stopped = launcher_pb2.GenerationReport(generation=message.stop_generation.generation,
-                                                                phase=launcher_pb2.GENERATION_PHASE_STOPPED)
-                        outbox.put_nowait(launcher_pb2.LauncherMessage(generation_report=stopped))
+                    elif kind == "generation":
+                        world = message.generation
+                        place = placement(world, unit)
+                        if place is Place.MEMBER:
+                            if 0 < generation < world.generation:
+                                # The next generation replacing the running one: a failure's message.
+                                out.append({"unit": unit, "told_at": time.time(), "generation": generation})
+                            generation = world.generation
+                            outbox.put_nowait(launcher_pb2.LauncherMessage(
+                                generation_report=launcher_pb2.GenerationReport(
+                                    generation=generation, phase=launcher_pb2.GENERATION_PHASE_STARTED)))
+                        elif place in (Place.FAILED, Place.STOPPED):
+                            # This unit declared failed (the failure's message to it), or a stop.
+                            out.append({"unit": unit, "told_at": time.time(), "generation": world.generation})
+                            stopped = launcher_pb2.GenerationReport(generation=world.generation,
+                                                                    phase=launcher_pb2.GENERATION_PHASE_STOPPED)
+                            outbox.put_nowait(launcher_pb2.LauncherMessage(generation_report=stopped))
                 print(f"{unit}: the controller ended the session", flush=True)
                 return
             except grpc.aio.AioRpcError as error:

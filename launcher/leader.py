@@ -67,7 +67,7 @@ class LauncherOptions:
     nodes: tuple[str, ...]
     slurm_job_id: int = 0
     tls_ca: Path | None = None
-    # After SIGTERM: how long to wait for the controller's Leave before leaving alone.
+    # After SIGTERM: how long to wait for a Generation listing this unit leaving before leaving alone.
     leave_timeout_s: float = 20.0
     # Give up when never registered after this long.
     connect_timeout_s: float = 600.0
@@ -98,11 +98,11 @@ class Agent(NodeAgent[LauncherOptions]):
         self.started_at = time.monotonic()
         self.heartbeat_sequence = 0
         self.last_heartbeat_at = 0.0
-        # The generation a StartGeneration named while the old workers still stop.
-        self.pending_start: launcher_pb2.StartGeneration | None = None
+        # The generation this unit is a member of, held while the old workers still stop.
+        self.pending_start: launcher_pb2.Generation | None = None
         # The controller declared this unit failed: its workers go, the launcher exits 1.
         self.failed_self = False
-        # Restart mode: the workers stop because a StartGeneration replaced their generation (its
+        # Restart mode: the workers stop because the next Generation replaced theirs (its
         # STARTED is the one acknowledgment; no STOPPED is reported).
         self.stopping_for_start = False
         # Live mode: workers started ahead of any world, waiting to be named in one.
@@ -252,27 +252,19 @@ class Agent(NodeAgent[LauncherOptions]):
         waits for the first world on the control channel (TIDAL_STANDBY=1)."""
         assert self.registered is not None
         procs = self.registered.procs_per_node or 1
-        placeholder = launcher_pb2.StartGeneration(generation=0, rank_table=common_pb2.RankTable(
+        placeholder = launcher_pb2.Generation(generation=0, rank_table=common_pb2.RankTable(
             world_size=procs, groups=1, assignments=[common_pb2.RankAssignment(
                 unit_id=self.options.unit_id, nodes=list(self.options.nodes), group_rank=0, first_rank=0,
                 procs_per_node=procs)]))
         self._start(placeholder, joining=True, standby=True)
 
     def _on_command(self, message: launcher_pb2.ControllerMessage) -> None:
-        kind = message.WhichOneof("body")
-        view = self.leader_view()
-        if kind == "start_generation":
-            self.apply(worlds.on_start(view, message.start_generation))
-        elif kind == "stop_generation":
-            self.apply(worlds.on_stop(view, message.stop_generation, self.options.unit_id))
-        elif kind == "leave":
-            self.apply(worlds.on_leave(view, message.leave))
-        elif kind == "reconfigure":
-            self.apply(worlds.on_reconfigure(view, message.reconfigure))
+        if message.WhichOneof("body") == "generation":
+            self.apply(worlds.on_generation(self.leader_view(), message.generation, self.options.unit_id))
 
     # Workers.
 
-    def _start(self, start: launcher_pb2.StartGeneration, joining: bool = False, standby: bool = False) -> None:
+    def _start(self, start: launcher_pb2.Generation, joining: bool = False, standby: bool = False) -> None:
         assert self.registered is not None
         placement = node_placement(start, self.options.unit_id)
         if placement is None:
@@ -317,7 +309,7 @@ class Agent(NodeAgent[LauncherOptions]):
             self.serving_store = self.store
             self._new_store()
         if not joining:
-            self.report(generation, launcher_pb2.GENERATION_PHASE_STARTED, step=start.resume_step,
+            self.report(generation, launcher_pb2.GENERATION_PHASE_STARTED, step=start.target_step,
                         store_port=self.store_port)
         self.log.info("generation_started", generation=generation, rank=placement.first_rank,
                       world_size=placement.world_size, master=f"{placement.master_addr}:{placement.master_port}")

@@ -15,9 +15,10 @@ followers, connect to it:
 - who: both sides prove they hold the job's secret (the file every launcher of the unit
   reads; never argv, never the wire): HMAC-SHA256 over both nonces, the role and the unit
   (`proof`). A connection that fails the proof is closed; the leader keeps serving.
-- what: the leader relays each generation (`NodeStart`: the controller's StartGeneration and
-  Registered) and each stop; a follower starts and stops its own workers with the same
-  machinery as the leader (`workers`), and reports their progress and exits.
+- what: the leader relays each generation (`NodeStart`: the controller's Generation that
+  names the unit, and Registered) and each stop; a follower starts and stops its own
+  workers with the same machinery as the leader (`workers`), and reports their progress
+  and exits.
 - loss: a connection that breaks, or stays silent for `node_timeout_s`, loses the node
   and with it the replica. The leader reports it as a worker exit; a follower that loses
   its leader kills its workers and exits non-zero.
@@ -103,7 +104,7 @@ def unit_nodes(env: Mapping[str, str], count: int, port_base: int = DEFAULT_PORT
                      ports=leader_ports(int(env["SLURM_JOB_ID"]), port_base))
 
 
-def node_placement(start: launcher_pb2.StartGeneration, unit_id: str, node_index: int = 0) -> Placement | None:
+def node_placement(start: launcher_pb2.Generation, unit_id: str, node_index: int = 0) -> Placement | None:
     """Where the workers of node `node_index` of unit `unit_id` sit in `start`'s world, or
     None when the unit is not in it. The unit's ranks are laid out node by node: node i's
     workers take first_rank + i * procs_per_node + local_rank. GROUP_RANK / GROUP_WORLD_SIZE
@@ -122,7 +123,7 @@ def node_placement(start: launcher_pb2.StartGeneration, unit_id: str, node_index
     return Placement(generation=start.generation, first_rank=mine.first_rank + node_index * per_node,
                      group_rank=group_rank, group_world_size=group_world_size, procs_per_node=per_node,
                      world_size=start.rank_table.world_size, master_addr=start.rendezvous.host,
-                     master_port=start.rendezvous.port, target_step=start.resume_step)
+                     master_port=start.rendezvous.port, target_step=start.target_step)
 
 
 def proof(secret: str, role: str, hello: launcher_pb2.FollowerHello, leader_nonce: bytes) -> bytes:

@@ -1,8 +1,14 @@
-"""The leader's decisions on the controller's messages, pure: a world message (StartGeneration,
-Reconfigure), a stop (StopGeneration), a Leave, and the end of a stop (its workers gone). Each
-is a function of a snapshot of the leader (`LeaderView`) and the message, returning
-actions (`decisions.Action` and the leader's own below) that `leader.Agent` carries out in
-one place (`node.NodeAgent.apply`). No clock is read, no message sent, no process touched.
+"""The leader's decisions on the controller's messages, pure: a world change (one message,
+`Generation`) and the end of a stop (its workers gone). Each is a function of a snapshot of
+the leader (`LeaderView`) and the message, returning actions (`decisions.Action` and the
+leader's own below) that `leader.Agent` carries out in one place (`node.NodeAgent.apply`).
+No clock is read, no message sent, no process touched.
+
+What the launcher does with a `Generation` follows from where the message puts this unit
+(`placement`): in the new generation only (a member: it starts, or its workers move to
+it), in the old one only (leaving: its workers stop, or leave after the agreed step; or
+failed: they are killed), in both (a live member of a change at a step boundary), or in
+neither, by an empty table (the stop of the old generation).
 
 Restart mode: a world message is the whole change; the old workers go first, then the new
 generation's start. Live mode: the workers follow a world change in-process (a World over
@@ -11,6 +17,7 @@ the control channel), and only a failed unit's, or a finished one's, are stopped
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 from tidal.launcher.decisions import Action, ClearLiveStopDeadline, Finish, Log, StopWorkers
 from tidal.launcher.lifecycle import EXIT_OK, EXIT_UNIT_FAILED, LauncherState
@@ -40,7 +47,7 @@ class LeaderView:
     finished: bool = False
     all_said_hello: bool = False
     stopping_for_start: bool = False
-    pending_start: launcher_pb2.StartGeneration | None = None
+    pending_start: launcher_pb2.Generation | None = None
     # Live mode: where each worker that left as the state's last holder wrote it, and at which step.
     saved: tuple[tuple[str, int], ...] = ()
 
@@ -60,13 +67,13 @@ class HoldStart:
     `replacing`: it replaces their generation (its STARTED is the one acknowledgment),
     None: leave that as it is."""
 
-    start: launcher_pb2.StartGeneration | None
+    start: launcher_pb2.Generation | None
     replacing: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class StartWorkers:
-    start: launcher_pb2.StartGeneration
+    start: launcher_pb2.Generation
     joining: bool = False
 
 
@@ -130,16 +137,61 @@ LeaderAction = (Action | DeclaredFailed | HoldStart | StartWorkers | LiveStop | 
                 | LeaveStandby | AwaitReady | Report)
 
 
-def _grace_s(message: launcher_pb2.StopGeneration | launcher_pb2.StartGeneration, default_s: float) -> float:
+class Place(enum.Enum):
+    """Where a `Generation` puts a unit."""
+
+    # Named in `failed_unit_id`: the controller declared it failed.
+    FAILED = "failed"
+    # In the new generation's rank table.
+    MEMBER = "member"
+    # In `leaving`: it leaves the job with this change.
+    LEAVING = "leaving"
+    # An empty rank table that names it nowhere: the stop of `from_generation`.
+    STOPPED = "stopped"
+    # A table that neither names it nor lists it leaving: not this unit's change.
+    ELSEWHERE = "elsewhere"
+
+
+def placement(generation: launcher_pb2.Generation, unit_id: str) -> Place:
+    """Where `generation` puts unit `unit_id`: failed, a member of the new generation,
+    leaving, stopped with the old one (an empty table), or nowhere."""
+    if generation.failed_unit_id == unit_id:
+        return Place.FAILED
+    if any(assignment.unit_id == unit_id for assignment in generation.rank_table.assignments):
+        return Place.MEMBER
+    if unit_id in generation.leaving:
+        return Place.LEAVING
+    if not generation.rank_table.assignments:
+        return Place.STOPPED
+    return Place.ELSEWHERE
+
+
+def on_generation(view: LeaderView, generation: launcher_pb2.Generation, unit_id: str) -> tuple[LeaderAction, ...]:
+    """A world change: what this unit does follows from where the message puts it."""
+    match placement(generation, unit_id):
+        case Place.FAILED:
+            return _stop(view, generation, unit_id)
+        case Place.MEMBER:
+            return _reconfigure(view, generation) if generation.at_step_boundary else _start(view, generation)
+        case Place.LEAVING:
+            if generation.at_step_boundary and generation.rank_table.assignments:
+                # Live mode: the workers get the world without this unit and leave after the agreed step.
+                return _reconfigure(view, generation)
+            return _leave(view, generation)
+        case Place.STOPPED:
+            return _stop(view, generation, unit_id)
+        case Place.ELSEWHERE:
+            return (Log("generation_not_for_this_unit", {"generation": generation.generation}, warning=True),)
+
+
+def _grace_s(message: launcher_pb2.Generation, default_s: float) -> float:
     """The SIGTERM-to-SIGKILL grace a stop (or a start replacing a generation) names, else the default."""
-    if isinstance(message, launcher_pb2.StopGeneration):
-        return message.grace.ToNanoseconds() / 1e9 if message.HasField("grace") else default_s
     return message.stop_grace.ToNanoseconds() / 1e9 if message.HasField("stop_grace") else default_s
 
 
-def on_start(view: LeaderView, start: launcher_pb2.StartGeneration) -> tuple[LeaderAction, ...]:
-    """StartGeneration: generation `start.generation` is this (in restart mode: its workers start;
-    in live mode: its workers move to it)."""
+def _start(view: LeaderView, start: launcher_pb2.Generation) -> tuple[LeaderAction, ...]:
+    """A member of generation `start.generation` (not at a step boundary): in restart mode its
+    workers start; in live mode its workers move to it."""
     if view.state is LauncherState.LEAVING or view.state.is_final:
         return ()
     if view.finished:
@@ -152,9 +204,9 @@ def on_start(view: LeaderView, start: launcher_pb2.StartGeneration) -> tuple[Lea
         # and takes the new world; the others move at the end of the step, none of which
         # is lost; a rank still forming the older world gives it up for the newer one.
         return (LeaveStandby(), Enter(view.state, max(view.generation, start.generation)),
-                SendWorlds(start.generation, start.rank_table, start.rendezvous, target_step=start.resume_step),
+                SendWorlds(start.generation, start.rank_table, start.rendezvous, target_step=start.target_step),
                 Enter(LauncherState.RUNNING),
-                Report(start.generation, launcher_pb2.GENERATION_PHASE_STARTED, step=start.resume_step))
+                Report(start.generation, launcher_pb2.GENERATION_PHASE_STARTED, step=start.target_step))
     if view.workers_generation is not None:
         if view.workers_generation == start.generation:
             return ()
@@ -167,8 +219,9 @@ def on_start(view: LeaderView, start: launcher_pb2.StartGeneration) -> tuple[Lea
     return (StartWorkers(start),)
 
 
-def on_reconfigure(view: LeaderView, reconfigure: launcher_pb2.Reconfigure) -> tuple[LeaderAction, ...]:
-    """Reconfigure (live mode): the world changes to `reconfigure.generation`, in-process."""
+def _reconfigure(view: LeaderView, reconfigure: launcher_pb2.Generation) -> tuple[LeaderAction, ...]:
+    """Live mode, at a step boundary: the world changes to `reconfigure.generation`, in-process
+    (a unit it does not name leaves after the agreed step)."""
     if (view.state.is_final or view.state is LauncherState.LEAVING
             or (reconfigure.generation <= view.generation and view.workers_started)):
         return ()
@@ -188,15 +241,15 @@ def on_reconfigure(view: LeaderView, reconfigure: launcher_pb2.Reconfigure) -> t
         return (world,)
     if view.state in (LauncherState.WAITING, LauncherState.CONNECTING):
         # A joiner: start the workers; they wait at the new world's rendezvous.
-        return (StartWorkers(launcher_pb2.StartGeneration(generation=reconfigure.generation,
-                                                          rank_table=reconfigure.rank_table,
+        return (StartWorkers(launcher_pb2.Generation(generation=reconfigure.generation,
+                                                     rank_table=reconfigure.rank_table,
                                                      rendezvous=reconfigure.rendezvous,
-                                                     resume_step=reconfigure.target_step), joining=True),)
+                                                     target_step=reconfigure.target_step), joining=True),)
     return ()
 
 
-def on_stop(view: LeaderView, stop: launcher_pb2.StopGeneration, unit_id: str) -> tuple[LeaderAction, ...]:
-    """StopGeneration: the generation stops (naming this unit failed: its workers go for good)."""
+def _stop(view: LeaderView, stop: launcher_pb2.Generation, unit_id: str) -> tuple[LeaderAction, ...]:
+    """The stop of generation `stop.generation` (naming this unit failed: its workers go for good)."""
     actions: list[LeaderAction] = []
     failed_self = view.failed_self
     if stop.failed_unit_id == unit_id:
@@ -221,9 +274,9 @@ def on_stop(view: LeaderView, stop: launcher_pb2.StopGeneration, unit_id: str) -
     return (*actions, StopWorkers(LauncherState.STOPPING, grace_s))
 
 
-def on_leave(view: LeaderView, leave: launcher_pb2.Leave) -> tuple[LeaderAction, ...]:
-    """Leave: the unit leaves the job (its live workers saving the job's state first, when
-    it holds the last copy)."""
+def _leave(view: LeaderView, leave: launcher_pb2.Generation) -> tuple[LeaderAction, ...]:
+    """The unit leaves the job (its live workers saving the job's state first, when it holds
+    the last copy)."""
     logged = Log("leave_ordered", {"generation": leave.generation, "reason": leave.reason,
                                    "save_state": leave.save_state})
     if leave.save_state and view.live_workers_running and view.state is not LauncherState.LEAVING:
@@ -255,7 +308,7 @@ def on_workers_stopped(view: LeaderView) -> tuple[LeaderAction, ...]:
     actions: list[LeaderAction] = [ClearLiveStopDeadline(), Enter(LauncherState.WAITING),
                                    HoldStart(None, replacing=False)]
     if not view.stopping_for_start:
-        # A generation replaced by a StartGeneration is acknowledged by its STARTED alone.
+        # A generation replaced by the next one's start is acknowledged by its STARTED alone.
         actions.append(Report(view.generation, launcher_pb2.GENERATION_PHASE_STOPPED, with_store_port=True))
     if view.pending_start is not None:
         actions.append(StartWorkers(view.pending_start))

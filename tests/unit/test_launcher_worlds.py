@@ -1,5 +1,5 @@
-"""The leader's decisions on the controller's messages, pure: a world message (StartGeneration,
-Reconfigure), a stop, a Leave and the end of a stop, asserted on the actions they return."""
+"""The leader's decisions on the controller's messages, pure: a world change (`Generation`),
+classified by where it puts the unit, and the end of a stop, asserted on the actions they return."""
 
 from __future__ import annotations
 
@@ -16,15 +16,14 @@ from tidal.launcher.worlds import (
     LeaveSavingState,
     LeaveStandby,
     LiveStop,
+    Place,
     Report,
     SendWorlds,
     StartWorkers,
     left_detail,
-    on_leave,
-    on_reconfigure,
-    on_start,
-    on_stop,
+    on_generation,
     on_workers_stopped,
+    placement,
 )
 from tidal.proto import common_pb2, launcher_pb2
 
@@ -34,21 +33,46 @@ WAITING = dataclasses.replace(RESTART, state=LauncherState.WAITING, workers_gene
 LIVE = dataclasses.replace(RESTART, live_mode=True, live_workers_running=True)
 TABLE = common_pb2.RankTable(world_size=2, assignments=[common_pb2.RankAssignment(unit_id="u1", first_rank=0,
                                                                                  procs_per_node=1)])
+# A table without u1 (u2 alone), as a change that u1 leaves names it.
+OTHERS = common_pb2.RankTable(world_size=1, assignments=[common_pb2.RankAssignment(unit_id="u2", first_rank=0,
+                                                                                  procs_per_node=1)])
 RENDEZVOUS = common_pb2.Rendezvous(host="h", port=29500, host_unit_id="u1")
 
 
-def start(generation: int, grace_s: float | None = None) -> launcher_pb2.StartGeneration:
-    message = launcher_pb2.StartGeneration(generation=generation, rank_table=TABLE, rendezvous=RENDEZVOUS,
-                                           resume_step=40)
+def start(generation: int, grace_s: float | None = None) -> launcher_pb2.Generation:
+    """A generation naming u1, not at a step boundary (a form, a restart, a failure's next world)."""
+    message = launcher_pb2.Generation(generation=generation, rank_table=TABLE, rendezvous=RENDEZVOUS, target_step=40)
     if grace_s is not None:
         message.stop_grace.FromNanoseconds(int(grace_s * 1e9))
     return message
 
 
-def stop(generation: int, failed: str = "", grace_s: float | None = None) -> launcher_pb2.StopGeneration:
-    message = launcher_pb2.StopGeneration(generation=generation, reason="r", failed_unit_id=failed)
+def reconfigure(generation: int, table: common_pb2.RankTable = TABLE, leaving: tuple[str, ...] = ()
+                ) -> launcher_pb2.Generation:
+    """Live mode: a change of a healthy world at a step boundary."""
+    return launcher_pb2.Generation(generation=generation, from_generation=generation - 1, rank_table=table,
+                                   rendezvous=RENDEZVOUS, target_step=40, leaving=leaving, at_step_boundary=True)
+
+
+def stop(generation: int, failed: str = "", grace_s: float | None = None) -> launcher_pb2.Generation:
+    """The stop of `generation`: an empty table (no assignments)."""
+    message = launcher_pb2.Generation(generation=generation, from_generation=generation, reason="r",
+                                      failed_unit_id=failed)
     if grace_s is not None:
-        message.grace.FromNanoseconds(int(grace_s * 1e9))
+        message.stop_grace.FromNanoseconds(int(grace_s * 1e9))
+    return message
+
+
+def leave(generation: int, save_state: bool = False, unit: str = "u1") -> launcher_pb2.Generation:
+    """A unit leaves: named in `leaving`, not at a step boundary."""
+    return launcher_pb2.Generation(generation=generation, from_generation=generation, leaving=[unit],
+                                   reason="preempted", save_state=save_state)
+
+
+def failed_member() -> launcher_pb2.Generation:
+    """A table naming u1 that also names it failed."""
+    message = start(4)
+    message.failed_unit_id = "u1"
     return message
 
 
@@ -56,84 +80,130 @@ def kinds(actions: tuple[object, ...]) -> list[type]:
     return [type(action) for action in actions if not isinstance(action, Log)]
 
 
-# A world message.
+# Where a generation puts the unit.
+
+
+def test_the_place_follows_from_the_failed_unit_the_table_and_the_leaving_list() -> None:
+    assert placement(stop(3, failed="u1"), "u1") is Place.FAILED
+    # Named failed wins over anything else the message says of it.
+    assert placement(failed_member(), "u1") is Place.FAILED
+    assert placement(start(4), "u1") is Place.MEMBER
+    assert placement(reconfigure(4), "u1") is Place.MEMBER
+    assert placement(leave(3), "u1") is Place.LEAVING
+    assert placement(reconfigure(4, table=OTHERS, leaving=("u1",)), "u1") is Place.LEAVING
+    assert placement(stop(3), "u1") is Place.STOPPED
+    # Another unit failed: a stop, for this one.
+    assert placement(stop(3, failed="u2"), "u1") is Place.STOPPED
+    # An empty table that names this unit nowhere is a stop, whoever else it lists leaving.
+    assert placement(leave(3, unit="u2"), "u1") is Place.STOPPED
+    assert placement(reconfigure(4, table=OTHERS), "u1") is Place.ELSEWHERE
+
+
+def test_a_generation_that_neither_names_the_unit_nor_lists_it_leaving_is_logged_and_ignored() -> None:
+    for message in (reconfigure(4, table=OTHERS), start(4)):
+        actions = on_generation(RESTART, message, "u9")
+        assert kinds(actions) == [] and len(actions) == 1
+        [logged] = actions
+        assert isinstance(logged, Log) and logged.warning and logged.fields == {"generation": 4}
+
+
+# A member: the next world.
 
 
 def test_restart_mode_starts_a_waiting_unit_at_once_and_replaces_running_workers_first() -> None:
-    assert on_start(WAITING, start(4)) == (StartWorkers(start(4)),)
+    assert on_generation(WAITING, start(4), "u1") == (StartWorkers(start(4)),)
     # One message is the whole change: the old workers go (with the grace it names), then it starts.
-    assert on_start(RESTART, start(4, grace_s=1.5)) == (HoldStart(start(4, grace_s=1.5), replacing=True),
-                                                        StopWorkers(LauncherState.STOPPING, 1.5))
-    assert on_start(RESTART, start(4))[-1] == StopWorkers(LauncherState.STOPPING, 10.0)
+    assert on_generation(RESTART, start(4, grace_s=1.5), "u1") == (HoldStart(start(4, grace_s=1.5), replacing=True),
+                                                                   StopWorkers(LauncherState.STOPPING, 1.5))
+    assert on_generation(RESTART, start(4), "u1")[-1] == StopWorkers(LauncherState.STOPPING, 10.0)
     # The same generation again: nothing; a stop under way: it waits.
-    assert on_start(RESTART, start(3)) == ()
-    assert on_start(dataclasses.replace(WAITING, state=LauncherState.STOPPING), start(4)) == (HoldStart(start(4)),)
+    assert on_generation(RESTART, start(3), "u1") == ()
+    assert on_generation(dataclasses.replace(WAITING, state=LauncherState.STOPPING), start(4), "u1") == (
+        HoldStart(start(4)),)
 
 
 def test_a_leaving_finished_or_final_unit_starts_nothing() -> None:
     for state in (LauncherState.LEAVING, LauncherState.SUCCEEDED, LauncherState.FAILED):
-        assert on_start(dataclasses.replace(WAITING, state=state), start(4)) == ()
-    assert kinds(on_start(dataclasses.replace(LIVE, finished=True), start(4))) == []
+        assert on_generation(dataclasses.replace(WAITING, state=state), start(4), "u1") == ()
+    assert kinds(on_generation(dataclasses.replace(LIVE, finished=True), start(4), "u1")) == []
 
 
 def test_live_workers_move_to_the_new_world_in_process() -> None:
-    actions = on_start(LIVE, start(5))
+    actions = on_generation(LIVE, start(5), "u1")
     assert actions == (LeaveStandby(), Enter(LauncherState.RUNNING, 5),
                        SendWorlds(5, TABLE, RENDEZVOUS, target_step=40), Enter(LauncherState.RUNNING),
                        Report(5, launcher_pb2.GENERATION_PHASE_STARTED, step=40))
     # While they stop (a stop round), a world message waits for them like a restart.
     stopping = dataclasses.replace(LIVE, state=LauncherState.STOPPING)
-    assert kinds(on_start(stopping, start(5))) == [HoldStart, StopWorkers]
+    assert kinds(on_generation(stopping, start(5), "u1")) == [HoldStart, StopWorkers]
 
 
-def test_a_reconfigure_names_the_world_to_live_workers_and_starts_a_joiners() -> None:
-    reconfigure = launcher_pb2.Reconfigure(generation=5, rank_table=TABLE, rendezvous=RENDEZVOUS, target_step=40)
-    assert on_reconfigure(LIVE, reconfigure) == (SendWorlds(5, TABLE, RENDEZVOUS, target_step=40),)
+def test_a_change_at_a_step_boundary_names_the_world_to_live_workers_and_starts_a_joiners() -> None:
+    change = reconfigure(5)
+    assert on_generation(LIVE, change, "u1") == (SendWorlds(5, TABLE, RENDEZVOUS, target_step=40),)
     # An older one, or one to a leaving unit: nothing.
-    assert on_reconfigure(dataclasses.replace(LIVE, generation=5), reconfigure) == ()
-    assert on_reconfigure(dataclasses.replace(LIVE, state=LauncherState.LEAVING), reconfigure) == ()
+    assert on_generation(dataclasses.replace(LIVE, generation=5), change, "u1") == ()
+    assert on_generation(dataclasses.replace(LIVE, state=LauncherState.LEAVING), change, "u1") == ()
     # Workers waiting on standby: named in it as joiners, ready once all said hello.
     standby = dataclasses.replace(LIVE, standby=True, state=LauncherState.WAITING)
-    assert on_reconfigure(standby, reconfigure) == (
+    assert on_generation(standby, change, "u1") == (
         LeaveStandby(), Enter(LauncherState.RUNNING, 5), AwaitReady(5),
         SendWorlds(5, TABLE, RENDEZVOUS, joining=True, target_step=40))
-    ready = on_reconfigure(dataclasses.replace(standby, all_said_hello=True), reconfigure)
+    ready = on_generation(dataclasses.replace(standby, all_said_hello=True), change, "u1")
     assert ready[-1] == Report(5, launcher_pb2.GENERATION_PHASE_STARTED, once=True,
                                detail="workers ready to join (started ahead)")
     # A joiner with no workers yet starts them at the new world's rendezvous.
-    [joining] = on_reconfigure(dataclasses.replace(WAITING, live_mode=True), reconfigure)
-    assert joining == StartWorkers(launcher_pb2.StartGeneration(generation=5, rank_table=TABLE, rendezvous=RENDEZVOUS,
-                                                           resume_step=40), joining=True)
+    [joining] = on_generation(dataclasses.replace(WAITING, live_mode=True), change, "u1")
+    assert joining == StartWorkers(launcher_pb2.Generation(generation=5, rank_table=TABLE, rendezvous=RENDEZVOUS,
+                                                           target_step=40), joining=True)
 
 
 # A stop and a leave.
 
 
 def test_a_stop_stops_the_workers_with_the_grace_it_names_and_forgets_a_held_start() -> None:
-    assert kinds(on_stop(RESTART, stop(3, grace_s=2.0), "u1")) == [HoldStart, StopWorkers]
-    assert on_stop(RESTART, stop(3, grace_s=2.0), "u1")[-1] == StopWorkers(LauncherState.STOPPING, 2.0)
-    assert HoldStart(None, replacing=False) in on_stop(RESTART, stop(3), "u1")
+    assert kinds(on_generation(RESTART, stop(3, grace_s=2.0), "u1")) == [HoldStart, StopWorkers]
+    assert on_generation(RESTART, stop(3, grace_s=2.0), "u1")[-1] == StopWorkers(LauncherState.STOPPING, 2.0)
+    assert HoldStart(None, replacing=False) in on_generation(RESTART, stop(3), "u1")
     # A stale stop is ignored.
-    assert kinds(on_stop(RESTART, stop(2), "u1")) == []
+    assert kinds(on_generation(RESTART, stop(2), "u1")) == []
 
 
 def test_live_workers_stop_in_process_unless_their_unit_failed() -> None:
-    assert on_stop(LIVE, stop(3), "u1")[-1] == LiveStop(3)
-    failed = on_stop(LIVE, stop(3, failed="u1", grace_s=5.0), "u1")
+    assert on_generation(LIVE, stop(3), "u1")[-1] == LiveStop(3)
+    failed = on_generation(LIVE, stop(3, failed="u1", grace_s=5.0), "u1")
     # This unit failed: its workers go at once (the survivors wait on them in a collective).
     assert kinds(failed) == [DeclaredFailed, HoldStart, StopWorkers]
     assert failed[-1] == StopWorkers(LauncherState.STOPPING, 0.0)
     # Another unit failed: in-process, as any stop.
-    assert on_stop(LIVE, stop(3, failed="u2"), "u1")[-1] == LiveStop(3)
+    assert on_generation(LIVE, stop(3, failed="u2"), "u1")[-1] == LiveStop(3)
     # Past the last step, nothing to stop.
-    assert kinds(on_stop(dataclasses.replace(LIVE, finished=True), stop(3), "u1")) == [HoldStart]
+    assert kinds(on_generation(dataclasses.replace(LIVE, finished=True), stop(3), "u1")) == [HoldStart]
+
+
+def test_a_failed_unit_is_stopped_for_good_whatever_else_the_message_says() -> None:
+    # Restart mode, with the grace the message names; named failed even in a table.
+    assert kinds(on_generation(RESTART, stop(3, failed="u1", grace_s=2.0), "u1")) == [DeclaredFailed, HoldStart,
+                                                                                       StopWorkers]
+    assert on_generation(RESTART, stop(3, failed="u1", grace_s=2.0), "u1")[-1] == StopWorkers(LauncherState.STOPPING,
+                                                                                               2.0)
+    assert kinds(on_generation(RESTART, failed_member(), "u1"))[0] is DeclaredFailed
 
 
 def test_a_leave_saves_the_state_in_process_when_asked_else_stops_the_workers() -> None:
-    saving = launcher_pb2.Leave(generation=3, reason="preempted", save_state=True)
-    assert kinds(on_leave(LIVE, saving)) == [LeaveSavingState]
-    assert kinds(on_leave(RESTART, saving)) == [StopWorkers]
-    assert on_leave(LIVE, launcher_pb2.Leave(generation=3))[-1] == StopWorkers(LauncherState.LEAVING, 10.0)
+    saving = leave(3, save_state=True)
+    assert kinds(on_generation(LIVE, saving, "u1")) == [LeaveSavingState]
+    assert kinds(on_generation(RESTART, saving, "u1")) == [StopWorkers]
+    assert on_generation(LIVE, leave(3), "u1")[-1] == StopWorkers(LauncherState.LEAVING, 10.0)
+
+
+def test_a_live_unit_leaving_at_a_step_boundary_gets_the_world_without_it() -> None:
+    # Its workers are told the new world, which does not name them: they leave after the agreed step.
+    change = reconfigure(4, table=OTHERS, leaving=("u1",))
+    assert on_generation(LIVE, change, "u1") == (SendWorlds(4, OTHERS, RENDEZVOUS, target_step=40),)
+    # At a step boundary but with no world left to name: a plain leave.
+    alone = launcher_pb2.Generation(generation=3, from_generation=3, leaving=["u1"], at_step_boundary=True)
+    assert kinds(on_generation(LIVE, alone, "u1")) == [StopWorkers]
 
 
 # The end of a stop.

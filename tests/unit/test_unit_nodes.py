@@ -53,10 +53,9 @@ def test_a_launcher_finds_its_node_and_its_leader_in_what_srun_sets() -> None:
         unit_nodes({"SLURM_JOB_ID": "7"}, 2)
 
 
-def start_generation(unit_nodes_: list[str], first_rank: int, world_size: int,
-                     procs: int = 2) -> launcher_pb2.StartGeneration:
-    return launcher_pb2.StartGeneration(
-        generation=3, resume_step=40,
+def generation(unit_nodes_: list[str], first_rank: int, world_size: int, procs: int = 2) -> launcher_pb2.Generation:
+    return launcher_pb2.Generation(
+        generation=3, target_step=40,
         rank_table=common_pb2.RankTable(world_size=world_size, groups=2, assignments=[common_pb2.RankAssignment(
             unit_id="u2", nodes=unit_nodes_, group_rank=1, first_rank=first_rank, procs_per_node=procs)]),
         rendezvous=common_pb2.Rendezvous(host="hostA", port=1234, host_unit_id="u1"))
@@ -64,7 +63,7 @@ def start_generation(unit_nodes_: list[str], first_rank: int, world_size: int,
 
 def test_a_two_node_units_ranks_are_laid_out_node_by_node_with_torchruns_node_rank() -> None:
     # Two units of 2 nodes x 2 processes: u2 holds ranks 4..7, node n3 the first two.
-    start = start_generation(["n3", "n4"], first_rank=4, world_size=8)
+    start = generation(["n3", "n4"], first_rank=4, world_size=8)
     leader, follower = node_placement(start, "u2", 0), node_placement(start, "u2", 1)
     assert leader is not None and follower is not None
     assert (leader.first_rank, leader.group_rank, leader.group_world_size) == (4, 2, 4)
@@ -78,7 +77,7 @@ def test_a_two_node_units_ranks_are_laid_out_node_by_node_with_torchruns_node_ra
     assert all(e["MASTER_ADDR"] == "hostA" and e["MASTER_PORT"] == "1234" and e["GROUP_RANK"] == "3"
                and "TIDAL_SECRET_FILE" not in e for e in envs)
     # A one-node unit keeps the unit's group rank and the number of units, as before.
-    single = node_placement(start_generation(["n3"], first_rank=2, world_size=4), "u2")
+    single = node_placement(generation(["n3"], first_rank=2, world_size=4), "u2")
     assert single is not None and (single.first_rank, single.group_rank, single.group_world_size) == (2, 1, 2)
 
 
