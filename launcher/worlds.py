@@ -5,10 +5,12 @@ leader's own below) that `leader.Agent` carries out in one place (`node.NodeAgen
 No clock is read, no message sent, no process touched.
 
 What the launcher does with a `Generation` follows from where the message puts this unit
-(`placement`): in the new generation only (a member: it starts, or its workers move to
-it), in the old one only (leaving: its workers stop, or leave after the agreed step; or
-failed: they are killed), in both (a live member of a change at a step boundary), or in
-neither, by an empty table (the stop of the old generation).
+(`placement`): in the new generation only (a joiner, or a member of a world formed afresh:
+its workers start, or move to it), in the old one only (leaving: its workers stop, or
+leave after the agreed step; or failed: they are killed), in both (a live member of a
+change at a step boundary), or in the old one with no new generation at all (an empty
+table: the old one stops). A table that neither names it nor lists it leaving is not its
+change, and is logged and ignored.
 
 Restart mode: a world message is the whole change; the old workers go first, then the new
 generation's start. Live mode: the workers follow a world change in-process (a World over
