@@ -321,12 +321,10 @@ class State:
     last_tick_at: float | None = None
     generation_started_at: float = 0.0
     reconnect_deadline: float = 0.0
-    # While FINISHING: local ranks that exited 0, and those that exited otherwise (how), by unit.
     # Live mode: the units that held the newest generation's state when it formed.
     state_holders: tuple[str, ...] = ()
     # When the watermark (job.step) was last written.
     step_persisted_at: float = 0.0
-    # While FINISHING: the units of the world that trained the last step, with their ranks.
     failure_detected_at: float | None = None
     recovery: Recovery | None = None
     first_step_generations: set[int] = dataclasses.field(default_factory=set)
