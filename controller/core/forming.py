@@ -109,7 +109,13 @@ def state_fields(t: Step, plan: GenerationRecord) -> dict[str, object]:
     says so: the workers load a checkpoint at or before it, or refuse to train."""
     state = t.state
     state.state_holders = holders(t, plan.unit_ids)
-    if state.live and plan.resume_step > 0 and not state.state_holders:
+    unknown = unknown_steps(t, plan.unit_ids)
+    if state.live and plan.resume_step > 0 and not state.state_holders and unknown:
+        # Not heard from since this controller started: whether they hold it is not known
+        # (the workers find out among themselves; a state truly gone is reported by them).
+        t.emit(Note("state_holders_unknown", {"generation": plan.number, "target_step": plan.resume_step,
+                                              "not_heard_from": join_ids(list(unknown))}))
+    elif state.live and plan.resume_step > 0 and not state.state_holders:
         t.record("state_not_held",
                  f"no member of generation {plan.number} holds the training state at step "
                  f"{plan.resume_step}: its workers resume from a checkpoint at or before it, or "
@@ -133,6 +139,25 @@ def holders(t: Step, unit_ids: tuple[str, ...]) -> tuple[str, ...]:
         beats = list(link.steps.values()) if link is not None else []
         steps[unit_id] = [max(step, reported) for step in beats] or ([reported] if reported else [])
     return state_holders(t.job.step, steps)
+
+
+def unknown_steps(t: Step, unit_ids: tuple[str, ...]) -> tuple[str, ...]:
+    """Live mode: which of `unit_ids`, members of the running generation, have said nothing
+    of their steps since this controller started (no heartbeat with steps, no report): a
+    launcher back after a controller restart whose first heartbeat is still on its way.
+    Whether they hold the state is unknown, not no."""
+    state = t.state
+    previous = state.generation
+    if not state.live or previous is None:
+        return ()
+    unknown = []
+    for unit_id in unit_ids:
+        if previous.member(unit_id) is None or not t.connected(unit_id):
+            continue
+        link = state.links.get(unit_id)
+        if (link is None or not link.steps) and state.units[unit_id].facts.holds_step == 0:
+            unknown.append(unit_id)
+    return tuple(unknown)
 
 
 def reconfigure(t: Step, joiners: tuple[str, ...], leaving: tuple[str, ...], cause: str, reason: str,

@@ -546,3 +546,30 @@ def test_a_joiner_that_reached_the_world_holds_the_state_before_its_heartbeats_s
     assert "state_not_held" not in driver.events(effects)
     fields = driver.event("world_formed").fields
     assert fields is not None and fields["state_holders"] == "b,c"
+
+
+def test_members_not_heard_from_since_a_controller_restart_are_not_said_to_hold_no_state() -> None:
+    """Chaos seed 10 (at 0a2acef): a launcher was killed 1 s after a controller restart;
+    the survivors, reattached with their workers but with no heartbeat since, formed the
+    next generation, which was said to hold no state (its workers found it among
+    themselves). Not heard from is unknown, not "holds nothing"."""
+    driver = Driver(min_replicas=1)
+    formed(driver, "a", "b", "c")
+    for unit in "abc":
+        driver.beat(unit, 40)
+    driver.tick(0.25)
+    assert driver.state.job.step == 40
+    job, units = driver.state.job, list(driver.state.units.values())
+    driver.state = core.restore(job, units, driver.state.generation, generation_stopped=False, pending={},
+                                config=CONFIG, now=driver.now)
+    for pid, unit in enumerate("abc"):
+        driver.connect(unit, last_generation=1, workers=(11 + pid,))
+    effects = driver.exit("c", 1, code=1)
+    assert "world_formed" in driver.events(effects) and "state_not_held" not in driver.events(effects)
+    assert any(isinstance(e, core.Note) and e.event == "state_holders_unknown" for e in effects)
+    # Heard from, and holding nothing at the target: said so.
+    driver.beat("a", 0)
+    driver.beat("b", 0)
+    driver.tick(0.25)
+    effects = driver.exit("b", 2, code=1)
+    assert "state_not_held" in driver.events(effects)
