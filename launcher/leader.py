@@ -47,14 +47,16 @@ from tidal.launcher.nodes import (
     UnitNodes,
     node_placement,
 )
-from tidal.launcher.store import ServedStore
+from tidal.launcher.store import ServedStore, stop_store_server
 from tidal.proto import common_pb2, launcher_pb2
 
 log = structlog.get_logger("tidal.launcher")
 
-# A launcher that ends early (refused, unreachable) waits this long at most for its store's
-# thread to finish importing torch before the process exits (ServedStore.settle).
-STORE_SETTLE_S = 15.0
+# At exit the launcher stops its store server (the child process that imports torch and
+# serves its rendezvous stores, `launcher/store.py`): SIGTERM, then SIGKILL after this long.
+# Nothing waits for a store still being made: the child, not the launcher, is inside
+# torch's import, and ending it there is harmless.
+STORE_SERVER_STOP_S = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,15 +131,19 @@ class Agent(NodeAgent[LauncherOptions]):
 
     def _new_store(self) -> None:
         """A fresh rendezvous store for the next generation hosted here, listening on this
-        unit's address only (`ServedStore`: the port at once, the server once torch is
-        imported, which does not hold up the registration). Live mode serves one
+        unit's address only (`ServedStore`: the port at once, the server once the store
+        server process has imported torch, which holds up neither the registration nor
+        the heartbeats). The store it replaces is closed unless a generation's ranks
+        still meet at it (`serving_store`). Live mode serves one
         for the launcher's life: its workers meet under a prefix per generation (`gen/<n>`).
         Restart mode needs a fresh one per generation, as under torchrun: an unmodified
         script's env:// rendezvous writes the same keys in every generation and cannot be
         given a prefix. So once a generation starts on this unit's store, a spare is made at
         once and its port reported with STARTED: the controller can plan the next
         generation and send it in one message, without a stop round first."""
-        self.store = None
+        previous, self.store = self.store, None
+        if previous is not None and previous is not self.serving_store:
+            previous.close()
         self.store = ServedStore(self.options.address)
 
     @property
@@ -185,7 +191,8 @@ class Agent(NodeAgent[LauncherOptions]):
                 await asyncio.wait_for(self.link_task, timeout=2.0)
         for store in (self.store, self.serving_store):
             if store is not None:
-                store.settle(STORE_SETTLE_S)
+                store.close()
+        stop_store_server(STORE_SERVER_STOP_S)
 
     def _open_link(self) -> None:
         if self.link_task is None:
@@ -305,7 +312,10 @@ class Agent(NodeAgent[LauncherOptions]):
         self.state = LauncherState.RUNNING
         if not self.live_mode and start.rendezvous.host_unit_id == self.options.unit_id:
             # This generation's ranks meet at the store it named: keep it for them, and make
-            # a fresh one for the next generation hosted here.
+            # a fresh one for the next generation hosted here. The one the previous
+            # generation's ranks used goes: they have stopped.
+            if self.serving_store is not None:
+                self.serving_store.close()
             self.serving_store = self.store
             self._new_store()
         if not joining:

@@ -50,3 +50,21 @@ def _socket_inodes(pid: int) -> set[str]:
         if match:
             inodes.add(match.group(1))
     return inodes
+
+
+def store_server_pid(launcher_pid: int) -> int | None:
+    """The pid of a launcher's store server (`tidal.launcher.store_server`, its child
+    through `deathsig`, which execs it), or None while there is none."""
+    for children in Path(f"/proc/{launcher_pid}/task").glob("*/children"):
+        try:
+            pids = [int(p) for p in children.read_text().split()]
+        except OSError:
+            continue
+        for pid in pids:
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"tidal.launcher.store_server" in command:
+                return pid
+    return None

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import TidalRun, wait_until
-from tests.listening import listening_addresses
+from tests.listening import listening_addresses, store_server_pid
 from tidal.proto import admin_pb2
 
 pytestmark = pytest.mark.integration
@@ -71,10 +71,15 @@ def test_the_rendezvous_store_listens_on_the_launchers_address_only(tidal_run: T
     # The ranks of generation 1 meet at this launcher's store, on 127.0.0.2, and train.
     tidal_run.wait_steps(3, world_size=1)
     assert tidal_run.job().state == admin_pb2.JOB_STATE_RUNNING
-    # Generation 1's store and the spare for the next one; nothing on every interface.
-    stores = wait_until(lambda: len(found := listening_addresses(launcher.pid)) >= 2 and found, 10,
+    # Generation 1's store and the spare for the next one, served by the launcher's store
+    # server (torch stays out of the launcher); nothing on every interface.
+    server = store_server_pid(launcher.pid)
+    assert server is not None
+    stores = wait_until(lambda: len(found := listening_addresses(server)) >= 2 and found, 10,
                         "the launcher's two stores")
     assert {host for host, _ in stores} == {"127.0.0.2"}, stores
+    # The launcher handed its copies of the listening sockets over.
+    assert not {port for _, port in stores} & {port for _, port in listening_addresses(launcher.pid)}
 
 
 def test_a_launcher_refuses_an_address_that_is_not_its_nodes(tidal_run: TidalRun) -> None:

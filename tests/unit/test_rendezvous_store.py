@@ -1,18 +1,64 @@
-"""The rendezvous store a launcher serves listens on the launcher's address only, and
-does not hold the launcher up while torch is imported."""
+"""The rendezvous store a launcher serves listens on the launcher's address only, is
+served from a child process (torch is never imported in the launcher), and does not hold
+the launcher up while that child imports torch."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
-import threading
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from tests.listening import decode_address, listening_addresses
-from tidal.launcher.store import ServedStore, StoreNotServed
+from tidal.launcher.store import ServedStore, StoreNotServed, stop_store_server
+from tidal.launcher.store_server import FAIL_ENV, HOLD_ENV
+
+
+@pytest.fixture(autouse=True)
+def fresh_store_server() -> Iterator[None]:
+    """Each test starts its own store server (with its own environment) and stops it."""
+    stop_store_server()
+    yield
+    stop_store_server()
+
+
+def _gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            return True  # exited; its parent (another process) has not reaped it yet
+        time.sleep(0.05)
+    return False
+
+
+def _client(address: str, port: int, script: str, timeout_s: int = 60) -> subprocess.Popen[str]:
+    """A TCPStore client in a process of its own (torch stays out of this one)."""
+    return subprocess.Popen(
+        [sys.executable, "-c", "import sys; from datetime import timedelta; from torch.distributed import TCPStore; "
+         f"s = TCPStore(sys.argv[1], {port}, is_master=False, wait_for_workers=False, "
+         f"timeout=timedelta(seconds={timeout_s})); {script}", address],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(client: subprocess.Popen[str], timeout_s: float = 60) -> tuple[int, str, str]:
+    try:
+        out, err = client.communicate(timeout=timeout_s)
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.wait()
+    return client.returncode, out, err
 
 
 def test_proc_net_addresses_are_decoded() -> None:
@@ -24,61 +70,52 @@ def test_proc_net_addresses_are_decoded() -> None:
 def test_the_store_listens_on_the_address_it_is_given_and_serves_there(address: str) -> None:
     if ":" in address and not socket.has_ipv6:
         pytest.skip("no IPv6")
-    from torch.distributed import TCPStore
-
     store = ServedStore(address)
-    server = store.wait(60)
-    bound = [host for host, listened in listening_addresses(os.getpid()) if listened == store.port]
+    assert store.wait(60)
+    assert store.server_pid is not None and store.server_pid != os.getpid()
+    bound = [host for host, listened in listening_addresses(store.server_pid) if listened == store.port]
     assert bound == [address]
-    client = TCPStore(address, store.port, is_master=False, wait_for_workers=False)
-    client.set("key", "value")
-    assert server.get("key") == b"value"
+    # This process handed its copy of the socket over.
+    assert [port for _, port in listening_addresses(os.getpid()) if port == store.port] == []
+    code, out, err = _finish(_client(address, store.port, "s.set('key', 'value'); print(s.get('key').decode())"))
+    assert code == 0, err
+    assert out.strip() == "value"
 
 
-def test_a_client_that_connects_before_the_server_is_made_is_served(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The port is handed out at once; a worker may connect while the launcher still
+def test_a_client_that_connects_before_the_server_is_made_is_served(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The port is handed out at once; a worker may connect while the store server still
     imports torch: it waits in the backlog, then is served."""
-    import torch.distributed
-
-    gate = threading.Event()
-    made = torch.distributed.TCPStore
-
-    def held_back(*args: object, **kwargs: object) -> object:
-        assert gate.wait(60)
-        return made(*args, **kwargs)
-
-    monkeypatch.setattr(torch.distributed, "TCPStore", held_back)
+    gate = tmp_path / "go"
+    monkeypatch.setenv(HOLD_ENV, str(gate))
     store = ServedStore("127.0.0.1")
-    client = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from datetime import timedelta; from torch.distributed import TCPStore; "
-         f"s = TCPStore('127.0.0.1', {store.port}, is_master=False, wait_for_workers=False, "
-         "timeout=timedelta(seconds=60)); s.set('early', 'yes'); print('set', flush=True)"],
-        stdout=subprocess.PIPE, text=True)
+    client = _client("127.0.0.1", store.port, "s.set('early', 'yes'); print('set', flush=True)")
     try:
         with pytest.raises(TimeoutError):
             store.wait(3.0)  # the client has connected (or is connecting) to a server not yet made
-        gate.set()
-        server = store.wait(60)
-        assert client.communicate(timeout=60)[0].strip() == "set"
-        assert server.get("early") == b"yes"
+        assert not store.failed
+        gate.touch()
+        assert store.wait(60)
+        code, out, err = _finish(client)
+        assert code == 0, err
+        assert out.strip() == "set"
+        code, out, err = _finish(_client("127.0.0.1", store.port, "print(s.get('early').decode())"))
+        assert code == 0, err
+        assert out.strip() == "yes"
     finally:
-        gate.set()
+        gate.touch()
         if client.poll() is None:
             client.kill()
             client.wait()
 
 
 def test_a_store_that_cannot_be_made_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch.distributed
-
-    def broken(*args: object, **kwargs: object) -> object:
-        raise RuntimeError("no store today")
-
-    monkeypatch.setattr(torch.distributed, "TCPStore", broken)
+    monkeypatch.setenv(FAIL_ENV, "no store today")
     store = ServedStore("127.0.0.1")
     with pytest.raises(StoreNotServed, match="no store today"):
         store.wait(60)
     assert store.failed
+    assert store.error is not None and "no store today" in store.error
 
 
 def test_an_address_that_is_not_this_nodes_is_refused() -> None:
@@ -86,9 +123,86 @@ def test_an_address_that_is_not_this_nodes_is_refused() -> None:
         ServedStore("no-such-host.invalid")
 
 
+def test_a_closed_store_stops_serving() -> None:
+    store = ServedStore("127.0.0.1")
+    kept = ServedStore("127.0.0.1")
+    assert store.wait(60) and kept.wait(60)
+    assert store.server_pid == kept.server_pid  # one server for all of a process's stores
+    store.close()
+    deadline = time.monotonic() + 10.0
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", store.port), timeout=1.0).close()
+        except OSError:
+            break
+        assert time.monotonic() < deadline, "the closed store still accepts connections"
+        time.sleep(0.05)
+    assert store.server_pid is not None
+    assert store.port not in [port for _, port in listening_addresses(store.server_pid)]
+    # The others are still served.
+    code, out, err = _finish(_client("127.0.0.1", kept.port, "s.set('k', 'v'); print(s.get('k').decode())"))
+    assert code == 0, err
+    assert out.strip() == "v"
+
+
+def test_every_store_fails_when_the_store_server_dies() -> None:
+    store = ServedStore("127.0.0.1")
+    assert store.wait(60)
+    assert store.server_pid is not None
+    os.kill(store.server_pid, signal.SIGKILL)
+    with pytest.raises(StoreNotServed, match="the store server was killed by signal 9"):
+        deadline = time.monotonic() + 10.0
+        while not store.failed and time.monotonic() < deadline:
+            time.sleep(0.05)
+        store.wait(0)
+    later = ServedStore("127.0.0.1")
+    assert later.failed
+    assert later.error == store.error
+
+
+def test_torch_is_never_imported_in_the_process_that_serves_the_stores() -> None:
+    """torch's import holds the GIL for long stretches: in the launcher it would stall the
+    loop that sends the heartbeats. The store server imports it instead."""
+    probe = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import sys
+        from tidal.launcher.store import ServedStore, stop_store_server
+        store = ServedStore("127.0.0.1")
+        store.wait(120)
+        print("torch" in sys.modules, store.server_pid != __import__("os").getpid())
+        store.close()
+        stop_store_server()
+        """)], capture_output=True, text=True, timeout=180)
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.split() == ["False", "True"]
+
+
+def test_the_store_server_exits_when_its_launcher_dies() -> None:
+    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import time
+        from tidal.launcher.store import ServedStore
+        store = ServedStore("127.0.0.1")
+        store.wait(120)
+        print(store.server_pid, flush=True)
+        time.sleep(600)
+        """)], stdout=subprocess.PIPE, text=True)
+    child = 0
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert not _gone(child, 0)
+        parent.kill()
+        parent.wait()
+        assert _gone(child, 10.0), "the store server outlived its launcher"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        if child and not _gone(child, 0):
+            os.kill(child, signal.SIGKILL)
+
+
 def test_the_launcher_registers_without_importing_torch() -> None:
-    """Importing torch takes seconds; the launcher's own modules must not: only the
-    store's thread does."""
+    """Importing torch takes seconds; the launcher's own modules must not."""
     probe = subprocess.run([sys.executable, "-c", "import sys, tidal.launcher.agent, tidal.launcher.follower; "
                             "print('torch' in sys.modules)"], capture_output=True, text=True, timeout=120)
     assert probe.returncode == 0, probe.stderr
