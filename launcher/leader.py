@@ -284,12 +284,7 @@ class Agent(NodeAgent[LauncherOptions]):
         if self.live_mode:
             self.live.reset(ready_generation=start.generation if joining else 0)
             extra.update({"TIDAL_MODE": "live", "TIDAL_CONTROL_SOCKET": str(self.live.channel.path),
-                          "TIDAL_JOINING": "1" if joining else "0", "TIDAL_STANDBY": "1" if standby else "0",
-                          # The unit's workers form their own fixed group (HybridSharded's shard
-                          # group) at this launcher's store, which lives as long as the unit;
-                          # the name is new for every set of workers started.
-                          "TIDAL_UNIT_STORE": f"{self.options.address}:{self.store_port}",
-                          "TIDAL_UNIT_GROUP": f"{self.options.unit_id}/{start.generation}/{int(time.time() * 1000)}"})
+                          "TIDAL_JOINING": "1" if joining else "0", "TIDAL_STANDBY": "1" if standby else "0"})
         generation = start.generation
         try:
             self.workers = self.start_group(placement, self.registered, extra)

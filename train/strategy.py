@@ -10,11 +10,13 @@ the step is atomic (every rank applies it or none does).
   all-reduce starts during the last micro-batch's backward pass, as soon as its gradients
   are final, in the same bucket order on every rank. The optimizer steps once every
   bucket's sum has arrived.
-- `HybridSharded`: FSDP2's `fully_shard` over the P workers of a unit (the shard group: the
-  default process group, fixed while the unit lives), replicated across units. FSDP2
-  reduce-scatters within the unit as the backward pass goes; each reduce-scattered gradient
-  shard is then all-reduced across replicas, started from FSDP2's all-reduce hook, so that
-  too overlaps the backward pass. The cross-replica dimension is the elastic one.
+- `HybridSharded`: FSDP2's `fully_shard` over the workers of a replica (the shard group:
+  the default process group; in live mode a `ShardGroup` that each generation connects
+  anew, so that a lost node's shard ranks can be taken by new processes), replicated across
+  replicas. FSDP2 reduce-scatters within the replica as the backward pass goes; each
+  reduce-scattered gradient shard is then all-reduced across replicas, started from
+  FSDP2's all-reduce hook, so that too overlaps the backward pass. The cross-replica
+  dimension is the elastic one.
 
 A strategy never decides anything about worlds; `Elastic` hands it the generation's
 cross-replica group (None in a world of one replica) at the start of each step."""
@@ -25,13 +27,15 @@ import abc
 import dataclasses
 import datetime
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from tidal.train.groups import fixed_world_store
+from tidal.train.shard_group import ShardGroup
+from tidal.train.shard_group import install as install_shard_group
 from tidal.train.state import local
 
 ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
@@ -56,6 +60,12 @@ class Strategy(abc.ABC):
     def shard_rank(self) -> int:
         """This worker's place in its replica."""
         return 0
+
+    @property
+    def shard_group(self) -> ShardGroup | None:
+        """The replica's swappable shard group, connected by each generation (live mode,
+        HybridSharded), or None."""
+        return None
 
     @abc.abstractmethod
     def attach(self, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
@@ -267,32 +277,48 @@ def _device_type() -> str:
     return "cuda" if torch.cuda.is_available() and dist.is_nccl_available() else "cpu"
 
 
-def init_unit_group(backend: str | None = None) -> tuple[int, int]:
-    """Make torch.distributed's default group the unit's shard group (its workers on this
-    node), unless the script made one already. Returns (shard rank, shard size).
-
-    Under a Tidal launcher the unit's workers meet at their launcher's store (lives as long
-    as the unit); in a fixed world (alone, torchrun, restart mode) at the world's store,
-    one group per node (GROUP_RANK)."""
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    env = os.environ
+def live_shard_place(env: Mapping[str, str]) -> tuple[int, int] | None:
+    """Under a Tidal launcher in live mode, this worker's (shard rank, shard size) in its
+    replica: `TIDAL_SHARD_RANK` of `TIDAL_SHARD_SIZE` (K nodes × P workers; the rank is the
+    node's place in the replica × P + LOCAL_RANK, the worker's for life), or LOCAL_RANK of
+    LOCAL_WORLD_SIZE when the launcher names none (a replica of one node). None outside
+    live mode."""
+    if env.get("TIDAL_MODE") != "live" or not env.get("TIDAL_CONTROL_SOCKET"):
+        return None
     local_rank = int(env.get("LOCAL_RANK", "0"))
-    local_size = int(env.get("LOCAL_WORLD_SIZE", "1"))
+    size = int(env.get("TIDAL_SHARD_SIZE") or env.get("LOCAL_WORLD_SIZE", "1"))
+    rank = int(env.get("TIDAL_SHARD_RANK") or local_rank)
+    if not 0 <= rank < size:
+        raise ValueError(f"shard rank {rank} is not in a replica of {size} workers (TIDAL_SHARD_RANK, "
+                         "TIDAL_SHARD_SIZE)")
+    return rank, size
+
+
+def init_unit_group(backend: str | None = None) -> tuple[int, int, ShardGroup | None]:
+    """Make torch.distributed's default group the replica's shard group, unless the script
+    made one already. Returns (shard rank, shard size, the swappable group or None).
+
+    Under a Tidal launcher in live mode it is a `ShardGroup` that each generation connects
+    anew (a replica's nodes may change: a lost node's shard ranks are taken by a new
+    process); in a fixed world (alone, torchrun, restart mode) a plain group of each node's
+    workers at the world's store (GROUP_RANK), for the process's life."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), None
+    env = os.environ
     backend = backend or ("nccl" if _device_type() == "cuda" else "gloo")
-    timeout = datetime.timedelta(seconds=float(env.get("TIDAL_UNIT_TIMEOUT_S", "600")))
-    unit_store = env.get("TIDAL_UNIT_STORE", "")
-    if unit_store:
-        host, _, port = unit_store.rpartition(":")
-        base: Any = dist.TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
-        store = dist.PrefixStore(f"unit/{env.get('TIDAL_UNIT_GROUP', 'unit')}", base)
-    else:
-        group_rank = int(env.get("GROUP_RANK", str(int(env.get("RANK", "0")) // max(1, local_size))))
-        store = dist.PrefixStore(f"tidal/unit/{group_rank}", fixed_world_store())
+    local_rank = int(env.get("LOCAL_RANK", "0"))
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
+    live = live_shard_place(env)
+    if live is not None:
+        rank, size = live
+        return rank, size, install_shard_group(rank, size)
+    local_size = int(env.get("LOCAL_WORLD_SIZE", "1"))
+    timeout = datetime.timedelta(seconds=float(env.get("TIDAL_UNIT_TIMEOUT_S", "600")))
+    group_rank = int(env.get("GROUP_RANK", str(int(env.get("RANK", "0")) // max(1, local_size))))
+    store = dist.PrefixStore(f"tidal/unit/{group_rank}", fixed_world_store())
     dist.init_process_group(backend, store=store, rank=local_rank, world_size=local_size, timeout=timeout)
-    return local_rank, local_size
+    return local_rank, local_size, None
 
 
 class HybridSharded(Strategy):
@@ -323,6 +349,7 @@ class HybridSharded(Strategy):
         self._error: BaseException | None = None
         self._shard_rank = 0
         self._shard_size = 1
+        self._shard_group: ShardGroup | None = None
         self._batch = 1
 
     @property
@@ -333,6 +360,10 @@ class HybridSharded(Strategy):
     def shard_rank(self) -> int:
         return self._shard_rank
 
+    @property
+    def shard_group(self) -> ShardGroup | None:
+        return self._shard_group
+
     def shard(self, model: ModuleT, modules: Iterable[torch.nn.Module] | None = None,
               backend: str | None = None) -> ModuleT:
         """Form the unit's shard group, then `fully_shard` each of `modules` (say, the
@@ -341,8 +372,8 @@ class HybridSharded(Strategy):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        self._shard_rank, self._shard_size = init_unit_group(backend)
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        self._shard_rank, self._shard_size, self._shard_group = init_unit_group(backend)
+        device_type = "cuda" if (backend or _device_type()) == "nccl" else "cpu"
         mesh = init_device_mesh(device_type, (self._shard_size,), mesh_dim_names=("shard",))
         policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
         for module in modules or ():

@@ -45,6 +45,7 @@ from tidal.train.channel import ChannelClosed, WorkerChannel
 from tidal.train.errors import AccountingError, StateLost, StateMismatch, WorldBroken
 from tidal.train.groups import Groups, fixed_world_store, form_groups
 from tidal.train.ledger import Ledger
+from tidal.train.shard_group import ShardGroup
 from tidal.train.state import Counters
 
 log = structlog.get_logger("tidal.train.world")
@@ -168,10 +169,14 @@ class Membership:
     channel to its launcher (None in a fixed world)."""
 
     def __init__(self, *, backend: str, shard_size: int, shard_rank: int, timeout_s: float, counters: Counters,
-                 ledger: Ledger, agree: Agree, before_leaving: Callable[[bool], str]) -> None:
+                 ledger: Ledger, agree: Agree, before_leaving: Callable[[bool], str],
+                 shard_group: ShardGroup | None = None) -> None:
         self.backend = backend
         self.shard_size = shard_size
         self.shard_rank = shard_rank
+        # Live mode under HybridSharded: the replica's shard group (FSDP2's), connected anew
+        # by every generation this worker forms, aborted when one breaks.
+        self.shard_group = shard_group
         # The process groups' timeout (the backstop), and how long a rank waits for peers
         # or for its next world.
         self.timeout_s = timeout_s
@@ -265,10 +270,14 @@ class Membership:
                 time.sleep(0.002)
             # Formed, the groups' collectives (the state's transfer first) get the full
             # timeout, the backstop.
-            self.groups = self._form_groups(dist.PrefixStore("group", prefix), world,
-                                            datetime.timedelta(seconds=form_timeout_s(self.timeout_s,
-                                                                                      world.world_size)),
-                                            timeout)
+            connect = datetime.timedelta(seconds=form_timeout_s(self.timeout_s, world.world_size))
+            self.groups = self._form_groups(dist.PrefixStore("group", prefix), world, connect, timeout)
+            if self.shard_group is not None:
+                # The replica's shard ranks meet under the replica's own prefix; FSDP2's
+                # collectives go to this connection until the next generation's.
+                replica = world.rank // self.shard_size
+                self.shard_group.connect(self.backend, dist.PrefixStore(f"shard/{replica}", prefix),
+                                         generation=world.generation, connect_timeout=connect, timeout=timeout)
             source, state_digest = self._agree(self.groups, world)
         except (RuntimeError, ValueError) as error:
             if isinstance(error, (StateMismatch, AccountingError, StateLost)):
@@ -320,10 +329,14 @@ class Membership:
 
     def close_groups(self, broken: bool = False) -> None:
         """Leave the generation's groups (aborted after a failure: a destroy would wait on
-        collectives that will never finish). The unit's shard group stays."""
+        collectives that will never finish). The replica's shard group stays connected
+        after a planned change or the end of training (FSDP2's collectives after `train()`
+        use it) and is aborted after a failure (a shard peer may be gone)."""
         if self.groups is not None:
             self.groups.close(broken)
         self.groups = None
+        if broken and self.shard_group is not None:
+            self.shard_group.disconnect(broken=True)
 
     # During a step.
 
