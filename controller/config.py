@@ -89,6 +89,10 @@ class ControllerConfig:
     # (its last replica saves the training state as it leaves; the job resumes from it once
     # min_replicas nodes are idle) instead of holding them idle. 0: hold them.
     below_min_release_s: float = 30.0
+    # Live mode, replicas of several nodes: a replica that lost a node waits this long for
+    # a node to take its place; then its other nodes are given back (the job keeps its
+    # other replicas). 0: wait as long as it takes.
+    replica_patch_wait_s: float = 600.0
     # Live mode: a world change (joiners' workers ready, every member re-formed) must
     # complete within this long, or the units holding it up count as failed.
     reconfigure_timeout_s: float = 120.0
@@ -136,7 +140,8 @@ class ControllerConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ["reconnect_grace_s", "join_settle_s", "scale_up_snooze_s", "below_min_release_s"]:
+        for name in ["reconnect_grace_s", "join_settle_s", "scale_up_snooze_s", "below_min_release_s",
+                     "replica_patch_wait_s"]:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:

@@ -25,7 +25,7 @@ import structlog
 from tidal.controller import owners, units
 from tidal.controller.config import ControllerConfig
 from tidal.controller.core import job as core
-from tidal.controller.core import sharing
+from tidal.controller.core import replicas, sharing
 from tidal.controller.core.job import (
     CancelRequested,
     DrainRequested,
@@ -173,6 +173,9 @@ class JobActor:
         self.metrics = metrics
         self.inputs: asyncio.Queue[JobInput] = asyncio.Queue()
         self.sessions: dict[str, LauncherSession] = {}
+        # Replicas of several nodes: the slot each registering launcher was told, until its
+        # session is taken in (`replicas.slot_for`).
+        self.reserved_slots: dict[str, replicas.Slot] = {}
         now = core.Now(monotonic=started_at, wall=time.time() - (time.monotonic() - started_at))
         self.state = core.restore(job, units, generation, generation_stopped=generation_stopped,
                                   pending=store.pending(job.job_id), config=config, now=now,
@@ -218,7 +221,14 @@ class JobActor:
         if refused is not None:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, refused)
         spec = job.spec
+        slot = replicas.slot_for(self.state.units, spec, register.unit_id, self.reserved_slots)
+        if slot is not None:
+            # Kept until the actor takes the session in (two launchers registering at once
+            # must not be given one slot).
+            self.reserved_slots[register.unit_id] = slot
         return launcher_pb2.Registered(
+            replica=slot.replica if slot is not None else 0, node_index=slot.node_index if slot is not None else 0,
+            nodes_per_replica=replicas.nodes_per_replica(spec),
             current_generation=job.generation, heartbeat_interval=duration(self.config.heartbeat_interval_s),
             heartbeat_timeout=duration(self.config.heartbeat_timeout_s), mode=spec.mode,
             progress_timeout=duration(self.config.progress_timeout_s), command=list(spec.command),
@@ -289,7 +299,8 @@ class JobActor:
                 if previous is not None and previous is not session:
                     previous.close(grpc.StatusCode.ABORTED, "replaced by a newer session of the same unit")
                 self.sessions[session.unit_id] = session
-                event = core.LauncherConnected(session.unit_id, register)
+                event = core.LauncherConnected(session.unit_id, register,
+                                               self.reserved_slots.pop(session.unit_id, None))
             case Said(session, message):
                 if self.sessions.get(session.unit_id) is not session:
                     return

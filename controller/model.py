@@ -102,6 +102,9 @@ class UnitFacts:
     # While the job is FINISHING, a member of the finished world: how many of its workers
     # the end waits for (None: not a member), and those that exited since: 0, or how.
     finishing_workers: int | None = None
+    # Live mode, replicas of several nodes: since when its replica has lacked a node (it
+    # waits, out of the world, for one to take the lost one's place).
+    waiting_for_node_since: float | None = None
     exited_ok: frozenset[int] = frozenset()
     exited_failed: Mapping[int, str] = dataclasses.field(default_factory=dict)
 
@@ -121,6 +124,11 @@ class UnitRecord:
     group_rank: int = -1
     registered_at: float = 0.0
     reason: str = ""
+    # Live mode with replicas of K > 1 nodes (one-node units, grouped by the controller):
+    # the replica this unit belongs to (1, 2, ...; 0: not grouped) and its node's place in
+    # it (0..K-1), fixed when it registers: its workers' shard ranks follow from it.
+    replica: int = 0
+    node_index: int = 0
     facts: UnitFacts = dataclasses.field(default_factory=UnitFacts, repr=False)
 
 

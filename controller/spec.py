@@ -39,10 +39,6 @@ def normalized_spec(spec: admin_pb2.JobSpec) -> admin_pb2.JobSpec:
         problems.append(f"max_replicas: {result.max_replicas} is below min_replicas {result.min_replicas}")
     if result.nodes_per_replica < 1:
         problems.append(f"nodes_per_replica: must be >= 1, got {result.nodes_per_replica}")
-    elif result.nodes_per_replica > 1 and result.mode == common_pb2.JOB_MODE_LIVE:
-        problems.append(f"nodes_per_replica: {result.nodes_per_replica} nodes per replica run in restart mode "
-                        "only; live mode with replicas spanning nodes is not supported yet (use --mode restart, "
-                        "or one node per replica)")
     if not 1 <= result.procs_per_node <= 256:
         problems.append(f"procs_per_node: must be within 1..256, got {result.procs_per_node}")
     if result.global_batch < 0:

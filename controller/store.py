@@ -29,8 +29,10 @@ from tidal.controller.model import (
 from tidal.proto import admin_pb2, common_pb2
 
 # 2: a world's version is a "generation" everywhere (schema 1 said "epoch": the `epochs`
-# table, `epoch` columns, `epoch_*` event kinds); `_migrate` converts a schema-1 file in place.
-SCHEMA_VERSION = 2
+# table, `epoch` columns, `epoch_*` event kinds).
+# 3: a unit's place in a replica of several nodes (`units.replica`, `units.node_index`).
+# `_migrate` converts a schema-1 or -2 file in place.
+SCHEMA_VERSION = 3
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -56,6 +58,8 @@ CREATE TABLE IF NOT EXISTS units (
     group_rank INTEGER NOT NULL DEFAULT -1,
     registered_at REAL NOT NULL DEFAULT 0,
     reason TEXT NOT NULL DEFAULT '',
+    replica INTEGER NOT NULL DEFAULT 0,
+    node_index INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (job_id, unit_id)
 );
 CREATE TABLE IF NOT EXISTS generations (
@@ -112,21 +116,27 @@ def _migrate(db: sqlite3.Connection, path: Path) -> None:
     if "meta" not in tables:
         return
     row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-    if row is None or int(row[0]) != 1:
+    if row is None or int(row[0]) >= SCHEMA_VERSION:
         return
+    version = int(row[0])
     db.execute("BEGIN IMMEDIATE")
     try:
-        db.execute("ALTER TABLE epochs RENAME TO generations")
-        db.execute("ALTER TABLE generations RENAME COLUMN epoch TO generation")
-        db.execute("ALTER TABLE jobs RENAME COLUMN epoch TO generation")
-        db.execute("ALTER TABLE events RENAME COLUMN epoch TO generation")
-        db.execute("UPDATE events SET kind = 'generation' || substr(kind, 6) WHERE kind LIKE 'epoch%'")
-        db.execute("UPDATE events SET fields = replace(fields, '\"from_epoch\"', '\"from_generation\"')")
+        if version == 1:
+            db.execute("ALTER TABLE epochs RENAME TO generations")
+            db.execute("ALTER TABLE generations RENAME COLUMN epoch TO generation")
+            db.execute("ALTER TABLE jobs RENAME COLUMN epoch TO generation")
+            db.execute("ALTER TABLE events RENAME COLUMN epoch TO generation")
+            db.execute("UPDATE events SET kind = 'generation' || substr(kind, 6) WHERE kind LIKE 'epoch%'")
+            db.execute("UPDATE events SET fields = replace(fields, '\"from_epoch\"', '\"from_generation\"')")
+        if version <= 2 and "units" in tables:
+            db.execute("ALTER TABLE units ADD COLUMN replica INTEGER NOT NULL DEFAULT 0")
+            db.execute("ALTER TABLE units ADD COLUMN node_index INTEGER NOT NULL DEFAULT 0")
         db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
         db.execute("COMMIT")
     except sqlite3.DatabaseError as error:
         db.execute("ROLLBACK")
-        raise StoreError(f"{path}: converting schema 1 to {SCHEMA_VERSION} failed, nothing changed: {error}") from error
+        raise StoreError(f"{path}: converting schema {version} to {SCHEMA_VERSION} failed, nothing changed: "
+                         f"{error}") from error
 
 
 class StateStore:
@@ -204,19 +214,22 @@ class StateStore:
 
     def upsert_unit(self, unit: UnitRecord) -> None:
         self._db.execute(
-            "INSERT INTO units VALUES (?,?,?,?,?,?,?,?,?,?) ON CONFLICT (job_id, unit_id) DO UPDATE SET "
+            "INSERT INTO units VALUES (?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (job_id, unit_id) DO UPDATE SET "
             "state=excluded.state, nodes=excluded.nodes, address=excluded.address, "
             "procs_per_node=excluded.procs_per_node, slurm_job_id=excluded.slurm_job_id, "
-            "group_rank=excluded.group_rank, registered_at=excluded.registered_at, reason=excluded.reason",
+            "group_rank=excluded.group_rank, registered_at=excluded.registered_at, reason=excluded.reason, "
+            "replica=excluded.replica, node_index=excluded.node_index",
             (unit.job_id, unit.unit_id, unit.state.value, json.dumps(unit.nodes), unit.address, unit.procs_per_node,
-             unit.slurm_job_id, unit.group_rank, unit.registered_at, unit.reason))
+             unit.slurm_job_id, unit.group_rank, unit.registered_at, unit.reason, unit.replica, unit.node_index))
 
     def units(self, job_id: str) -> list[UnitRecord]:
         rows = self._db.execute(
             "SELECT job_id, unit_id, state, nodes, address, procs_per_node, slurm_job_id, group_rank, "
-            "registered_at, reason FROM units WHERE job_id=? ORDER BY registered_at, unit_id", (job_id,)).fetchall()
+            "registered_at, reason, replica, node_index FROM units WHERE job_id=? ORDER BY registered_at, unit_id",
+            (job_id,)).fetchall()
         return [UnitRecord(job_id=r[0], unit_id=r[1], state=UnitState(r[2]), nodes=json.loads(r[3]), address=r[4],
-                           procs_per_node=r[5], slurm_job_id=r[6], group_rank=r[7], registered_at=r[8], reason=r[9])
+                           procs_per_node=r[5], slurm_job_id=r[6], group_rank=r[7], registered_at=r[8], reason=r[9],
+                           replica=r[10], node_index=r[11])
                 for r in rows]
 
     # Generations.

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tidal.controller.core.planning import allowed_sizes
 from tidal.controller.submission import sbatch_value
-from tidal.proto import admin_pb2
+from tidal.proto import admin_pb2, common_pb2
 from tidal.slurm.models import Gres, Job, JobState, Node, NodeFlag, UnitOwner, UnitSubmission
 from tidal.slurm.snapshot import ClusterView
 
@@ -160,9 +160,18 @@ def releasing(view: ClusterView, yielded: Mapping[int, Iterable[int]]) -> dict[i
             for waiting, held in yielded.items()}
 
 
+def unit_nodes(spec: admin_pb2.JobSpec) -> int:
+    """The nodes of one unit (one Slurm job): a replica's K in restart mode (one job of K
+    nodes); 1 in live mode, where a replica of K nodes is K one-node units grouped by the
+    controller (`core.replicas`)."""
+    if spec.mode == common_pb2.JOB_MODE_LIVE:
+        return 1
+    return max(1, spec.nodes_per_replica)
+
+
 def units_to_submit(spec: admin_pb2.JobSpec, *, alive: int, idle_nodes: int, now: float,
                     last_change_at: float | None, scale_up_snooze_s: float, others_waiting: int = 0,
-                    released: bool = False) -> UnitDemand:
+                    released: bool = False, holes: int = 0) -> UnitDemand:
     """How many units to submit now, and why. `alive` counts units that hold or are
     waiting for a place (submitted, joining, active); `idle_nodes` the idle nodes that fit.
 
@@ -172,7 +181,28 @@ def units_to_submit(spec: admin_pb2.JobSpec, *, alive: int, idle_nodes: int, now
     - otherwise grow onto idle nodes, up to max_replicas, one unit per node
       (`nodes_per_replica` nodes each), unless a world change was recent (snooze) or other
       Slurm jobs wait for nodes (`others_waiting`): an elastic job takes what nobody else
-      wants, or it would be preempted again at once."""
+      wants, or it would be preempted again at once.
+
+    Live mode with replicas of K > 1 nodes: units are one node each and every count is in
+    nodes (sizes in whole replicas of K); a replica that lost a node (`holes`: nodes missing
+    from incomplete replicas, less those already submitted) gets its replacement at once,
+    whatever is idle, like a replacement below min: its other nodes wait for it."""
+    nodes = max(1, spec.nodes_per_replica) if spec.mode == common_pb2.JOB_MODE_LIVE else 1
+    if nodes > 1:
+        if holes > 0:
+            return UnitDemand(holes, f"{holes} node(s) to take the place of lost ones in replicas of {nodes} nodes")
+        in_nodes = admin_pb2.JobSpec()
+        in_nodes.CopyFrom(spec)
+        in_nodes.min_replicas, in_nodes.max_replicas = spec.min_replicas * nodes, spec.max_replicas * nodes
+        in_nodes.replica_step = max(1, spec.replica_step) * nodes
+        del in_nodes.allowed_replicas[:]
+        in_nodes.allowed_replicas.extend(n * nodes for n in spec.allowed_replicas)
+        in_nodes.nodes_per_replica = 1
+        in_nodes.mode = common_pb2.JOB_MODE_RESTART
+        demand = units_to_submit(in_nodes, alive=alive, idle_nodes=idle_nodes, now=now, last_change_at=last_change_at,
+                                 scale_up_snooze_s=scale_up_snooze_s, others_waiting=others_waiting,
+                                 released=released)
+        return UnitDemand(demand.count, f"{demand.reason} (in nodes: replicas of {nodes})")
     room = spec.max_replicas - alive
     fits = idle_nodes // max(1, spec.nodes_per_replica)
     if alive < spec.min_replicas:
@@ -234,8 +264,8 @@ def unit_submission(spec: admin_pb2.JobSpec, *, job_id: str, unit_id: str, launc
                     owner: UnitOwner | None = None) -> UnitSubmission:
     return UnitSubmission(
         name=f"tidal-{job_id}-{unit_id}", script=unit_script(launcher, controller=controller, job_id=job_id,
-                                                             unit_id=unit_id, nodes=max(1, spec.nodes_per_replica)),
-        partition=spec.partition, nodes=max(1, spec.nodes_per_replica), exclusive=True,
+                                                             unit_id=unit_id, nodes=unit_nodes(spec)),
+        partition=spec.partition, nodes=unit_nodes(spec), exclusive=True,
         working_dir=spec.working_dir, output=str(output_dir / f"{job_id}-{unit_id}-%j.out"),
         comment=f"tidal job={job_id} unit={unit_id}", requeue=False, exclude_nodes=tuple(exclude),
         extra_options=tuple(spec.sbatch_options), environment={"TIDAL_SECRET_FILE": str(secret_path)}, owner=owner)

@@ -284,7 +284,12 @@ class Agent(NodeAgent[LauncherOptions]):
         if self.live_mode:
             self.live.reset(ready_generation=start.generation if joining else 0)
             extra.update({"TIDAL_MODE": "live", "TIDAL_CONTROL_SOCKET": str(self.live.channel.path),
-                          "TIDAL_JOINING": "1" if joining else "0", "TIDAL_STANDBY": "1" if standby else "0"})
+                          "TIDAL_JOINING": "1" if joining else "0", "TIDAL_STANDBY": "1" if standby else "0",
+                          # Its place in a replica of several nodes (HybridSharded's shard
+                          # ranks follow from it), as the controller assigned it.
+                          "TIDAL_REPLICA": str(self.registered.replica),
+                          "TIDAL_NODE_INDEX": str(self.registered.node_index),
+                          "TIDAL_NODES_PER_REPLICA": str(max(1, self.registered.nodes_per_replica))})
         generation = start.generation
         try:
             self.workers = self.start_group(placement, self.registered, extra)
@@ -436,8 +441,9 @@ class Agent(NodeAgent[LauncherOptions]):
                 self.live.stop(generation)
             case worlds.LeaveSavingState():
                 self.live.leave_saving_state()
-            case worlds.SendWorlds(generation, rank_table, rendezvous, joining, target_step):
-                self.live.send_worlds(generation, rank_table, rendezvous, joining=joining, target_step=target_step)
+            case worlds.SendWorlds(generation, rank_table, rendezvous, joining, target_step, set_aside):
+                self.live.send_worlds(generation, rank_table, rendezvous, joining=joining, target_step=target_step,
+                                      set_aside=set_aside)
             case worlds.LeaveStandby():
                 self.standby = False
             case worlds.AwaitReady(generation):

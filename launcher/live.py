@@ -107,12 +107,15 @@ class LiveMode:
             self.agent.report(generation, phase, step=step, detail=detail)
 
     def send_worlds(self, generation: int, table: common_pb2.RankTable, rendezvous: common_pb2.Rendezvous,
-                    joining: bool = False, target_step: int = 0) -> None:
-        """Name generation `generation`'s world to each worker (rank -1: leave after the agreed step)."""
+                    joining: bool = False, target_step: int = 0, set_aside: bool = False) -> None:
+        """Name generation `generation`'s world to each worker (rank -1: leave after the agreed
+        step; with `set_aside`, wait for a later world instead: this unit stays in the job, out
+        of that generation, and keeps the one it was in)."""
         agent = self.agent
         assert agent.workers is not None
         mine = next((a for a in table.assignments if a.unit_id == agent.options.unit_id), None)
-        agent.generation = generation
+        if not set_aside:
+            agent.generation = generation
         for worker in agent.workers.workers:
             rank = mine.first_rank + worker.local_rank if mine is not None else -1
             if rank >= 0:
@@ -120,7 +123,10 @@ class LiveMode:
             self.workers.idle.discard(worker.local_rank)
             self.channel.send(worker.local_rank, World(
                 generation=generation, rank=rank, world_size=table.world_size, master_addr=rendezvous.host,
-                master_port=rendezvous.port, joining=joining, target_step=target_step))
+                master_port=rendezvous.port, joining=joining, target_step=target_step, set_aside=set_aside))
+        if set_aside:
+            agent.log.info("set_aside", generation=generation, stays_in=agent.generation)
+            return
         if mine is None:
             agent.state = LauncherState.LEAVING
             self.workers.stop_deadline = time.monotonic() + agent.options.leave_timeout_s

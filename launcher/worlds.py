@@ -100,6 +100,8 @@ class SendWorlds:
     rendezvous: common_pb2.Rendezvous
     joining: bool = False
     target_step: int = 0
+    # Not in it, not leaving: out of that world after the agreed step, waiting for a later one.
+    set_aside: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +185,14 @@ def on_generation(view: LeaderView, generation: launcher_pb2.Generation, unit_id
         case Place.STOPPED:
             return _stop(view, generation, unit_id)
         case Place.ELSEWHERE:
+            if (generation.at_step_boundary and view.live_workers_running and not view.standby
+                    and view.generation == generation.from_generation and not view.state.is_final
+                    and view.state is not LauncherState.LEAVING):
+                # Live mode: a member of the world that changes, out of the next one but not
+                # out of the job (its replica of several nodes lost a node, or one of its
+                # nodes leaves): its workers finish the agreed step and wait, keeping the state.
+                return (SendWorlds(generation.generation, generation.rank_table, generation.rendezvous,
+                                   target_step=generation.target_step, set_aside=True),)
             return (Log("generation_not_for_this_unit", {"generation": generation.generation}, warning=True),)
 
 
@@ -239,6 +249,12 @@ def _reconfigure(view: LeaderView, reconfigure: launcher_pb2.Generation) -> tupl
             actions.append(Report(reconfigure.generation, launcher_pb2.GENERATION_PHASE_STARTED, once=True,
                                   detail="workers ready to join (started ahead)"))
         return tuple(actions)
+    if view.live_workers_running and view.generation < reconfigure.from_generation:
+        # A joiner whose workers run, out of the world the change starts from (set aside, or
+        # left out by a failure's next generation, keeping their state): ready at once.
+        return (Enter(LauncherState.RUNNING, reconfigure.generation), dataclasses.replace(world, joining=True),
+                Report(reconfigure.generation, launcher_pb2.GENERATION_PHASE_STARTED, once=True,
+                       detail="workers ready to join (kept from an earlier world)"))
     if view.live_workers_running:
         return (world,)
     if view.state in (LauncherState.WAITING, LauncherState.CONNECTING):

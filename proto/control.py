@@ -73,10 +73,14 @@ class World:
     target_step: int = 0
     # Leaving (rank -1) as the last holder of the job's state: write it to disk first.
     save: bool = False
+    # Out of this world (rank -1) but not out of the job: its replica of several nodes lost
+    # one (or left) and waits for a node to take its place. After the agreed step the
+    # worker leaves the old world and waits for the next one, keeping its state.
+    set_aside: bool = False
 
     @property
     def leaves(self) -> bool:
-        return self.rank < 0
+        return self.rank < 0 and not self.set_aside
 
 
 

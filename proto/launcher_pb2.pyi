@@ -165,7 +165,7 @@ class ControllerMessage(_message.Message):
     def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., generation: _Optional[_Union[Generation, _Mapping]] = ...) -> None: ...
 
 class Registered(_message.Message):
-    __slots__ = ("current_generation", "heartbeat_interval", "heartbeat_timeout", "mode", "progress_timeout", "command", "environment", "working_dir", "procs_per_node", "job_name", "worker_silence_timeout")
+    __slots__ = ("current_generation", "heartbeat_interval", "heartbeat_timeout", "mode", "progress_timeout", "command", "environment", "working_dir", "procs_per_node", "job_name", "worker_silence_timeout", "replica", "node_index", "nodes_per_replica")
     class EnvironmentEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +184,9 @@ class Registered(_message.Message):
     PROCS_PER_NODE_FIELD_NUMBER: _ClassVar[int]
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     WORKER_SILENCE_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    NODE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NODES_PER_REPLICA_FIELD_NUMBER: _ClassVar[int]
     current_generation: int
     heartbeat_interval: _duration_pb2.Duration
     heartbeat_timeout: _duration_pb2.Duration
@@ -195,7 +198,10 @@ class Registered(_message.Message):
     procs_per_node: int
     job_name: str
     worker_silence_timeout: _duration_pb2.Duration
-    def __init__(self, current_generation: _Optional[int] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., heartbeat_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., mode: _Optional[_Union[_common_pb2.JobMode, str]] = ..., progress_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., command: _Optional[_Iterable[str]] = ..., environment: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., procs_per_node: _Optional[int] = ..., job_name: _Optional[str] = ..., worker_silence_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    replica: int
+    node_index: int
+    nodes_per_replica: int
+    def __init__(self, current_generation: _Optional[int] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., heartbeat_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., mode: _Optional[_Union[_common_pb2.JobMode, str]] = ..., progress_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., command: _Optional[_Iterable[str]] = ..., environment: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., procs_per_node: _Optional[int] = ..., job_name: _Optional[str] = ..., worker_silence_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., replica: _Optional[int] = ..., node_index: _Optional[int] = ..., nodes_per_replica: _Optional[int] = ...) -> None: ...
 
 class Generation(_message.Message):
     __slots__ = ("generation", "from_generation", "rank_table", "rendezvous", "target_step", "stop_grace", "reason", "failed_unit_id", "leaving", "save_state", "at_step_boundary")

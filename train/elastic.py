@@ -57,7 +57,7 @@ from torch.utils.data import default_collate
 from tidal.proto.control import EXIT_STATE_LOST, Beat, World
 from tidal.train.batch import BatchPolicy, FixedBatch, ScaledBatch
 from tidal.train.data import GlobalOrder, StepSamples, micro_batches, step_samples
-from tidal.train.errors import AccountingError, StateLost, StateMismatch, WorldBroken
+from tidal.train.errors import AccountingError, StateLost, StateMismatch, WorldBroken, raised_by_a_collective
 from tidal.train.groups import Collectives, Groups
 from tidal.train.ledger import Ledger
 from tidal.train.progress import report_progress
@@ -299,7 +299,13 @@ class Elastic:
         model.train()
         strategy.begin_step(groups.replica if groups is not None else None, batch_size)
         try:
-            control, control_work = self._compute_gradients(samples, world)
+            try:
+                control, control_work = self._compute_gradients(samples, world)
+            except RuntimeError as error:
+                if strategy.shard_group is None or not raised_by_a_collective(error):
+                    raise
+                # A peer of this replica is gone (FSDP2's collectives run in the passes).
+                raise WorldBroken(f"a collective of the replica's shard group failed: {error}") from None
             with self.collectives.waiting_in():
                 if self.simulated is not None:
                     # Once per step, on top of the real reduction (none in a world of one replica).

@@ -279,19 +279,21 @@ def _device_type() -> str:
 
 def live_shard_place(env: Mapping[str, str]) -> tuple[int, int] | None:
     """Under a Tidal launcher in live mode, this worker's (shard rank, shard size) in its
-    replica: `TIDAL_SHARD_RANK` of `TIDAL_SHARD_SIZE` (K nodes × P workers; the rank is the
-    node's place in the replica × P + LOCAL_RANK, the worker's for life), or LOCAL_RANK of
-    LOCAL_WORLD_SIZE when the launcher names none (a replica of one node). None outside
-    live mode."""
+    replica: a replica of K nodes (`TIDAL_NODES_PER_REPLICA`) of P workers each
+    (`LOCAL_WORLD_SIZE`) has K × P shard ranks, and this worker's is its node's place in the
+    replica (`TIDAL_NODE_INDEX`) × P + `LOCAL_RANK`, its own for life. None outside live
+    mode."""
     if env.get("TIDAL_MODE") != "live" or not env.get("TIDAL_CONTROL_SOCKET"):
         return None
     local_rank = int(env.get("LOCAL_RANK", "0"))
-    size = int(env.get("TIDAL_SHARD_SIZE") or env.get("LOCAL_WORLD_SIZE", "1"))
-    rank = int(env.get("TIDAL_SHARD_RANK") or local_rank)
-    if not 0 <= rank < size:
-        raise ValueError(f"shard rank {rank} is not in a replica of {size} workers (TIDAL_SHARD_RANK, "
-                         "TIDAL_SHARD_SIZE)")
-    return rank, size
+    local_size = int(env.get("LOCAL_WORLD_SIZE", "1"))
+    nodes = int(env.get("TIDAL_NODES_PER_REPLICA") or 1)
+    node_index = int(env.get("TIDAL_NODE_INDEX") or 0)
+    if not (0 <= node_index < nodes and 0 <= local_rank < local_size):
+        raise ValueError(f"node {node_index} of a replica of {nodes} nodes, local rank {local_rank} of {local_size} "
+                         "(TIDAL_NODE_INDEX, TIDAL_NODES_PER_REPLICA, LOCAL_RANK, LOCAL_WORLD_SIZE): not a place "
+                         "in a replica")
+    return node_index * local_size + local_rank, nodes * local_size
 
 
 def init_unit_group(backend: str | None = None) -> tuple[int, int, ShardGroup | None]:

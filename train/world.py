@@ -108,10 +108,21 @@ class Leave:
     save: bool
 
 
-def decide(phase: Phase, world: World) -> Join | Leave:
+@dataclasses.dataclass(frozen=True)
+class StandAside:
+    """Out of this world, not out of the job: wait for the next one, keeping the state (a
+    replica of several nodes that lost one waits for a node to take its place)."""
+
+    world: World
+
+
+def decide(phase: Phase, world: World) -> Join | Leave | StandAside:
     """What a worker in `phase` does with a world its launcher named: leave (rank -1),
     saving the state first when asked, unless it never joined a world (on standby it holds
-    no state, so there is nothing to save); otherwise form it."""
+    no state, so there is nothing to save); stand aside (rank -1, set aside); otherwise
+    form it."""
+    if world.set_aside:
+        return StandAside(world)
     if world.leaves:
         return Leave(world, save=world.save and phase is not Phase.STANDBY)
     return Join(world)
@@ -382,22 +393,46 @@ class Membership:
             generation = self.world.generation
             self.log.warning("world_broken", generation=generation, step=self.counters.step, reason=reason)
             self.ledger.write("abandoned", generation=generation, step=self.counters.step, reason=reason)
-            try:
-                self.channel.send(Stopped(generation=generation, step=self.counters.step))
+            failed = self._wait_and_form(generation)
+            if failed is None:
+                return
+            reason = failed
+
+    def stand_aside(self, decision: StandAside) -> None:
+        """Out of the world after the agreed step, not out of the job: leave the old world's
+        groups and wait for the next world that names this rank, keeping the state."""
+        assert self.world is not None
+        generation = self.world.generation
+        self.phase = Phase.BROKEN
+        self.close_groups()
+        self.log.info("set_aside", generation=generation, named_in=decision.world.generation, step=self.counters.step)
+        self.ledger.write("set_aside", generation=generation, step=self.counters.step)
+        failed = self._wait_and_form(max(generation, decision.world.generation))
+        if failed is not None:
+            self.recover(failed)
+
+    def _wait_and_form(self, generation: int) -> str | None:
+        """Say this rank stopped with `generation`, wait for a later world that names it
+        (leaving if told to) and form it: None once formed, or why forming broke."""
+        assert self.channel is not None
+        try:
+            self.channel.send(Stopped(generation=generation, step=self.counters.step))
+            after = max(generation, self.channel.stopped_generation)
+            while True:
                 # As long as the launcher lives: a job below min_replicas waits for nodes, for
                 # minutes or hours, and this rank's memory is the training state meanwhile (a
                 # launcher that dies closes the channel, and this wait ends).
-                world = self.channel.wait_world(after_generation=max(generation, self.channel.stopped_generation),
-                                                timeout_s=STANDBY_TIMEOUT_S)
+                world = self.channel.wait_world(after_generation=after, timeout_s=STANDBY_TIMEOUT_S)
                 decision = decide(self.phase, world)
                 if isinstance(decision, Leave):
                     self.leave(decision)
-            except (ChannelClosed, TimeoutError) as error:
-                raise RuntimeError(f"no world to join after generation {generation}: {error}") from error
-            failed = guarded(self.form, world)
-            if not isinstance(failed, str):
-                return
-            reason = failed
+                if not isinstance(decision, StandAside):
+                    break
+                after = world.generation
+        except (ChannelClosed, TimeoutError) as error:
+            raise RuntimeError(f"no world to join after generation {generation}: {error}") from error
+        failed = guarded(self.form, world)
+        return failed if isinstance(failed, str) else None
 
     def move_on(self) -> None:
         """The ranks agreed to change worlds after this step: wait for this rank's copy of
@@ -410,6 +445,9 @@ class Membership:
         decision = decide(self.phase, world)
         if isinstance(decision, Leave):
             self.leave(decision)
+        if isinstance(decision, StandAside):
+            self.stand_aside(decision)
+            return
         broken = guarded(self.form, world)
         if isinstance(broken, str):
             self.recover(broken)

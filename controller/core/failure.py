@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from tidal.controller.core import finishing, forming, leaving, messages, planning, slurm_units, tick
+from tidal.controller.core import finishing, forming, leaving, messages, planning, replicas, slurm_units, tick
 from tidal.controller.core.state import (
     ChangeKind,
     Close,
@@ -96,7 +96,11 @@ def go_on_without(t: Step, what: str) -> bool:
     generation = state.generation
     if state.changing is not None or generation is None or t.job.state is not JobState.RUNNING:
         return False
-    survivors = tuple(u for u in generation.unit_ids if state.units[u].state is UnitState.ACTIVE)
+    nodes = t.replica_nodes
+    # A replica of several nodes that lost one is out of the next world as a whole (its
+    # other units wait for a node to take the hole, keeping their workers and shards).
+    survivors = tuple(replicas.whole_replicas_only(
+        state.units, [u for u in generation.unit_ids if state.units[u].state is UnitState.ACTIVE], nodes))
     if not all(t.connected(u) for u in survivors):
         # A survivor not back yet after a controller restart: a stop round waits for it.
         return False
@@ -105,8 +109,12 @@ def go_on_without(t: Step, what: str) -> bool:
                      if unit.state is UnitState.JOINING and t.connected(u)
                      and (at := unit.facts.joined_at if unit.facts.joined_at is not None else t.now.monotonic)
                      <= t.now.monotonic - t.config.join_settle_s)
-    room = max(0, t.job.spec.max_replicas - len(survivors))
-    joiners = tuple(u for _, u in settled[:room])
+    room = max(0, t.job.spec.max_replicas - len(survivors) // nodes)
+    if nodes > 1:
+        whole = replicas.complete(state.units, [u for _, u in settled], nodes)
+        joiners = tuple(u for units in list(whole.values())[:room] for u in units)
+    else:
+        joiners = tuple(u for _, u in settled[:room])
     reason = f"{what}; the survivors go on without it"
     return (bool(joiners) and next_generation_now(t, survivors, joiners, "failure", reason)) or \
         next_generation_now(t, survivors, (), "failure", reason)
@@ -120,7 +128,7 @@ def next_generation_now(t: Step, members: tuple[str, ...], joiners: tuple[str, .
     formed."""
     state = t.state
     previous = state.generation
-    count = len(members) + len(joiners)
+    count = (len(members) + len(joiners)) // t.replica_nodes
     if not members or planning.choose_world_size(count, t.sizes()) != count:
         return False
     forming.start_generation(t, members, planning.Form(replicas=count, joiners=joiners, reason=reason),

@@ -37,7 +37,8 @@ def candidates(t: Step, unit_ids: list[str]) -> list[planning.Candidate]:
         candidates.append(planning.Candidate(
             unit_id=unit_id, nodes=tuple(unit.nodes), procs_per_node=unit.procs_per_node, address=unit.address,
             store_port=store_port,
-            previous_group_rank=member.group_rank if member else None, registered_at=unit.registered_at))
+            previous_group_rank=member.group_rank if member else None, registered_at=unit.registered_at,
+            replica=unit.replica, node_index=unit.node_index))
     return candidates
 
 
@@ -51,20 +52,24 @@ def start_generation(t: Step, survivors: tuple[str, ...], form: planning.Form, n
     chosen = list(survivors) + list(form.joiners)
     try:
         plan = planning.plan_generation(job_id=t.job.job_id, number=t.job.generation + 1,
-                                        candidates=candidates(t, chosen), replicas=form.replicas,
+                                        candidates=candidates(t, chosen), replicas=form.replicas * t.replica_nodes,
                                         reason=form.reason, now=t.now.wall, resume_step=t.job.step)
     except ValueError as error:
         t.emit(Note("generation_not_formed", {"reason": str(error)}, warning=True))
         return
     t.job.generation = plan.number
     t.job.state = JobState.RUNNING
-    fields: dict[str, object] = {"world_size": plan.world_size, "replicas": len(plan.members),
+    fields: dict[str, object] = {"world_size": plan.world_size, "replicas": len(plan.members) // t.replica_nodes,
                                  "members": join_ids(list(plan.unit_ids)),
                                  "rendezvous": f"{plan.rendezvous_host}:{plan.rendezvous_port}"}
     if state.failure_detected_at is not None:
         fields["detection_to_started_s"] = f"{now - state.failure_detected_at:.3f}"
     fields.update(state_fields(t, plan))
-    commit_generation(t, plan, chosen, "world_formed", form.reason, fields)
+    # Members of the previous generation that are not in this one (a replica of several
+    # nodes that lost one) wait out of it, as joiners.
+    left_out = [u for u in (state.generation.unit_ids if state.generation is not None else ())
+                if u not in chosen and state.units[u].state is UnitState.ACTIVE]
+    commit_generation(t, plan, chosen + left_out, "world_formed", form.reason, fields)
     if state.failure_detected_at is not None:
         t.emit(RecoveryTimed(now - state.failure_detected_at))
         state.failure_detected_at = None
@@ -94,9 +99,19 @@ def commit_generation(t: Step, plan: GenerationRecord, unit_ids: list[str], kind
         unit = t.own(t.state.units[unit_id])
         member = plan.member(unit_id)
         if unit_id not in members and unit.state is UnitState.ACTIVE:
-            t.record("unit_standby", f"left out of generation {plan.number}: {len(plan.members)} replica(s) is the "
-                     f"size the job allows (min {t.job.spec.min_replicas}, max {t.job.spec.max_replicas}); it waits "
-                     "to join", unit_id=unit_id, generation=plan.number, fields={"cause": "size"})
+            incomplete = unit.replica > 0 and any(
+                other.replica == unit.replica and (other.state.is_final or other.state is UnitState.LEAVING)
+                for other in t.state.units.values())
+            if incomplete:
+                t.record("unit_standby", f"left out of generation {plan.number}: replica {unit.replica} lost a node; "
+                         "this unit keeps its workers and their shards and waits for a node to take the lost one's "
+                         "place", unit_id=unit_id, generation=plan.number,
+                         fields={"cause": "replica_incomplete", "replica": str(unit.replica)})
+            else:
+                t.record("unit_standby", f"left out of generation {plan.number}: "
+                         f"{len(plan.members) // t.replica_nodes} replica(s) is the size the job allows "
+                         f"(min {t.job.spec.min_replicas}, max {t.job.spec.max_replicas}); it waits to join",
+                         unit_id=unit_id, generation=plan.number, fields={"cause": "size"})
         unit.state = UnitState.ACTIVE if unit_id in members else UnitState.JOINING
         unit.group_rank = member.group_rank if member else -1
         t.emit(SaveUnit(unit))
@@ -161,13 +176,15 @@ def unknown_steps(t: Step, unit_ids: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def reconfigure(t: Step, joiners: tuple[str, ...], leaving: tuple[str, ...], cause: str, reason: str,
-                now: float) -> None:
-    """Plan the next generation from the running one plus `joiners` minus `leaving`,
-    commit it, and tell the joiners (or, with none, every old member) to move there."""
+                now: float, set_aside: tuple[str, ...] = ()) -> None:
+    """Plan the next generation from the running one plus `joiners` minus `leaving` and
+    `set_aside` (members out of the next world but not out of the job: the other nodes of a
+    replica one of whose nodes leaves), commit it, and tell the joiners (or, with none,
+    every old member) to move there."""
     state = t.state
     previous = state.generation
     assert previous is not None
-    kept = [m.unit_id for m in previous.members if m.unit_id not in leaving]
+    kept = [m.unit_id for m in previous.members if m.unit_id not in leaving and m.unit_id not in set_aside]
     chosen = kept + list(joiners)
     try:
         plan = planning.plan_generation(job_id=t.job.job_id, number=t.job.generation + 1,
@@ -183,10 +200,11 @@ def reconfigure(t: Step, joiners: tuple[str, ...], leaving: tuple[str, ...], cau
     message = messages.at_step_boundary(plan, previous.number, leaving, reason)
     t.job.generation = plan.number
     fields: dict[str, object] = {"cause": cause, "from_generation": previous.number, "world_size": plan.world_size,
-                                 "replicas": len(plan.members), "members": join_ids(list(plan.unit_ids)),
+                                 "replicas": len(plan.members) // t.replica_nodes,
+                                 "members": join_ids(list(plan.unit_ids)),
                                  "joiners": join_ids(list(joiners)), "leaving": join_ids(list(leaving)),
                                  "state_source": source, **fields_of_state}
-    commit_generation(t, plan, chosen, "world_reconfiguring", reason, fields)
+    commit_generation(t, plan, chosen + list(set_aside), "world_reconfiguring", reason, fields)
     t.emit(GenerationCounted(t.job.job_id))
     state.in_flight = InFlight(
         ChangeKind.STEP_BOUNDARY, generation=plan.number, cause=cause, reason=reason, decided_at=now,

@@ -8,6 +8,7 @@ from tidal.controller.core.queries import (
     describe_worker_exit,
     worker_error_fields,
 )
+from tidal.controller.core.replicas import Slot
 from tidal.controller.core.state import (
     CancelRequested,
     ClockTick,
@@ -35,8 +36,8 @@ def handle(t: Step, event: Input) -> None:
         case ClockTick(links):
             t.state.links = {u: link for u, link in links.items() if t.connected(u)}
             tick.on_tick(t, t.now.monotonic)
-        case LauncherConnected(unit_id, register):
-            on_connected(t, unit_id, register)
+        case LauncherConnected(unit_id, register, slot):
+            on_connected(t, unit_id, register, slot)
         case LauncherSaid(unit_id, message):
             if t.connected(unit_id):
                 on_said(t, unit_id, message)
@@ -56,7 +57,7 @@ def handle(t: Step, event: Input) -> None:
             slurm_units.on_unit_submitted(t, unit_id, slurm_job_id, error)
 
 
-def on_connected(t: Step, unit_id: str, register: launcher_pb2.Register) -> None:
+def on_connected(t: Step, unit_id: str, register: launcher_pb2.Register, slot: Slot | None = None) -> None:
     state, now = t.state, t.now.monotonic
     state.links.pop(unit_id, None)
     unit = state.units.get(unit_id)
@@ -76,6 +77,10 @@ def on_connected(t: Step, unit_id: str, register: launcher_pb2.Register) -> None
         # The id Tidal submitted stays known when a launcher does not report one.
         unit.slurm_job_id = register.slurm_job_id or unit.slurm_job_id
         unit.registered_at = t.now.wall
+        if slot is not None:
+            # Its place in a replica of several nodes, as its Registered said: for life.
+            unit.replica, unit.node_index = slot.replica, slot.node_index
+            fields.update({"replica": str(slot.replica), "node_index": str(slot.node_index)})
         unit = t.note(unit, joined_at=now)
         t.emit(SaveUnit(unit))
         t.record("unit_registered", "launcher registered", unit_id=unit_id, fields=fields)

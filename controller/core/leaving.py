@@ -3,7 +3,7 @@ deferred behind a change in flight, saving the last copy of the state, overdue l
 
 from __future__ import annotations
 
-from tidal.controller.core import failure, finishing, forming, messages, planning, slurm_units
+from tidal.controller.core import failure, finishing, forming, messages, planning, replicas, slurm_units
 from tidal.controller.core.state import (
     SaveUnit,
 )
@@ -34,9 +34,15 @@ def leave(t: Step, unit_id: str, cause: str, detail: str) -> None:
     t.record("unit_leaving", unit.reason, unit_id=unit_id, generation=number, fields={"cause": cause})
     if running and state.live and connected:
         assert state.generation is not None
-        remaining = [m.unit_id for m in state.generation.members if m.unit_id != unit_id]
-        if len(remaining) >= t.job.spec.min_replicas and all(t.connected(u) for u in remaining):
-            forming.reconfigure(t, (), (unit_id,), "leave", f"unit {unit_id} leaves ({cause})", t.now.monotonic)
+        # A replica of several nodes leaves the world whole: its other nodes stand aside,
+        # keeping their workers and shards, until a node takes the leaver's place.
+        aside = tuple(u for u in replicas.replica_units(state.units, unit.replica)
+                      if u != unit_id and state.units[u].state is UnitState.ACTIVE) if t.replica_nodes > 1 else ()
+        remaining = [m.unit_id for m in state.generation.members if m.unit_id != unit_id and m.unit_id not in aside]
+        if (remaining and len(remaining) // t.replica_nodes >= t.job.spec.min_replicas
+                and all(t.connected(u) for u in remaining)):
+            forming.reconfigure(t, (), (unit_id,), "leave", f"unit {unit_id} leaves ({cause})", t.now.monotonic,
+                                set_aside=aside)
             return
     if connected:
         save_state = was_active and holds_last_state(t, unit_id)
@@ -149,3 +155,31 @@ def cancel_overdue_leavers(t: Step, overdue: tuple[tuple[str, float], ...], now:
         t.record("unit_leave_overdue", f"still there {now - since:.0f} s after it was asked to leave" + cancelled,
                  unit_id=unit_id)
         slurm_units.cancel_in_slurm(t, unit)
+
+
+def release_unpatched(t: Step, now: float) -> None:
+    """Live mode, replicas of several nodes: a replica that has lacked a node for
+    `replica_patch_wait_s` gives its other nodes back (they train nothing meanwhile); the
+    job keeps its other replicas. Its units leave (the last holder of the state among them
+    saves it, as any leave)."""
+    state = t.state
+    wait_s = t.config.replica_patch_wait_s
+    incomplete = replicas.incomplete_replicas(state.units, t.replica_nodes)
+    for unit in state.units.values():
+        if unit.facts.waiting_for_node_since is not None and unit.replica not in incomplete:
+            t.note(unit, waiting_for_node_since=None)
+    for replica, unit_ids in incomplete.items():
+        since = [state.units[u].facts.waiting_for_node_since for u in unit_ids]
+        if any(at is None for at in since):
+            for unit_id in unit_ids:
+                if state.units[unit_id].facts.waiting_for_node_since is None:
+                    t.note(state.units[unit_id], waiting_for_node_since=now)
+            continue
+        started = min(at for at in since if at is not None)
+        if wait_s <= 0 or now - started < wait_s:
+            continue
+        t.record("replica_released", f"replica {replica} waited {now - started:.0f} s for a node to take a lost "
+                 f"one's place (replica_patch_wait_s {wait_s:g}): its {len(unit_ids)} other node(s) are given back",
+                 fields={"replica": str(replica), "units": join_ids(unit_ids)})
+        for unit_id in unit_ids:
+            leave(t, unit_id, "released", f"replica {replica} waited {now - started:.0f} s for a node")

@@ -24,6 +24,9 @@ class Candidate:
     # Group rank in the current generation, or None for a joiner.
     previous_group_rank: int | None
     registered_at: float
+    # Its replica of several nodes and its node's place there (0: a replica of its own).
+    replica: int = 0
+    node_index: int = 0
 
 
 def allowed_sizes(min_replicas: int, max_replicas: int, replica_step: int = 0,
@@ -47,23 +50,35 @@ def plan_generation(*, job_id: str, number: int, candidates: Sequence[Candidate]
     """The next generation's rank table and rendezvous.
 
     Survivors keep their relative order (so ranks move as little as possible), joiners
-    follow in registration order; the first `replicas` candidates are members. Group rank
-    0 hosts the rendezvous store; it is chosen among the live members each generation, so the
+    follow in registration order; the first `replicas` candidates (units) are members, the
+    units of a replica of several nodes together, by node index. Group rank 0's replica
+    hosts the rendezvous store; it is chosen among the live members each generation, so the
     loss of any one node, the previous host's included, never strands the job. A member
     whose store port is unknown is never made host."""
     if replicas <= 0 or replicas > len(candidates):
         raise ValueError(f"cannot form {replicas} replicas from {len(candidates)} candidates")
-    ordered = sorted(candidates, key=lambda c: (c.previous_group_rank is None,
-                                                c.previous_group_rank if c.previous_group_rank is not None else 0,
-                                                c.registered_at, c.unit_id))
-    chosen = ordered[:replicas]
+
+    def order(c: Candidate) -> tuple[bool, int, float, str]:
+        return (c.previous_group_rank is None, c.previous_group_rank if c.previous_group_rank is not None else 0,
+                c.registered_at, c.unit_id)
+
+    # A replica of several nodes keeps its units together, by node index, so that its
+    # workers take consecutive ranks in shard-rank order (a replica of one unit is its own).
+    groups: dict[str, list[Candidate]] = {}
+    for candidate in candidates:
+        key = f"replica/{candidate.replica}" if candidate.replica > 0 else f"unit/{candidate.unit_id}"
+        groups.setdefault(key, []).append(candidate)
+    ordered_groups = sorted((sorted(group, key=lambda c: c.node_index) for group in groups.values()),
+                            key=lambda group: min(order(c) for c in group))
+    chosen = [c for group in ordered_groups for c in group][:replicas]
     hosts = [c for c in chosen if c.store_port > 0]
     if not hosts:
         raise ValueError("no member can host the rendezvous store (no store port reported)")
     host = hosts[0]
-    # The host becomes group rank 0, so that rank 0 and the store sit on the same node.
-    chosen.remove(host)
-    chosen.insert(0, host)
+    # The host's replica goes first, so that rank 0 and the store sit on the same node (on
+    # the replica's first node when the host is another of its nodes).
+    first = [c for c in chosen if (c.replica > 0 and c.replica == host.replica) or c is host]
+    chosen = first + [c for c in chosen if c not in first]
     members: list[Member] = []
     first_rank = 0
     for group_rank, candidate in enumerate(chosen):

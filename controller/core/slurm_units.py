@@ -4,7 +4,7 @@ preempted), growth onto idle nodes, submissions and their answers, node cool-dow
 from __future__ import annotations
 
 from tidal.controller import units as unit_rules
-from tidal.controller.core import leaving, sharing
+from tidal.controller.core import leaving, replicas, sharing
 from tidal.controller.core.queries import (
     alive_units,
 )
@@ -72,13 +72,19 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
     # nodes this job could take.
     usable = frozenset(n.name for n in view.nodes if spec.partition in n.partitions or not spec.partition)
     others_waiting = unit_rules.others_waiting_for(view, t.job.job_id, usable)
+    # Replicas of several nodes: the nodes missing from replicas that lost one, less the
+    # units submitted and not registered yet (each takes a hole first when it registers).
+    nodes = t.replica_nodes
+    holes = max(0, sum(nodes - len(units) for units in replicas.incomplete_replicas(state.units, nodes).values())
+                - sum(1 for u in alive if u.state is UnitState.SUBMITTED))
     demand = unit_rules.units_to_submit(spec, alive=len(alive), idle_nodes=max(0, len(idle) - waiting), now=now,
                                         last_change_at=state.last_change_at,
                                         scale_up_snooze_s=t.config.scale_up_snooze_s,
                                         others_waiting=len(others_waiting),
-                                        released=state.released_below_min)
+                                        released=state.released_below_min, holes=holes)
     count = demand.count
-    if grow_allowance is not None and len(alive) >= spec.min_replicas and count > grow_allowance:
+    if (grow_allowance is not None and not holes and len(alive) >= spec.min_replicas * nodes
+            and count > grow_allowance):
         # Other elastic jobs share these idle nodes by weight.
         count = grow_allowance
         note_growth_held(t, f"{demand.count - count} of {demand.count} idle node(s) go to other elastic "

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 
 from tidal.controller.config import ControllerConfig
 from tidal.controller.core import sharing
+from tidal.controller.core.replicas import Slot
 from tidal.controller.model import GenerationRecord, JobRecord, JobState, UnitFacts, UnitRecord, UnitState
 from tidal.proto import common_pb2, launcher_pb2
 from tidal.slurm.snapshot import ClusterView
@@ -42,10 +43,12 @@ class Now:
 
 @dataclasses.dataclass(frozen=True)
 class LauncherConnected:
-    """A launcher of `unit_id` opened a session (a newer one replaces the older)."""
+    """A launcher of `unit_id` opened a session (a newer one replaces the older); `slot`: its
+    place in a replica of several nodes, as its `Registered` told it (None: not grouped)."""
 
     unit_id: str
     register: launcher_pb2.Register
+    slot: Slot | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tidal.controller.config import ControllerConfig
-from tidal.controller.core import planning
+from tidal.controller.core import planning, replicas
 from tidal.controller.core.state import (
     Effect,
     Now,
@@ -80,6 +80,11 @@ class Step:
         unit = self.own(unit)
         unit.facts = dataclasses.replace(unit.facts, **facts)
         return unit
+
+    @property
+    def replica_nodes(self) -> int:
+        """K: the one-node units a replica is made of (1: a unit is a replica)."""
+        return replicas.nodes_per_replica(self.job.spec)
 
     def sizes(self) -> tuple[int, ...]:
         """The world sizes (in replicas) the job allows."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tidal.controller.core import failure, finishing, forming, health, leaving, planning, slurm_units
+from tidal.controller.core import failure, finishing, forming, health, leaving, planning, replicas, slurm_units
 from tidal.controller.core.progress import MemberProgress, committed_step
 from tidal.controller.core.state import (
     SaveJob,
@@ -48,6 +48,8 @@ def on_tick(t: Step, now: float) -> None:
         leaving.release_below_min(t, now)
         if t.job.state.is_final:
             return
+    if t.replica_nodes > 1:
+        leaving.release_unpatched(t, now)
     generation = state.generation
     if (t.job.state is JobState.RUNNING and generation is not None and verdicts.members
             and generation.number == verdicts.members_of):
@@ -87,14 +89,28 @@ def decide(t: Step, now: float, after: str = "") -> None:
                for u, unit in state.units.items()
                if unit.state is UnitState.JOINING and t.connected(u)}
     spec = t.job.spec
+    nodes = t.replica_nodes
+    # Replicas of several nodes: the decision is taken over whole replicas (a replica
+    # joins once every one of its nodes is ready), then expanded to their units.
+    expand: dict[str, tuple[str, ...]] = {u: (u,) for u in joiners}
+    member_keys = members
+    if nodes > 1:
+        members = tuple(replicas.whole_replicas_only(state.units, members, nodes))
+        whole = replicas.complete(state.units, list(joiners), nodes)
+        expand = {f"replica-{r}": tuple(units) for r, units in whole.items()}
+        joiners = {key: max(joiners[u] for u in units) for key, units in expand.items()}
+        member_keys = tuple(f"replica-{r}" for r in replicas.complete(state.units, members, nodes))
     snapshot = planning.WorldSnapshot(
-        running=running, members=members, joiners=joiners, min_replicas=spec.min_replicas,
+        running=running, members=member_keys, joiners=joiners,
+        min_replicas=spec.min_replicas,
         max_replicas=spec.max_replicas, sizes=t.sizes(),
         last_change_at=state.last_change_at, join_settle_s=t.config.join_settle_s,
         scale_up_snooze_s=t.config.scale_up_snooze_s,
         expected=(sum(1 for u in state.units.values() if u.state is UnitState.SUBMITTED)
                   if state.slurm_units else None))
     action = planning.decide_world(snapshot, now)
+    if isinstance(action, (planning.Form, planning.Grow)):
+        action = dataclasses.replace(action, joiners=tuple(u for key in action.joiners for u in expand[key]))
     match action:
         case planning.Form():
             if after:

@@ -176,7 +176,7 @@ class TidalRun:
 
     def submit(self, *, min_replicas: int, max_replicas: int, steps: int = 100_000, step_time: float = 0.05,
                name: str = "train", procs_per_node: int = 1, command: list[str] | None = None,
-               mode: common_pb2.JobMode = common_pb2.JOB_MODE_RESTART) -> admin_pb2.Job:
+               mode: common_pb2.JobMode = common_pb2.JOB_MODE_RESTART, nodes_per_replica: int = 1) -> admin_pb2.Job:
         """Submit the restart-mode example, or `command`."""
         if command is None:
             command = [sys.executable, str(EXAMPLE), "--snapshot", str(self.directory / "snapshot.pt"),
@@ -185,7 +185,7 @@ class TidalRun:
         # OpenMP's spinning threads of one worker starve the others.
         spec = admin_pb2.JobSpec(name=name, min_replicas=min_replicas, max_replicas=max_replicas, command=command,
                                  working_dir=str(self.directory), procs_per_node=procs_per_node, mode=mode,
-                                 environment={"OMP_NUM_THREADS": "1"})
+                                 nodes_per_replica=nodes_per_replica, environment={"OMP_NUM_THREADS": "1"})
         with self.controller.admin() as client:
             response = client.submit(spec)
         self.job_id = response.job.job_id

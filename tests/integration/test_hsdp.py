@@ -127,3 +127,68 @@ def test_the_last_hsdp_unit_preempted_saves_every_shard_and_the_next_unit_resume
     assert first == {0: saved_step, 1: saved_step}, "both of b's shards start at the saved step"
     assert not state_folder.exists(), "the saved state is removed once the job completes"
     assert_full_parameters_match_one_process(tmp_path)
+
+
+def test_hsdp_replicas_of_two_nodes_lose_one_node_and_a_single_new_node_takes_its_place(tidal_run: TidalRun,
+                                                                                       tmp_path: Path) -> None:
+    """Live replicas spanning nodes: K = 2 one-node units a replica, one worker each, the
+    model sharded over the replica's two nodes. Two replicas train; one node of replica 2
+    is killed: replica 1 goes on in-process, replica 2's other node keeps its worker (and
+    its shard) out of the world; one new node takes the lost one's place (the controller
+    gives it that slot), receives the lost shard from replica 1's same shard index, and
+    replica 2 rejoins at a step boundary; the run ends equal to one process."""
+    ledger = tmp_path / "ledger"
+    steps = 500
+    tidal_run.submit(min_replicas=1, max_replicas=2, procs_per_node=1, nodes_per_replica=2,
+                     mode=common_pb2.JOB_MODE_LIVE,
+                     command=lm_command(tmp_path / "elastic.pt", ledger, "hsdp", steps=steps))
+    controller = tidal_run.controller
+
+    def slot(unit_id: str) -> tuple[int, int]:
+        registered = controller.wait_event(tidal_run.job_id, "unit_registered", where=lambda e: e.unit_id == unit_id)
+        return int(registered.fields["replica"]), int(registered.fields["node_index"])
+
+    for unit in "ab":
+        tidal_run.start_launcher(unit)
+    assert {slot("a"), slot("b")} == {(1, 0), (1, 1)}
+    controller.wait_event(tidal_run.job_id, "world_formed", where=lambda e: e.fields["world_size"] == "2")
+    wait_until(lambda: tidal_run.job().step >= 5, 120, "5 steps with one replica of two nodes")
+    for unit in "cd":
+        tidal_run.start_launcher(unit)
+    assert {slot("c"), slot("d")} == {(2, 0), (2, 1)}
+    controller.wait_event(tidal_run.job_id, "world_reconfigured", timeout=120,
+                          where=lambda e: e.fields["world_size"] == "4")
+    wait_until(lambda: tidal_run.job().step >= 25, 120, "steps with two replicas")
+
+    lost = next(u for u in "cd" if slot(u) == (2, 1))
+    kept = next(u for u in "cd" if u != lost)
+    kept_pids = tidal_run.launchers[kept].worker_pids()
+    a_pids = {u: tidal_run.launchers[u].worker_pids() for u in "ab"}
+    os.kill(tidal_run.launchers[lost].worker_pids()[0], signal.SIGKILL)
+    recovered = controller.wait_event(tidal_run.job_id, "recovered", timeout=60)
+    assert recovered.fields["world_size"] == "2"
+    aside = controller.wait_event(tidal_run.job_id, "unit_standby", where=lambda e: e.unit_id == kept)
+    assert aside.fields["cause"] == "replica_incomplete"
+    step_at_loss = tidal_run.job().step
+    wait_until(lambda: tidal_run.job().step >= step_at_loss + 5, 120, "replica 1 training on alone")
+    assert tidal_run.launchers[kept].worker_pids() == kept_pids and all(alive(p) for p in kept_pids)
+
+    tidal_run.start_launcher("e")
+    assert slot("e") == (2, 1), "the new node takes the lost one's place"
+    rejoining = controller.wait_event(tidal_run.job_id, "world_reconfiguring", timeout=120,
+                                      where=lambda e: "e" in e.fields["members"].split(","))
+    assert rejoining.fields["world_size"] == "4" and set(rejoining.fields["joiners"].split(",")) == {kept, "e"}
+    controller.wait_event(tidal_run.job_id, "world_reconfigured", timeout=120,
+                          where=lambda e: e.generation == rejoining.generation)
+    controller.wait_event(tidal_run.job_id, "job_completed", timeout=600)
+
+    assert {u: tidal_run.launchers[u].worker_pids() for u in "ab"} == a_pids, "replica 1 never restarted"
+    assert tidal_run.launchers[kept].worker_pids() == kept_pids, "replica 2's healthy node never restarted"
+    records = read_ledger(ledger)
+    e_pids = set(tidal_run.launchers["e"].worker_pids())
+    received = [r for r in records if r["kind"] == "transfer" and r["pid"] in e_pids and r["role"] == "receiver"]
+    assert received and all(r["shard"] == 1 and r["sources"] == [0] and r["bytes"] > 0 for r in received), \
+        "the new node received shard 1 from replica 1's shard 1"
+    formed = [r for r in records if r["kind"] == "formed" and r["pid"] in e_pids]
+    assert formed and all(r["shard"] == 1 for r in formed), "the new node holds shard 1, the lost node's"
+    assert_full_parameters_match_one_process(tmp_path, steps)

@@ -93,7 +93,7 @@ def test_store_survives_reopening(tmp_path: Path) -> None:
 
 def test_a_state_file_of_schema_1_is_converted_in_place_and_a_newer_one_refused(tmp_path: Path) -> None:
     """Schema 1 called a generation an epoch (table `epochs`, `epoch` columns and event kinds):
-    a controller of schema 2 converts such a file once, losing nothing; a file of a schema it
+    a controller of a later schema converts such a file once, losing nothing; a file of a schema it
     does not know is refused with a clear error, untouched."""
     import sqlite3
 
@@ -146,6 +146,47 @@ def test_a_state_file_of_schema_1_is_converted_in_place_and_a_newer_one_refused(
     db.close()
     with pytest.raises(StoreError, match=f"schema version {SCHEMA_VERSION + 1}"):
         StateStore(newer)
+
+
+def test_a_state_file_of_schema_2_gains_the_units_replica_places(tmp_path: Path) -> None:
+    """Schema 3 stores a unit's place in a replica of several nodes: a schema-2 file's units
+    are converted in place, each its own replica (0), nothing else changed."""
+    import sqlite3
+
+    from tidal.controller.store import SCHEMA_VERSION
+
+    path = tmp_path / "two.db"
+    old = sqlite3.connect(str(path))
+    old.executescript("""
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+        INSERT INTO meta VALUES ('schema_version', '2');
+        CREATE TABLE jobs (job_id TEXT PRIMARY KEY, spec BLOB NOT NULL, state TEXT NOT NULL,
+            owner_uid INTEGER NOT NULL, secret_sha256 TEXT NOT NULL, generation INTEGER NOT NULL DEFAULT 0,
+            step INTEGER NOT NULL DEFAULT 0, created_at REAL NOT NULL, updated_at REAL NOT NULL);
+        CREATE TABLE units (job_id TEXT NOT NULL REFERENCES jobs(job_id), unit_id TEXT NOT NULL,
+            state TEXT NOT NULL, nodes TEXT NOT NULL DEFAULT '[]', address TEXT NOT NULL DEFAULT '',
+            procs_per_node INTEGER NOT NULL DEFAULT 1, slurm_job_id INTEGER NOT NULL DEFAULT 0,
+            group_rank INTEGER NOT NULL DEFAULT -1, registered_at REAL NOT NULL DEFAULT 0,
+            reason TEXT NOT NULL DEFAULT '', PRIMARY KEY (job_id, unit_id));
+    """)
+    spec = admin_pb2.JobSpec(name="lm", min_replicas=1, max_replicas=2, command=["python", "train.py"])
+    old.execute("INSERT INTO jobs VALUES ('lm-1', ?, 'running', 1000, 'ab', 3, 40, 1.0, 2.0)",
+                (spec.SerializeToString(),))
+    old.execute("INSERT INTO units VALUES ('lm-1', 'u1', 'active', '[\"n1\"]', 'n1', 2, 17, 0, 5.0, '')")
+    old.commit()
+    old.close()
+
+    store = StateStore(path)
+    [unit] = store.units("lm-1")
+    assert (unit.unit_id, unit.state, unit.nodes, unit.procs_per_node, unit.slurm_job_id) == (
+        "u1", UnitState.ACTIVE, ["n1"], 2, 17)
+    assert (unit.replica, unit.node_index) == (0, 0)
+    unit.replica, unit.node_index = 4, 1
+    store.upsert_unit(unit)
+    assert [(u.replica, u.node_index) for u in store.units("lm-1")] == [(4, 1)]
+    store.close()
+    db = sqlite3.connect(str(path))
+    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION)
 
 
 def test_spec_defaults_and_errors_name_the_field() -> None:

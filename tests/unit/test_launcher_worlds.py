@@ -99,6 +99,16 @@ def test_the_place_follows_from_the_failed_unit_the_table_and_the_leaving_list()
     assert placement(reconfigure(4, table=OTHERS), "u1") is Place.ELSEWHERE
 
 
+def test_a_live_member_out_of_the_next_world_but_not_leaving_is_set_aside() -> None:
+    """A node of a replica of several nodes whose other node leaves: its workers finish the
+    agreed step with the others and wait for a later world, keeping their state."""
+    change = reconfigure(4, table=OTHERS)
+    assert on_generation(LIVE, change, "u1") == (
+        SendWorlds(4, OTHERS, RENDEZVOUS, target_step=40, set_aside=True),)
+    # Not a member of the world that changes (it is on standby, or in another): not its change.
+    assert kinds(on_generation(dataclasses.replace(LIVE, generation=2), change, "u1")) == []
+
+
 def test_a_generation_that_neither_names_the_unit_nor_lists_it_leaving_is_logged_and_ignored() -> None:
     for message in (reconfigure(4, table=OTHERS), start(4)):
         actions = on_generation(RESTART, message, "u9")
@@ -140,7 +150,14 @@ def test_live_workers_move_to_the_new_world_in_process() -> None:
 
 def test_a_change_at_a_step_boundary_names_the_world_to_live_workers_and_starts_a_joiners() -> None:
     change = reconfigure(5)
-    assert on_generation(LIVE, change, "u1") == (SendWorlds(5, TABLE, RENDEZVOUS, target_step=40),)
+    member = dataclasses.replace(LIVE, generation=4)
+    assert on_generation(member, change, "u1") == (SendWorlds(5, TABLE, RENDEZVOUS, target_step=40),)
+    # Workers kept out of the world the change starts from (their replica of several nodes
+    # lost one, or one of its nodes left) join it: ready at once, their state kept.
+    assert on_generation(LIVE, change, "u1") == (
+        Enter(LauncherState.RUNNING, 5), SendWorlds(5, TABLE, RENDEZVOUS, joining=True, target_step=40),
+        Report(5, launcher_pb2.GENERATION_PHASE_STARTED, once=True,
+               detail="workers ready to join (kept from an earlier world)"))
     # An older one, or one to a leaving unit: nothing.
     assert on_generation(dataclasses.replace(LIVE, generation=5), change, "u1") == ()
     assert on_generation(dataclasses.replace(LIVE, state=LauncherState.LEAVING), change, "u1") == ()

@@ -9,7 +9,9 @@ import pytest
     ({}, None),
     ({"TIDAL_MODE": "live", "TIDAL_CONTROL_SOCKET": "/x", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, (1, 2)),
     ({"TIDAL_MODE": "live", "TIDAL_CONTROL_SOCKET": "/x", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-      "TIDAL_SHARD_RANK": "3", "TIDAL_SHARD_SIZE": "4"}, (3, 4)),
+      "TIDAL_NODE_INDEX": "1", "TIDAL_NODES_PER_REPLICA": "2"}, (3, 4)),
+    ({"TIDAL_MODE": "live", "TIDAL_CONTROL_SOCKET": "/x", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+      "TIDAL_NODE_INDEX": "2", "TIDAL_NODES_PER_REPLICA": "4"}, (2, 4)),
     ({"TIDAL_MODE": "restart", "TIDAL_CONTROL_SOCKET": "/x", "LOCAL_RANK": "1"}, None),
 ])
 def test_a_live_workers_shard_place_comes_from_its_launcher(env: dict[str, str],
@@ -22,6 +24,6 @@ def test_a_live_workers_shard_place_comes_from_its_launcher(env: dict[str, str],
 def test_a_shard_rank_outside_its_replica_is_refused() -> None:
     from tidal.train.strategy import live_shard_place
 
-    with pytest.raises(ValueError, match="shard rank 4 is not in a replica of 4 workers"):
-        live_shard_place({"TIDAL_MODE": "live", "TIDAL_CONTROL_SOCKET": "/x", "TIDAL_SHARD_RANK": "4",
-                          "TIDAL_SHARD_SIZE": "4"})
+    with pytest.raises(ValueError, match="node 2 of a replica of 2 nodes"):
+        live_shard_place({"TIDAL_MODE": "live", "TIDAL_CONTROL_SOCKET": "/x", "TIDAL_NODE_INDEX": "2",
+                          "TIDAL_NODES_PER_REPLICA": "2"})

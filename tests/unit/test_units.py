@@ -170,12 +170,14 @@ def test_a_one_node_units_script_is_the_launcher_itself_and_a_two_node_units_run
     assert submission.environment == {"TIDAL_SECRET_FILE": str(tmp_path / "lm-1a2b3c.secret")}
 
 
-def test_replicas_spanning_nodes_are_accepted_in_restart_mode_and_refused_in_live_mode() -> None:
+def test_replicas_spanning_nodes_are_one_job_in_restart_mode_and_one_node_units_in_live_mode() -> None:
+    from tidal.controller.units import unit_nodes
+
     spec = normalized_spec(admin_pb2.JobSpec(command=["train"], nodes_per_replica=2,
                                              mode=common_pb2.JOB_MODE_RESTART))
-    assert spec.nodes_per_replica == 2
-    with pytest.raises(SpecError, match="live mode with replicas spanning nodes is not supported yet"):
-        normalized_spec(admin_pb2.JobSpec(command=["train"], nodes_per_replica=2, mode=common_pb2.JOB_MODE_LIVE))
+    assert spec.nodes_per_replica == 2 and unit_nodes(spec) == 2
+    live = normalized_spec(admin_pb2.JobSpec(command=["train"], nodes_per_replica=2, mode=common_pb2.JOB_MODE_LIVE))
+    assert live.nodes_per_replica == 2 and unit_nodes(live) == 1
     with pytest.raises(SpecError, match="nodes_per_replica: must be >= 1"):
         normalized_spec(admin_pb2.JobSpec(command=["train"], nodes_per_replica=-1))
 

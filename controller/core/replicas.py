@@ -1,0 +1,114 @@
+"""Replicas of several nodes (live mode, `nodes_per_replica` K > 1): one-node units grouped
+into replicas by the controller. Pure: queries over the unit records and a spec.
+
+A unit of such a job is one node, its own Slurm job. When its launcher registers it is given
+a slot, (replica, node index), kept for its life: its workers' shard ranks are
+`node_index × P + local rank` of `K × P` (`TIDAL_NODE_INDEX`, `TIDAL_NODES_PER_REPLICA`). Only a
+complete replica (K live units, one at each node index) can be in a world; a replica that
+lost a node waits, its healthy units keeping their processes and shards, until a new unit
+takes the hole (`assign_slot` puts a registering unit into the most complete replica that
+lacks a node first). A job whose replicas are one node (K = 1) is not grouped: each unit is
+a replica of its own and nothing here applies."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+
+from tidal.controller.model import UnitRecord, UnitState
+from tidal.proto import admin_pb2, common_pb2
+
+
+def nodes_per_replica(spec: admin_pb2.JobSpec) -> int:
+    """K: the nodes of one replica whose units the controller groups (1: no grouping;
+    restart mode's K-node units are one Slurm job each and are not grouped here)."""
+    if spec.mode != common_pb2.JOB_MODE_LIVE:
+        return 1
+    return max(1, spec.nodes_per_replica)
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    replica: int
+    node_index: int
+
+
+def assign_slot(units: Iterable[UnitRecord], nodes: int) -> Slot:
+    """The slot of a unit registering now: the lowest missing node index of the most
+    complete replica that lacks one (the fewest holes; the oldest replica first), so that a
+    lost node is replaced before a new replica is started; else node 0 of a new replica.
+    A replica counts the units that are not final (a failed or departed unit leaves a
+    hole)."""
+    taken: dict[int, set[int]] = {}
+    highest = 0
+    for unit in units:
+        if unit.replica <= 0:
+            continue
+        highest = max(highest, unit.replica)
+        if not unit.state.is_final:
+            taken.setdefault(unit.replica, set()).add(unit.node_index)
+    open_replicas = [(nodes - len(indices), replica) for replica, indices in taken.items() if len(indices) < nodes]
+    if open_replicas:
+        _, replica = min(open_replicas)
+        missing = min(set(range(nodes)) - taken[replica])
+        return Slot(replica, missing)
+    return Slot(highest + 1, 0)
+
+
+def replica_units(units: Mapping[str, UnitRecord], replica: int) -> list[str]:
+    """The units of `replica` that are not final, by node index."""
+    found = [(u.node_index, unit_id) for unit_id, u in units.items()
+             if u.replica == replica and not u.state.is_final]
+    return [unit_id for _, unit_id in sorted(found)]
+
+
+def complete(units: Mapping[str, UnitRecord], unit_ids: Iterable[str], nodes: int) -> dict[int, list[str]]:
+    """The replicas that `unit_ids` make whole: replica → its K units by node index (one at
+    each index 0..K−1). Units of replicas they leave incomplete are not in it."""
+    by_replica: dict[int, dict[int, str]] = {}
+    for unit_id in unit_ids:
+        unit = units[unit_id]
+        by_replica.setdefault(unit.replica, {})[unit.node_index] = unit_id
+    return {replica: [found[i] for i in range(nodes)] for replica, found in sorted(by_replica.items())
+            if replica > 0 and sorted(found) == list(range(nodes))}
+
+
+def whole_replicas_only(units: Mapping[str, UnitRecord], unit_ids: Iterable[str], nodes: int) -> list[str]:
+    """`unit_ids` less the units of replicas they do not make whole, in their order."""
+    ids = list(unit_ids)
+    if nodes <= 1:
+        return ids
+    whole = {u for members in complete(units, ids, nodes).values() for u in members}
+    return [u for u in ids if u in whole]
+
+
+def incomplete_replicas(units: Mapping[str, UnitRecord], nodes: int) -> dict[int, list[str]]:
+    """Replicas with some live units but not K: replica → its live units (they wait for a
+    node to take the hole)."""
+    if nodes <= 1:
+        return {}
+    found: dict[int, list[str]] = {}
+    for unit_id, unit in units.items():
+        if unit.replica > 0 and not unit.state.is_final and unit.state is not UnitState.SUBMITTED:
+            found.setdefault(unit.replica, []).append(unit_id)
+    return {replica: sorted(ids, key=lambda u: units[u].node_index) for replica, ids in sorted(found.items())
+            if len(ids) < nodes}
+
+
+def slot_for(units: Mapping[str, UnitRecord], spec: admin_pb2.JobSpec, unit_id: str,
+             reserved: Mapping[str, Slot]) -> Slot | None:
+    """The slot a registering launcher of `unit_id` is told (None: the job is not grouped):
+    the one it holds, the one reserved for it by an earlier registration not yet taken in,
+    or a new one, counting the slots reserved for other launchers registering meanwhile."""
+    nodes = nodes_per_replica(spec)
+    if nodes <= 1:
+        return None
+    unit = units.get(unit_id)
+    if unit is not None and unit.replica > 0:
+        return Slot(unit.replica, unit.node_index)
+    if unit_id in reserved:
+        return reserved[unit_id]
+    others = [u for u in units.values() if u.unit_id != unit_id]
+    others += [UnitRecord(job_id="", unit_id=u, state=UnitState.JOINING, replica=s.replica, node_index=s.node_index)
+               for u, s in reserved.items() if u not in units or units[u].replica <= 0]
+    return assign_slot(others, nodes)

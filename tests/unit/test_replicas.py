@@ -1,0 +1,113 @@
+"""Live replicas of several nodes (`controller/core/replicas.py`): one-node units grouped into
+replicas by the controller. The slot rules, then the job's state machine through a node's
+loss, its replacement and a replica that waits too long."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tests.unit.test_job_core import CONFIG, Driver, sent
+from tidal.controller.core import job as core
+from tidal.controller.core.replicas import Slot, assign_slot, complete, incomplete_replicas, slot_for
+from tidal.controller.model import JobState, UnitRecord, UnitState
+from tidal.proto import admin_pb2, common_pb2, launcher_pb2
+
+
+def unit(unit_id: str, replica: int, node_index: int, state: UnitState = UnitState.ACTIVE) -> UnitRecord:
+    return UnitRecord(job_id="j-1", unit_id=unit_id, state=state, replica=replica, node_index=node_index)
+
+
+def test_a_registering_unit_fills_the_most_complete_replica_first_then_opens_a_new_one() -> None:
+    assert assign_slot([], 2) == Slot(1, 0)
+    assert assign_slot([unit("a", 1, 0)], 2) == Slot(1, 1)
+    whole = [unit("a", 1, 0), unit("b", 1, 1)]
+    assert assign_slot(whole, 2) == Slot(2, 0), "a whole replica takes no more; a new one opens"
+    # Replica 1 lost node 0 (a failed unit is a hole); replica 2 is one node of three.
+    units = [unit("a", 1, 0, UnitState.FAILED), unit("b", 1, 1), unit("c", 1, 2), unit("d", 2, 0)]
+    assert assign_slot(units, 3) == Slot(1, 0), "the replica closest to whole, at its missing index"
+
+
+def test_two_launchers_registering_at_once_are_told_different_slots() -> None:
+    spec = admin_pb2.JobSpec(mode=common_pb2.JOB_MODE_LIVE, nodes_per_replica=2)
+    units = {"a": unit("a", 1, 0)}
+    first = slot_for(units, spec, "b", {})
+    second = slot_for(units, spec, "c", {"b": first} if first else {})
+    assert (first, second) == (Slot(1, 1), Slot(2, 0))
+    assert slot_for(units, spec, "a", {}) == Slot(1, 0), "a unit keeps its slot when it registers again"
+    restart = admin_pb2.JobSpec(mode=common_pb2.JOB_MODE_RESTART, nodes_per_replica=2)
+    assert slot_for(units, restart, "b", {}) is None, "restart mode's K-node units are one Slurm job each"
+
+
+def test_only_whole_replicas_are_complete() -> None:
+    units = {u.unit_id: u for u in [unit("a", 1, 0), unit("b", 1, 1), unit("c", 2, 0)]}
+    assert complete(units, ["a", "b", "c"], 2) == {1: ["a", "b"]}
+    assert incomplete_replicas(units, 2) == {2: ["c"]}
+
+
+class GroupedDriver(Driver):
+    """A live job whose replicas are two one-node units."""
+
+    def __init__(self, **config: object) -> None:
+        super().__init__(min_replicas=1, max_replicas=2, config=dataclasses.replace(CONFIG, **config))  # type: ignore[arg-type]
+        self.state.job.spec.nodes_per_replica = 2
+
+    def join(self, unit_id: str) -> Slot:
+        slot = slot_for(self.state.units, self.state.job.spec, unit_id, {})
+        assert slot is not None
+        self.feed(core.LauncherConnected(unit_id, launcher_pb2.Register(
+            job_id="j-1", unit_id=unit_id, nodes=[f"node-{unit_id}"], address="127.0.0.1",
+            store_port=1000 + ord(unit_id[-1])), slot))
+        self.links[unit_id] = core.Link(last_heartbeat_at=self.clock)
+        return slot
+
+    def grow_completes(self, joiners: tuple[str, ...]) -> None:
+        generation = self.state.generation
+        assert generation is not None
+        for joiner in joiners:
+            self.report(joiner, generation.number, launcher_pb2.GENERATION_PHASE_STARTED)
+        for member in generation.unit_ids:
+            self.report(member, generation.number, launcher_pb2.GENERATION_PHASE_RECONFIGURED, step=10)
+
+
+def test_a_lost_node_takes_its_replica_out_and_one_new_node_brings_it_back() -> None:
+    driver = GroupedDriver()
+    assert [driver.join(u) for u in "ab"] == [Slot(1, 0), Slot(1, 1)]
+    driver.tick()
+    assert driver.state.generation is not None and driver.state.generation.unit_ids == ("a", "b")
+    assert [driver.join(u) for u in "cd"] == [Slot(2, 0), Slot(2, 1)]
+    driver.tick()
+    driver.grow_completes(("c", "d"))
+    assert driver.state.generation.unit_ids == ("a", "b", "c", "d")
+    assert [m.first_rank for m in driver.state.generation.members] == [0, 1, 2, 3]
+
+    effects = driver.exit("d", driver.state.generation.number, 9)
+    assert driver.state.units["d"].state is UnitState.FAILED
+    assert driver.state.generation.unit_ids == ("a", "b"), "replica 2 is out as a whole"
+    assert driver.state.units["c"].state is UnitState.JOINING
+    standby = driver.event("unit_standby")
+    assert (standby.unit_id, standby.fields["cause"]) == ("c", "replica_incomplete")
+    assert sent(effects, "c") == [], "c's workers keep their state; nothing stops them"
+
+    assert driver.join("e") == Slot(2, 1), "the new node takes the lost one's place"
+    effects = driver.tick()
+    assert driver.event("world_reconfiguring").fields["joiners"] == "c,e"
+    driver.grow_completes(("c", "e"))
+    assert driver.state.generation.unit_ids == ("a", "b", "c", "e")
+    assert driver.state.job.state is JobState.RUNNING
+
+
+def test_a_replica_waiting_too_long_for_a_node_gives_its_other_nodes_back() -> None:
+    driver = GroupedDriver(replica_patch_wait_s=60.0)
+    for u in "abcd":
+        driver.join(u)
+    driver.tick()
+    assert driver.state.generation is not None and len(driver.state.generation.unit_ids) == 4
+    driver.exit("d", driver.state.generation.number, 9)
+    driver.tick(1.0)
+    driver.tick(30.0)
+    assert driver.state.units["c"].state is UnitState.JOINING, "still waiting within replica_patch_wait_s"
+    driver.tick(31.0)
+    released = driver.event("replica_released")
+    assert released.fields["replica"] == "2"
+    assert driver.state.units["c"].state in (UnitState.LEAVING, UnitState.LEFT)
+    assert driver.state.generation.unit_ids == ("a", "b"), "the job keeps its other replica"
