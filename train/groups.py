@@ -13,8 +13,9 @@ which FSDP2 holds for the unit's life.
 
 On a break the groups are aborted (`ProcessGroup.abort`), which returns at once and makes
 peers still waiting in a collective with this rank fail, instead of waiting for it.
-NCCL groups are made with `ProcessGroupNCCL` and aborted the same way; CI has no GPU, so
-that path is not exercised by the tests."""
+What differs between gloo and NCCL (how a group is made, closed and aborted, from which
+thread) is `tidal.train.backend`'s; CI has no GPU, so the NCCL path is not exercised by
+the tests."""
 
 from __future__ import annotations
 
@@ -27,20 +28,15 @@ from typing import Any
 
 import torch.distributed as dist
 
+from tidal.train import backend as backends
 from tidal.train.errors import WorldBroken
 
 _fixed_store: Any = None
 
 
 def new_group(backend: str, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
-    """A process group of `size` ranks that meets at `store`, connected when this returns."""
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, options)
-    if backend != "gloo":
-        raise ValueError(f"backend {backend!r}: Tidal's elastic groups are gloo or nccl")
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
+    """A process group of `size` ranks that meets at `store` (`tidal.train.backend.new_group`)."""
+    return backends.new_group(backend, store, rank, size, timeout)
 
 
 def fixed_world_store() -> Any:
@@ -82,21 +78,15 @@ class Groups:
         return self.world_size // self.shard_size
 
     def close(self, broken: bool) -> None:
-        """Leave the groups. After a failure they are aborted first (NCCL: a destroy could wait
-        on collectives that will never finish). A gloo group closes its connections, which
-        is what tells peers still waiting on this rank that it left, only when its last
-        reference goes: nothing else may hold one (the strategy drops its own at the end of
-        every step, finished or abandoned)."""
-        for group in {id(g): g for g in (self.replica, self.world) if g is not None}.values():
-            try:
-                if broken:
-                    group.abort()
-                else:
-                    group.shutdown()
-            except RuntimeError:
-                pass
+        """Leave the groups (`tidal.train.backend.close_groups`): after a failure they are
+        aborted first (a destroy could wait on collectives that will never finish). A gloo
+        group closes its connections, which is what tells peers still waiting on this rank
+        that it left, only when its last reference goes: nothing else may hold one (the
+        strategy drops its own at the end of every step, finished or abandoned)."""
+        groups = list({id(g): g for g in (self.replica, self.world) if g is not None}.values())
         self.world = None
         self.replica = None
+        backends.close_groups(groups, broken=broken)
 
 
 def form_groups(backend: str, store: Any, *, rank: int, world_size: int, shard_size: int, shard_rank: int,

@@ -31,6 +31,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 import torch.distributed as dist
 
+from tidal.train.backend import select_device, worker_device
 from tidal.train.groups import fixed_world_store
 from tidal.train.state import local
 
@@ -289,8 +290,8 @@ def init_unit_group(backend: str | None = None) -> tuple[int, int]:
     else:
         group_rank = int(env.get("GROUP_RANK", str(int(env.get("RANK", "0")) // max(1, local_size))))
         store = dist.PrefixStore(f"tidal/unit/{group_rank}", fixed_world_store())
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
+    # This worker's GPU (LOCAL_RANK's) is current before the group and FSDP2's mesh use it.
+    select_device(worker_device(env, backend))
     dist.init_process_group(backend, store=store, rank=local_rank, world_size=local_size, timeout=timeout)
     return local_rank, local_size
 

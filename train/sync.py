@@ -27,6 +27,7 @@ import torch
 
 from tidal.proto.control import Resumed, World
 from tidal.proto.control import StateLost as StateLostMessage
+from tidal.train.backend import synchronize
 from tidal.train.channel import WorkerChannel
 from tidal.train.checkpoint import AsyncCheckpointer
 from tidal.train.errors import StateLost, StateMismatch
@@ -281,6 +282,8 @@ class StateSync:
         previous one is still being written)."""
         if (self.checkpointer is not None and self.checkpoint_every > 0
                 and rank // self.strategy.shard_size == 0 and step % self.checkpoint_every == 0):
+            # Copied to the host: every stream of the device done with the state first.
+            synchronize(self.device)
             self.checkpointer.save(capture(self.parts, self.counters), step)
 
     def before_leaving(self, save: bool) -> str:
@@ -297,6 +300,7 @@ class StateSync:
             return ""
         started = time.monotonic()
         try:
+            synchronize(self.device)
             self.checkpointer.write_now(capture(self.parts, self.counters), self.counters.step)
         except (RuntimeError, OSError) as error:
             self.log.error("state_save_failed", step=self.counters.step, folder=str(self.checkpointer.directory),
