@@ -441,8 +441,9 @@ class Agent(NodeAgent[LauncherOptions]):
                 self.live.stop(generation)
             case worlds.LeaveSavingState():
                 self.live.leave_saving_state()
-            case worlds.SendWorlds(generation, rank_table, rendezvous, joining, target_step):
-                self.live.send_worlds(generation, rank_table, rendezvous, joining=joining, target_step=target_step)
+            case worlds.SendWorlds(generation, rank_table, rendezvous, joining, target_step, at_step_boundary):
+                self.live.send_worlds(generation, rank_table, rendezvous, joining=joining, target_step=target_step,
+                                      at_step_boundary=at_step_boundary)
             case worlds.LeaveStandby():
                 self.standby = False
             case worlds.AwaitReady(generation):

@@ -107,8 +107,9 @@ class LiveMode:
             self.agent.report(generation, phase, step=step, detail=detail)
 
     def send_worlds(self, generation: int, table: common_pb2.RankTable, rendezvous: common_pb2.Rendezvous,
-                    joining: bool = False, target_step: int = 0) -> None:
-        """Name generation `generation`'s world to each worker (rank -1: leave after the agreed step)."""
+                    joining: bool = False, target_step: int = 0, at_step_boundary: bool = True) -> None:
+        """Name generation `generation`'s world to each worker (rank -1: leave after the agreed step;
+        not `at_step_boundary`: the generation it replaces broke)."""
         agent = self.agent
         assert agent.workers is not None
         mine = next((a for a in table.assignments if a.unit_id == agent.options.unit_id), None)
@@ -120,7 +121,8 @@ class LiveMode:
             self.workers.idle.discard(worker.local_rank)
             self.channel.send(worker.local_rank, World(
                 generation=generation, rank=rank, world_size=table.world_size, master_addr=rendezvous.host,
-                master_port=rendezvous.port, joining=joining, target_step=target_step))
+                master_port=rendezvous.port, joining=joining, target_step=target_step,
+                at_step_boundary=at_step_boundary))
         if mine is None:
             agent.state = LauncherState.LEAVING
             self.workers.stop_deadline = time.monotonic() + agent.options.leave_timeout_s

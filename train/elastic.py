@@ -193,7 +193,7 @@ class Elastic:
         self.membership = Membership(backend=backend, shard_size=self.strategy.shard_size,
                                      shard_rank=self.strategy.shard_rank, timeout_s=timeout_s,
                                      counters=self.counters, ledger=self.ledger, agree=self._agree,
-                                     before_leaving=self.state.before_leaving)
+                                     before_leaving=self.state.before_leaving, collectives=self.collectives)
         self._progress_at = 0.0
         # The last committed step's loss (None before the first): sent with the beats, so
         # the controller keeps a loss history (`tidal plot`).

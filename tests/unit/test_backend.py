@@ -1,16 +1,22 @@
 """The backend rules (`tidal.train.backend`), run everywhere, no GPU needed: which device a
-rank gets, which NCCL settings each mode imposes, when a generation's groups are aborted
-from outside the training thread, and what closing a generation's groups does per backend."""
+rank gets, which NCCL settings each mode imposes, when the launcher's word aborts a
+generation's groups from outside the training thread (with fake groups whose collective
+blocks until aborted, as an NCCL wait on a frozen peer does), and what closing a
+generation's groups does per backend."""
 
 from __future__ import annotations
 
+import socket
 import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 import structlog
 import torch
 
+from tidal.proto.control import Hello, Stop, World, decode, encode
 from tidal.train import backend
 from tidal.train.backend import (
     LIVE_NCCL_ENVIRONMENT,
@@ -27,6 +33,12 @@ from tidal.train.backend import (
     visible_devices,
     worker_device,
 )
+from tidal.train.channel import WorkerChannel
+from tidal.train.errors import WorldBroken
+from tidal.train.groups import Collectives, Groups
+from tidal.train.ledger import Ledger
+from tidal.train.state import Counters
+from tidal.train.world import EVERY_GENERATION, Membership, breakage
 
 # Device per rank.
 
@@ -110,6 +122,19 @@ def test_a_gloo_worker_is_on_the_cpu_and_its_environment_untouched_in_either_mod
 # When the launcher's word aborts a generation's groups.
 
 
+def test_which_words_of_the_launcher_break_which_generations() -> None:
+    assert breakage(Stop(generation=4)) == (4, "the launcher stopped generation 4")
+    failure = World(generation=5, rank=0, world_size=2, master_addr="h", master_port=1, at_step_boundary=False)
+    assert breakage(failure) == (4, "generation 5 replaced it after a failure")
+    planned = World(generation=5, rank=0, world_size=3, master_addr="h", master_port=1)
+    assert breakage(planned) is None, "a change at a step boundary breaks nothing"
+    assert breakage(None) == (EVERY_GENERATION, "the launcher closed the control channel")
+    # Missing on the wire (an older launcher): a change at a step boundary, today's reading.
+    assert decode(b'{"op": "world", "generation": 5, "rank": 0, "world_size": 3, "master_addr": "h", '
+                  b'"master_port": 1}') == planned
+    assert decode(encode(failure)) == failure
+
+
 def test_only_nccl_groups_are_aborted_from_outside_and_only_when_their_generation_broke() -> None:
     assert aborts_from_outside("nccl") and not aborts_from_outside("gloo")
     assert abort_from_outside("nccl", groups_generation=4, broken_through=4)
@@ -157,6 +182,113 @@ class FakeGroup:
         return Work()
 
 
+def _membership(backend_name: str) -> Membership:
+    def agree(groups: object, world: World) -> tuple[int, str]:
+        raise AssertionError("no world is formed here")
+
+    return Membership(backend=backend_name, shard_size=1, shard_rank=0, timeout_s=5.0, counters=Counters(step=3),
+                      ledger=Ledger(None), agree=agree, before_leaving=lambda save: "")
+
+
+def _groups(group: FakeGroup) -> Groups:
+    return Groups(world=group, replica=group, rank=0, world_size=2, shard_size=1, shard_rank=0)
+
+
+def _blocked_collective(membership: Membership, group: FakeGroup) -> tuple[threading.Thread, list[BaseException]]:
+    """The training thread, blocked in a collective of `group` (through Collectives)."""
+    raised: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            membership.collectives.wait(group.allreduce([torch.zeros(1)]))
+        except BaseException as error:
+            raised.append(error)
+
+    thread = threading.Thread(target=train, name="training")
+    thread.start()
+    return thread, raised
+
+
+def test_a_nccl_collective_blocked_on_a_frozen_peer_is_aborted_by_the_launchers_word_and_breaks_the_world() -> None:
+    membership = _membership("nccl")
+    group = FakeGroup("nccl")
+    membership._adopt(_groups(group), generation=4)
+    thread, raised = _blocked_collective(membership, group)
+    time.sleep(0.05)
+    assert thread.is_alive() and membership.collectives.waiting
+    # The frozen peer's launcher killed it; the controller sent the survivors generation 5 at once.
+    membership.on_launcher_word(World(generation=5, rank=0, world_size=1, master_addr="h", master_port=1,
+                                      at_step_boundary=False))
+    thread.join(5)
+    assert not thread.is_alive()
+    assert len(raised) == 1 and isinstance(raised[0], WorldBroken)
+    assert str(raised[0]) == ("generation 4's groups were aborted: generation 5 replaced it after a failure")
+    # From a thread of its own, neither the training thread nor the channel's reader; once.
+    assert [call for call, _ in group.calls] == ["abort"] and group.calls[0][1] == "tidal-abort"
+    # The training thread then leaves the broken world: no second abort.
+    membership.close_groups(broken=True)
+    assert [call for call, _ in group.calls] == ["abort"] and membership.groups is None
+
+
+def test_a_stop_aborts_too_but_a_change_at_a_step_boundary_or_an_older_stop_does_not() -> None:
+    membership = _membership("nccl")
+    group = FakeGroup("nccl")
+    membership._adopt(_groups(group), generation=4)
+    membership.on_launcher_word(World(generation=5, rank=0, world_size=3, master_addr="h", master_port=1))
+    membership.on_launcher_word(Stop(generation=3))
+    time.sleep(0.05)
+    assert group.calls == [] and membership.collectives.broken is None
+    membership.on_launcher_word(Stop(generation=4))
+    assert group.aborted.wait(5)
+    assert membership.collectives.broken == "generation 4's groups were aborted: the launcher stopped generation 4"
+
+
+def test_gloo_keeps_todays_behaviour_the_launcher_kills_the_frozen_peer_instead() -> None:
+    membership = _membership("gloo")
+    group = FakeGroup("gloo")
+    membership._adopt(_groups(group), generation=4)
+    membership.on_launcher_word(Stop(generation=4))
+    membership.on_launcher_word(None)
+    time.sleep(0.05)
+    assert group.calls == [] and membership.collectives.broken is None
+    membership.close_groups(broken=True)
+    assert [call for call, _ in group.calls] == ["abort"], "aborted by the training thread, as before"
+
+
+def test_groups_that_connect_after_the_launcher_said_their_generation_broke_are_aborted_at_once() -> None:
+    membership = _membership("nccl")
+    membership.on_launcher_word(Stop(generation=6))  # while generation 6's groups were being made
+    group = FakeGroup("nccl")
+    with pytest.raises(WorldBroken, match="generation 6 broke while its groups connected"):
+        membership._adopt(_groups(group), generation=6)
+    assert [call for call, _ in group.calls] == ["abort"]
+    # The next generation's groups are not touched by that word.
+    newer = FakeGroup("nccl")
+    membership._adopt(_groups(newer), generation=7)
+    assert newer.calls == [] and membership.collectives.broken is None
+
+
+def test_the_channel_hands_each_word_to_its_listener_on_the_reader_thread(tmp_path: Path) -> None:
+    path = tmp_path / "control.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(1)
+    heard: list[tuple[object, str]] = []
+    channel = WorkerChannel(str(path), 0, 42, on_word=lambda m: heard.append((m, threading.current_thread().name)))
+    connection, _ = server.accept()
+    assert decode(connection.makefile("rb").readline()) == Hello(local_rank=0, pid=42)
+    failure = World(generation=2, rank=0, world_size=1, master_addr="h", master_port=1, at_step_boundary=False)
+    connection.sendall(encode(failure) + encode(Stop(generation=2)))
+    connection.close()
+    deadline = time.monotonic() + 5
+    while len(heard) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert heard == [(failure, "tidal-control"), (Stop(generation=2), "tidal-control"), (None, "tidal-control")]
+    assert channel.worlds[2] == failure and channel.stopped_generation == 2
+    channel.close()
+    server.close()
+
+
 # Closing a generation's groups.
 
 
@@ -172,6 +304,20 @@ def test_nccl_groups_are_aborted_together_even_after_a_planned_change_and_gloo_o
     broken = FakeGroup("gloo")
     close_groups([broken], broken=True)
     assert [call for call, _ in gloo.calls] == ["shutdown"] and [call for call, _ in broken.calls] == ["abort"]
+    # Already aborted from outside: only the references go.
+    aborted = FakeGroup("nccl")
+    close_groups([aborted], broken=True, aborted=True)
+    assert aborted.calls == []
+
+
+def test_a_wait_that_returned_after_an_abort_from_outside_breaks_the_world() -> None:
+    collectives = Collectives()
+    with collectives.waiting_in():
+        pass
+    collectives.broken = "generation 3's groups were aborted: the launcher stopped generation 3"
+    with pytest.raises(WorldBroken, match="the launcher stopped generation 3"), collectives.waiting_in():
+        pass
+    assert not collectives.waiting
 
 
 def test_synchronizing_the_cpu_is_nothing() -> None:
