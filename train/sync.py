@@ -221,17 +221,28 @@ class StateSync:
         return [int(t.item()) for t in gathered]
 
     def _transfer(self, groups: Groups, world: World, sources: list[int], receivers: list[int]) -> None:
+        """Stream the state from `sources` to `receivers` (replica indices). A transfer cut
+        short (a peer lost, the groups aborted) breaks the world; a receiver then holds a
+        mix of two states, and no longer counts as holding one."""
         me = groups.replica_index
         started = time.monotonic()
         try:
-            if me in sources:
-                stats = send_state(groups.replica, self.parts, self.counters, me=me, sources=sources,
-                                   receivers=receivers, bucket_bytes=self.bucket_bytes)
-            else:
-                stats = receive_state(groups.replica, self.parts, self.counters, me=me, sources=sources,
-                                      bucket_bytes=self.bucket_bytes)
+            # A wait on an aborted NCCL group returns without raising: `waiting_in` says
+            # the world broke once the transfer returns, as for any collective.
+            with self.collectives.waiting_in():
+                if me in sources:
+                    stats = send_state(groups.replica, self.parts, self.counters, me=me, sources=sources,
+                                       receivers=receivers, bucket_bytes=self.bucket_bytes)
+                else:
+                    stats = receive_state(groups.replica, self.parts, self.counters, me=me, sources=sources,
+                                          bucket_bytes=self.bucket_bytes)
         except StateDoesNotFit as error:
+            # Refused before anything was applied.
             raise StateMismatch(f"the state a live replica sent does not fit this worker: {error}") from error
+        except BaseException:
+            if me not in sources:
+                self.has_state = False
+            raise
         seconds = time.monotonic() - started
         self.log.info("state_transferred", role="source" if me in sources else "receiver", sources=sources,
                       receivers=receivers, shard=groups.shard_rank, bytes=stats.bytes, items=stats.items,

@@ -37,7 +37,9 @@ from tidal.train.channel import WorkerChannel
 from tidal.train.errors import WorldBroken
 from tidal.train.groups import Collectives, Groups
 from tidal.train.ledger import Ledger
-from tidal.train.state import Counters
+from tidal.train.state import Counters, TrainingParts
+from tidal.train.strategy import DataParallel
+from tidal.train.sync import StateSync
 from tidal.train.world import EVERY_GENERATION, Membership, breakage
 
 # Device per rank.
@@ -318,6 +320,27 @@ def test_a_wait_that_returned_after_an_abort_from_outside_breaks_the_world() -> 
     with pytest.raises(WorldBroken, match="the launcher stopped generation 3"), collectives.waiting_in():
         pass
     assert not collectives.waiting
+
+
+class BrokenGroup:
+    """A replica group whose peer is gone: every receive fails."""
+
+    def recv(self, tensors: list[torch.Tensor], source: int, tag: int) -> Any:
+        raise RuntimeError("Connection closed by peer")
+
+
+def test_a_receiver_whose_transfer_broke_no_longer_counts_as_holding_state() -> None:
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = StateSync(TrainingParts(model=model, optimizer=optimizer), Counters(step=5), strategy=DataParallel(),
+                     checkpointer=None, checkpoint_every=0, state_folder=None, bucket_bytes=1 << 20,
+                     device=torch.device("cpu"), collectives=Collectives(), ledger=Ledger(None))
+    sync.has_state = True  # a survivor behind the most advanced replica: it receives
+    groups = Groups(world=None, replica=BrokenGroup(), rank=1, world_size=2, shard_size=1, shard_rank=0)
+    world = World(generation=3, rank=1, world_size=2, master_addr="h", master_port=1)
+    with pytest.raises(WorldBroken, match="Connection closed by peer"):
+        sync._transfer(groups, world, sources=[0], receivers=[1])
+    assert not sync.has_state, "a transfer cut short leaves a mix of two states"
 
 
 def test_synchronizing_the_cpu_is_nothing() -> None:
