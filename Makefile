@@ -6,7 +6,7 @@ PYTEST := $(PYTHON) -m pytest
 CONSTRAINTS := ci/constraints.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: install install-bench proto proto-check lint typecheck test test-unit test-slurm cluster-up cluster-down cluster-status demo bench bench-quick clean
+.PHONY: install install-bench proto proto-check lint typecheck test test-unit test-slurm test-gpu cluster-up cluster-down cluster-status demo bench bench-quick clean
 
 install: $(STAMP)
 
@@ -48,10 +48,16 @@ test: install-bench proto-check lint typecheck
 	TIDAL_TEST_REQUIRE_SLURM=1 scripts/with-cluster $(PYTEST) tests
 
 test-unit: install
-	$(PYTEST) tests -m "not slurm and not integration"
+	$(PYTEST) tests -m "not slurm and not integration and not gpu"
 
 test-slurm: install
 	TIDAL_TEST_REQUIRE_SLURM=1 scripts/with-cluster $(PYTEST) tests -m slurm
+
+# The GPU tier (tests/gpu): live mode on NCCL, one rank per GPU, on a machine with CUDA GPUs
+# (>= 2 for most of it). Without them each test is skipped, saying why; `make test` leaves
+# them out with one line.
+test-gpu: install
+	$(PYTEST) tests/gpu -m gpu
 
 cluster-up:
 	scripts/minicluster up

@@ -42,7 +42,7 @@ from tidal.controller.sessions import LauncherSession, SessionClose, SessionEnde
 from tidal.controller.spec import SpecError, normalized_spec
 from tidal.controller.store import StateStore
 from tidal.proto import admin_pb2, admin_pb2_grpc, common_pb2, launcher_pb2, launcher_pb2_grpc
-from tidal.slurm import SlurmError, default_client
+from tidal.slurm import SlurmClient, SlurmError, default_client
 from tidal.slurm.errors import SlurmCommandFailed
 from tidal.slurm.models import UnitOwner
 from tidal.slurm.snapshot import ClusterPoll, ClusterView
@@ -158,6 +158,7 @@ class Controller:
             if spec.partition not in known:
                 raise SpecError(f"partition: {spec.partition!r} is not a partition of this cluster "
                                 f"(known: {', '.join(known)})")
+        self._check_gpus(spec, client)
         files = self.slurm_units.files(owner, f"{spec.name}-check")
         probe = units.unit_submission(spec, job_id=f"{spec.name}-check", unit_id="u0",
                                       launcher=self.slurm_units.launcher,
@@ -168,6 +169,21 @@ class Controller:
         except SlurmCommandFailed as error:
             said = "; ".join(line.strip() for line in error.stderr.splitlines() if line.strip())
             raise SpecError(f"sbatch_options: Slurm would refuse the job's units: {said}") from None
+
+    @staticmethod
+    def _check_gpus(spec: admin_pb2.JobSpec, client: SlurmClient) -> None:
+        """SpecError when the job's partition has GPU nodes and its units could not give each
+        worker a GPU of its own (`units.gpu_shortfall`). Slurm not answering is not the job's
+        fault: the check is skipped, and said in the log."""
+        try:
+            partitions, nodes = client.list_partitions(), client.list_nodes()
+        except SlurmError as error:
+            log.warning("gpu_check_skipped", job=spec.name, procs_per_node=spec.procs_per_node,
+                        reason=f"Slurm did not answer: {error}")
+            return
+        problem = units.gpu_shortfall(spec, partitions, nodes)
+        if problem is not None:
+            raise SpecError(problem)
 
     @property
     def owner_policy(self) -> owners.OwnerPolicy:

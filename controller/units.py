@@ -16,7 +16,7 @@ from pathlib import Path
 from tidal.controller.core.planning import allowed_sizes
 from tidal.controller.submission import sbatch_value
 from tidal.proto import admin_pb2, common_pb2
-from tidal.slurm.models import Gres, Job, JobState, Node, NodeFlag, UnitOwner, UnitSubmission
+from tidal.slurm.models import Gres, Job, JobState, Node, NodeFlag, Partition, UnitOwner, UnitSubmission
 from tidal.slurm.snapshot import ClusterView
 
 # Slurm's pending reasons that mean "waits for nodes" (not a dependency, a hold, a limit).
@@ -114,6 +114,39 @@ def _gres(item: str) -> Gres | None:
     if parts[-1].isdigit() and len(parts) > 1:
         count = int(parts.pop())
     return Gres(name=parts[0], type=parts[1] if len(parts) > 1 else None, count=count)
+
+
+def gpu_shortfall(spec: admin_pb2.JobSpec, partitions: Sequence[Partition], nodes: Sequence[Node]) -> str | None:
+    """Why the job's units cannot give each of their `procs_per_node` workers a GPU of its
+    own (None: they can, or the job's partition has no GPU node: a CPU job, not checked).
+    The partition is the job's (`partition`, or `-p`/`--partition` among its sbatch
+    options), else the cluster's default; None too when there is neither.
+
+    One worker per GPU because an NCCL communicator holds one rank per GPU (two ranks on
+    one GPU is unsupported and may hang; `tidal.train.backend.worker_device` gives worker
+    LOCAL_RANK the LOCAL_RANK-th GPU of its unit): a unit needs a node with at least
+    `procs_per_node` GPUs (gres `gpu`), and, when the job asks for GPUs
+    (`--gres=gpu:N`, `--gpus-per-node=N`), N of them."""
+    name = spec.partition or sbatch_value(list(spec.sbatch_options), "-p", "partition") or next(
+        (p.name for p in partitions if p.is_default), "")
+    if not name:
+        return None
+    members = {n for p in partitions if p.name == name for n in p.nodes}
+    gpus = sorted({n.gres_count("gpu") for n in nodes if n.name in members or name in n.partitions})
+    most = max(gpus, default=0)
+    if most == 0:
+        return None
+    procs = spec.procs_per_node or 1
+    per_node = " or ".join(map(str, gpus))
+    if procs > most:
+        return (f"procs_per_node: {procs} workers per node need a GPU each, but the nodes of partition {name!r} have "
+                f"{per_node} GPUs (gres gpu): run at most {most} workers per node")
+    asked = sum(g.count for g in node_needs(spec).gres if g.name == "gpu")
+    if asked and procs > asked:
+        return (f"procs_per_node: {procs} workers per node need a GPU each, but the job's units ask for {asked} "
+                f"GPUs per node (--gres/--gpus-per-node) on partition {name!r}, whose nodes have {per_node}: ask for "
+                f"{procs}, or run at most {asked} workers per node")
+    return None
 
 
 def idle_nodes_for(spec: admin_pb2.JobSpec, nodes: Sequence[Node], excluded: frozenset[str] = frozenset()) -> list[str]:

@@ -441,9 +441,10 @@ class Agent(NodeAgent[LauncherOptions]):
                 self.live.stop(generation)
             case worlds.LeaveSavingState():
                 self.live.leave_saving_state()
-            case worlds.SendWorlds(generation, rank_table, rendezvous, joining, target_step, set_aside):
+            case worlds.SendWorlds(generation, rank_table, rendezvous, joining, target_step, at_step_boundary,
+                                   set_aside):
                 self.live.send_worlds(generation, rank_table, rendezvous, joining=joining, target_step=target_step,
-                                      set_aside=set_aside)
+                                      at_step_boundary=at_step_boundary, set_aside=set_aside)
             case worlds.LeaveStandby():
                 self.standby = False
             case worlds.AwaitReady(generation):

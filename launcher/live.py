@@ -107,10 +107,12 @@ class LiveMode:
             self.agent.report(generation, phase, step=step, detail=detail)
 
     def send_worlds(self, generation: int, table: common_pb2.RankTable, rendezvous: common_pb2.Rendezvous,
-                    joining: bool = False, target_step: int = 0, set_aside: bool = False) -> None:
+                    joining: bool = False, target_step: int = 0, at_step_boundary: bool = True,
+                    set_aside: bool = False) -> None:
         """Name generation `generation`'s world to each worker (rank -1: leave after the agreed
-        step; with `set_aside`, wait for a later world instead: this unit stays in the job, out
-        of that generation, and keeps the one it was in)."""
+        step; not `at_step_boundary`: the generation it replaces broke; with `set_aside`, wait
+        for a later world instead: this unit stays in the job, out of that generation, and
+        keeps the one it was in)."""
         agent = self.agent
         assert agent.workers is not None
         mine = next((a for a in table.assignments if a.unit_id == agent.options.unit_id), None)
@@ -123,7 +125,8 @@ class LiveMode:
             self.workers.idle.discard(worker.local_rank)
             self.channel.send(worker.local_rank, World(
                 generation=generation, rank=rank, world_size=table.world_size, master_addr=rendezvous.host,
-                master_port=rendezvous.port, joining=joining, target_step=target_step, set_aside=set_aside))
+                master_port=rendezvous.port, joining=joining, target_step=target_step,
+                at_step_boundary=at_step_boundary, set_aside=set_aside))
         if set_aside:
             agent.log.info("set_aside", generation=generation, stays_in=agent.generation)
             return

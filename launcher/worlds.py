@@ -100,6 +100,9 @@ class SendWorlds:
     rendezvous: common_pb2.Rendezvous
     joining: bool = False
     target_step: int = 0
+    # False: the generation it replaces broke (the controller sent this one at once); the
+    # workers abandon the step in flight rather than finish it.
+    at_step_boundary: bool = True
     # Not in it, not leaving: out of that world after the agreed step, waiting for a later one.
     set_aside: bool = False
 
@@ -216,7 +219,8 @@ def _start(view: LeaderView, start: launcher_pb2.Generation) -> tuple[LeaderActi
         # and takes the new world; the others move at the end of the step, none of which
         # is lost; a rank still forming the older world gives it up for the newer one.
         return (LeaveStandby(), Enter(view.state, max(view.generation, start.generation)),
-                SendWorlds(start.generation, start.rank_table, start.rendezvous, target_step=start.target_step),
+                SendWorlds(start.generation, start.rank_table, start.rendezvous, target_step=start.target_step,
+                           at_step_boundary=False),
                 Enter(LauncherState.RUNNING),
                 Report(start.generation, launcher_pb2.GENERATION_PHASE_STARTED, step=start.target_step))
     if view.workers_generation is not None:

@@ -10,9 +10,12 @@ written by `encode` and read by `decode`, the one codec, as one line:
 
 launcher -> worker:
   {"op": "world", "generation": G, "rank": r, "world_size": n, "master_addr": h, "master_port": p,
-   "joining": j, "target_step": t, "save": v}
+   "joining": j, "target_step": t, "save": v, "at_step_boundary": b}
       the world of generation G. A running worker moves into it at the next step boundary
       its peers agree on (rank -1: leave after that step); an idle one joins it at once.
+      With "at_step_boundary": false (a failure's next generation, sent at once) the
+      generations before G are broken: a worker still in one abandons its step (its NCCL
+      communicators are aborted from the channel's thread); missing reads as true.
       With "save": true (rank -1, the unit holds the job's last copy of the state), the
       worker writes its state to disk before it leaves; the next world resumes from it.
       The world's state must be at step t (the job's committed step) or later: when no
@@ -73,6 +76,10 @@ class World:
     target_step: int = 0
     # Leaving (rank -1) as the last holder of the job's state: write it to disk first.
     save: bool = False
+    # The world before it is healthy and changes after a step the ranks agree on. False:
+    # it broke (a failure; the controller sent this generation at once), and a worker still
+    # in it abandons the step in flight.
+    at_step_boundary: bool = True
     # Out of this world (rank -1) but not out of the job: its replica of several nodes lost
     # one (or left) and waits for a node to take its place. After the agreed step the
     # worker leaves the old world and waits for the next one, keeping its state.

@@ -34,6 +34,7 @@ from torch.nn import functional
 from tidal.recipes import catalog
 from tidal.recipes.tokens import PackedSequences, TokenFileError
 from tidal.train import Elastic, HybridSharded, simulated
+from tidal.train.backend import select_device, worker_device
 
 
 def lr_factor(step: int, *, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -148,7 +149,8 @@ def train(recipe: dict[str, Any]) -> dict[str, Any]:
         raise SystemExit(f"recipe {recipe['name']}: the token file's vocabulary ({dataset.header.vocab_size}) "
                          f"is larger than the model's ({vocab})")
     if torch.cuda.is_available():
-        model = model.to(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
+        # This worker's GPU (LOCAL_RANK's among those it sees), made current first.
+        model = model.to(select_device(worker_device(os.environ, "nccl")))
     strategy = HybridSharded(param_dtype=torch.bfloat16 if dtype_name == "bfloat16" else None)
     model = strategy.shard(model, modules=decoder_layers(model))
     steps = int(train_section["steps"])

@@ -3,6 +3,12 @@
 Tests marked `slurm` need the real mini cluster (`scripts/minicluster up`, SLURM_CONF
 set; `make test` does both). Without one they are skipped, except when
 TIDAL_TEST_REQUIRE_SLURM=1 (as in `make test` and CI), where a missing cluster fails them.
+
+Tests marked `gpu` (tests/gpu) need CUDA GPUs, `gpu(devices=N)` N of them. Asked for by
+name (`-m gpu`, `make test-gpu`), one that cannot run is skipped with its reason; in a
+wider run (`make test`) the ones that cannot run are left out (deselected) and the run
+ends with one line saying how many and why. Their skip is never a failure: no machine
+of CI has a GPU.
 """
 
 from __future__ import annotations
@@ -104,3 +110,60 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
     if report.skipped and skips_must_fail() and in_required_tier(Path(str(collector.path))):
         report.outcome = "failed"
         report.longrepr = failed_skip_message(skip_reason(report))
+
+
+# The GPU tier.
+GPU_MARK = "gpu"
+GPU_SUMMARY: pytest.StashKey[str] = pytest.StashKey()
+
+
+def cuda_device_count() -> int:
+    """How many CUDA GPUs torch sees here (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def gpus_needed(item: pytest.Item) -> int | None:
+    """How many GPUs a test asks for (None: not a GPU test)."""
+    mark = item.get_closest_marker(GPU_MARK)
+    return None if mark is None else int(mark.kwargs.get("devices", 1))
+
+
+def gpu_tier_asked(markexpr: str) -> bool:
+    """Whether the run names the GPU tier (`-m gpu`) rather than just not excluding it."""
+    return GPU_MARK in markexpr.split() and f"not {GPU_MARK}" not in markexpr
+
+
+def gpu_left_out_line(left_out: int, total: int, needed: int, available: int) -> str:
+    """The one line a run prints about the GPU tests it left out."""
+    return (f"gpu tier skipped: {left_out} of {total} tests not run, they need {needed} or more CUDA GPUs and "
+            f"torch.cuda.device_count() is {available} here (make test-gpu runs them on a GPU machine)")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [(item, needed) for item in items if (needed := gpus_needed(item)) is not None]
+    if not gpu_items:
+        return
+    available = cuda_device_count()
+    unrunnable = [(item, needed) for item, needed in gpu_items if needed > available]
+    if not unrunnable:
+        return
+    if gpu_tier_asked(config.getoption("markexpr") or ""):
+        for item, needed in unrunnable:
+            item.add_marker(pytest.mark.skip(
+                reason=f"needs {needed} CUDA GPU{'s' if needed > 1 else ''}, torch.cuda.device_count() is {available}"))
+        return
+    left_out = {id(item) for item, _ in unrunnable}
+    config.hook.pytest_deselected(items=[item for item, _ in unrunnable])
+    items[:] = [item for item in items if id(item) not in left_out]
+    config.stash[GPU_SUMMARY] = gpu_left_out_line(len(unrunnable), len(gpu_items),
+                                                  min(needed for _, needed in unrunnable), available)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int,
+                            config: pytest.Config) -> None:
+    line = config.stash.get(GPU_SUMMARY, None)
+    if line is not None:
+        terminalreporter.write_line(line)

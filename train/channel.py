@@ -8,7 +8,25 @@ import threading
 import time
 from collections.abc import Callable
 
-from tidal.proto.control import BEAT_INTERVAL_S, Beat, Hello, Stop, WorkerToLauncher, World, decode, encode
+import structlog
+
+from tidal.proto.control import (
+    BEAT_INTERVAL_S,
+    Beat,
+    Hello,
+    LauncherToWorker,
+    Stop,
+    WorkerToLauncher,
+    World,
+    decode,
+    encode,
+)
+
+log = structlog.get_logger("tidal.train.channel")
+
+# Called on the reader thread with each world or stop the launcher sent, once recorded
+# (None: the channel closed). It must not block for long: it holds up the next message.
+OnWord = Callable[[LauncherToWorker | None], None]
 
 
 class ChannelClosed(Exception):
@@ -16,9 +34,11 @@ class ChannelClosed(Exception):
 
 
 class WorkerChannel:
-    """The worker's end: a reader thread keeps the newest world and stop the launcher sent."""
+    """The worker's end: a reader thread keeps the newest world and stop the launcher sent,
+    and hands each to `on_word` (on that thread: the training thread may be blocked)."""
 
-    def __init__(self, path: str, local_rank: int, pid: int) -> None:
+    def __init__(self, path: str, local_rank: int, pid: int, on_word: OnWord | None = None) -> None:
+        self.on_word = on_word
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._socket.connect(path)
         self._send_lock = threading.Lock()
@@ -51,12 +71,22 @@ class WorkerChannel:
                     else:
                         continue
                     self._changed.notify_all()
+                self._tell(message)
         except OSError:
             pass
         finally:
             with self._changed:
                 self.closed = True
                 self._changed.notify_all()
+            self._tell(None)
+
+    def _tell(self, message: LauncherToWorker | None) -> None:
+        if self.on_word is None:
+            return
+        try:
+            self.on_word(message)
+        except Exception as error:  # the reader must outlive a listener's bug
+            log.error("control_listener_failed", error=repr(error))
 
     def stop_requested(self, generation: int) -> bool:
         return self.stopped_generation >= generation or self.closed

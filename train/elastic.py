@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch.utils.data import default_collate
 
 from tidal.proto.control import EXIT_STATE_LOST, Beat, World
+from tidal.train.backend import device_mismatch, prepare_worker
 from tidal.train.batch import BatchPolicy, FixedBatch, ScaledBatch
 from tidal.train.data import GlobalOrder, StepSamples, micro_batches, step_samples
 from tidal.train.errors import AccountingError, StateLost, StateMismatch, WorldBroken, raised_by_a_collective
@@ -176,13 +177,14 @@ class Elastic:
         self.strategy.attach(model, self.params)
         on_gpu = any(p.is_cuda for p in self.params)
         backend = backend or ("nccl" if on_gpu and dist.is_nccl_available() else "gloo")
-        # Collectives' tensors live where the backend wants them (NCCL: the current GPU).
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
-                       else torch.device("cpu"))
-        if backend == "nccl":
-            # A failed collective is Tidal's to handle (abort, re-form): NCCL's watchdog
-            # must not tear the process down first.
-            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+        # Collectives' tensors live where the backend wants them (NCCL: this worker's GPU,
+        # LOCAL_RANK's, made the current device), and in live mode the generations' NCCL
+        # groups raise a failed collective here rather than end the process
+        # (`tidal.train.backend`).
+        self.device = prepare_worker(os.environ, backend)
+        mismatch = device_mismatch((p.device for p in self.params), self.device)
+        if mismatch is not None:
+            raise ValueError(mismatch)
         self.collectives = Collectives()
         self.state = StateSync(self.parts, self.counters, strategy=self.strategy, checkpointer=checkpointer,
                                checkpoint_every=checkpoint_every if checkpoint_path is not None else 0,
@@ -191,7 +193,7 @@ class Elastic:
         self.membership = Membership(backend=backend, shard_size=self.strategy.shard_size,
                                      shard_rank=self.strategy.shard_rank, timeout_s=timeout_s,
                                      counters=self.counters, ledger=self.ledger, agree=self._agree,
-                                     before_leaving=self.state.before_leaving,
+                                     before_leaving=self.state.before_leaving, collectives=self.collectives,
                                      shard_group=self.strategy.shard_group)
         self._progress_at = 0.0
         # The last committed step's loss (None before the first): sent with the beats, so

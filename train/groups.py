@@ -13,8 +13,9 @@ which FSDP2 holds for the unit's life.
 
 On a break the groups are aborted (`ProcessGroup.abort`), which returns at once and makes
 peers still waiting in a collective with this rank fail, instead of waiting for it.
-NCCL groups are made with `ProcessGroupNCCL` and aborted the same way; CI has no GPU, so
-that path is not exercised by the tests."""
+What differs between gloo and NCCL (how a group is made, closed and aborted, from which
+thread) is `tidal.train.backend`'s; CI has no GPU, so the NCCL path is not exercised by
+the tests."""
 
 from __future__ import annotations
 
@@ -22,25 +23,21 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
 
+from tidal.train import backend as backends
 from tidal.train.errors import WorldBroken
 
 _fixed_store: Any = None
 
 
 def new_group(backend: str, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
-    """A process group of `size` ranks that meets at `store`, connected when this returns."""
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, options)
-    if backend != "gloo":
-        raise ValueError(f"backend {backend!r}: Tidal's elastic groups are gloo or nccl")
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
+    """A process group of `size` ranks that meets at `store` (`tidal.train.backend.new_group`)."""
+    return backends.new_group(backend, store, rank, size, timeout)
 
 
 def fixed_world_store() -> Any:
@@ -81,22 +78,38 @@ class Groups:
     def replicas(self) -> int:
         return self.world_size // self.shard_size
 
+    # Held while the groups are aborted or closed: the control channel's thread may abort
+    # them (`abort`) while the training thread closes them.
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+    _aborted: bool = dataclasses.field(default=False, init=False, repr=False, compare=False)
+
+    def _unique(self) -> list[Any]:
+        return list({id(g): g for g in (self.replica, self.world) if g is not None}.values())
+
+    def abort(self) -> None:
+        """From any thread, once: abort the groups (`tidal.train.backend.abort_groups`), so
+        that a collective blocked on them returns and later ones fail. They stay referenced
+        until `close`."""
+        with self._lock:
+            if self._aborted:
+                return
+            self._aborted = True
+            groups = self._unique()
+            backends.abort_groups(groups)
+            groups.clear()
+
     def close(self, broken: bool) -> None:
-        """Leave the groups. After a failure they are aborted first (NCCL: a destroy could wait
-        on collectives that will never finish). A gloo group closes its connections, which
-        is what tells peers still waiting on this rank that it left, only when its last
-        reference goes: nothing else may hold one (the strategy drops its own at the end of
-        every step, finished or abandoned)."""
-        for group in {id(g): g for g in (self.replica, self.world) if g is not None}.values():
-            try:
-                if broken:
-                    group.abort()
-                else:
-                    group.shutdown()
-            except RuntimeError:
-                pass
-        self.world = None
-        self.replica = None
+        """Leave the groups (`tidal.train.backend.close_groups`): after a failure they are
+        aborted first (a destroy could wait on collectives that will never finish), unless
+        `abort` already did. A gloo group closes its connections, which is what tells peers
+        still waiting on this rank that it left, only when its last reference goes: nothing
+        else may hold one (the strategy drops its own at the end of every step, finished or
+        abandoned)."""
+        with self._lock:
+            groups = self._unique()
+            self.world = None
+            self.replica = None
+            backends.close_groups(groups, broken=broken, aborted=self._aborted)
 
 
 def form_groups(backend: str, store: Any, *, rank: int, world_size: int, shard_size: int, shard_rank: int,
@@ -123,10 +136,14 @@ class Collectives:
     """Waits on a generation's collectives. While a rank waits in one, `waiting` is True
     (its beat thread says so to the launcher: when one rank hangs, the others wait for it,
     and that tells a hang's cause from its victims); a collective that fails breaks the
-    world (`WorldBroken`)."""
+    world (`WorldBroken`), and so does one that returned because its groups were aborted
+    from outside (`broken`, set before the abort: an NCCL wait unblocked by an abort
+    returns without raising, its output unfinished)."""
 
     def __init__(self) -> None:
         self.waiting = False
+        # Why the current groups were aborted from outside (None: they were not).
+        self.broken: str | None = None
 
     @contextlib.contextmanager
     def waiting_in(self) -> Iterator[None]:
@@ -138,6 +155,8 @@ class Collectives:
             raise WorldBroken(f"a collective failed: {error}") from error
         finally:
             self.waiting = False
+        if self.broken is not None:
+            raise WorldBroken(self.broken)
 
     def wait(self, work: Any) -> None:
         with self.waiting_in():

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from tidal.train.backend import synchronize_tensors
+
 # Digests of device tensors are computed through a host buffer of at most this size.
 DIGEST_CHUNK_BYTES = 16 << 20
 FORMAT = "tidal-local-state-1"
@@ -300,9 +302,11 @@ def _canonical(value: Any) -> str:
 
 def digest(state: Mapping[str, Any]) -> str:
     """SHA-256 over a captured state: its manifest without the RNG states, then every
-    tensor's exact bytes, read in place."""
+    tensor's exact bytes, read in place once every stream of their devices is done with
+    them (`tidal.train.backend.synchronize`)."""
     if _is_legacy(state):
         return _legacy_digest(state)
+    synchronize_tensors(state["tensors"])
     hasher = hashlib.sha256()
     manifest = {key: value for key, value in state["manifest"].items() if key != "rng"}
     hasher.update(_canonical(manifest).encode())

@@ -33,6 +33,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 import torch.distributed as dist
 
+from tidal.train.backend import select_device, worker_device
 from tidal.train.groups import fixed_world_store
 from tidal.train.shard_group import ShardGroup
 from tidal.train.shard_group import install as install_shard_group
@@ -309,8 +310,8 @@ def init_unit_group(backend: str | None = None) -> tuple[int, int, ShardGroup | 
     env = os.environ
     backend = backend or ("nccl" if _device_type() == "cuda" else "gloo")
     local_rank = int(env.get("LOCAL_RANK", "0"))
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
+    # This worker's GPU (LOCAL_RANK's) is current before the group and FSDP2's mesh use it.
+    select_device(worker_device(env, backend))
     live = live_shard_place(env)
     if live is not None:
         rank, size = live

@@ -27,6 +27,7 @@ import torch
 
 from tidal.proto.control import Resumed, World
 from tidal.proto.control import StateLost as StateLostMessage
+from tidal.train.backend import synchronize
 from tidal.train.channel import WorkerChannel
 from tidal.train.checkpoint import AsyncCheckpointer
 from tidal.train.errors import StateLost, StateMismatch
@@ -220,17 +221,28 @@ class StateSync:
         return [int(t.item()) for t in gathered]
 
     def _transfer(self, groups: Groups, world: World, sources: list[int], receivers: list[int]) -> None:
+        """Stream the state from `sources` to `receivers` (replica indices). A transfer cut
+        short (a peer lost, the groups aborted) breaks the world; a receiver then holds a
+        mix of two states, and no longer counts as holding one."""
         me = groups.replica_index
         started = time.monotonic()
         try:
-            if me in sources:
-                stats = send_state(groups.replica, self.parts, self.counters, me=me, sources=sources,
-                                   receivers=receivers, bucket_bytes=self.bucket_bytes)
-            else:
-                stats = receive_state(groups.replica, self.parts, self.counters, me=me, sources=sources,
-                                      bucket_bytes=self.bucket_bytes)
+            # A wait on an aborted NCCL group returns without raising: `waiting_in` says
+            # the world broke once the transfer returns, as for any collective.
+            with self.collectives.waiting_in():
+                if me in sources:
+                    stats = send_state(groups.replica, self.parts, self.counters, me=me, sources=sources,
+                                       receivers=receivers, bucket_bytes=self.bucket_bytes)
+                else:
+                    stats = receive_state(groups.replica, self.parts, self.counters, me=me, sources=sources,
+                                          bucket_bytes=self.bucket_bytes)
         except StateDoesNotFit as error:
+            # Refused before anything was applied.
             raise StateMismatch(f"the state a live replica sent does not fit this worker: {error}") from error
+        except BaseException:
+            if me not in sources:
+                self.has_state = False
+            raise
         seconds = time.monotonic() - started
         self.log.info("state_transferred", role="source" if me in sources else "receiver", sources=sources,
                       receivers=receivers, shard=groups.shard_rank, bytes=stats.bytes, items=stats.items,
@@ -281,6 +293,8 @@ class StateSync:
         previous one is still being written)."""
         if (self.checkpointer is not None and self.checkpoint_every > 0
                 and rank // self.strategy.shard_size == 0 and step % self.checkpoint_every == 0):
+            # Copied to the host: every stream of the device done with the state first.
+            synchronize(self.device)
             self.checkpointer.save(capture(self.parts, self.counters), step)
 
     def before_leaving(self, save: bool) -> str:
@@ -297,6 +311,7 @@ class StateSync:
             return ""
         started = time.monotonic()
         try:
+            synchronize(self.device)
             self.checkpointer.write_now(capture(self.parts, self.counters), self.counters.step)
         except (RuntimeError, OSError) as error:
             self.log.error("state_save_failed", step=self.counters.step, folder=str(self.checkpointer.directory),

@@ -13,8 +13,9 @@ the link never waits for the next item. Item j comes from source j mod S: with s
 sources the transfer is striped across them. Nothing holds the whole state in a second
 copy: the memory a transfer adds is that one staging buffer on each side.
 
-Gloo carries this on CPU; a NCCL group carries device tensors the same way (not exercised
-in CI, which has no GPU)."""
+Gloo carries this on CPU; a NCCL group carries device tensors the same way, the device
+synchronized before a source reads its tensors and after a receiver's last item landed
+(`tidal.train.backend.synchronize`; not exercised in CI, which has no GPU)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 
+from tidal.train.backend import synchronize
 from tidal.train.state import Counters, StateDoesNotFit, TrainingParts, apply_manifest, capture, local
 
 DEFAULT_BUCKET_BYTES = 64 << 20
@@ -174,6 +176,8 @@ def send_state(group: Any, parts: TrainingParts, counters: Counters, *, me: int,
     stats = TransferStats()
     # The group's tensors live where its backend wants them (NCCL: the GPU).
     device = tensors[0].device if tensors else torch.device("cpu")
+    # Sent from their own memory: nothing queued on any stream may still write them.
+    synchronize(device)
     in_flight = _InFlight(window * len(receivers))
     if me == sources[0]:
         encoded = _encode(state["manifest"])
@@ -241,6 +245,8 @@ def receive_state(group: Any, parts: TrainingParts, counters: Counters, *, me: i
         stats.items += 1
         stats.bytes += item.nbytes
     in_flight.drain()
+    # Every item landed (and was unpacked) before anything reads the state.
+    synchronize(device)
     return stats
 
 

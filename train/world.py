@@ -18,11 +18,15 @@ generation. `Membership` is the worker's side of that protocol, one state machin
 A world change is not waited for in a step: each rank that has heard of the next world
 says so in its step's control all-reduce (`change_announced`), and after that step every
 rank moves (`move_on`). A failure breaks the step where it is (`WorldBroken`, caught by
-`guarded`), and the rank waits for the next world (`recover`). Outside a launcher (alone,
-under torchrun, in restart mode) the world is fixed: formed once from the environment.
+`guarded`), and the rank waits for the next world (`recover`). Under NCCL the launcher's
+word that the generation broke (`breakage`: a stop, or the next world sent at once) also
+aborts its groups from the control channel's thread, since a collective blocked on a
+frozen peer would otherwise wait out its timeout (`tidal.train.backend`). Outside a
+launcher (alone, under torchrun, in restart mode) the world is fixed: formed once from
+the environment.
 
-The decisions are pure (`decide`, `interruption`, `form_timeout_s`); `Membership` carries
-them out. What the ranks do with the training state once they meet is the `agree`
+The decisions are pure (`decide`, `interruption`, `form_timeout_s`, `breakage`);
+`Membership` carries them out. What the ranks do with the training state once they meet is the `agree`
 callback's (`tidal.train.sync`); the step itself is `tidal.train.elastic`'s."""
 
 from __future__ import annotations
@@ -40,10 +44,11 @@ from typing import Any, TypeVar
 import structlog
 import torch.distributed as dist
 
-from tidal.proto.control import Beat, Finished, FirstStep, Formed, Left, Stopped, World
+from tidal.proto.control import Beat, Finished, FirstStep, Formed, LauncherToWorker, Left, Stop, Stopped, World
+from tidal.train.backend import abort_from_outside, aborts_from_outside
 from tidal.train.channel import ChannelClosed, WorkerChannel
 from tidal.train.errors import AccountingError, StateLost, StateMismatch, WorldBroken
-from tidal.train.groups import Groups, fixed_world_store, form_groups
+from tidal.train.groups import Collectives, Groups, fixed_world_store, form_groups
 from tidal.train.ledger import Ledger
 from tidal.train.shard_group import ShardGroup
 from tidal.train.state import Counters
@@ -145,6 +150,25 @@ def form_timeout_s(timeout_s: float, world_size: int) -> float:
     return min(timeout_s, FORM_TIMEOUT_S + FORM_TIMEOUT_PER_RANK_S * world_size)
 
 
+# A closed channel breaks every generation (its launcher is gone).
+EVERY_GENERATION = 2**62
+
+
+def breakage(message: LauncherToWorker | None) -> tuple[int, str] | None:
+    """Which generations the launcher's `message` says are broken, as (every generation up
+    to this one, why); None when it breaks none. A stop of G breaks G; a world of G sent at
+    once (not at a step boundary: a failure's next generation) breaks those before G; the
+    channel closing (None) breaks them all. A world at a step boundary breaks nothing: the
+    old world finishes the step its ranks agree on."""
+    if message is None:
+        return EVERY_GENERATION, "the launcher closed the control channel"
+    if isinstance(message, Stop):
+        return message.generation, f"the launcher stopped generation {message.generation}"
+    if not message.at_step_boundary:
+        return message.generation - 1, f"generation {message.generation} replaced it after a failure"
+    return None
+
+
 def world_from_env(env: dict[str, str] | os._Environ[str]) -> World:
     """The world the environment names (the launcher's first one, torchrun's, or alone)."""
     return World(generation=int(env.get("TIDAL_GENERATION", "0")), rank=int(env.get("RANK", "0")),
@@ -181,7 +205,7 @@ class Membership:
 
     def __init__(self, *, backend: str, shard_size: int, shard_rank: int, timeout_s: float, counters: Counters,
                  ledger: Ledger, agree: Agree, before_leaving: Callable[[bool], str],
-                 shard_group: ShardGroup | None = None) -> None:
+                 collectives: Collectives | None = None, shard_group: ShardGroup | None = None) -> None:
         self.backend = backend
         self.shard_size = shard_size
         self.shard_rank = shard_rank
@@ -201,6 +225,13 @@ class Membership:
         self.world: World | None = None
         self.channel: WorkerChannel | None = None
         self.groups: Groups | None = None
+        # The waits on the groups' collectives (told when the groups are aborted from outside).
+        self.collectives = collectives or Collectives()
+        # The generation `groups` belong to, and the newest generation the launcher said is
+        # broken; the control channel's thread reads and writes them (under the lock) too.
+        self._groups_generation: int | None = None
+        self._broken_through = 0
+        self._groups_lock = threading.Lock()
         # The generation's rendezvous store, kept for the world's life.
         self._store: Any = None
         self.log = log.bind(pid=os.getpid())
@@ -220,7 +251,8 @@ class Membership:
         if socket_path and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
             signal.signal(signal.SIGTERM, self._on_sigterm)
         if socket_path:
-            self.channel = WorkerChannel(socket_path, int(env.get("LOCAL_RANK", "0")), os.getpid())
+            self.channel = WorkerChannel(socket_path, int(env.get("LOCAL_RANK", "0")), os.getpid(),
+                                         on_word=self.on_launcher_word)
             self.channel.start_beats(beat)
         self.world = world_from_env(env)
         joining = env.get("TIDAL_JOINING") == "1"
@@ -282,7 +314,8 @@ class Membership:
             # Formed, the groups' collectives (the state's transfer first) get the full
             # timeout, the backstop.
             connect = datetime.timedelta(seconds=form_timeout_s(self.timeout_s, world.world_size))
-            self.groups = self._form_groups(dist.PrefixStore("group", prefix), world, connect, timeout)
+            self._adopt(self._form_groups(dist.PrefixStore("group", prefix), world, connect, timeout),
+                        world.generation)
             if self.shard_group is not None:
                 # The replica's shard ranks meet under the replica's own prefix; FSDP2's
                 # collectives go to this connection until the next generation's.
@@ -338,14 +371,59 @@ class Membership:
             # A world that does not fit the strategy's replicas is a planning bug, never retried.
             raise StateMismatch(f"generation {world.generation}: {error}") from error
 
+    def _adopt(self, groups: Groups | None, generation: int) -> None:
+        """Make `groups` this rank's, for `generation`. If the launcher already said that
+        generation broke (its word came while the groups connected), they are aborted here
+        and the world is broken: no collective of theirs would ever be aborted otherwise."""
+        with self._groups_lock:
+            self.groups, self._groups_generation = groups, generation
+            self.collectives.broken = None
+            late = abort_from_outside(self.backend, groups_generation=generation if groups else None,
+                                      broken_through=self._broken_through)
+            if late:
+                self.collectives.broken = f"generation {generation} broke while its groups connected"
+        if late and groups is not None:
+            groups.abort()
+            raise WorldBroken(f"generation {generation} broke while its groups connected")
+
+    def on_launcher_word(self, message: LauncherToWorker | None) -> None:
+        """On the control channel's thread, for each world or stop the launcher sends (None:
+        the channel closed): when it says the generation of this rank's groups broke and
+        the backend aborts from outside (NCCL), the collectives are told first, then the
+        groups are aborted on a thread of their own, so that a training thread blocked in
+        one of their collectives returns and breaks the world. Gloo: nothing (its peers fail
+        once the frozen rank is killed)."""
+        broken = breakage(message)
+        if broken is None or not aborts_from_outside(self.backend):
+            return
+        through, why = broken
+        with self._groups_lock:
+            self._broken_through = max(self._broken_through, through)
+            groups, generation = self.groups, self._groups_generation
+            if groups is None or not abort_from_outside(self.backend, groups_generation=generation,
+                                                        broken_through=through):
+                return
+            reason = f"generation {generation}'s groups were aborted: {why}"
+            # Before the abort: a wait it unblocks returns without raising.
+            self.collectives.broken = reason
+        self.log.warning("groups_aborted_from_outside", generation=generation, reason=why)
+        shard_group = self.shard_group
+        if shard_group is not None and shard_group.generation <= through:
+            # FSDP2's collectives of the replica wait on that generation's connection too
+            # (a step abandoned for it is dropped at its end: the collectives are broken).
+            threading.Thread(target=shard_group.disconnect, args=(True,), name="tidal-abort-shard",
+                             daemon=True).start()
+        threading.Thread(target=groups.abort, name="tidal-abort", daemon=True).start()
+
     def close_groups(self, broken: bool = False) -> None:
         """Leave the generation's groups (aborted after a failure: a destroy would wait on
         collectives that will never finish). The replica's shard group stays connected
         after a planned change or the end of training (FSDP2's collectives after `train()`
         use it) and is aborted after a failure (a shard peer may be gone)."""
-        if self.groups is not None:
-            self.groups.close(broken)
-        self.groups = None
+        with self._groups_lock:
+            groups, self.groups, self._groups_generation = self.groups, None, None
+        if groups is not None:
+            groups.close(broken)
         if broken and self.shard_group is not None:
             self.shard_group.disconnect(broken=True)
 

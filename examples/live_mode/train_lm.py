@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 
 import torch
@@ -28,6 +29,7 @@ from torch import nn
 from torch.nn import functional
 
 from tidal.train import DataParallel, Elastic, HybridSharded, Strategy, simulated
+from tidal.train.backend import select_device, worker_device
 
 SUBJECTS = ["the cat", "a dog", "the old fox", "my friend", "the small bird", "a tired horse", "the river"]
 VERBS = ["sees", "follows", "jumps over", "likes", "waits for", "runs past", "sings to"]
@@ -89,8 +91,9 @@ def sample(model: TinyTransformer, dataset: CharWindows, prompt: str, characters
     model.eval()
     lookup = {c: i for i, c in enumerate(dataset.vocabulary)}
     tokens = [lookup[c] for c in prompt if c in lookup]
+    device = next(model.parameters()).device
     for _ in range(characters):
-        window = torch.tensor([tokens[-dataset.context:]])
+        window = torch.tensor([tokens[-dataset.context:]], device=device)
         tokens.append(int(model(window)[0, -1].argmax()))
     return "".join(dataset.vocabulary[t] for t in tokens)
 
@@ -116,19 +119,24 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="dp: gradient bucket size")
     parser.add_argument("--no-overlap", action="store_true", help="dp: reduce gradients after the backward pass")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: this worker's GPU (LOCAL_RANK's among those it sees), NCCL between workers")
     simulated.add_arguments(parser)
     args = parser.parse_args()
     simulation = simulated.from_arguments(args)
 
+    # Chosen and made current before anything touches CUDA.
+    device = select_device(worker_device(os.environ, "nccl")) if args.device == "cuda" else torch.device("cpu")
     torch.manual_seed(args.seed)
     dataset = CharWindows(generate_text(args.characters, args.seed), args.context)
     model = TinyTransformer(len(dataset.vocabulary), args.context, args.width, heads=4, layers=args.layers)
-    model = model.to(getattr(torch, args.dtype))
+    model = model.to(getattr(torch, args.dtype)).to(device)
     strategy: Strategy
     if args.strategy == "hsdp":
         # The change a script makes for HSDP: shard the blocks and the model before the optimizer.
         strategy = HybridSharded()
-        model = strategy.shard(model, modules=list(model.blocks.layers))
+        model = strategy.shard(model, modules=list(model.blocks.layers),
+                               backend="nccl" if device.type == "cuda" else "gloo")
     else:
         strategy = DataParallel(bucket_mb=args.bucket_mb, overlap=not args.no_overlap)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
@@ -138,6 +146,7 @@ def main() -> None:
                                                                                     / args.steps)))
 
     def loss_fn(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        batch = batch.to(device)
         logits = model(batch[:, :-1])
         # Each sample's loss is its mean per-character loss; the batch's is their sum.
         return functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
@@ -156,7 +165,7 @@ def main() -> None:
     # full tensors (FSDP's collectives within the unit); rank 0 prints and writes.
     if job.rank == 0 or sharded:
         text = sample(model, dataset, "the cat ", 60)
-        full = {name: (value.full_tensor() if hasattr(value, "full_tensor") else value)
+        full = {name: (value.full_tensor() if hasattr(value, "full_tensor") else value).cpu()
                 for name, value in model.state_dict().items()}
         if job.rank == 0:
             print("sample:", repr(text), flush=True)

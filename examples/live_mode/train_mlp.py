@@ -8,12 +8,14 @@ parameters agree to ~1e-12 whatever the world sizes were along the way."""
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
 from torch.utils.data import TensorDataset
 
 from tidal.train import Elastic
+from tidal.train.backend import select_device, worker_device
 
 
 def make_dataset(size: int, features: int, seed: int, dtype: torch.dtype) -> TensorDataset:
@@ -38,17 +40,22 @@ def main() -> None:
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--out", default=None, help="rank 0 saves the final parameters here")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: this worker's GPU (LOCAL_RANK's among those it sees), NCCL between workers")
     args = parser.parse_args()
 
+    # Chosen and made current before anything touches CUDA.
+    device = select_device(worker_device(os.environ, "nccl")) if args.device == "cuda" else torch.device("cpu")
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(args.seed)
     dataset = make_dataset(args.samples, 16, args.seed, dtype)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).to(dtype)
+    model = model.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=100, gamma=0.5)
 
     def loss_fn(model: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
-        inputs, targets = batch
+        inputs, targets = (tensor.to(device) for tensor in batch)
         if args.step_time:
             time.sleep(args.step_time)
         return torch.nn.functional.mse_loss(model(inputs), targets, reduction="sum")
@@ -62,7 +69,8 @@ def main() -> None:
             print(f"step {result.step} loss {result.loss:.6f} world {result.world_size} generation {result.generation}",
                   flush=True)
     if job.rank == 0 and args.out:
-        torch.save({"model": model.state_dict(), "step": job.step}, args.out)
+        torch.save({"model": {name: value.cpu() for name, value in model.state_dict().items()}, "step": job.step},
+                   args.out)
 
 
 if __name__ == "__main__":

@@ -133,9 +133,12 @@ class LauncherProcess:
         self.log_path = directory / f"launcher-{unit_id}.log"
         self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self, controller: ControllerProcess, job_id: str, secret_path: str, extra: tuple[str, ...] = ()) -> None:
+    def start(self, controller: ControllerProcess, job_id: str, secret_path: str, extra: tuple[str, ...] = (),
+              environment: dict[str, str] | None = None) -> None:
+        """`environment`: set for this launcher (and its workers) only, as a node's own
+        (say, the GPUs Slurm gave it in CUDA_VISIBLE_DEVICES)."""
         log = open(self.log_path, "ab")  # noqa: SIM115
-        env = {**os.environ, "TIDAL_SECRET_FILE": secret_path, "TIDAL_LOG_FORMAT": "json"}
+        env = {**os.environ, **(environment or {}), "TIDAL_SECRET_FILE": secret_path, "TIDAL_LOG_FORMAT": "json"}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tidal.launcher.agent", "--controller", controller.address, "--job", job_id,
              "--unit", self.unit_id, "--address", "127.0.0.1", "--stop-grace", "5", *extra],
@@ -192,9 +195,10 @@ class TidalRun:
         self.secret_path = response.secret_path
         return response.job
 
-    def start_launcher(self, unit_id: str, extra: tuple[str, ...] = ()) -> LauncherProcess:
+    def start_launcher(self, unit_id: str, extra: tuple[str, ...] = (),
+                       environment: dict[str, str] | None = None) -> LauncherProcess:
         launcher = LauncherProcess(self.directory, unit_id)
-        launcher.start(self.controller, self.job_id, self.secret_path, extra)
+        launcher.start(self.controller, self.job_id, self.secret_path, extra, environment)
         self.launchers[unit_id] = launcher
         return launcher
 

@@ -141,7 +141,8 @@ def test_a_leaving_finished_or_final_unit_starts_nothing() -> None:
 def test_live_workers_move_to_the_new_world_in_process() -> None:
     actions = on_generation(LIVE, start(5), "u1")
     assert actions == (LeaveStandby(), Enter(LauncherState.RUNNING, 5),
-                       SendWorlds(5, TABLE, RENDEZVOUS, target_step=40), Enter(LauncherState.RUNNING),
+                       SendWorlds(5, TABLE, RENDEZVOUS, target_step=40, at_step_boundary=False),
+                       Enter(LauncherState.RUNNING),
                        Report(5, launcher_pb2.GENERATION_PHASE_STARTED, step=40))
     # While they stop (a stop round), a world message waits for them like a restart.
     stopping = dataclasses.replace(LIVE, state=LauncherState.STOPPING)

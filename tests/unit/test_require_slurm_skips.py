@@ -1,5 +1,7 @@
 """tests/conftest.py: under TIDAL_TEST_REQUIRE_SLURM=1 (`make test`), a skip in the Slurm or
-integration tier fails, with its reason; elsewhere, and without the variable, it skips."""
+integration tier fails, with its reason; elsewhere, and without the variable, it skips. The
+GPU tier's tests that this machine cannot run are left out of a whole run with one line
+saying why, and skipped with their reason when the tier is asked for by name."""
 
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ _module = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_module)
 pytest_runtest_makereport = _module.pytest_runtest_makereport
 pytest_make_collect_report = _module.pytest_make_collect_report
+pytest_collection_modifyitems = _module.pytest_collection_modifyitems
+pytest_terminal_summary = _module.pytest_terminal_summary
 """
 
 SKIPS = """
@@ -136,3 +140,42 @@ def test_without_require_slurm_the_same_skips_skip(module: str, tmp_path: Path) 
     assert result.returncode in (0, 5), result.stdout + result.stderr  # (5: nothing collected)
     assert not re.search(r"\b\d+ (failed|errors?)\b", result.stdout.splitlines()[-1]), result.stdout
     assert "skipped under TIDAL_TEST_REQUIRE_SLURM=1" not in result.stdout
+
+
+GPU_TESTS = """
+import pytest
+
+@pytest.mark.gpu(devices=100000)
+def test_on_many_gpus():
+    pass
+
+@pytest.mark.gpu(devices=200000)
+def test_on_more_gpus():
+    pass
+
+def test_passes():
+    pass
+"""
+
+
+def test_gpu_tests_this_machine_cannot_run_are_left_out_with_one_line_even_under_require_slurm(
+        tmp_path: Path) -> None:
+    suite = scratch_suite(tmp_path, "def test_passes():\n    pass\n")
+    (suite / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu(devices=1): needs CUDA GPUs\n")
+    (suite / "tests" / "gpu").mkdir()
+    (suite / "tests" / "gpu" / "test_gpu.py").write_text(GPU_TESTS)
+    result = run_suite(suite, require=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = [line for line in result.stdout.splitlines() if "gpu tier" in line or "GPU" in line]
+    assert len(lines) == 1, result.stdout
+    assert lines[0].startswith("gpu tier skipped: 2 of 2 tests not run, they need 100000 or more CUDA GPUs and "
+                               "torch.cuda.device_count() is "), lines
+    assert outcomes(result.stdout).get("tests/gpu/test_gpu.py::test_passes") == "PASSED"
+    # Asked for by name, each says why it skips.
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TIDAL_TEST_REQUIRE_SLURM": "1"}
+    named = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", "-m", "gpu", "-c",
+                            str(suite / "pytest.ini"), "--rootdir", str(suite), str(suite / "tests" / "gpu")],
+                           cwd=suite, env=env, capture_output=True, text=True, timeout=120)
+    assert named.returncode == 0, named.stdout + named.stderr
+    assert "needs 100000 CUDA GPUs, torch.cuda.device_count() is" in named.stdout
+    assert "needs 200000 CUDA GPUs" in named.stdout and "gpu tier skipped" not in named.stdout
