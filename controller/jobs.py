@@ -507,7 +507,8 @@ class JobActor:
         message = admin_pb2.Job(job_id=job.job_id, spec=job.spec, state=job.state.to_proto(),
                                 owner_uid=job.owner_uid, generation=job.generation,
                                 world_size=self.world_size,
-                                replicas=len(generation.members) if running and generation else 0,
+                                replicas=(len(generation.members) // replicas.nodes_per_replica(job.spec)
+                                          if running and generation else 0),
                                 step=job.step, units=units)
         _, message.samples_per_second = self.throughput.rates(time.monotonic(), job.spec.global_batch)
         message.goodput = self.throughput.goodput

@@ -8,7 +8,7 @@ import signal
 from google.protobuf import duration_pb2
 
 from tidal.controller import units as unit_rules
-from tidal.controller.core import sharing
+from tidal.controller.core import replicas, sharing
 from tidal.controller.core.state import (
     State,
 )
@@ -53,8 +53,9 @@ def growing_job(state: State, view: ClusterView, now: float) -> sharing.GrowingJ
     if not state.slurm_units or job.state.is_final or job.state is JobState.FINISHING:
         return None
     excluded = frozenset(state.excluded_nodes(now))
+    # (Counted in units: a replica of K one-node units in live mode is K of them.)
     return sharing.GrowingJob(job_id=job.job_id, weight=job.spec.weight or 1, replicas=len(alive_units(state)),
-                              max_replicas=job.spec.max_replicas,
+                              max_replicas=job.spec.max_replicas * replicas.nodes_per_replica(job.spec),
                               fits=frozenset(unit_rules.idle_nodes_for(job.spec, view.nodes, excluded)))
 
 
