@@ -218,12 +218,18 @@ def units_to_submit(spec: admin_pb2.JobSpec, *, alive: int, idle_nodes: int, now
 
     Live mode with replicas of K > 1 nodes: units are one node each and every count is in
     nodes (sizes in whole replicas of K); a replica that lost a node (`holes`: nodes missing
-    from incomplete replicas, less those already submitted) gets its replacement at once,
-    whatever is idle, like a replacement below min: its other nodes wait for it."""
+    from incomplete replicas, less those already submitted) gets its replacement as soon as a
+    node is idle, before any growth and whatever other jobs wait: its other nodes wait for it."""
     nodes = max(1, spec.nodes_per_replica) if spec.mode == common_pb2.JOB_MODE_LIVE else 1
     if nodes > 1:
         if holes > 0:
-            return UnitDemand(holes, f"{holes} node(s) to take the place of lost ones in replicas of {nodes} nodes")
+            # As soon as a node is free: a request queued now would carry today's exclusions
+            # (the lost node cools down) for good, and could wait for ever on a small cluster.
+            if idle_nodes <= 0:
+                return UnitDemand(0, f"{holes} node(s) missing from replicas of {nodes} nodes: waiting for an idle "
+                                     "node")
+            count = min(holes, idle_nodes)
+            return UnitDemand(count, f"{count} node(s) to take the place of lost ones in replicas of {nodes} nodes")
         in_nodes = admin_pb2.JobSpec()
         in_nodes.CopyFrom(spec)
         in_nodes.min_replicas, in_nodes.max_replicas = spec.min_replicas * nodes, spec.max_replicas * nodes

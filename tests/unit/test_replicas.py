@@ -111,3 +111,19 @@ def test_a_replica_waiting_too_long_for_a_node_gives_its_other_nodes_back() -> N
     assert released.fields["replica"] == "2"
     assert driver.state.units["c"].state in (UnitState.LEAVING, UnitState.LEFT)
     assert driver.state.generation.unit_ids == ("a", "b"), "the job keeps its other replica"
+
+
+def test_a_hole_is_asked_of_slurm_once_a_node_is_idle_before_growth_and_whatever_waits() -> None:
+    from tidal.controller.units import units_to_submit
+
+    spec = admin_pb2.JobSpec(mode=common_pb2.JOB_MODE_LIVE, nodes_per_replica=2, min_replicas=1, max_replicas=2)
+    waiting = units_to_submit(spec, alive=3, idle_nodes=0, now=0.0, last_change_at=None, scale_up_snooze_s=0.0,
+                              holes=1)
+    assert waiting.count == 0 and "waiting for an idle node" in waiting.reason
+    patch = units_to_submit(spec, alive=3, idle_nodes=2, now=0.0, last_change_at=0.0, scale_up_snooze_s=60.0,
+                            others_waiting=3, holes=1)
+    assert patch.count == 1 and "take the place of lost ones" in patch.reason
+    # Growth counts whole replicas of two one-node units.
+    grow = units_to_submit(spec, alive=2, idle_nodes=3, now=0.0, last_change_at=None, scale_up_snooze_s=0.0)
+    assert grow.count == 2
+    assert units_to_submit(spec, alive=2, idle_nodes=1, now=0.0, last_change_at=None, scale_up_snooze_s=0.0).count == 0

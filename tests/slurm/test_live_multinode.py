@@ -1,0 +1,166 @@
+"""Live replicas spanning nodes on the real mini cluster (issue 25's scenario): HSDP with
+replicas of K = 2 one-node units of P = 2 gloo workers each, the language model sharded
+over a replica's 4 workers, float64.
+
+The job grows from 1 to 2 replicas (`tidal resize --max 2`: all 4 nodes); a node of replica 2 fails (its slurmd
+and every process of the unit there killed): replica 1 goes on in-process, replica 2's
+other node keeps its workers (same PIDs) and their shards; once the node is back (its
+cool-down over) Slurm is asked for one node, and the unit that gets it takes the lost
+node's place and receives only that node's shards from replica 1; replica 2 rejoins; an
+urgent job then takes two nodes and preempts a whole replica, which leaves at a step
+boundary (0 steps lost); the job runs to its end: COMPLETED once, every step's samples
+and the full parameters those of one process (1e-9 of each tensor's scale)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integration.conftest import ControllerProcess
+from tests.integration.test_hsdp import lm_command
+from tests.integration.test_live_mode import read_ledger
+from tests.slurm.test_autoscaling import minicluster, require_four_idle_nodes, wait_for_units_to_end
+from tests.slurm.test_multinode import unit_processes
+from tests.waiting import wait_for
+from tidal.controller.client import AdminClient
+from tidal.proto import admin_pb2, common_pb2
+from tidal.slurm import CliJsonSlurmClient
+from tidal.slurm.models import JobState, UnitSubmission
+
+pytestmark = pytest.mark.slurm
+
+STEPS = 1200
+
+
+def events(admin: AdminClient, job_id: str, kind: str) -> list[admin_pb2.Event]:
+    return [e for e in admin.events(job_id) if e.kind == kind]
+
+
+def slot_of(admin: AdminClient, job_id: str, unit_id: str) -> tuple[int, int]:
+    [registered] = [e for e in events(admin, job_id, "unit_registered") if e.unit_id == unit_id]
+    return int(registered.fields["replica"]), int(registered.fields["node_index"])
+
+
+def worker_pids(job_id: str, unit: admin_pb2.Unit) -> set[int]:
+    return {pid for pid, env in unit_processes(job_id)
+            if env.get("SLURM_JOB_ID") == str(unit.slurm_job_id) and "RANK" in env}
+
+
+@pytest.mark.timeout(900)
+def test_hsdp_replicas_of_two_nodes_lose_a_node_patch_it_with_one_node_and_finish_equal_to_one_process(
+        slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path) -> None:
+    require_four_idle_nodes(slurm)
+    controller = ControllerProcess(tmp_path, {"slurm_units": "true", "slurm_poll_interval_s": "1",
+                                              "join_settle_s": "2", "reconnect_grace_s": "10",
+                                              "node_cooldown_s": "5"})
+    controller.start()
+    ledger = tmp_path / "ledger"
+    lost_node = ""
+    try:
+        spec = admin_pb2.JobSpec(
+            name="span-live", min_replicas=1, max_replicas=1, nodes_per_replica=2, procs_per_node=2,
+            partition="train", mode=common_pb2.JOB_MODE_LIVE, working_dir=str(tmp_path),
+            environment={"OMP_NUM_THREADS": "1"},
+            command=lm_command(tmp_path / "elastic.pt", ledger, "hsdp", steps=STEPS))
+        with AdminClient(unix_socket=controller.socket, timeout_s=10.0) as admin:
+            job_id = admin.submit(spec).job.job_id
+            wait_for("one replica of two nodes", lambda: next(
+                (e for e in events(admin, job_id, "world_formed") if e.fields["world_size"] == "4"), None),
+                timeout_s=120, interval_s=0.5)
+            wait_for("steps with one replica", lambda: admin.job(job_id).step >= 10, timeout_s=120)
+            admin.resize(job_id, max_replicas=2)
+            grown = wait_for("two replicas of two nodes", lambda: next(
+                (e for e in events(admin, job_id, "world_reconfigured") if e.fields["world_size"] == "8"), None),
+                timeout_s=240, interval_s=0.5)
+            job = admin.job(job_id)
+            units = [u for u in job.units if u.state == admin_pb2.UNIT_STATE_ACTIVE]
+            assert job.replicas == 2 and len(units) == 4 and all(len(u.nodes) == 1 for u in units)
+            assert sorted(slot_of(admin, job_id, u.unit_id) for u in units) == [(1, 0), (1, 1), (2, 0), (2, 1)]
+            wait_for("steps with two replicas", lambda: admin.job(job_id).step >= 20, timeout_s=120)
+
+            # A node of replica 2 fails: its slurmd, then the unit's processes there.
+            lost = next(u for u in units if slot_of(admin, job_id, u.unit_id) == (2, 1))
+            kept = next(u for u in units if slot_of(admin, job_id, u.unit_id) == (2, 0))
+            replica_1 = [u for u in units if slot_of(admin, job_id, u.unit_id)[0] == 1]
+            kept_pids = worker_pids(job_id, kept)
+            replica_1_pids = {u.unit_id: worker_pids(job_id, u) for u in replica_1}
+            assert len(kept_pids) == 2 and all(len(p) == 2 for p in replica_1_pids.values())
+            lost_node = lost.nodes[0]
+            minicluster("kill-node", lost_node)
+            doomed = [pid for pid, env in unit_processes(job_id) if env.get("SLURM_JOB_ID") == str(lost.slurm_job_id)]
+            for pid in sorted(doomed, key=lambda p: p in worker_pids(job_id, lost)):
+                os.kill(pid, signal.SIGKILL)
+            wait_for("replica 1 going on alone", lambda: next(
+                (e for e in events(admin, job_id, "recovered") if e.fields["world_size"] == "4"), None),
+                timeout_s=60)
+            aside = [e for e in events(admin, job_id, "unit_standby") if e.unit_id == kept.unit_id]
+            assert aside and aside[-1].fields["cause"] == "replica_incomplete"
+            step_at_loss = admin.job(job_id).step
+            wait_for("replica 1 training", lambda: admin.job(job_id).step >= step_at_loss + 10, timeout_s=60)
+            assert worker_pids(job_id, kept) == kept_pids, "replica 2's healthy node keeps its workers"
+
+            # The node comes back: one one-node unit takes the lost node's place.
+            minicluster("start-node", lost_node)
+            rejoined = wait_for("replica 2 rejoining", lambda: next(
+                (e for e in events(admin, job_id, "world_reconfiguring")
+                 if e.generation > grown.generation and e.fields["world_size"] == "8"), None), timeout_s=180,
+                interval_s=0.5)
+            joiners = rejoined.fields["joiners"].split(",")
+            patch = next(u for u in joiners if u != kept.unit_id)
+            assert kept.unit_id in joiners and slot_of(admin, job_id, patch) == (2, 1)
+            submitted = [e for e in events(admin, job_id, "unit_submitting") if e.unit_id == patch]
+            assert submitted and "take the place of lost ones" in submitted[0].reason, submitted
+            wait_for("replica 2 back in the world", lambda: next(
+                (e for e in events(admin, job_id, "world_reconfigured") if e.generation == rejoined.generation),
+                None), timeout_s=120)
+
+            # An urgent job takes replica 1's two nodes: that replica leaves at a step boundary.
+            replica_2_nodes = tuple(n for u in admin.job(job_id).units if u.state == admin_pb2.UNIT_STATE_ACTIVE
+                                    and slot_of(admin, job_id, u.unit_id)[0] == 2 for n in u.nodes)
+            before_urgent = admin.job(job_id).generation
+            urgent = slurm.submit(UnitSubmission(name="urgent", script="#!/bin/sh\nsleep 20\n", partition="urgent",
+                                                 nodes=2, exclusive=True, requeue=False,
+                                                 exclude_nodes=replica_2_nodes,
+                                                 output=str(tmp_path / "urgent-%j.out")))
+            wait_for("the urgent job to run", lambda: slurm.get_job(urgent).state is JobState.RUNNING,
+                     timeout_s=90)
+            assert not [e for e in events(admin, job_id, "failure_detected") if e.unit_id != lost.unit_id]
+            wait_for("the job's end", lambda: admin.job(job_id).state == admin_pb2.JOB_STATE_COMPLETED,
+                     timeout_s=600, interval_s=1.0)
+            assert [e.kind for e in admin.events(job_id)].count("job_completed") == 1
+            assert all(worker_pids(job_id, u) in (set(), pids) for u in replica_1
+                       for pids in [replica_1_pids[u.unit_id]]), "replica 1 never restarted"
+        wait_for_units_to_end(slurm, job_id)
+    finally:
+        controller.stop()
+        if lost_node:
+            minicluster("start-node", lost_node)
+
+    records = read_ledger(ledger)
+    # Only the lost node's shards came to the new node, from replica 1's same shard indices.
+    patch_pids = {r["pid"] for r in records if r["kind"] == "formed" and r["generation"] == rejoined.generation
+                  and r["shard"] in (2, 3)}
+    received = [r for r in records if r["kind"] == "transfer" and r["role"] == "receiver"
+                and r["generation"] == rejoined.generation]
+    print("transfers at the rejoin:", [(r["shard"], r["sources"], r["bytes"]) for r in received])
+    assert {r["shard"] for r in received if r["pid"] in patch_pids} <= {2, 3}
+    assert all(r["sources"] == [0] for r in received), "each shard from replica 1 (the only other one)"
+    abandoned = [r for r in records if r["kind"] == "abandoned" and r["generation"] >= before_urgent]
+    assert not abandoned, f"a step was lost when replica 1 left: {abandoned[:2]}"
+    # Every step's samples once, in the fixed run's order.
+    steps = sorted(r["step"] for r in records if r["kind"] == "commit" and r["rank"] == 0)
+    assert steps == list(range(STEPS))
+    fixed_out = tmp_path / "fixed.pt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIDAL_", "RANK", "WORLD_SIZE", "MASTER_",
+                                                                    "LOCAL_", "SLURM_"))}
+    subprocess.run(lm_command(fixed_out, tmp_path / "fixed-ledger", "dp", steps=STEPS), check=True, env=env,
+                   timeout=600, stdout=subprocess.DEVNULL)
+    elastic = torch.load(tmp_path / "elastic.pt", weights_only=True)["model"]
+    for name, reference in torch.load(fixed_out, weights_only=True)["model"].items():
+        scale = float(reference.abs().max())
+        torch.testing.assert_close(elastic[name], reference, rtol=1e-9, atol=1e-9 * scale, msg=name)
