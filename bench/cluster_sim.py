@@ -371,10 +371,12 @@ class Outcome:
     mean_world: float
     # What the real decision functions answered (Tidal only): reason strings, in order.
     decisions: tuple[str, ...] = ()
-    # K-node policies: seconds from a replica leaving the world to its rejoining, per
-    # return; and how many replicas' healthy nodes were released after waiting too long.
-    replica_out_s: tuple[float, ...] = ()
+    # K-node policies (None for the others): seconds from a replica leaving the world to its
+    # rejoining, per return; how many replicas' healthy nodes were released after waiting
+    # too long; how many replicas were out of the world at the end.
+    replica_out_s: tuple[float, ...] | None = None
     released: int = 0
+    out_at_end: int = 0
 
 
 class Cluster:
@@ -997,16 +999,23 @@ def table_entry(name: str, gpus: int, nodes_per_replica: int, policy: str, outco
         "mean_world_nodes": spread([o.mean_world for o in outcomes]),
         "ettr_samples": [o.ettr for o in outcomes], "goodput_samples": [o.goodput for o in outcomes],
         "work_samples": [o.work for o in outcomes]}
-    returns = [s / 3600 for o in outcomes for s in o.replica_out_s]
-    if returns:
-        entry["replica_out_h"] = {**spread(returns), "mean": statistics.fmean(returns), "returns": len(returns)}
-        entry["released"] = spread([float(o.released) for o in outcomes])
+    back = ""
+    if outcomes[0].replica_out_s is not None:
+        returns = [s / 3600 for o in outcomes for s in o.replica_out_s or ()]
+        entry["replicas"] = {"returns": len(returns), "released": spread([float(o.released) for o in outcomes]),
+                             "out_at_end": spread([float(o.out_at_end) for o in outcomes])}
+        if returns:
+            entry["replicas"]["out_h"] = {**spread(returns), "mean": statistics.fmean(returns)}
+            back = (f", a replica out {entry['replicas']['out_h']['median']:.2f} h median, "
+                    f"{entry['replicas']['out_h']['mean']:.2f} h mean ({len(returns)} returns)")
+        else:
+            back = ", no replica came back"
+        back += (f", released {entry['replicas']['released']['median']:g}, out at the end "
+                 f"{entry['replicas']['out_at_end']['median']:g}")
     print(f"cluster_sim: {name} {gpus} GPUs K={nodes_per_replica} {policy}: ETTR {entry['ettr']['median']:.2%} "
           f"[{entry['ettr']['min']:.2%}, {entry['ettr']['max']:.2%}], goodput {entry['goodput']['median']:.2%}, "
           f"work {entry['work']['median']:.4f} [{entry['work']['min']:.4f}, {entry['work']['max']:.4f}], "
-          f"interruptions {entry['interruptions']['median']:g}"
-          + (f", replica out {entry['replica_out_h']['median']:.2f} h median, {entry['replica_out_h']['mean']:.2f} h "
-             f"mean, released {entry['released']['median']:g}" if returns else ""), flush=True)
+          f"interruptions {entry['interruptions']['median']:g}{back}", flush=True)
     return entry
 
 

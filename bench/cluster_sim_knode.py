@@ -165,7 +165,8 @@ class KNodeReplicas(Cluster):
 
     def run(self) -> Outcome:
         outcome = super().run()
-        return dataclasses.replace(outcome, replica_out_s=tuple(self.out_s), released=self.released)
+        return dataclasses.replace(outcome, replica_out_s=tuple(self.out_s), released=self.released,
+                                   out_at_end=sum(1 for r in self.replicas if r.phase is not Phase.TRAINING))
 
     # A replica's transitions.
 
@@ -405,7 +406,9 @@ def model_lines(nodes_per_replica: int, patch_wait_s: float, costs: Costs) -> li
         "back and returns when Slurm starts K nodes together, each node streaming its shard in parallel (the "
         "same per-node time); every other cost as patching's. Checkpoint-restart in place: healthy nodes kept, "
         "one free node per lost node, then a restart from the last checkpoint (the kind assumption).",
-        "replica out = hours from a replica leaving the world to its rejoining (median, and mean: the tail is "
-        "where K-at-once loses); released = replicas whose healthy nodes waited too long. Time-based ETTR hardly "
-        "tells the designs apart (the other replicas train on while one is out); work and goodput do.",
+        "replica out = hours from a replica leaving the world to its rejoining, over every return (median, and "
+        "mean: the tail is where K at once loses); released = replicas whose healthy nodes waited too long (median "
+        "per run); out at end = replicas not in the world when the run ended (never back, or on their way). "
+        "Time-based ETTR hardly tells the designs apart (the other replicas train on while one is out) unless so "
+        "many replicas are out that the job falls below min_replicas (half): work and goodput do.",
     ]

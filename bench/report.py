@@ -15,7 +15,7 @@ def number(value: float | None, unit: str) -> str:
     if value is None:
         return "—"
     if unit == "fraction":
-        return f"{value:.1%}"
+        return f"{value:.2%}"
     if unit == "s":
         return f"{value:.3f} s" if value < 10 else f"{value:.1f} s"
     if unit == "ms":
@@ -32,13 +32,16 @@ def ettr_table(document: dict) -> list[str]:
         return f"{value['median']:.2%} [{value['min']:.2%}–{value['max']:.2%}]"
 
     def out(entry: dict) -> str:
-        if "replica_out_h" not in entry:
+        if "replicas" not in entry:
             return "—"
-        value = entry["replica_out_h"]
-        return f"{value['median']:.2f} / {value['mean']:.2f} ({entry['released']['median']:g})"
+        replicas = entry["replicas"]
+        back = (f"{replicas['out_h']['median']:.2f} / {replicas['out_h']['mean']:.2f} ({replicas['returns']})"
+                if replicas["returns"] else "none back")
+        return f"{back}; {replicas['released']['median']:g}; {replicas['out_at_end']['median']:g}"
 
     lines = ["", "| scenario | GPUs | K | policy | ETTR median [min–max] | goodput median [min–max] | "
-             "work median [min–max] | interruptions | replica out h, median / mean (released) |",
+             "work median [min–max] | interruptions | a replica out, h: median / mean (returns); released; "
+             "out at end |",
              "|---|---|---|---|---|---|---|---|---|"]
     for entry in document["table"]:
         lines.append(f"| {entry['scenario']} | {entry['gpus']:,} | {entry.get('nodes_per_replica', 1)} | "

@@ -129,6 +129,7 @@ def test_a_lost_node_costs_patching_one_free_node_and_k_at_once_k() -> None:
     # Without a reservation the nodes free one at a time, never 8 together: it never returns.
     stranded_job, stranded = run(busy(name="busy-no-reservation"), trace, patch=False, other_jobs=other_jobs())
     assert stranded.replica_out_s == () and stranded_job.replicas[0].phase is knode.Phase.ABSENT
+    assert stranded.out_at_end == 1 and patched.out_at_end == 0
     assert stranded.work == pytest.approx(work(span - 500.0), rel=1e-12)
     # When Slurm keeps the 7 for the new request, the 8th is the first free node: patching's wait.
     _, kept = run(busy(name="busy-requeue-keeps-nodes"), trace, patch=False, other_jobs=other_jobs())
@@ -178,6 +179,8 @@ def test_the_quick_run_writes_the_busy_rows(tmp_path: Path) -> None:
     assert {(e["scenario"], e["gpus"], e["nodes_per_replica"]) for e in busy_entries} == {
         (name, 1_024, 8) for name in sim.BUSY_SCENARIOS}
     assert {e["policy"] for e in busy_entries} >= {knode.patch_name(900), knode.patch_name(2_700), knode.WHOLE_NAME}
+    # The K-node policies say how long a replica was out and how many never came back.
+    assert all("replicas" in e for e in busy_entries if not e["policy"].startswith("checkpoint-restart"))
     busy_rows = [r for r in document["rows"] if "K = 8" in r["metric"]]
     assert len(busy_rows) == 3 * len(sim.BUSY_SCENARIOS)
     assert all(r["tidal_samples"] and r["baseline_samples"] for r in busy_rows)
