@@ -1,8 +1,10 @@
 """Cluster-scale simulation: effective training time ratio (ETTR) and goodput of one
 large training job on a simulated Slurm cluster of 1,024 and 16,384 GPUs (8 per node),
 Tidal against checkpoint-restart and a torchft-like policy, under failures at Llama 3's
-published rate, urgent jobs and idle windows. A discrete-event simulation: no process,
-no socket, no clock; deterministic for a seed.
+published rate, urgent jobs and idle windows; and replicas of K nodes on a busy cluster,
+where a lost node is patched by one free node or its replica needs K free nodes at once
+(bench/cluster_sim_knode.py). A discrete-event simulation: no process, no socket, no
+clock; deterministic for a seed.
 
 What is real and what is modelled. Tidal's decisions are taken by the controller's own
 pure functions, called as the controller calls them, on the simulated cluster's state:
@@ -75,6 +77,15 @@ The model.
   TORCHFT_TIMEOUT_S); a replacement group starts on an idle node (the measured grow time:
   the same Slurm path), heals from a peer and joins at the next quorum (the survivors
   reconfigure again). Static size H: it does not grow onto idle windows.
+- Busy scenarios ("busy", "busy-no-reservation", "busy-requeue-keeps-nodes";
+  `--nodes-per-replica K`, default 8; the policies above run in "shared" and "failures"
+  only, with one-node replicas, so those figures do not depend on K): the job holds H
+  rounded down to whole replicas of K nodes, no node is idle, other jobs
+  (1..BUSY_JOB_MAX_NODES nodes, exponential run time, mean BUSY_JOB_MEAN_H) wait in a queue
+  that never empties and are backfilled onto every node the training job does not claim;
+  its requests start first when they fit; whether Slurm holds free nodes for them, and the
+  nodes it gives back, differs by scenario. One-node patching vs K free nodes at once vs
+  checkpoint-restart in place: bench/cluster_sim_knode.py says what each does and costs.
 
 Measures, per run over the simulated days D:
 - ETTR = productive training time / wall time D: time in which the job trains and whose
@@ -86,7 +97,7 @@ Measures, per run over the simulated days D:
   never fails (Tidal can pass 1 by growing onto idle nodes).
 
 Goal: Tidal's ETTR ≥ 97 % at 16,384 GPUs (ByteRobust reports 97 % at 9,600).
-`--quick`: 3 days, 2 seeds."""
+`--quick`: 3 days, 2 seeds (the busy scenarios at 1,024 GPUs only)."""
 
 from __future__ import annotations
 
@@ -132,12 +143,19 @@ URGENT_PER_DAY = 0.5  # per 1,024 GPUs
 URGENT_MEAN_H = 2.0
 WINDOWS_PER_DAY = 2.0  # per 1,024 GPUs
 WINDOW_MEAN_H = 1.0
+# The busy cluster (the busy scenarios, bench.cluster_sim_knode): every node the training job
+# does not hold runs other jobs, and more always wait for them.
+BUSY_JOB_MAX_NODES = 16  # an other job's nodes: uniform 1..this
+BUSY_JOB_MEAN_H = 4.0  # an other job's run time: exponential, this mean
 
 # Measured here; used when bench/results lacks the file (figures of 2026-11-22/23).
 FALLBACK = {"worker_crash_s": 0.099, "node_lost_s": 0.134, "worker_hang_s": 1.641, "grow_s": 5.050,
-            "world_change_s": 0.110, "torchrun_restart_s": 48.1}
+            "world_change_s": 0.110, "torchrun_restart_s": 48.1, "transfer_gb_s": 2.30}
 
 IDLE, DOWN, BACKGROUND, TRAINING, OTHER = range(5)
+# Slurm priority (higher first): urgent jobs (3), the background taking nodes back (2), the
+# training job's own requests (1; on a busy cluster, where the other jobs come after them).
+TRAINING_RANK: sharing.Rank = (1, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +169,9 @@ class Costs:
     grow_s: float
     world_change_s: float
     torchrun_restart_s: float
+    # GB/s of a state transfer from a live peer (bench.transfer, 4 GiB): the K-node policies'
+    # shard streaming.
+    transfer_gb_s: float = FALLBACK["transfer_gb_s"]
     sources: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
 
@@ -172,7 +193,8 @@ def measured_costs(folder: Path = RESULTS_DIR) -> Costs:
               "worker_hang_s": ("detection", "SIGSTOP", "tidal"),
               "grow_s": ("grow", "node freed", "tidal"),
               "world_change_s": ("preemption", "SIGTERM", "tidal"),
-              "torchrun_restart_s": ("recovery", "live mode", "baseline")}
+              "torchrun_restart_s": ("recovery", "live mode", "baseline"),
+              "transfer_gb_s": ("transfer", "state transfer 4 GiB: GB/s", "tidal")}
     values: dict[str, float] = {}
     sources: dict[str, str] = {}
     for key, (name, part, column) in wanted.items():
@@ -182,7 +204,7 @@ def measured_costs(folder: Path = RESULTS_DIR) -> Costs:
             sources[key] = f"bench/results/{name}.json: {row['metric']} ({column}, median)"
         else:
             values[key] = FALLBACK[key]
-            sources[key] = f"fallback {FALLBACK[key]:g} s (bench/results/{name}.json not found)"
+            sources[key] = f"fallback {FALLBACK[key]:g} (bench/results/{name}.json not found)"
     return Costs(**values, sources=sources)
 
 
@@ -196,12 +218,21 @@ def at_scale(costs: Costs, change_s: float = TIDAL_AT_SCALE_CHANGE_S) -> Costs:
 
 @dataclasses.dataclass(frozen=True)
 class Load:
-    """The cluster and what happens on it."""
+    """The cluster and what happens on it. `busy`: no idle spares and no fixed background,
+    but a queue of other jobs that never empties, backfilled onto every node the training
+    job does not claim; `reserve`: Slurm holds free nodes for the training job's pending
+    request (other jobs do not backfill onto them); `requeue_keeps_nodes`: nodes the job
+    gives back with a request for more are held for that request at once (else other
+    jobs take them first, as when the request is pending only after they are freed)."""
 
     gpus: int
     days: float
     urgent_per_day: float
     windows_per_day: float
+    nodes_per_replica: int = 1
+    busy: bool = False
+    reserve: bool = False
+    requeue_keeps_nodes: bool = False
 
     @property
     def nodes(self) -> int:
@@ -209,15 +240,22 @@ class Load:
 
     @property
     def background(self) -> int:
-        return self.nodes // 16
+        """Nodes of the background (owned by it from the start; windows free some)."""
+        return 0 if self.busy else self.nodes // 16
 
     @property
     def spares(self) -> int:
-        return max(2, self.nodes // 64)
+        return 0 if self.busy else max(2, self.nodes // 64)
 
     @property
     def home(self) -> int:
-        return self.nodes - self.background - self.spares
+        """The training job's nodes: N − N/16 − max(2, N/64), in whole replicas of K nodes."""
+        nodes = self.nodes - self.nodes // 16 - max(2, self.nodes // 64)
+        return nodes // self.nodes_per_replica * self.nodes_per_replica
+
+    @property
+    def replicas(self) -> int:
+        return self.home // self.nodes_per_replica
 
     @property
     def span_s(self) -> float:
@@ -233,11 +271,23 @@ class Load:
         return 1.0 / (self.failure_rate_per_node_s * self.home)
 
 
-def scenario(name: str, gpus: int, days: float) -> Load:
+SCENARIOS = ("shared", "failures", "busy", "busy-no-reservation", "busy-requeue-keeps-nodes")
+BUSY_SCENARIOS = SCENARIOS[2:]
+
+
+def scenario(name: str, gpus: int, days: float, nodes_per_replica: int = 1) -> Load:
+    """The named scenario's load; `nodes_per_replica` counts in the busy ones only (the
+    policies of "shared" and "failures" run one-node replicas)."""
     scale = gpus / 1_024
-    if name == "failures":
-        return Load(gpus, days, 0.0, 0.0)
-    return Load(gpus, days, URGENT_PER_DAY * scale, WINDOWS_PER_DAY * scale)
+    match name:
+        case "failures":
+            return Load(gpus, days, 0.0, 0.0)
+        case "shared":
+            return Load(gpus, days, URGENT_PER_DAY * scale, WINDOWS_PER_DAY * scale)
+        case "busy" | "busy-no-reservation" | "busy-requeue-keeps-nodes":
+            return Load(gpus, days, 0.0, 0.0, nodes_per_replica=nodes_per_replica, busy=True,
+                        reserve=name != "busy-no-reservation", requeue_keeps_nodes=name == "busy-requeue-keeps-nodes")
+    raise ValueError(f"unknown scenario {name!r}: one of {', '.join(SCENARIOS)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,7 +310,17 @@ class Demand:
     duration_s: float
 
 
-Trace = list[Fault | Demand]
+@dataclasses.dataclass(frozen=True)
+class OtherWork:
+    """A busy cluster's queue of other jobs, never empty: sizes uniform 1..BUSY_JOB_MAX_NODES
+    and run times exponential (mean BUSY_JOB_MEAN_H), independent, kept full by arrivals;
+    `seed` seeds the stream (`Cluster.backfill` draws from it)."""
+
+    seed: int
+    at: float = 0.0
+
+
+Trace = list[Fault | Demand | OtherWork]
 
 
 def make_trace(load: Load, seed: int) -> Trace:
@@ -283,12 +343,16 @@ def make_trace(load: Load, seed: int) -> Trace:
         while at < span:
             trace.append(Demand(at, kind, rng.randint(1, most), rng.expovariate(1 / (mean_h * 3600))))
             at += rng.expovariate(per_day / DAY_S)
+    if load.busy:
+        trace.append(OtherWork(rng.randrange(2**32)))
     return sorted(trace, key=lambda e: e.at)
 
 
 @dataclasses.dataclass
 class Request:
-    """Other work waiting for nodes: an urgent job, or the background taking nodes back."""
+    """Work waiting for nodes: an urgent job, the background taking nodes back, or the
+    training job's own request (`training`, a K-node policy's: granted through
+    `Cluster.granted`). A busy cluster's other jobs are `OtherWork`'s stream."""
 
     request_id: int
     kind: str
@@ -307,6 +371,12 @@ class Outcome:
     mean_world: float
     # What the real decision functions answered (Tidal only): reason strings, in order.
     decisions: tuple[str, ...] = ()
+    # K-node policies (None for the others): seconds from a replica leaving the world to its
+    # rejoining, per return; how many replicas' healthy nodes were released after waiting
+    # too long; how many replicas were out of the world at the end.
+    replica_out_s: tuple[float, ...] | None = None
+    released: int = 0
+    out_at_end: int = 0
 
 
 class Cluster:
@@ -326,6 +396,9 @@ class Cluster:
         for node in range(load.background):
             self._own(node, BACKGROUND)
         self.queue: list[Request] = []
+        # A busy cluster's other jobs (`backfill`), the same stream for every policy.
+        other_work = next((e for e in trace if isinstance(e, OtherWork)), None)
+        self.other_work = random.Random(other_work.seed) if other_work is not None else None
         self.allocations: dict[int, set[int]] = {}
         self.events: list[tuple[float, int, str, Any]] = []
         self.sequence = 0
@@ -367,8 +440,11 @@ class Cluster:
 
     def run(self) -> Outcome:
         for event in self.trace:
+            if isinstance(event, OtherWork):
+                continue
             self.sequence += 1
             heapq.heappush(self.events, (event.at, self.sequence, "trace", event))
+        self.backfill()
         self.poll()
         end = self.load.span_s
         while self.events and self.events[0][0] <= end:
@@ -410,7 +486,7 @@ class Cluster:
                 self.demand(data)
             case "repaired":
                 self._own(data, IDLE)
-            case "urgent_done":
+            case "allocation_done":
                 for node in self.allocations.pop(data):
                     self._own(node, IDLE)
             case "window_closes":
@@ -443,26 +519,78 @@ class Cluster:
         if freed:
             self.at(demand.duration_s, "window_closes", len(freed))
 
+    def request(self, nodes: int) -> int:
+        """Queue the training job's request for `nodes` nodes, all at once; its id."""
+        self.sequence += 1
+        self.queue.append(Request(self.sequence, "training", nodes, 0.0, TRAINING_RANK))
+        return self.sequence
+
+    def withdraw(self, request_ids: set[int]) -> None:
+        self.queue = [r for r in self.queue if r.request_id not in request_ids]
+
+    def reserved(self) -> int:
+        """Idle nodes Slurm holds for the training job's pending requests (`load.reserve`)."""
+        if not self.load.reserve:
+            return 0
+        return min(len(self.idle), sum(r.nodes for r in self.queue if r.kind == "training"))
+
+    def fitting(self, ordered: list[Request]) -> Request | None:
+        """The request Slurm starts next: the first in priority order that fits the idle
+        nodes, all-or-nothing (backfill without reservations), except that with
+        `load.reserve` a training request that does not fit yet holds the idle nodes it
+        needs (the others fit only in what is left)."""
+        reserved = 0
+        for request in ordered:
+            if request.nodes <= len(self.idle) - reserved:
+                return request
+            if self.load.reserve and request.kind == "training":
+                reserved += request.nodes
+        return None
+
     def serve(self) -> None:
         """Start waiting work on idle nodes, highest priority first; ask the policy to make
-        room for what does not fit."""
+        room for what does not fit; then, on a busy cluster, backfill other jobs onto what
+        is left."""
         while self.queue:
             ordered = sorted(self.queue, key=lambda r: (-r.rank[0], r.request_id))
-            fitting = next((r for r in ordered if r.nodes <= len(self.idle)), None)
+            fitting = self.fitting(ordered)
             if fitting is not None:
                 self.queue.remove(fitting)
                 nodes = sorted(self.idle)[: fitting.nodes]
                 if fitting.kind == "urgent":
+                    self.start_other(fitting.request_id, nodes, fitting.duration_s)
+                elif fitting.kind == "training":
                     for node in nodes:
-                        self._own(node, OTHER)
-                    self.allocations[fitting.request_id] = set(nodes)
-                    self.at(fitting.duration_s, "urgent_done", fitting.request_id)
+                        self._own(node, TRAINING)
+                    self.granted(fitting.request_id, nodes)
                 else:
                     for node in nodes:
                         self._own(node, BACKGROUND)
                 continue
             if not self.make_room(ordered):
-                return
+                break
+        self.backfill()
+
+    def start_other(self, allocation: int, nodes: list[int], duration_s: float) -> None:
+        for node in nodes:
+            self._own(node, OTHER)
+        self.allocations[allocation] = set(nodes)
+        self.at(duration_s, "allocation_done", allocation)
+
+    def backfill(self) -> None:
+        """On a busy cluster: start other jobs on the idle nodes no training request holds,
+        each the first in the queue that fits them (with independent sizes, uniform over
+        the sizes that fit), until none is idle."""
+        if self.other_work is None:
+            return
+        most = min(BUSY_JOB_MAX_NODES, self.load.nodes - self.load.home)
+        free = len(self.idle) - self.reserved()
+        while free > 0:
+            nodes = self.other_work.randint(1, min(free, most))
+            duration_s = self.other_work.expovariate(1 / (BUSY_JOB_MEAN_H * 3600))
+            self.sequence += 1
+            self.start_other(self.sequence, sorted(self.idle)[:nodes], duration_s)
+            free -= nodes
 
     # The policy's part.
 
@@ -478,6 +606,10 @@ class Cluster:
     def make_room(self, waiting: list[Request]) -> bool:
         """Free nodes for `waiting` (none fits the idle nodes); True if some were freed now."""
         return False
+
+    def granted(self, request_id: int, nodes: list[int]) -> None:
+        """Slurm started the training job's request `request_id` on `nodes`."""
+        raise ValueError(request_id)
 
     def poll(self) -> None:
         pass
@@ -525,22 +657,10 @@ class Tidal(Cluster):
         return len(self.members) if self.running else 0
 
     def hang_detected_after(self, node: int, hung_at: float) -> float:
-        """Seconds until `health_verdicts` (the controller's policy) names the hung node,
-        judged at every heartbeat interval."""
-        policy = health.HealthPolicy(self.config.heartbeat_timeout_s, self.config.progress_timeout_s)
-        interval = self.config.heartbeat_interval_s
-        now = hung_at
-        while True:
-            now += interval
-            # Verdicts are per unit: the hung one's is the one that matters (the others beat).
-            units = [health.UnitHealth(self.names[node], True, hung_at)]
-            failures = health.health_verdicts(units, now=now, policy=policy,
-                                              generation_started_at=self.generation_started_at,
-                                              reconnect_deadline=0.0)
-            found = [f for f in failures if f.unit_id == self.unit(node)]
-            if found:
-                self.decisions.append(f"health_verdicts: {found[0].reason}")
-                return now - hung_at
+        """Seconds until `health_verdicts` (the controller's policy) names the hung node."""
+        seconds, reason = hang_detected_after(self.config, self.unit(node), hung_at, self.generation_started_at)
+        self.decisions.append(f"health_verdicts: {reason}")
+        return seconds
 
     def lose(self, fault: Fault) -> None:
         node = fault.node
@@ -703,9 +823,7 @@ class CheckpointRestart(Cluster):
         home = self.load.home
         self.held_node_s += home * (self.now - self.allocated_at)
         trained = max(0.0, self.now - self.training_from)
-        cycle = self.interval_s + CHECKPOINT_WRITE_S
-        cycles = math.floor(trained / cycle)
-        kept = cycles * self.interval_s + (min(trained - cycles * cycle, self.interval_s) if kept_all else 0.0)
+        kept = kept_training_s(trained, self.interval_s, kept_all=kept_all)
         self.productive_s += kept
         self.useful_node_s += home * kept
         self.world_node_s += home * trained
@@ -798,6 +916,31 @@ class TorchftLike(Cluster):
             self.lose_time(self.world(), TORCHFT_RECONFIGURE_S)
 
 
+def hang_detected_after(config: ControllerConfig, unit_id: str, hung_at: float,
+                        generation_started_at: float) -> tuple[float, str]:
+    """Seconds until `health_verdicts` with `config`'s heartbeat policy names the unit
+    whose heartbeats stopped at `hung_at`, judged at every heartbeat interval; and its reason."""
+    policy = health.HealthPolicy(config.heartbeat_timeout_s, config.progress_timeout_s)
+    now = hung_at
+    while True:
+        now += config.heartbeat_interval_s
+        # Verdicts are per unit: the hung one's is the one that matters (the others beat).
+        failures = health.health_verdicts([health.UnitHealth(unit_id, True, hung_at)], now=now, policy=policy,
+                                          generation_started_at=generation_started_at, reconnect_deadline=0.0)
+        found = [f for f in failures if f.unit_id == unit_id]
+        if found:
+            return now - hung_at, found[0].reason
+
+
+def kept_training_s(trained_s: float, interval_s: float, *, kept_all: bool) -> float:
+    """Of `trained_s` seconds of a checkpointing job's run (a checkpoint every `interval_s`
+    of training, each stalling it CHECKPOINT_WRITE_S), the training whose checkpoint was
+    written; with `kept_all`, also the training since the last one (a checkpoint at the end)."""
+    cycle = interval_s + CHECKPOINT_WRITE_S
+    cycles = math.floor(trained_s / cycle)
+    return cycles * interval_s + (min(trained_s - cycles * cycle, interval_s) if kept_all else 0.0)
+
+
 def young_interval_s(load: Load) -> float:
     """Young's optimal checkpoint interval √(2·C·M) for the static job."""
     return math.sqrt(2 * CHECKPOINT_WRITE_S * load.job_mtbf_s)
@@ -847,8 +990,49 @@ def assumptions() -> dict[str, Any]:
             "tidal_min_max": "min home/2, max nodes", "throughput": "linear in world size (fixed global batch)"}
 
 
+def table_entry(name: str, gpus: int, nodes_per_replica: int, policy: str, outcomes: list[Outcome]) -> dict[str, Any]:
+    """One line of the result file's table: a policy's figures over the seeds; printed."""
+    entry: dict[str, Any] = {
+        "scenario": name, "gpus": gpus, "nodes_per_replica": nodes_per_replica, "policy": policy,
+        "ettr": spread([o.ettr for o in outcomes]), "goodput": spread([o.goodput for o in outcomes]),
+        "work": spread([o.work for o in outcomes]), "interruptions": spread([float(o.interruptions) for o in outcomes]),
+        "mean_world_nodes": spread([o.mean_world for o in outcomes]),
+        "ettr_samples": [o.ettr for o in outcomes], "goodput_samples": [o.goodput for o in outcomes],
+        "work_samples": [o.work for o in outcomes]}
+    back = ""
+    if outcomes[0].replica_out_s is not None:
+        returns = [s / 3600 for o in outcomes for s in o.replica_out_s or ()]
+        entry["replicas"] = {"returns": len(returns), "released": spread([float(o.released) for o in outcomes]),
+                             "out_at_end": spread([float(o.out_at_end) for o in outcomes])}
+        if returns:
+            entry["replicas"]["out_h"] = {**spread(returns), "mean": statistics.fmean(returns)}
+            back = (f", a replica out {entry['replicas']['out_h']['median']:.2f} h median, "
+                    f"{entry['replicas']['out_h']['mean']:.2f} h mean ({len(returns)} returns)")
+        else:
+            back = ", no replica came back"
+        back += (f", released {entry['replicas']['released']['median']:g}, out at the end "
+                 f"{entry['replicas']['out_at_end']['median']:g}")
+    print(f"cluster_sim: {name} {gpus} GPUs K={nodes_per_replica} {policy}: ETTR {entry['ettr']['median']:.2%} "
+          f"[{entry['ettr']['min']:.2%}, {entry['ettr']['max']:.2%}], goodput {entry['goodput']['median']:.2%}, "
+          f"work {entry['work']['median']:.4f} [{entry['work']['min']:.4f}, {entry['work']['max']:.4f}], "
+          f"interruptions {entry['interruptions']['median']:g}{back}", flush=True)
+    return entry
+
+
 def main() -> None:
-    args = parser(__doc__.split("\n\n")[0]).parse_args()
+    from bench import cluster_sim_knode as knode  # it builds on this module's classes
+
+    arguments = parser(__doc__.split("\n\n")[0])
+    arguments.add_argument("--nodes-per-replica", type=int, default=8, metavar="K",
+                           help="nodes of a replica in the busy scenarios (default 8); shared and failures keep "
+                                "one-node replicas, today's figures")
+    arguments.add_argument("--replica-patch-wait-s", type=float, default=knode.REPLICA_PATCH_WAIT_S,
+                           help="how long a replica's healthy nodes wait for one free node before they are released "
+                                f"(default {knode.REPLICA_PATCH_WAIT_S:g}); the busy tables add a row at 3× this")
+    args = arguments.parse_args()
+    if args.nodes_per_replica < 1 or args.replica_patch_wait_s < 0:
+        arguments.error("--nodes-per-replica must be ≥ 1 and --replica-patch-wait-s ≥ 0")
+    k, patch_wait_s = args.nodes_per_replica, args.replica_patch_wait_s
     days = 3.0 if args.quick else LLAMA3_DAYS
     seeds = list(range(1, (args.repeat or (2 if args.quick else 5)) + 1))
     costs = measured_costs()
@@ -860,17 +1044,7 @@ def main() -> None:
             load = scenario(name, gpus, days)
             results = simulate(load, seeds, costs)
             for policy, outcomes in results.items():
-                entry: dict[str, Any] = {"scenario": name, "gpus": gpus, "policy": policy,
-                         "ettr": spread([o.ettr for o in outcomes]), "goodput": spread([o.goodput for o in outcomes]),
-                         "work": spread([o.work for o in outcomes]),
-                         "interruptions": spread([float(o.interruptions) for o in outcomes]),
-                         "mean_world_nodes": spread([o.mean_world for o in outcomes]),
-                         "ettr_samples": [o.ettr for o in outcomes], "goodput_samples": [o.goodput for o in outcomes]}
-                table.append(entry)
-                print(f"cluster_sim: {name} {gpus} GPUs {policy}: ETTR {entry['ettr']['median']:.2%} "
-                      f"[{entry['ettr']['min']:.2%}, {entry['ettr']['max']:.2%}], goodput "
-                      f"{entry['goodput']['median']:.2%}, work {entry['work']['median']:.3f}, interruptions "
-                      f"{entry['interruptions']['median']:g}", flush=True)
+                table.append(table_entry(name, gpus, 1, policy, outcomes))
             if name != "shared":
                 continue
             tidal = results["Tidal"]
@@ -898,16 +1072,26 @@ def main() -> None:
                 tidal_samples=goodput, baseline_samples=[o.goodput for o in checkpoint],
                 ratio=statistics.median(goodput) / statistics.median(o.goodput for o in checkpoint),
                 ratio_meaning="Tidal / baseline goodput"))
+    # K-node replicas on a busy cluster (bench.cluster_sim_knode): 1,024 GPUs only in the quick run.
+    for name in BUSY_SCENARIOS:
+        for gpus in SIZES_GPUS[:1] if args.quick else SIZES_GPUS:
+            load = scenario(name, gpus, days, nodes_per_replica=k)
+            results = knode.simulate(load, seeds, costs, patch_wait_s)
+            for policy, outcomes in results.items():
+                table.append(table_entry(name, gpus, k, policy, outcomes))
+            rows += knode.rows(name, load, results, seeds)
     cpu_s = time.process_time() - started
     print(f"cluster_sim: {cpu_s:.1f} s of CPU", flush=True)
     settings: dict[str, Any] = {
                 "days": days, "seeds": seeds, "sizes_gpus": list(SIZES_GPUS), "gpus_per_node": GPUS_PER_NODE,
+                "nodes_per_replica_busy": k, "replica_patch_wait_s": patch_wait_s,
                 "failure_rate": f"{LLAMA3_INTERRUPTIONS} per {LLAMA3_DAYS:g} days per {LLAMA3_GPUS:,} GPUs, "
                                 "Poisson per node",
                 "young_interval_min": {str(g): round(young_interval_s(scenario("shared", g, days)) / 60, 1)
                                        for g in SIZES_GPUS},
-                "measured_costs_s": {k: round(v, 4) for k, v in dataclasses.asdict(costs).items() if k != "sources"},
-                "cost_sources": costs.sources, "assumed": assumptions(),
+                "measured_costs_s": {key: round(value, 4) for key, value in dataclasses.asdict(costs).items()
+                                     if key != "sources"},
+                "cost_sources": costs.sources, "assumed": {**assumptions(), **knode.assumptions(patch_wait_s)},
                 "real_functions": ["planning.allowed_sizes", "planning.choose_world_size", "planning.decide_world",
                                    "units.units_to_submit", "sharing.share_idle_nodes", "sharing.plan_yields",
                                    "health.health_verdicts"],
@@ -935,8 +1119,9 @@ def main() -> None:
         "Real controller functions the simulation calls: " + ", ".join(settings["real_functions"]) + " (inputs "
         "built from the simulated cluster as the controller builds them). Not driven: core.job.transition (the "
         "launcher protocol is not simulated; the simulation applies the decisions itself).",
-        "Measured here (bench/results): " + "; ".join(f"{k} {getattr(costs, k):.3g} s ({v})"
-                                                      for k, v in costs.sources.items()) + ".",
+        "Measured here (bench/results): " + "; ".join(
+            f"{key} {getattr(costs, key):.3g} {'GB/s' if key.endswith('_gb_s') else 's'} ({source})"
+            for key, source in costs.sources.items()) + ".",
         f"Assumed: step {STEP_S:g} s (in-flight work lost per failure: a uniform fraction of it); checkpoint write "
         f"{CHECKPOINT_WRITE_S:g} s blocking; restart at scale {RESTART_AT_SCALE_S:g} s (requeue, start, NCCL init, "
         f"load); torchft-like reconfiguration {TORCHFT_RECONFIGURE_S:g} s, hang timeout {TORCHFT_TIMEOUT_S:g} s; "
@@ -951,6 +1136,7 @@ def main() -> None:
         "and background reclaims (plan_yields); a failure re-forms from the survivors; no checkpoint.",
         "interruptions = failures of nodes the job held (starting units included), plus preemptions of the static "
         "policies by urgent jobs (Tidal's yields lose no step and are not counted).",
+        *knode.model_lines(k, patch_wait_s, costs),
         f"Run: {len(seeds)} seeds ({', '.join(map(str, seeds))}), every policy against the same seeded trace; "
         f"{cpu_s:.0f} s of CPU for the whole run.",
     ]
@@ -958,4 +1144,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Run as bench.cluster_sim, not as __main__: bench.cluster_sim_knode's classes derive from
+    # that module's, and the traces must be of the same classes.
+    from bench.cluster_sim import main as run_main
+
+    run_main()

@@ -15,7 +15,7 @@ def number(value: float | None, unit: str) -> str:
     if value is None:
         return "—"
     if unit == "fraction":
-        return f"{value:.1%}"
+        return f"{value:.2%}"
     if unit == "s":
         return f"{value:.3f} s" if value < 10 else f"{value:.1f} s"
     if unit == "ms":
@@ -24,18 +24,30 @@ def number(value: float | None, unit: str) -> str:
 
 
 def ettr_table(document: dict) -> list[str]:
-    """The cluster simulation's table: every policy at each size and scenario, medians with
-    the spread over seeds, and the ETTR goal."""
+    """The cluster simulation's table: every policy at each size and scenario (K: nodes a
+    replica), medians with the spread over seeds, how long a replica was out of the world
+    (K-node policies), and the ETTR goal."""
     def cell(entry: dict, key: str) -> str:
         value = entry[key]
         return f"{value['median']:.2%} [{value['min']:.2%}–{value['max']:.2%}]"
 
-    lines = ["", "| scenario | GPUs | policy | ETTR median [min–max] | goodput median [min–max] | work | "
-             "interruptions |", "|---|---|---|---|---|---|---|"]
+    def out(entry: dict) -> str:
+        if "replicas" not in entry:
+            return "—"
+        replicas = entry["replicas"]
+        back = (f"{replicas['out_h']['median']:.2f} / {replicas['out_h']['mean']:.2f} ({replicas['returns']})"
+                if replicas["returns"] else "none back")
+        return f"{back}; {replicas['released']['median']:g}; {replicas['out_at_end']['median']:g}"
+
+    lines = ["", "| scenario | GPUs | K | policy | ETTR median [min–max] | goodput median [min–max] | "
+             "work median [min–max] | interruptions | a replica out, h: median / mean (returns); released; "
+             "out at end |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for entry in document["table"]:
-        lines.append(f"| {entry['scenario']} | {entry['gpus']:,} | {entry['policy']} | {cell(entry, 'ettr')} | "
-                     f"{cell(entry, 'goodput')} | {entry['work']['median']:.3f} | "
-                     f"{entry['interruptions']['median']:g} |")
+        lines.append(f"| {entry['scenario']} | {entry['gpus']:,} | {entry.get('nodes_per_replica', 1)} | "
+                     f"{entry['policy']} | {cell(entry, 'ettr')} | {cell(entry, 'goodput')} | "
+                     f"{entry['work']['median']:.4f} [{entry['work']['min']:.4f}–{entry['work']['max']:.4f}] | "
+                     f"{entry['interruptions']['median']:g} | {out(entry)} |")
     lines += [""] + [f"- {line}" for line in document.get("model", [])]
     return lines
 
