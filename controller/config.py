@@ -91,8 +91,11 @@ class ControllerConfig:
     below_min_release_s: float = 30.0
     # Live mode, replicas of several nodes: a replica that lost a node waits this long for
     # a node to take its place; then its other nodes are given back (the job keeps its
-    # other replicas). 0: wait as long as it takes.
-    replica_patch_wait_s: float = 600.0
+    # other replicas). 0: wait as long as it takes. 30 minutes: on a busy cluster a
+    # replica given back needs K free nodes at once to return, which may never come, while
+    # a node frees within minutes (bench.cluster_sim's busy scenarios: at 600 s 10 of
+    # about 24 patches a run gave up at 1,024 GPUs).
+    replica_patch_wait_s: float = 1800.0
     # Live mode: a world change (joiners' workers ready, every member re-formed) must
     # complete within this long, or the units holding it up count as failed.
     reconfigure_timeout_s: float = 120.0
