@@ -34,7 +34,7 @@ from tidal.slurm.models import JobState, UnitSubmission
 
 pytestmark = pytest.mark.slurm
 
-STEPS = 1200
+STEPS = 600
 
 
 def events(admin: AdminClient, job_id: str, kind: str) -> list[admin_pb2.Event]:
