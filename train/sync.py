@@ -96,6 +96,14 @@ def plan_sync(steps: Sequence[int], *, shard_size: int, shard_rank: int) -> Sync
     return SyncPlan(target=target, sources=sources, receivers=receivers)
 
 
+def every_shard_held(steps: Sequence[int], shard_size: int) -> bool:
+    """Whether each shard index has a replica at the most advanced step any rank holds
+    (`steps` by rank, -1 without state). Not so when a replica of several nodes lost a node
+    and no peer replica holds that node's shards: the newest state is then not whole."""
+    target = max(steps)
+    return target < 0 or all(max(steps[k::shard_size]) == target for k in range(shard_size))
+
+
 class Verdict(enum.Enum):
     """The world's state against the job's committed step (the generation's target)."""
 
@@ -189,6 +197,24 @@ class StateSync:
         the replicas that hold it (striped across them), then all check that the digests of
         each shard agree. Returns the first source replica and this shard's digest."""
         steps = self._gather_steps(groups)
+        if groups is not None and not every_shard_held(steps, groups.shard_size):
+            # Some shards of the newest state are gone with a node and no live replica holds
+            # them (a job of one replica of several nodes): what the survivors hold cannot
+            # be completed, and mixing it with older shards would train on a state that
+            # never was. Going back in-process to the checkpoint is not done: it was seen to
+            # diverge from the fixed run (a survivor's FSDP2 state after its failed step is
+            # suspected, not found). The job stops, loudly; submitted again, it resumes from
+            # its newest checkpoint in fresh processes.
+            detail = (f"the training state at step {max(steps)} is incomplete in generation {world.generation}: "
+                      "shards of it were held only by a lost node and no live replica holds them (steps by rank: "
+                      f"{steps}); refusing to mix shards of different steps or to start over. Submit the job again "
+                      "to resume from its newest checkpoint")
+            self.log.error("state_incomplete", steps=steps)
+            if channel is not None:
+                channel.send(StateLostMessage(generation=world.generation, target_step=world.target_step,
+                                              detail=detail))
+            self.ledger.write("state_lost", generation=world.generation, target_step=world.target_step)
+            raise StateLost(detail)
         if max(steps) < world.target_step and self.checkpointer is not None:
             # Nobody holds the target. A joiner skipped its checkpoint (the members were to
             # bring the state): every rank without state loads its own now, and all gather

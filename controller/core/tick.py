@@ -95,7 +95,12 @@ def decide(t: Step, now: float, after: str = "") -> None:
     expand: dict[str, tuple[str, ...]] = {u: (u,) for u in joiners}
     member_keys = members
     if nodes > 1:
-        members = tuple(replicas.whole_replicas_only(state.units, members, nodes))
+        whole_members = replicas.whole_replicas_only(state.units, members, nodes)
+        # A member of a replica that is not whole among the members (its lost node's place
+        # taken by a joiner, the world stopped meanwhile) joins with that replica.
+        # (It settles nothing: the replica's time to settle is its joiners'.)
+        joiners.update({u: float("-inf") for u in members if u not in whole_members})
+        members = tuple(whole_members)
         whole = replicas.complete(state.units, list(joiners), nodes)
         expand = {f"replica-{r}": tuple(units) for r, units in whole.items()}
         joiners = {key: max(joiners[u] for u in units) for key, units in expand.items()}

@@ -192,3 +192,29 @@ def test_hsdp_replicas_of_two_nodes_lose_one_node_and_a_single_new_node_takes_it
     formed = [r for r in records if r["kind"] == "formed" and r["pid"] in e_pids]
     assert formed and all(r["shard"] == 1 for r in formed), "the new node holds shard 1, the lost node's"
     assert_full_parameters_match_one_process(tmp_path, steps)
+
+
+def test_a_single_replica_of_two_nodes_losing_one_stops_loudly_rather_than_mix_shards(tidal_run: TidalRun,
+                                                                                     tmp_path: Path) -> None:
+    """A job of one replica of two one-node units: the lost node's shard is held by no live
+    peer, so when a new node takes its place the replica's state is not whole. The job
+    fails with `state_lost`, saying why and that a new submission resumes from the
+    checkpoint, rather than mix shards of different steps or start over."""
+    ledger = tmp_path / "ledger"
+    command = [*lm_command(tmp_path / "elastic.pt", ledger, "hsdp", steps=200), "--checkpoint-dir",
+               str(tmp_path / "checkpoints"), "--checkpoint-every", "25"]
+    tidal_run.submit(min_replicas=1, max_replicas=1, procs_per_node=1, nodes_per_replica=2,
+                     mode=common_pb2.JOB_MODE_LIVE, command=command)
+    controller = tidal_run.controller
+    for unit in "ab":
+        tidal_run.start_launcher(unit)
+    wait_until(lambda: tidal_run.job().step >= 30, 120, "30 steps")
+    registered = {e.unit_id: e for e in controller.events(tidal_run.job_id) if e.kind == "unit_registered"}
+    lost = next(u for u in "ab" if registered[u].fields["node_index"] == "1")
+    os.kill(tidal_run.launchers[lost].worker_pids()[0], signal.SIGKILL)
+    controller.wait_event(tidal_run.job_id, "job_degraded")
+    tidal_run.start_launcher("c")
+    failed = controller.wait_event(tidal_run.job_id, "state_lost", timeout=120)
+    assert "incomplete" in failed.reason and "Submit the job again" in failed.reason, failed.reason
+    assert not [e for e in controller.events(tidal_run.job_id) if e.kind in ("job_completed", "first_step")
+                and e.generation > 1]

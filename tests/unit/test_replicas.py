@@ -127,3 +127,32 @@ def test_a_hole_is_asked_of_slurm_once_a_node_is_idle_before_growth_and_whatever
     grow = units_to_submit(spec, alive=2, idle_nodes=3, now=0.0, last_change_at=None, scale_up_snooze_s=0.0)
     assert grow.count == 2
     assert units_to_submit(spec, alive=2, idle_nodes=1, now=0.0, last_change_at=None, scale_up_snooze_s=0.0).count == 0
+
+
+def test_a_newest_state_missing_a_shard_is_not_whole() -> None:
+    from tidal.train.sync import every_shard_held
+
+    # One replica of two shard ranks: the survivor at step 40, the new node with nothing.
+    assert not every_shard_held([40, -1], 2)
+    # Two replicas: replica 1 at 40 holds both shards; replica 2's survivor is behind.
+    assert every_shard_held([40, 40, 31, -1], 2)
+    assert every_shard_held([-1, -1], 2), "a fresh job: nobody holds anything"
+    assert every_shard_held([7], 1)
+
+
+def test_a_lone_replica_that_lost_a_node_forms_again_once_a_node_takes_its_place() -> None:
+    driver = GroupedDriver()
+    driver.state.job.spec.max_replicas = 1
+    for u in "ab":
+        driver.join(u)
+    driver.tick()
+    assert driver.state.generation is not None and driver.state.generation.unit_ids == ("a", "b")
+    driver.exit("b", driver.state.generation.number, 9)
+    if driver.state.in_flight is not None:
+        driver.report("a", driver.state.generation.number, launcher_pb2.GENERATION_PHASE_STOPPED)
+    driver.tick(1.0)
+    assert driver.state.job.state is JobState.DEGRADED
+    assert driver.join("c") == Slot(1, 1)
+    driver.tick(1.0)
+    assert driver.state.job.state is JobState.RUNNING
+    assert driver.state.generation.unit_ids == ("a", "c"), "the healthy node and the new one, in node order"
