@@ -236,8 +236,8 @@ def units_to_submit(spec: admin_pb2.JobSpec, *, alive: int, idle_nodes: int, now
         in_nodes.replica_step = max(1, spec.replica_step) * nodes
         del in_nodes.allowed_replicas[:]
         in_nodes.allowed_replicas.extend(n * nodes for n in spec.allowed_replicas)
+        # One node a unit: counted in nodes, the same rules apply.
         in_nodes.nodes_per_replica = 1
-        in_nodes.mode = common_pb2.JOB_MODE_RESTART
         demand = units_to_submit(in_nodes, alive=alive, idle_nodes=idle_nodes, now=now, last_change_at=last_change_at,
                                  scale_up_snooze_s=scale_up_snooze_s, others_waiting=others_waiting,
                                  released=released)

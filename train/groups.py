@@ -35,11 +35,6 @@ from tidal.train.errors import WorldBroken
 _fixed_store: Any = None
 
 
-def new_group(backend: str, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
-    """A process group of `size` ranks that meets at `store` (`tidal.train.backend.new_group`)."""
-    return backends.new_group(backend, store, rank, size, timeout)
-
-
 def fixed_world_store() -> Any:
     """The store of a fixed world (run alone, under torchrun, or in restart mode): what
     torch.distributed's env:// rendezvous gives (torchrun's agent store when it offers one,
@@ -121,10 +116,10 @@ def form_groups(backend: str, store: Any, *, rank: int, world_size: int, shard_s
     if rank % shard_size != shard_rank:
         raise ValueError(f"rank {rank} is not shard {shard_rank} of its replica (replicas of {shard_size} workers "
                          "take consecutive ranks)")
-    world = new_group(backend, dist.PrefixStore("world", store), rank, world_size, connect_timeout)
+    world = backends.new_group(backend, dist.PrefixStore("world", store), rank, world_size, connect_timeout)
     replica = world
     if shard_size > 1:
-        replica = new_group(backend, dist.PrefixStore(f"replica/{shard_rank}", store), rank // shard_size,
+        replica = backends.new_group(backend, dist.PrefixStore(f"replica/{shard_rank}", store), rank // shard_size,
                             world_size // shard_size, connect_timeout)
     for group in {id(g): g for g in (world, replica)}.values():
         _set_timeout(group, timeout)

@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from tidal.train import backend as backends
+
 # The backend name under which the default group is a ShardGroup.
 BACKEND_NAME = "tidal_shard"
 
@@ -71,6 +73,8 @@ class ShardGroup(ProcessGroup):
         self._shard_rank = rank
         self._shard_size = size
         self._inner: ProcessGroup | None = None
+        # The backend object behind `_inner` (what is aborted or shut down).
+        self._connection: Any = None
         self._backend_name = "gloo"
         self._name: str | None = None
         # The generation that connected it (0: none yet).
@@ -118,24 +122,19 @@ class ShardGroup(ProcessGroup):
         for the replica); returns once every shard rank has connected. The previous
         connection, if any, is shut down first."""
         self.disconnect(broken=False)
-        inner = ProcessGroup(store, self._shard_rank, self._shard_size)
-        if backend == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = connect_timeout
-            connection: Any = dist.ProcessGroupNCCL(store, self._shard_rank, self._shard_size, options)
-            backend_type = ProcessGroup.BackendType.NCCL
-            device = torch.device("cuda")
-        elif backend == "gloo":
-            connection = dist.ProcessGroupGloo(store, self._shard_rank, self._shard_size, connect_timeout)
-            backend_type = ProcessGroup.BackendType.GLOO
-            device = torch.device("cpu")
+        # Made as the generation's other groups are (`tidal.train.backend.new_group`).
+        connection = backends.new_group(backend, store, self._shard_rank, self._shard_size, connect_timeout)
+        if backend == backends.NCCL:
+            backend_type, device = ProcessGroup.BackendType.NCCL, torch.device("cuda")
         else:
-            raise ValueError(f"backend {backend!r}: a shard group is gloo or nccl")
+            backend_type, device = ProcessGroup.BackendType.GLOO, torch.device("cpu")
+        inner = ProcessGroup(store, self._shard_rank, self._shard_size)
         inner._register_backend(device, backend_type, connection)
         inner._set_default_backend(backend_type)
         setter = getattr(connection, "_set_default_timeout", None)
         if setter is not None:
             setter(timeout)
+        self._connection = connection
         self._inner = inner
         self._backend_name = backend
         self.generation = generation
@@ -143,16 +142,10 @@ class ShardGroup(ProcessGroup):
     def disconnect(self, broken: bool) -> None:
         """Drop the connection: aborted when its generation broke (a peer may be gone, and
         NCCL's communicators must not wait on it), shut down otherwise."""
-        inner, self._inner = self._inner, None
-        if inner is None:
-            return
-        try:
-            if broken:
-                inner.abort()
-            else:
-                inner.shutdown()
-        except RuntimeError:
-            pass
+        connection, self._connection, self._inner = self._connection, None, None
+        if connection is not None:
+            # As the generation's other groups (`tidal.train.backend.close_groups`).
+            backends.close_groups([connection], broken=broken)
 
 
 def _delegate(name: str) -> Any:
