@@ -24,6 +24,7 @@ cross-replica group (None in a world of one replica) at the start of each step."
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -440,5 +441,31 @@ class HybridSharded(Strategy):
     def abandon(self) -> None:
         self._works = []
         self._group = None
+        self._drop_fsdp_step_state()
         for parameter in self._params:
             parameter.grad = None
+
+    def _drop_fsdp_step_state(self) -> None:
+        """A step cut short mid-pass (a peer of the replica lost) leaves FSDP2 holding part
+        of it: between micro-batches it accumulates each parameter's unsharded gradient in
+        the unsharded parameter's `.grad` (or `unsharded_accumulated_grad` with a reduce
+        dtype), which the next step's backward would add to; and parameters may be left
+        unsharded. Both go: the gradients here (torch 2.13's `reset_iter_state` does not
+        clear them), then `reset_iter_state` reshards and clears FSDP2's per-step state."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if self._root is None:
+            return
+        for module in self._root.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            state = module._get_fsdp_state()
+            for group in getattr(state, "_fsdp_param_groups", ()):
+                for fsdp_param in group.fsdp_params:
+                    fsdp_param.unsharded_accumulated_grad = None
+                    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                    if unsharded is not None:
+                        unsharded.grad = None
+        # A collective of the broken connection it waits on may fail: nothing to keep.
+        with contextlib.suppress(AttributeError, RuntimeError):
+            self._root.reset_iter_state()
