@@ -63,11 +63,12 @@ def worker_environment(base: Mapping[str, str], extra: Mapping[str, str], *, pla
     env = {k: v for k, v in base.items() if k not in PRIVATE_VARIABLES}
     env.update(extra)
     rank = placement.first_rank + local_rank
-    # torchrun keeps a value its own environment sets, else "1". In both modes: in live mode
-    # the worker library sets what its generations' NCCL groups need in the worker itself
-    # (tidal.train.backend.nccl_environment), after HybridSharded's shard group was made
-    # under this one; the launcher does not import tidal.train.
-    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    # torchrun keeps a value its own environment sets, else "1": in restart mode. In live mode
+    # (a control channel) the worker library sets what its generations' NCCL groups need in
+    # the worker itself (tidal.train.backend.nccl_environment) and says so when it replaces a
+    # value the job set; the launcher does not import tidal.train.
+    if not env.get("TIDAL_CONTROL_SOCKET"):
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     env.update({
         "RANK": str(rank),
         "LOCAL_RANK": str(local_rank),

@@ -32,10 +32,12 @@ The rules:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import enum
-from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+import os
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import structlog
@@ -192,12 +194,11 @@ def apply_environment(environ: MutableMapping[str, str], mode: Mode) -> list[Ove
     mode would lose its in-process recovery).
 
     Called by `Elastic` before the generation's first group is made: each ProcessGroupNCCL
-    reads them in its constructor, so they apply to the groups made after this, and not to
-    the unit's shard group that `HybridSharded.shard` made before. That group keeps torch's
-    watchdog on purpose: FSDP2 issues its all-gathers with async_op=False, whose `wait()`
-    would block the CPU under blocking waits until each all-gather ends and so serialize
-    communication with compute; and a failure within a unit loses the unit anyway (its
-    launcher kills the unit's workers)."""
+    reads them in its constructor, so they apply to the groups made after this. In live mode
+    under `HybridSharded` the replica's shard group (FSDP2's) is made per generation too,
+    with its own blocking setting (`new_group(..., host_waits=False)`); a fixed world's unit
+    group (restart mode, `HybridSharded.shard` under torchrun's settings) keeps torch's
+    watchdog: a failure within it ends the unit's workers, and their launcher restarts them."""
     overrides = environment_overrides(environ, mode)
     for name, value in nccl_environment(mode).items():
         environ[name] = value
@@ -210,15 +211,54 @@ def apply_environment(environ: MutableMapping[str, str], mode: Mode) -> list[Ove
 # The groups of a generation.
 
 
-def new_group(backend: str, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+@contextlib.contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    """`values` in os.environ for the block (a group's constructor reads them), then as before.
+    In a live worker the variables are already set (`apply_environment`), so only their
+    values change: glibc's setenv then replaces one entry of the environment's array, which
+    a getenv in another thread (NCCL's, torch's) reads whole, old or new."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def new_group(backend: str, store: Any, rank: int, size: int, timeout: datetime.timedelta, *,
+              host_waits: bool = True) -> Any:
     """A process group of `size` ranks meeting at `store`: a raw `ProcessGroupNCCL` or
     `ProcessGroupGloo` object, never registered as torch.distributed's default group.
     Gloo connects here, within `timeout`. NCCL connects its communicator lazily, at the
-    group's first collective, on that collective's device (this worker's GPU: `select_device`)."""
+    group's first collective, on that collective's device (this worker's GPU: `select_device`).
+
+    `host_waits=False` (NCCL only; the replica's shard group, FSDP2's): the group is made
+    with TORCH_NCCL_BLOCKING_WAIT=0 whatever the process's setting, so that a `wait()` on
+    one of its works only orders the current stream after the collective and the host runs
+    on. Relies on: ProcessGroupNCCL reads TORCH_NCCL_BLOCKING_WAIT once, in its constructor
+    (getCvarBool), so the setting is the group's for its life. Measured on an H100 (torch
+    2.11, NCCL 2.28.9, a group of one rank, 1 s of earlier work queued on the GPU): a
+    blocking group's waited all-gather held the host 0.995 s; its collectives issued through
+    torch.distributed's API with async_op=False, as FSDP2 issues its all-gathers and
+    reduce-scatters by default, returned in 0.0003 s blocking or not; a non-blocking group's
+    waited all-gather returned at once. So FSDP2's default calls overlap compute either way,
+    and this setting keeps a waited shard collective (FSDP2's `unshard(async_op=True)`,
+    whose work it waits on before the layer runs) from stopping the host. Such a group's
+    failures are not raised by its waits: a collective stuck on a lost peer holds the
+    streams, the step's next blocking wait (on the world group) stops the host, and the
+    launcher's word aborts every group of the generation together (`abort_groups`), which
+    ends the stuck kernels."""
     if backend == NCCL:
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, options)
+        if host_waits:
+            return dist.ProcessGroupNCCL(store, rank, size, options)
+        with _environment(TORCH_NCCL_BLOCKING_WAIT="0"):
+            return dist.ProcessGroupNCCL(store, rank, size, options)
     if backend != GLOO:
         raise ValueError(f"backend {backend!r}: Tidal's elastic groups are gloo or nccl")
     return dist.ProcessGroupGloo(store, rank, size, timeout)
@@ -238,10 +278,13 @@ def aborts_from_outside(backend: str) -> bool:
     NCCL: yes. A peer that is frozen (SIGSTOP, a hung GPU) never fails the collective: the
     survivors' kernels wait for it until the group's timeout. `ProcessGroupNCCL.abort()`
     from another thread aborts the communicators (ncclCommAbort makes the running kernels
-    exit), and the blocked wait returns. Gloo: no. `ProcessGroupGloo.abort()` does not
-    unblock a peer waiting on a stopped one (measured: DESIGN.md); the frozen worker's
-    launcher kills it instead, and the survivors' gloo collectives then fail at once with
-    "Connection closed by peer"."""
+    exit), and the blocked wait returns. Not freed so: a rank whose own GPU hangs, its
+    collective queued behind the hung kernel (measured on an H100, torch 2.11: a wait behind a
+    20 s kernel returned after 20.0 s, the abort sent at 1 s, tests/gpu/test_one_gpu.py): its
+    wait ends at the groups' timeout, or when the kernel does (docs/limits.md). Gloo: no.
+    `ProcessGroupGloo.abort()` does not unblock a peer waiting on a stopped one (measured:
+    DESIGN.md); the frozen worker's launcher kills it instead, and the survivors' gloo
+    collectives then fail at once with "Connection closed by peer"."""
     return backend == NCCL
 
 

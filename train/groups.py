@@ -24,7 +24,7 @@ import dataclasses
 import datetime
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -81,15 +81,17 @@ class Groups:
     def _unique(self) -> list[Any]:
         return list({id(g): g for g in (self.replica, self.world) if g is not None}.values())
 
-    def abort(self) -> None:
-        """From any thread, once: abort the groups (`tidal.train.backend.abort_groups`), so
-        that a collective blocked on them returns and later ones fail. They stay referenced
-        until `close`."""
+    def abort(self, also: Sequence[Any] = ()) -> None:
+        """From any thread, once: abort the groups, with `also` (the replica's shard
+        connection of the same generation) in the same call (`tidal.train.backend.abort_groups`:
+        NCCL's communicators of one device aborted together), so that a collective blocked on
+        them returns and later ones fail. They stay referenced until `close`."""
         with self._lock:
             if self._aborted:
+                backends.abort_groups(list(also))
                 return
             self._aborted = True
-            groups = self._unique()
+            groups = [*self._unique(), *also]
             backends.abort_groups(groups)
             groups.clear()
 

@@ -122,8 +122,10 @@ class ShardGroup(ProcessGroup):
         for the replica); returns once every shard rank has connected. The previous
         connection, if any, is shut down first."""
         self.disconnect(broken=False)
-        # Made as the generation's other groups are (`tidal.train.backend.new_group`).
-        connection = backends.new_group(backend, store, self._shard_rank, self._shard_size, connect_timeout)
+        # Made as the generation's other groups are (`tidal.train.backend.new_group`), but with
+        # waits that do not stop the host (NCCL): FSDP2 overlaps its collectives with compute.
+        connection = backends.new_group(backend, store, self._shard_rank, self._shard_size, connect_timeout,
+                                        host_waits=False)
         if backend == backends.NCCL:
             backend_type, device = ProcessGroup.BackendType.NCCL, torch.device("cuda")
         else:
@@ -138,6 +140,13 @@ class ShardGroup(ProcessGroup):
         self._inner = inner
         self._backend_name = backend
         self.generation = generation
+
+    def detach(self) -> Any | None:
+        """Drop the connection without closing it and return it (None if there was none), for
+        a caller that aborts it together with the generation's other groups; it must then
+        close it (`tidal.train.backend.close_groups(..., aborted=True)`)."""
+        connection, self._connection, self._inner = self._connection, None, None
+        return connection
 
     def disconnect(self, broken: bool) -> None:
         """Drop the connection: aborted when its generation broke (a peer may be gone, and

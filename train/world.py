@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from tidal.proto.control import Beat, Finished, FirstStep, Formed, LauncherToWorker, Left, Stop, Stopped, World
 from tidal.train.backend import abort_from_outside, aborts_from_outside
+from tidal.train.backend import close_groups as close_groups_of
 from tidal.train.channel import ChannelClosed, WorkerChannel
 from tidal.train.errors import AccountingError, StateLost, StateMismatch, WorldBroken
 from tidal.train.groups import Collectives, Groups, fixed_world_store, form_groups
@@ -408,12 +409,20 @@ class Membership:
             self.collectives.broken = reason
         self.log.warning("groups_aborted_from_outside", generation=generation, reason=why)
         shard_group = self.shard_group
+        shard_connection = None
         if shard_group is not None and shard_group.generation <= through:
             # FSDP2's collectives of the replica wait on that generation's connection too
             # (a step abandoned for it is dropped at its end: the collectives are broken).
-            threading.Thread(target=shard_group.disconnect, args=(True,), name="tidal-abort-shard",
-                             daemon=True).start()
-        threading.Thread(target=groups.abort, name="tidal-abort", daemon=True).start()
+            # Aborted with the generation's groups, in one call: NCCL's communicators of one
+            # device are aborted together (`tidal.train.backend.abort_groups`).
+            shard_connection = shard_group.detach()
+        also = [shard_connection] if shard_connection is not None else []
+
+        def abort() -> None:
+            groups.abort(also)
+            close_groups_of(also, broken=True, aborted=True)
+
+        threading.Thread(target=abort, name="tidal-abort", daemon=True).start()
 
     def close_groups(self, broken: bool = False) -> None:
         """Leave the generation's groups (aborted after a failure: a destroy would wait on

@@ -7,8 +7,9 @@ gives each node's job step its own: a worker then takes `cuda:LOCAL_RANK` among 
 (`tidal.train.backend.worker_device`), and no two ranks of one NCCL communicator share a
 GPU (which NCCL does not support).
 
-NOT RUN ON A GPU YET: written where no GPU is (the machine and CI these tests were made
-on have none); they import, collect and skip there."""
+Run once on a machine of one GPU (an H100, torch 2.11): the one-GPU tests ran there
+(tests/gpu/test_one_gpu.py says which passed); the tests of two or more GPUs have not run
+anywhere. Without CUDA they import, collect and skip."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ every unit given its own GPUs (CUDA_VISIBLE_DEVICES, as Slurm gives a node's job
   (its unit lost), grow, SIGSTOP of a worker, grow, graceful leave, run to the end equal
   to one process.
 
-NOT RUN ON A GPU YET: the machine and CI these tests were written on have no GPU; there
+NOT RUN ON A GPU YET: they need two and four GPUs, and the one machine lent had one; elsewhere
 they are left out (see tests/gpu/conftest.py). They are the integration tests' harness and
 assertions, unchanged but for the device and the GPUs each launcher is given."""
 

@@ -6,7 +6,7 @@ copy of what it received) as JSON to the path it is given.
     python tests/gpu/transfer_pair.py RANK STORE_PORT OUT.json
 
 The group is made as a live-mode generation's: `tidal.train.backend.new_group` under the
-live NCCL environment (blocking waits). NOT RUN ON A GPU YET."""
+live NCCL environment (blocking waits). NOT RUN ON A GPU YET (needs two)."""
 
 from __future__ import annotations
 

@@ -246,6 +246,11 @@ def test_worker_environment_is_torchrun_compatible_and_holds_no_secret(tmp_path:
                              placement=placement, local_rank=0, job_id="j", unit_id="u", progress_file=tmp_path / "p",
                              error_file=tmp_path / "e.json")
     assert own["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and own["OMP_NUM_THREADS"] == "4"
+    # Live mode: the worker library sets the NCCL settings its groups need; the launcher sets
+    # none (else the library would report every worker's as a job's value it replaced).
+    live = worker_environment({}, {"TIDAL_CONTROL_SOCKET": "/run/c.sock"}, placement=placement, local_rank=0,
+                              job_id="j", unit_id="u", progress_file=tmp_path / "p", error_file=tmp_path / "e.json")
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in live
 
 
 def test_progress_file_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
