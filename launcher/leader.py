@@ -476,9 +476,9 @@ class Agent(NodeAgent[LauncherOptions]):
         self.link.send(launcher_pb2.LauncherMessage(worker_exited=exited))
 
     def report(self, generation: int, phase: launcher_pb2.GenerationPhase, step: int = 0, store_port: int = 0,
-               detail: str = "") -> None:
+               detail: str = "", replica_workers: int = 0) -> None:
         report = launcher_pb2.GenerationReport(generation=generation, phase=phase, step=step, store_port=store_port,
-                                          detail=detail)
+                                               detail=detail, replica_workers=replica_workers)
         report.at.GetCurrentTime()
         self.link.send(launcher_pb2.LauncherMessage(generation_report=report))
 

@@ -60,6 +60,8 @@ class LiveWorkers:
     # Where each worker that left as the state's last holder wrote it, and at which step.
     saved: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)
     formed: dict[int, int] = dataclasses.field(default_factory=dict)
+    # The workers one replica of the model spans, as the workers said when they formed (0: not said).
+    replica_workers: int = 0
     # (generation, GenerationPhase) reports already sent: STARTED (a joiner's workers ready),
     # RECONFIGURED, FIRST_STEP; each goes once.
     reported: set[tuple[int, int]] = dataclasses.field(default_factory=set)
@@ -101,10 +103,10 @@ class LiveMode:
         self.workers = LiveWorkers(ready_generation=ready_generation)
 
     def report_once(self, generation: int, phase: launcher_pb2.GenerationPhase, step: int = 0,
-                    detail: str = "") -> None:
+                    detail: str = "", replica_workers: int = 0) -> None:
         if (generation, phase) not in self.workers.reported:
             self.workers.reported.add((generation, phase))
-            self.agent.report(generation, phase, step=step, detail=detail)
+            self.agent.report(generation, phase, step=step, detail=detail, replica_workers=replica_workers)
 
     def send_worlds(self, generation: int, table: common_pb2.RankTable, rendezvous: common_pb2.Rendezvous,
                     joining: bool = False, target_step: int = 0, at_step_boundary: bool = True,
@@ -187,11 +189,13 @@ class LiveMode:
                 if live.ready_generation and live.hello >= everyone:
                     self.report_once(live.ready_generation, launcher_pb2.GENERATION_PHASE_STARTED,
                                      detail="workers ready to join")
-            case Formed(generation=generation, step=step):
+            case Formed(generation=generation, step=step, replica_workers=replica_workers):
                 live.formed[local_rank] = generation
                 live.idle.discard(local_rank)
+                live.replica_workers = max(live.replica_workers, replica_workers)
                 if all(live.formed.get(r) == generation for r in everyone):
-                    self.report_once(generation, launcher_pb2.GENERATION_PHASE_RECONFIGURED, step=step)
+                    self.report_once(generation, launcher_pb2.GENERATION_PHASE_RECONFIGURED, step=step,
+                                     replica_workers=live.replica_workers)
             case FirstStep(generation=generation, step=step):
                 self.report_once(generation, launcher_pb2.GENERATION_PHASE_FIRST_STEP, step=step)
             case Stopped():

@@ -106,11 +106,14 @@ class Hello:
 
 @dataclasses.dataclass(frozen=True)
 class Formed:
-    """In that generation's world at `step`, its state verified (`digest`)."""
+    """In that generation's world at `step`, its state verified (`digest`). `replica_workers`:
+    the workers one replica of the model spans (DataParallel 1, HybridSharded its shard
+    group's size; 0: not said)."""
 
     generation: int
     step: int
     digest: str = ""
+    replica_workers: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -141,20 +141,22 @@ class LeaveRequest(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., cause: _Optional[_Union[LeaveCause, str]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class GenerationReport(_message.Message):
-    __slots__ = ("generation", "phase", "step", "at", "detail", "store_port")
+    __slots__ = ("generation", "phase", "step", "at", "detail", "store_port", "replica_workers")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     AT_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_WORKERS_FIELD_NUMBER: _ClassVar[int]
     generation: int
     phase: GenerationPhase
     step: int
     at: _timestamp_pb2.Timestamp
     detail: str
     store_port: int
-    def __init__(self, generation: _Optional[int] = ..., phase: _Optional[_Union[GenerationPhase, str]] = ..., step: _Optional[int] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., detail: _Optional[str] = ..., store_port: _Optional[int] = ...) -> None: ...
+    replica_workers: int
+    def __init__(self, generation: _Optional[int] = ..., phase: _Optional[_Union[GenerationPhase, str]] = ..., step: _Optional[int] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., detail: _Optional[str] = ..., store_port: _Optional[int] = ..., replica_workers: _Optional[int] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
     __slots__ = ("registered", "generation")

@@ -331,7 +331,8 @@ class Membership:
         self.phase = Phase.FORMED
         seconds = time.monotonic() - started
         step = self.counters.step
-        self.channel.send(Formed(generation=world.generation, step=step, digest=state_digest))
+        self.channel.send(Formed(generation=world.generation, step=step, digest=state_digest,
+                                 replica_workers=self.shard_size))
         self.ledger.write("formed", generation=world.generation, rank=world.rank, world_size=world.world_size,
                           shard=self.shard_rank, step=step, digest=state_digest, source=source, seconds=seconds)
         self.log.info("world_formed", generation=world.generation, rank=world.rank, world_size=world.world_size,

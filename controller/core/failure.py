@@ -109,7 +109,7 @@ def go_on_without(t: Step, what: str) -> bool:
                      if unit.state is UnitState.JOINING and t.connected(u)
                      and (at := unit.facts.joined_at if unit.facts.joined_at is not None else t.now.monotonic)
                      <= t.now.monotonic - t.config.join_settle_s)
-    room = max(0, t.job.spec.max_replicas - len(survivors) // nodes)
+    room = max(0, t.max_world - len(survivors) // nodes)
     if nodes > 1:
         whole = replicas.complete(state.units, [u for _, u in settled], nodes)
         joiners = tuple(u for units in list(whole.values())[:room] for u in units)

@@ -3,7 +3,7 @@ reports), its session closing, and the admin's requests; the one place inputs ar
 
 from __future__ import annotations
 
-from tidal.controller.core import failure, finishing, forming, leaving, messages, slurm_units, tick
+from tidal.controller.core import failure, finishing, forming, leaving, messages, replicas, slurm_units, tick
 from tidal.controller.core.queries import (
     describe_worker_exit,
     worker_error_fields,
@@ -138,6 +138,8 @@ def on_said(t: Step, unit_id: str, message: launcher_pb2.LauncherMessage) -> Non
         leaving.leave(t, unit_id, cause, request.detail or cause)
     elif kind == "generation_report":
         report = message.generation_report
+        if report.phase == launcher_pb2.GENERATION_PHASE_RECONFIGURED and report.replica_workers > 0:
+            state.replica_workers = report.replica_workers
         if report.store_port and unit_id in state.units:
             t.note(state.units[unit_id], store_port=report.store_port)
         if report.phase == launcher_pb2.GENERATION_PHASE_LEFT:
@@ -241,6 +243,7 @@ def on_resize(t: Step, min_replicas: int, max_replicas: int, uid: int) -> None:
     t.record("job_resized", f"by uid {uid}",
              fields={"min_replicas": spec.min_replicas, "max_replicas": spec.max_replicas})
     if state.generation is not None and t.job.state is JobState.RUNNING:
-        surplus = len(state.generation.members) - spec.max_replicas
+        # In units: a replica of K nodes is K members.
+        surplus = len(state.generation.members) - spec.max_replicas * replicas.nodes_per_replica(spec)
         for member in sorted(state.generation.members, key=lambda m: -m.group_rank)[:max(0, surplus)]:
             leaving.leave(t, member.unit_id, "resized", f"max_replicas is now {spec.max_replicas}")

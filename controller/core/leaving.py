@@ -39,7 +39,7 @@ def leave(t: Step, unit_id: str, cause: str, detail: str) -> None:
         aside = tuple(u for u in replicas.replica_units(state.units, unit.replica)
                       if u != unit_id and state.units[u].state is UnitState.ACTIVE) if t.replica_nodes > 1 else ()
         remaining = [m.unit_id for m in state.generation.members if m.unit_id != unit_id and m.unit_id not in aside]
-        if (remaining and len(remaining) // t.replica_nodes >= t.job.spec.min_replicas
+        if (remaining and len(remaining) // t.replica_nodes >= t.min_world
                 and all(t.connected(u) for u in remaining)):
             forming.reconfigure(t, (), (unit_id,), "leave", f"unit {unit_id} leaves ({cause})", t.now.monotonic,
                                 set_aside=aside)

@@ -27,6 +27,19 @@ def nodes_per_replica(spec: admin_pb2.JobSpec) -> int:
     return max(1, spec.nodes_per_replica)
 
 
+def world_nodes(spec: admin_pb2.JobSpec, replica_workers: int) -> int:
+    """The nodes that are in or out of a world together: K when a replica's model spans its
+    nodes (HybridSharded: the workers report a replica of K × P, `replica_workers` > P) or
+    the workers have not said yet (0: the safe side); 1 when every replica fits in one node
+    (DataParallel: each worker holds the whole model), so that a lost or leaving node costs
+    only its own workers and its replica's other nodes stay in the world. Slots, Slurm's
+    holes and the patch wait keep K (`nodes_per_replica`)."""
+    nodes = nodes_per_replica(spec)
+    if nodes > 1 and 0 < replica_workers <= max(1, spec.procs_per_node):
+        return 1
+    return nodes
+
+
 @dataclasses.dataclass(frozen=True)
 class Slot:
     replica: int

@@ -74,7 +74,8 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
     others_waiting = unit_rules.others_waiting_for(view, t.job.job_id, usable)
     # Replicas of several nodes: the nodes missing from replicas that lost one, less the
     # units submitted and not registered yet (each takes a hole first when it registers).
-    nodes = t.replica_nodes
+    # In nodes of Slurm's, whatever the world makes of them (`replicas.world_nodes`).
+    nodes = replicas.nodes_per_replica(spec)
     holes = max(0, sum(nodes - len(units) for units in replicas.incomplete_replicas(state.units, nodes).values())
                 - sum(1 for u in alive if u.state is UnitState.SUBMITTED))
     demand = unit_rules.units_to_submit(spec, alive=len(alive), idle_nodes=max(0, len(idle) - waiting), now=now,

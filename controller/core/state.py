@@ -343,6 +343,10 @@ class State:
     # (below_min_release_s); until a world forms again it submits units only once
     # min_replicas nodes are idle, rather than queueing replacements.
     released_below_min: bool = False
+    # Live mode: the workers one replica of the model spans, as the newest report of a
+    # formed world said (0: none yet; `replicas.world_nodes`). Not persisted: a restarted
+    # controller takes replicas as coupled until the next world forms.
+    replica_workers: int = 0
 
     @property
     def live(self) -> bool:

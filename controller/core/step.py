@@ -83,14 +83,39 @@ class Step:
 
     @property
     def replica_nodes(self) -> int:
-        """K: the one-node units a replica is made of (1: a unit is a replica)."""
-        return replicas.nodes_per_replica(self.job.spec)
+        """The one-node units that are in or out of a world together: K for replicas whose
+        model spans their nodes, 1 when a unit is a replica or every replica fits in one
+        node (`replicas.world_nodes`)."""
+        return replicas.world_nodes(self.job.spec, self.state.replica_workers)
+
+    @property
+    def world_scale(self) -> int:
+        """What one replica of the spec counts for in world decisions: 1, or K when replicas
+        of K nodes are decided node by node (DataParallel: the spec's min/max replicas are
+        then K times as many units)."""
+        return replicas.nodes_per_replica(self.job.spec) // self.replica_nodes
+
+    @property
+    def min_world(self) -> int:
+        """min_replicas in the units (or whole replicas) that world decisions count."""
+        return self.job.spec.min_replicas * self.world_scale
+
+    @property
+    def max_world(self) -> int:
+        """max_replicas in the units (or whole replicas) that world decisions count."""
+        return self.job.spec.max_replicas * self.world_scale
 
     def sizes(self) -> tuple[int, ...]:
-        """The world sizes (in replicas) the job allows."""
-        spec = self.job.spec
-        return tuple(planning.allowed_sizes(spec.min_replicas, spec.max_replicas, spec.replica_step,
-                                            list(spec.allowed_replicas)))
+        """The world sizes (in replicas, or in units when replicas are decided node by node)
+        the job allows."""
+        spec, scale = self.job.spec, self.world_scale
+        if scale == 1:
+            return tuple(planning.allowed_sizes(spec.min_replicas, spec.max_replicas, spec.replica_step,
+                                                list(spec.allowed_replicas)))
+        if spec.replica_step > 1 or spec.allowed_replicas:
+            return tuple(n * scale for n in planning.allowed_sizes(spec.min_replicas, spec.max_replicas,
+                                                                   spec.replica_step, list(spec.allowed_replicas)))
+        return tuple(planning.allowed_sizes(self.min_world, self.max_world))
 
     def save_pending(self) -> None:
         """Persist what is in flight besides the job's state (node cool-downs, with their

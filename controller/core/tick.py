@@ -88,7 +88,6 @@ def decide(t: Step, now: float, after: str = "") -> None:
     joiners = {u: unit.facts.joined_at if unit.facts.joined_at is not None else now
                for u, unit in state.units.items()
                if unit.state is UnitState.JOINING and t.connected(u)}
-    spec = t.job.spec
     nodes = t.replica_nodes
     # Replicas of several nodes: the decision is taken over whole replicas (a replica
     # joins once every one of its nodes is ready), then expanded to their units.
@@ -107,8 +106,8 @@ def decide(t: Step, now: float, after: str = "") -> None:
         member_keys = tuple(f"replica-{r}" for r in replicas.complete(state.units, members, nodes))
     snapshot = planning.WorldSnapshot(
         running=running, members=member_keys, joiners=joiners,
-        min_replicas=spec.min_replicas,
-        max_replicas=spec.max_replicas, sizes=t.sizes(),
+        min_replicas=t.min_world,
+        max_replicas=t.max_world, sizes=t.sizes(),
         last_change_at=state.last_change_at, join_settle_s=t.config.join_settle_s,
         scale_up_snooze_s=t.config.scale_up_snooze_s,
         expected=(sum(1 for u in state.units.values() if u.state is UnitState.SUBMITTED)

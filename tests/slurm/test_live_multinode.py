@@ -35,6 +35,8 @@ from tidal.slurm.models import JobState, UnitSubmission
 pytestmark = pytest.mark.slurm
 
 STEPS = 600
+# DataParallel's steps are faster: enough of them for every change before the end.
+DP_STEPS = 1500
 
 
 def events(admin: AdminClient, job_id: str, kind: str) -> list[admin_pb2.Event]:
@@ -51,37 +53,76 @@ def worker_pids(job_id: str, unit: admin_pb2.Unit) -> set[int]:
             if env.get("SLURM_JOB_ID") == str(unit.slurm_job_id) and "RANK" in env}
 
 
-@pytest.mark.timeout(900)
-def test_hsdp_replicas_of_two_nodes_lose_a_node_patch_it_with_one_node_and_finish_equal_to_one_process(
-        slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path) -> None:
+def slurm_controller(slurm: CliJsonSlurmClient, tmp_path: Path) -> ControllerProcess:
+    """A controller running units as Slurm jobs on the mini cluster's four idle nodes."""
     require_four_idle_nodes(slurm)
     controller = ControllerProcess(tmp_path, {"slurm_units": "true", "slurm_poll_interval_s": "1",
                                               "join_settle_s": "2", "reconnect_grace_s": "10",
                                               "node_cooldown_s": "5"})
     controller.start()
+    return controller
+
+
+def submit_and_grow_to_two_replicas(admin: AdminClient, tmp_path: Path,
+                                    command: list[str]) -> tuple[str, admin_pb2.Event]:
+    """Submit `command` as a live job of one replica of two nodes of two workers, then
+    `tidal resize --max 2`: two replicas, four one-node units in slots (1, 0) .. (2, 1)."""
+    spec = admin_pb2.JobSpec(
+        name="span-live", min_replicas=1, max_replicas=1, nodes_per_replica=2, procs_per_node=2,
+        partition="train", mode=common_pb2.JOB_MODE_LIVE, working_dir=str(tmp_path),
+        environment={"OMP_NUM_THREADS": "1"}, command=command)
+    job_id = admin.submit(spec).job.job_id
+    wait_for("one replica of two nodes", lambda: next(
+        (e for e in events(admin, job_id, "world_formed") if e.fields["world_size"] == "4"), None),
+        timeout_s=120, interval_s=0.5)
+    wait_for("steps with one replica", lambda: admin.job(job_id).step >= 10, timeout_s=120)
+    admin.resize(job_id, max_replicas=2)
+    grown = wait_for("two replicas of two nodes", lambda: next(
+        (e for e in events(admin, job_id, "world_reconfigured") if e.fields["world_size"] == "8"), None),
+        timeout_s=240, interval_s=0.5)
+    job = admin.job(job_id)
+    units = [u for u in job.units if u.state == admin_pb2.UNIT_STATE_ACTIVE]
+    assert job.replicas == 2 and len(units) == 4 and all(len(u.nodes) == 1 for u in units)
+    assert sorted(slot_of(admin, job_id, u.unit_id) for u in units) == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    wait_for("steps with two replicas", lambda: admin.job(job_id).step >= 20, timeout_s=120)
+    return job_id, grown
+
+
+def kill_node(job_id: str, unit: admin_pb2.Unit) -> None:
+    """The unit's node fails: its slurmd, then every process of the unit there (the workers last)."""
+    minicluster("kill-node", unit.nodes[0])
+    doomed = [pid for pid, env in unit_processes(job_id) if env.get("SLURM_JOB_ID") == str(unit.slurm_job_id)]
+    for pid in sorted(doomed, key=lambda p: p in worker_pids(job_id, unit)):
+        os.kill(pid, signal.SIGKILL)
+
+
+def assert_every_step_once_and_one_process_parameters(tmp_path: Path, records: list[dict], steps: int) -> None:
+    """Every step committed once, and the full parameters (tmp_path/elastic.pt) those of the
+    language model trained alone in one process, to 1e-9 of each tensor's scale."""
+    committed = sorted(r["step"] for r in records if r["kind"] == "commit" and r["rank"] == 0)
+    assert committed == list(range(steps))
+    fixed_out = tmp_path / "fixed.pt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIDAL_", "RANK", "WORLD_SIZE", "MASTER_",
+                                                                    "LOCAL_", "SLURM_"))}
+    subprocess.run(lm_command(fixed_out, tmp_path / "fixed-ledger", "dp", steps=steps), check=True, env=env,
+                   timeout=600, stdout=subprocess.DEVNULL)
+    elastic = torch.load(tmp_path / "elastic.pt", weights_only=True)["model"]
+    for name, reference in torch.load(fixed_out, weights_only=True)["model"].items():
+        scale = float(reference.abs().max())
+        torch.testing.assert_close(elastic[name], reference, rtol=1e-9, atol=1e-9 * scale, msg=name)
+
+
+@pytest.mark.timeout(900)
+def test_hsdp_replicas_of_two_nodes_lose_a_node_patch_it_with_one_node_and_finish_equal_to_one_process(
+        slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path) -> None:
+    controller = slurm_controller(slurm, tmp_path)
     ledger = tmp_path / "ledger"
     lost_node = ""
     try:
-        spec = admin_pb2.JobSpec(
-            name="span-live", min_replicas=1, max_replicas=1, nodes_per_replica=2, procs_per_node=2,
-            partition="train", mode=common_pb2.JOB_MODE_LIVE, working_dir=str(tmp_path),
-            environment={"OMP_NUM_THREADS": "1"},
-            command=lm_command(tmp_path / "elastic.pt", ledger, "hsdp", steps=STEPS))
         with AdminClient(unix_socket=controller.socket, timeout_s=10.0) as admin:
-            job_id = admin.submit(spec).job.job_id
-            wait_for("one replica of two nodes", lambda: next(
-                (e for e in events(admin, job_id, "world_formed") if e.fields["world_size"] == "4"), None),
-                timeout_s=120, interval_s=0.5)
-            wait_for("steps with one replica", lambda: admin.job(job_id).step >= 10, timeout_s=120)
-            admin.resize(job_id, max_replicas=2)
-            grown = wait_for("two replicas of two nodes", lambda: next(
-                (e for e in events(admin, job_id, "world_reconfigured") if e.fields["world_size"] == "8"), None),
-                timeout_s=240, interval_s=0.5)
-            job = admin.job(job_id)
-            units = [u for u in job.units if u.state == admin_pb2.UNIT_STATE_ACTIVE]
-            assert job.replicas == 2 and len(units) == 4 and all(len(u.nodes) == 1 for u in units)
-            assert sorted(slot_of(admin, job_id, u.unit_id) for u in units) == [(1, 0), (1, 1), (2, 0), (2, 1)]
-            wait_for("steps with two replicas", lambda: admin.job(job_id).step >= 20, timeout_s=120)
+            job_id, grown = submit_and_grow_to_two_replicas(
+                admin, tmp_path, lm_command(tmp_path / "elastic.pt", ledger, "hsdp", steps=STEPS))
+            units = [u for u in admin.job(job_id).units if u.state == admin_pb2.UNIT_STATE_ACTIVE]
 
             # A node of replica 2 fails: its slurmd, then the unit's processes there.
             lost = next(u for u in units if slot_of(admin, job_id, u.unit_id) == (2, 1))
@@ -91,10 +132,7 @@ def test_hsdp_replicas_of_two_nodes_lose_a_node_patch_it_with_one_node_and_finis
             replica_1_pids = {u.unit_id: worker_pids(job_id, u) for u in replica_1}
             assert len(kept_pids) == 2 and all(len(p) == 2 for p in replica_1_pids.values())
             lost_node = lost.nodes[0]
-            minicluster("kill-node", lost_node)
-            doomed = [pid for pid, env in unit_processes(job_id) if env.get("SLURM_JOB_ID") == str(lost.slurm_job_id)]
-            for pid in sorted(doomed, key=lambda p: p in worker_pids(job_id, lost)):
-                os.kill(pid, signal.SIGKILL)
+            kill_node(job_id, lost)
             wait_for("replica 1 going on alone", lambda: next(
                 (e for e in events(admin, job_id, "recovered") if e.fields["world_size"] == "4"), None),
                 timeout_s=60)
@@ -152,15 +190,87 @@ def test_hsdp_replicas_of_two_nodes_lose_a_node_patch_it_with_one_node_and_finis
     assert all(r["sources"] == [0] for r in received), "each shard from replica 1 (the only other one)"
     abandoned = [r for r in records if r["kind"] == "abandoned" and r["generation"] >= before_urgent]
     assert not abandoned, f"a step was lost when replica 1 left: {abandoned[:2]}"
-    # Every step's samples once, in the fixed run's order.
-    steps = sorted(r["step"] for r in records if r["kind"] == "commit" and r["rank"] == 0)
-    assert steps == list(range(STEPS))
-    fixed_out = tmp_path / "fixed.pt"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIDAL_", "RANK", "WORLD_SIZE", "MASTER_",
-                                                                    "LOCAL_", "SLURM_"))}
-    subprocess.run(lm_command(fixed_out, tmp_path / "fixed-ledger", "dp", steps=STEPS), check=True, env=env,
-                   timeout=600, stdout=subprocess.DEVNULL)
-    elastic = torch.load(tmp_path / "elastic.pt", weights_only=True)["model"]
-    for name, reference in torch.load(fixed_out, weights_only=True)["model"].items():
-        scale = float(reference.abs().max())
-        torch.testing.assert_close(elastic[name], reference, rtol=1e-9, atol=1e-9 * scale, msg=name)
+    assert_every_step_once_and_one_process_parameters(tmp_path, records, STEPS)
+
+
+@pytest.mark.timeout(900)
+def test_data_parallel_replicas_of_two_nodes_lose_a_node_that_costs_only_its_own_workers(
+        slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path) -> None:
+    """The same scenario under DataParallel (every worker holds the whole model): the workers
+    say so when their world forms, and the controller then keeps a node whose replica lost
+    its other node in the world: a lost node costs its own two workers, no more."""
+    controller = slurm_controller(slurm, tmp_path)
+    ledger = tmp_path / "ledger"
+    lost_node = ""
+    try:
+        with AdminClient(unix_socket=controller.socket, timeout_s=10.0) as admin:
+            job_id, grown = submit_and_grow_to_two_replicas(
+                admin, tmp_path, lm_command(tmp_path / "elastic.pt", ledger, "dp", steps=DP_STEPS))
+            units = [u for u in admin.job(job_id).units if u.state == admin_pb2.UNIT_STATE_ACTIVE]
+
+            lost = next(u for u in units if slot_of(admin, job_id, u.unit_id) == (2, 1))
+            kept = next(u for u in units if slot_of(admin, job_id, u.unit_id) == (2, 0))
+            survivors = [u for u in units if u.unit_id != lost.unit_id]
+            survivor_pids = {u.unit_id: worker_pids(job_id, u) for u in survivors}
+            assert all(len(p) == 2 for p in survivor_pids.values())
+            lost_node = lost.nodes[0]
+            kill_node(job_id, lost)
+
+            def three_nodes_going_on() -> admin_pb2.Event | None:
+                return next((e for e in events(admin, job_id, "recovered") if e.fields["world_size"] == "6"), None)
+
+            try:
+                recovered = wait_for("three nodes going on", three_nodes_going_on, timeout_s=30)
+            except AssertionError:
+                # Seen once in the first runs: two survivors stayed in the broken generation's
+                # gloo collective. Their stacks go to their unit's log (faulthandler, SIGUSR1);
+                # the groups' timeout (120 s) bounds the wait.
+                for pid in (p for pids in survivor_pids.values() for p in pids):
+                    os.kill(pid, signal.SIGUSR1)
+                recovered = wait_for("three nodes going on", three_nodes_going_on, timeout_s=150)
+            assert not [e for e in events(admin, job_id, "unit_standby") if e.unit_id == kept.unit_id]
+            step_at_loss = admin.job(job_id).step
+            wait_for("six workers training", lambda: admin.job(job_id).step >= step_at_loss + 10, timeout_s=60)
+            assert {u.unit_id: worker_pids(job_id, u) for u in survivors} == survivor_pids, "no survivor restarted"
+
+            minicluster("start-node", lost_node)
+            rejoined = wait_for("the lost node's place taken", lambda: next(
+                (e for e in events(admin, job_id, "world_reconfiguring")
+                 if e.generation > recovered.generation and e.fields["world_size"] == "8"), None), timeout_s=180,
+                interval_s=0.5)
+            [patch] = rejoined.fields["joiners"].split(",")
+            assert slot_of(admin, job_id, patch) == (2, 1)
+            wait_for("eight workers again", lambda: next(
+                (e for e in events(admin, job_id, "world_reconfigured") if e.generation == rejoined.generation),
+                None), timeout_s=120)
+
+            # An urgent job takes two nodes (not the kept node's, not the patch's): they leave
+            # at a step boundary, the two others go on.
+            keep_running = tuple(n for u in admin.job(job_id).units if u.state == admin_pb2.UNIT_STATE_ACTIVE
+                                 and slot_of(admin, job_id, u.unit_id)[0] == 2 for n in u.nodes)
+            before_urgent = admin.job(job_id).generation
+            urgent = slurm.submit(UnitSubmission(name="urgent", script="#!/bin/sh\nsleep 20\n", partition="urgent",
+                                                 nodes=2, exclusive=True, requeue=False, exclude_nodes=keep_running,
+                                                 output=str(tmp_path / "urgent-%j.out")))
+            wait_for("the urgent job to run", lambda: slurm.get_job(urgent).state is JobState.RUNNING,
+                     timeout_s=90)
+            assert not [e for e in events(admin, job_id, "failure_detected") if e.unit_id != lost.unit_id]
+            wait_for("the job's end", lambda: admin.job(job_id).state == admin_pb2.JOB_STATE_COMPLETED,
+                     timeout_s=600, interval_s=1.0)
+            assert [e.kind for e in admin.events(job_id)].count("job_completed") == 1
+            assert worker_pids(job_id, kept) in (set(), survivor_pids[kept.unit_id]), "the kept node never restarted"
+        wait_for_units_to_end(slurm, job_id)
+    finally:
+        controller.stop()
+        if lost_node:
+            minicluster("start-node", lost_node)
+
+    records = read_ledger(ledger)
+    received = [r for r in records if r["kind"] == "transfer" and r["role"] == "receiver"
+                and r["generation"] == rejoined.generation]
+    print("transfers at the patch:", [(r["pid"], r["sources"], r["bytes"]) for r in received])
+    assert received and all(r["bytes"] > 0 for r in received), "the patch's workers received the state"
+    assert grown.generation < recovered.generation < rejoined.generation
+    abandoned = [r for r in records if r["kind"] == "abandoned" and r["generation"] >= before_urgent]
+    assert not abandoned, f"a step was lost when two nodes left: {abandoned[:2]}"
+    assert_every_step_once_and_one_process_parameters(tmp_path, records, DP_STEPS)

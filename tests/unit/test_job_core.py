@@ -72,9 +72,10 @@ class Driver:
     def say(self, unit: str, **body: object) -> list[core.Effect]:
         return self.feed(core.LauncherSaid(unit, launcher_pb2.LauncherMessage(**body)))  # type: ignore[arg-type]
 
-    def report(self, unit: str, generation: int, phase: int, step: int = 0) -> list[core.Effect]:
-        return self.say(unit, generation_report=launcher_pb2.GenerationReport(generation=generation, phase=phase,
-                                                                              step=step))
+    def report(self, unit: str, generation: int, phase: int, step: int = 0,
+               replica_workers: int = 0) -> list[core.Effect]:
+        return self.say(unit, generation_report=launcher_pb2.GenerationReport(
+            generation=generation, phase=phase, step=step, replica_workers=replica_workers))
 
     def exit(self, unit: str, generation: int, code: int, local_rank: int = 0) -> list[core.Effect]:
         return self.say(unit, worker_exited=launcher_pb2.WorkerExited(generation=generation, local_rank=local_rank,

@@ -8,7 +8,7 @@ import dataclasses
 
 from tests.unit.test_job_core import CONFIG, Driver, sent
 from tidal.controller.core import job as core
-from tidal.controller.core.replicas import Slot, assign_slot, complete, incomplete_replicas, slot_for
+from tidal.controller.core.replicas import Slot, assign_slot, complete, incomplete_replicas, slot_for, world_nodes
 from tidal.controller.model import JobState, UnitRecord, UnitState
 from tidal.proto import admin_pb2, common_pb2, launcher_pb2
 
@@ -60,13 +60,14 @@ class GroupedDriver(Driver):
         self.links[unit_id] = core.Link(last_heartbeat_at=self.clock)
         return slot
 
-    def grow_completes(self, joiners: tuple[str, ...]) -> None:
+    def grow_completes(self, joiners: tuple[str, ...], replica_workers: int = 0) -> None:
         generation = self.state.generation
         assert generation is not None
         for joiner in joiners:
             self.report(joiner, generation.number, launcher_pb2.GENERATION_PHASE_STARTED)
         for member in generation.unit_ids:
-            self.report(member, generation.number, launcher_pb2.GENERATION_PHASE_RECONFIGURED, step=10)
+            self.report(member, generation.number, launcher_pb2.GENERATION_PHASE_RECONFIGURED, step=10,
+                        replica_workers=replica_workers)
 
 
 def test_a_lost_node_takes_its_replica_out_and_one_new_node_brings_it_back() -> None:
@@ -94,6 +95,73 @@ def test_a_lost_node_takes_its_replica_out_and_one_new_node_brings_it_back() -> 
     driver.grow_completes(("c", "e"))
     assert driver.state.generation.unit_ids == ("a", "b", "c", "e")
     assert driver.state.job.state is JobState.RUNNING
+
+
+def test_whether_a_replicas_nodes_are_in_a_world_together_follows_what_its_workers_span() -> None:
+    spec = admin_pb2.JobSpec(mode=common_pb2.JOB_MODE_LIVE, nodes_per_replica=2, procs_per_node=4)
+    assert world_nodes(spec, 0) == 2, "not said yet: together, the safe side"
+    assert world_nodes(spec, 8) == 2, "HybridSharded over both nodes"
+    assert world_nodes(spec, 1) == 1, "DataParallel: every worker is a replica"
+    assert world_nodes(spec, 4) == 1, "a replica within one node"
+    assert world_nodes(admin_pb2.JobSpec(mode=common_pb2.JOB_MODE_RESTART, nodes_per_replica=2), 1) == 1
+
+
+def test_under_data_parallel_a_lost_node_costs_only_its_own_workers() -> None:
+    """Replicas of two nodes whose workers said a replica is one worker: a lost node's
+    sibling stays in the world, the spec's max_replicas counts 2 nodes a replica, and the
+    node that takes the hole joins alone."""
+    driver = GroupedDriver()
+    for u in "ab":
+        driver.join(u)
+    driver.tick()
+    driver.grow_completes((), replica_workers=1)
+    assert driver.state.replica_workers == 1
+    for u in "cd":
+        driver.join(u)
+    driver.tick()
+    driver.grow_completes(("c", "d"), replica_workers=1)
+    assert driver.state.generation is not None and driver.state.generation.unit_ids == ("a", "b", "c", "d")
+
+    effects = driver.exit("d", driver.state.generation.number, 9)
+    assert driver.state.units["d"].state is UnitState.FAILED
+    assert driver.state.generation.unit_ids == ("a", "b", "c"), "c stays in the world"
+    assert driver.state.units["c"].state is UnitState.ACTIVE
+    assert "unit_standby" not in driver.events(effects)
+
+    assert driver.join("e") == Slot(2, 1), "the new node takes the lost one's slot"
+    driver.tick()
+    assert driver.event("world_reconfiguring").fields["joiners"] == "e"
+    driver.grow_completes(("e",), replica_workers=1)
+    assert driver.state.generation.unit_ids == ("a", "b", "c", "e")
+    assert driver.join("f") == Slot(3, 0)
+    driver.tick()
+    assert driver.state.generation.unit_ids == ("a", "b", "c", "e"), "at max_replicas 2: four nodes"
+
+
+def test_under_data_parallel_a_node_leaving_sets_none_of_its_replica_aside() -> None:
+    driver = GroupedDriver()
+    for u in "abcd":
+        driver.join(u)
+    driver.tick()
+    driver.grow_completes((), replica_workers=1)
+    assert driver.state.generation is not None and len(driver.state.generation.unit_ids) == 4
+    driver.say("d", leave_request=launcher_pb2.LeaveRequest(generation=driver.state.generation.number,
+                                                            cause=launcher_pb2.LEAVE_CAUSE_PREEMPTED))
+    change = driver.state.changing
+    assert change is not None
+    assert driver.state.generation.unit_ids == ("a", "b", "c")
+    assert driver.state.units["c"].state is UnitState.ACTIVE
+
+
+def test_a_resize_below_the_replicas_running_asks_whole_replicas_of_nodes_to_leave() -> None:
+    driver = GroupedDriver()
+    for u in "abcd":
+        driver.join(u)
+    driver.tick()
+    assert driver.state.generation is not None and len(driver.state.generation.unit_ids) == 4
+    driver.feed(core.ResizeRequested(0, 1, 0))
+    leaving = sorted(u for u, unit in driver.state.units.items() if unit.state is UnitState.LEAVING)
+    assert leaving == ["c", "d"], "max_replicas 1 keeps one replica of two nodes"
 
 
 def test_a_replica_waiting_too_long_for_a_node_gives_its_other_nodes_back() -> None:
