@@ -238,12 +238,15 @@ def command_status(args: argparse.Namespace) -> int:
     print(_format_table(headers, [_job_row(job, now) for job in jobs]))
     if args.job:
         job = jobs[0]
+        slots = any(u.replica > 0 for u in job.units)
         rows = [[u.unit_id, _unit_state(u.state), str(u.slurm_job_id or "-"), ",".join(u.nodes) or "-",
+                 *([f"{u.replica}/{u.node_index}" if u.replica > 0 else "-"] if slots else []),
                  str(u.group_rank) if u.group_rank >= 0 else "-", _age(u.last_heartbeat.ToNanoseconds(), now)]
                 for u in job.units]
         if rows:
             print()
-            print(_format_table(["UNIT", "STATE", "SLURM JOB", "NODES", "GROUP RANK", "LAST HEARTBEAT"], rows))
+            print(_format_table(["UNIT", "STATE", "SLURM JOB", "NODES", *(["REPLICA/NODE"] if slots else []),
+                                 "GROUP RANK", "LAST HEARTBEAT"], rows))
         if job.last_event.reason:
             print(f"\nlast event: {job.last_event.kind}: {job.last_event.reason}")
     return EXIT_OK

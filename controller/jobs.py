@@ -499,7 +499,8 @@ class JobActor:
         for unit in self.units.values():
             session = self.sessions.get(unit.unit_id)
             entry = admin_pb2.Unit(unit_id=unit.unit_id, slurm_job_id=unit.slurm_job_id, nodes=unit.nodes,
-                                   state=unit.state.to_proto(), group_rank=unit.group_rank)
+                                   state=unit.state.to_proto(), group_rank=unit.group_rank,
+                                   replica=unit.replica, node_index=unit.node_index)
             if session is not None:
                 entry.last_heartbeat.FromNanoseconds(
                     int((time.time() - (time.monotonic() - session.last_heartbeat_at)) * 1e9))

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests.integration.conftest import ControllerProcess
+from tests.integration.test_cli import tidal
 from tests.integration.test_hsdp import lm_command
 from tests.integration.test_live_mode import read_ledger
 from tests.slurm.test_autoscaling import minicluster, require_four_idle_nodes, wait_for_units_to_end
@@ -84,6 +85,7 @@ def submit_and_grow_to_two_replicas(admin: AdminClient, tmp_path: Path,
     units = [u for u in job.units if u.state == admin_pb2.UNIT_STATE_ACTIVE]
     assert job.replicas == 2 and len(units) == 4 and all(len(u.nodes) == 1 for u in units)
     assert sorted(slot_of(admin, job_id, u.unit_id) for u in units) == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert sorted((u.replica, u.node_index) for u in units) == [(1, 0), (1, 1), (2, 0), (2, 1)]
     wait_for("steps with two replicas", lambda: admin.job(job_id).step >= 20, timeout_s=120)
     return job_id, grown
 
@@ -123,6 +125,8 @@ def test_hsdp_replicas_of_two_nodes_lose_a_node_patch_it_with_one_node_and_finis
             job_id, grown = submit_and_grow_to_two_replicas(
                 admin, tmp_path, lm_command(tmp_path / "elastic.pt", ledger, "hsdp", steps=STEPS))
             units = [u for u in admin.job(job_id).units if u.state == admin_pb2.UNIT_STATE_ACTIVE]
+            status = tidal(controller, "status", job_id).stdout
+            assert "REPLICA/NODE" in status and all(f"{u.replica}/{u.node_index}" in status for u in units), status
 
             # A node of replica 2 fails: its slurmd, then the unit's processes there.
             lost = next(u for u in units if slot_of(admin, job_id, u.unit_id) == (2, 1))
