@@ -241,15 +241,24 @@ def command_status(args: argparse.Namespace) -> int:
         slots = any(u.replica > 0 for u in job.units)
         rows = [[u.unit_id, _unit_state(u.state), str(u.slurm_job_id or "-"), ",".join(u.nodes) or "-",
                  *([f"{u.replica}/{u.node_index}" if u.replica > 0 else "-"] if slots else []),
-                 str(u.group_rank) if u.group_rank >= 0 else "-", _age(u.last_heartbeat.ToNanoseconds(), now)]
+                 str(u.group_rank) if u.group_rank >= 0 else "-", _compute(u),
+                 _age(u.last_heartbeat.ToNanoseconds(), now)]
                 for u in job.units]
         if rows:
             print()
             print(_format_table(["UNIT", "STATE", "SLURM JOB", "NODES", *(["REPLICA/NODE"] if slots else []),
-                                 "GROUP RANK", "LAST HEARTBEAT"], rows))
+                                 "GROUP RANK", "COMPUTE", "LAST HEARTBEAT"], rows))
         if job.last_event.reason:
             print(f"\nlast event: {job.last_event.kind}: {job.last_event.reason}")
     return EXIT_OK
+
+
+def _compute(unit: admin_pb2.Unit) -> str:
+    """The unit's slowest worker's compute per sample against its peers' (live mode), and
+    STRAGGLER while one of its workers is one."""
+    if unit.compute_ratio <= 0:
+        return "-"
+    return f"{unit.compute_ratio:.2f}x" + (" STRAGGLER" if unit.straggler else "")
 
 
 def _event_line(event: admin_pb2.Event) -> str:

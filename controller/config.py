@@ -44,6 +44,10 @@ def unit_folder(template: str, *, home: str, user: str, job_id: str) -> Path:
     return path if path.is_absolute() else Path(home) / path
 
 
+# What the controller does about a straggler (`straggler_action`).
+STRAGGLER_ACTIONS = ("report", "replace")
+
+
 @dataclasses.dataclass(frozen=True)
 class ControllerConfig:
     # Where SQLite, job secrets and the admin token live.
@@ -96,6 +100,19 @@ class ControllerConfig:
     # a node frees within minutes (bench.cluster_sim's busy scenarios: at 600 s 10 of
     # about 24 patches a run gave up at 1,024 GPUs).
     replica_patch_wait_s: float = 1800.0
+    # Live mode: stragglers (tidal.controller.core.stragglers). A worker whose own compute
+    # per sample (forward and backward, before it waits for peers), the median of its last
+    # `straggler_window` heartbeat intervals with steps, is `straggler_ratio` times its
+    # peers' median for `straggler_confirm` intervals in a row is a straggler (event
+    # straggler_suspected); below `straggler_clear_ratio` it is cleared. `straggler_action`:
+    # "report" (events, metric, `tidal status`) or "replace" (also: its unit leaves at a
+    # step boundary when the job stays at or above min_replicas without it, its node is
+    # cooled down, and growth puts a replacement elsewhere; one at a time per job).
+    straggler_action: str = "report"
+    straggler_ratio: float = 1.5
+    straggler_clear_ratio: float = 1.2
+    straggler_window: int = 8
+    straggler_confirm: int = 3
     # Live mode: a world change (joiners' workers ready, every member re-formed) must
     # complete within this long, or the units holding it up count as failed.
     reconfigure_timeout_s: float = 120.0
@@ -162,6 +179,14 @@ class ControllerConfig:
             raise ConfigError("launcher_message_burst must be >= 1")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ConfigError("tls_cert_file and tls_key_file go together: set both or neither")
+        if self.straggler_action not in STRAGGLER_ACTIONS:
+            raise ConfigError(f"straggler_action must be one of {', '.join(STRAGGLER_ACTIONS)}, "
+                              f"got {self.straggler_action!r}")
+        if not 1.0 < self.straggler_clear_ratio <= self.straggler_ratio:
+            raise ConfigError(f"straggler_clear_ratio ({self.straggler_clear_ratio}) must be above 1 and at most "
+                              f"straggler_ratio ({self.straggler_ratio})")
+        if self.straggler_window < 3 or self.straggler_confirm < 1:
+            raise ConfigError("straggler_window must be >= 3 and straggler_confirm >= 1")
         if self.log_format not in ("", "json", "console"):
             raise ConfigError(f"log_format must be json, console or empty, got {self.log_format!r}")
         split_host_port(self.listen, "listen")

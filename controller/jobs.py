@@ -35,6 +35,7 @@ from tidal.controller.core.job import (
     describe_exit,
     duration,
 )
+from tidal.controller.core.stragglers import Totals
 from tidal.controller.events import EventLog
 from tidal.controller.history import ProgressSample, sample_due
 from tidal.controller.metrics import ControllerMetrics
@@ -260,6 +261,8 @@ class JobActor:
                     beat_at[worker.rank] = now - max(0.0, sent_at - worker.beat_time.ToNanoseconds() / 1e9)
                     waiting[worker.rank] = worker.waiting
             session.progress_at, session.steps, session.beat_at, session.waiting = progress_at, steps, beat_at, waiting
+            session.compute = {w.local_rank: Totals(w.compute_generation, w.compute_seconds, w.compute_samples)
+                               for w in beat.workers if w.compute_generation > 0}
             session.samples = max((w.samples for w in beat.workers), default=0)
             # The loss is the global batch's, the same on every rank: the newest one said.
             reported = [(w.samples, w.loss) for w in beat.workers if w.HasField("loss")]
@@ -332,7 +335,7 @@ class JobActor:
     def _links(self) -> dict[str, core.Link]:
         # (No copies: `heartbeat` replaces a session's maps with new ones, never changes them.)
         return {unit_id: core.Link(last_heartbeat_at=s.last_heartbeat_at, progress_at=s.progress_at,
-                                   steps=s.steps, beat_at=s.beat_at, waiting=s.waiting)
+                                   steps=s.steps, beat_at=s.beat_at, waiting=s.waiting, compute=s.compute)
                 for unit_id, s in self.sessions.items()}
 
     def _persist(self, effects: list[core.Effect]) -> None:
@@ -489,6 +492,17 @@ class JobActor:
     def connected_launchers(self) -> int:
         return len(self.sessions)
 
+    def compute_of(self, unit_id: str) -> tuple[float, bool]:
+        """The unit's slowest worker's compute per sample against its peers' median (0: not
+        scored), and whether one of its workers is a straggler."""
+        workers = [w for (unit, _), w in self.state.compute.items() if unit == unit_id]
+        return max((w.ratio for w in workers), default=0.0), any(w.suspected for w in workers)
+
+    @property
+    def unit_compute(self) -> dict[str, tuple[float, bool]]:
+        """`compute_of` for each unit with a scored worker."""
+        return {unit_id: self.compute_of(unit_id) for unit_id in {unit for unit, _ in self.state.compute}}
+
     # Admin views.
 
     def to_proto(self) -> admin_pb2.Job:
@@ -498,9 +512,11 @@ class JobActor:
         units = []
         for unit in self.units.values():
             session = self.sessions.get(unit.unit_id)
+            ratio, straggler = self.compute_of(unit.unit_id)
             entry = admin_pb2.Unit(unit_id=unit.unit_id, slurm_job_id=unit.slurm_job_id, nodes=unit.nodes,
                                    state=unit.state.to_proto(), group_rank=unit.group_rank,
-                                   replica=unit.replica, node_index=unit.node_index)
+                                   replica=unit.replica, node_index=unit.node_index, compute_ratio=ratio,
+                                   straggler=straggler)
             if session is not None:
                 entry.last_heartbeat.FromNanoseconds(
                     int((time.time() - (time.monotonic() - session.last_heartbeat_at)) * 1e9))

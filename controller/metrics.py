@@ -5,7 +5,7 @@ when Prometheus scrapes, so no code path has to keep them up to date."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -34,6 +34,9 @@ class JobView(Protocol):
     @property
     def connected_launchers(self) -> int: ...
 
+    @property
+    def unit_compute(self) -> Mapping[str, tuple[float, bool]]: ...
+
 
 class _StateCollector(Collector):
     def __init__(self, jobs: Callable[[], Iterable[JobView]], job_states: Iterable[str],
@@ -48,6 +51,11 @@ class _StateCollector(Collector):
         world = GaugeMetricFamily("tidal_world_size", "Ranks in the job's current generation (0 when not running).",
                                   labels=["job"])
         generation = GaugeMetricFamily("tidal_generation", "The job's current generation number.", labels=["job"])
+        compute_ratio = GaugeMetricFamily(
+            "tidal_unit_compute_ratio", "Live mode: the unit's slowest worker's own compute per sample over its "
+            "peers' median (1: as fast; scored workers only).", labels=["job", "unit"])
+        straggler = GaugeMetricFamily("tidal_unit_straggler", "Live mode: 1 while a worker of the unit is a straggler.",
+                                      labels=["job", "unit"])
         connected = 0
         job_counts = dict.fromkeys(self._job_states, 0)
         unit_counts = dict.fromkeys(self._unit_states, 0)
@@ -57,12 +65,15 @@ class _StateCollector(Collector):
                 unit_counts[state] = unit_counts.get(state, 0) + 1
             world.add_metric([job.job_id], job.world_size)
             generation.add_metric([job.job_id], job.generation_number)
+            for unit_id, (ratio, slow) in sorted(job.unit_compute.items()):
+                compute_ratio.add_metric([job.job_id, unit_id], ratio)
+                straggler.add_metric([job.job_id, unit_id], 1.0 if slow else 0.0)
             connected += job.connected_launchers
         for state, count in job_counts.items():
             jobs.add_metric([state], count)
         for state, count in unit_counts.items():
             units.add_metric([state], count)
-        yield from (jobs, units, world, generation,
+        yield from (jobs, units, world, generation, compute_ratio, straggler,
                     GaugeMetricFamily("tidal_launchers_connected", "Launcher sessions open.", value=connected))
 
 

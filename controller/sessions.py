@@ -8,6 +8,7 @@ import dataclasses
 
 import grpc
 
+from tidal.controller.core.stragglers import Totals
 from tidal.proto import launcher_pb2
 
 
@@ -48,6 +49,8 @@ class LauncherSession:
     # the loss of the last step they committed (None before one, or where not reported).
     samples: int = 0
     loss: float | None = None
+    # Live mode, per local rank: the worker's own compute this generation (stragglers).
+    compute: dict[int, Totals] = dataclasses.field(default_factory=dict)
     # The newest heartbeat's sequence number taken from this session.
     heartbeat_sequence: int = 0
     closed: bool = False

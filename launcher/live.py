@@ -51,6 +51,19 @@ LIVE_TERM_REPEAT_S = 0.3
 
 
 @dataclasses.dataclass
+class LastBeat:
+    """A live worker's newest beat, as its launcher relays it in heartbeats."""
+
+    at: float  # the launcher's wall clock when it arrived
+    waiting: bool
+    samples: int
+    loss: float | None
+    compute_generation: int = 0
+    compute_seconds: float = 0.0
+    compute_samples: int = 0
+
+
+@dataclasses.dataclass
 class LiveWorkers:
     """What live-mode workers told the launcher, by local rank."""
 
@@ -70,7 +83,7 @@ class LiveWorkers:
     stop_deadline: float | None = None
     # Each worker's last beat: (when, waiting in a collective, samples trained so far,
     # the last committed step's loss or None).
-    beats: dict[int, tuple[float, bool, int, float | None]] = dataclasses.field(default_factory=dict)
+    beats: dict[int, LastBeat] = dataclasses.field(default_factory=dict)
     # Each worker's process (state, CPU time) when its last beat arrived, or at the first
     # look once it fell silent: a silent worker that used CPU since is slow, not frozen.
     beat_samples: dict[int, ProcessSample] = dataclasses.field(default_factory=dict)
@@ -215,8 +228,10 @@ class LiveMode:
                                  detail=detail)
             case StateLost(generation=generation, target_step=target_step, detail=detail):
                 self.report_once(generation, launcher_pb2.GENERATION_PHASE_STATE_LOST, step=target_step, detail=detail)
-            case Beat(samples=samples, waiting=waiting, loss=loss):
-                live.beats[local_rank] = (time.time(), waiting, max(0, samples), loss)
+            case Beat(samples=samples, waiting=waiting, loss=loss, compute_generation=compute_generation,
+                      compute_seconds=compute_seconds, compute_samples=compute_samples):
+                live.beats[local_rank] = LastBeat(time.time(), waiting, max(0, samples), loss, compute_generation,
+                                                  max(0.0, compute_seconds), max(0, compute_samples))
                 live.slow.discard(local_rank)
                 beating = next((w for w in group.workers if w.local_rank == local_rank), None)
                 # The CPU reference only (one /proc read per process, no thread scan): this
@@ -248,7 +263,7 @@ class LiveMode:
                 continue
             sample: ProcessSample | None = None
             reference = live.beat_samples.get(local_rank)
-            if not held_up and silent_past(last[0], now.wall, limit_s):
+            if not held_up and silent_past(last.at, now.wall, limit_s):
                 if local_rank not in live.group_members:
                     # At its first silent look: what else runs in its process group (a wrapper's child).
                     live.group_members[local_rank] = group_members(worker.pid)
@@ -256,7 +271,7 @@ class LiveMode:
                 if reference is None and sample is not None:
                     # No sample from its last beat: this first silent look is the reference.
                     live.beat_samples[local_rank] = sample
-            watches.append(WorkerWatch(local_rank, last[0], reference, sample))
+            watches.append(WorkerWatch(local_rank, last.at, reference, sample))
         self.samples_now = {watch.local_rank: watch.sample_now for watch in watches}
         return tuple(watches), previous
 

@@ -18,7 +18,7 @@ import signal
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 from tidal.launcher import decisions
 from tidal.launcher.events import SignalReceived, Tick, WorkerExit, WorkersStopped
@@ -34,6 +34,9 @@ from tidal.launcher.workers import (
     worker_environment,
 )
 from tidal.proto import launcher_pb2
+
+if TYPE_CHECKING:
+    from tidal.launcher.live import LastBeat
 
 
 class NodeSettings(Protocol):
@@ -218,8 +221,7 @@ class NodeAgent(Generic[OptionsT]):
         exited.exited_at.GetCurrentTime()
         self._send_up(exited)
 
-    def progress_entries(self, beats: Mapping[int, tuple[float, bool, int, float | None]] | None = None
-                         ) -> list[launcher_pb2.WorkerProgress]:
+    def progress_entries(self, beats: Mapping[int, LastBeat] | None = None) -> list[launcher_pb2.WorkerProgress]:
         """What each running worker of this node last reported: its progress file and, in
         live mode, its last beat (`beats`, by local rank)."""
         entries: list[launcher_pb2.WorkerProgress] = []
@@ -235,11 +237,14 @@ class NodeAgent(Generic[OptionsT]):
                 entry.progress_time.FromNanoseconds(int(progress.at * 1e9))
             last_beat = beats.get(worker.local_rank) if beats is not None else None
             if last_beat is not None:
-                entry.beat_time.FromNanoseconds(int(last_beat[0] * 1e9))
-                entry.waiting = last_beat[1]
-                entry.samples = last_beat[2]
-                if last_beat[3] is not None:
-                    entry.loss = last_beat[3]
+                entry.beat_time.FromNanoseconds(int(last_beat.at * 1e9))
+                entry.waiting = last_beat.waiting
+                entry.samples = last_beat.samples
+                if last_beat.loss is not None:
+                    entry.loss = last_beat.loss
+                entry.compute_generation = last_beat.compute_generation
+                entry.compute_seconds = last_beat.compute_seconds
+                entry.compute_samples = last_beat.compute_samples
             entries.append(entry)
         return entries
 

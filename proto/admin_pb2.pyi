@@ -93,7 +93,7 @@ class JobSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., min_replicas: _Optional[int] = ..., max_replicas: _Optional[int] = ..., nodes_per_replica: _Optional[int] = ..., procs_per_node: _Optional[int] = ..., global_batch: _Optional[int] = ..., mode: _Optional[_Union[_common_pb2.JobMode, str]] = ..., command: _Optional[_Iterable[str]] = ..., sbatch_options: _Optional[_Iterable[str]] = ..., partition: _Optional[str] = ..., working_dir: _Optional[str] = ..., environment: _Optional[_Mapping[str, str]] = ..., replica_step: _Optional[int] = ..., allowed_replicas: _Optional[_Iterable[int]] = ..., yield_to_pending: _Optional[bool] = ..., weight: _Optional[int] = ...) -> None: ...
 
 class Unit(_message.Message):
-    __slots__ = ("unit_id", "slurm_job_id", "nodes", "state", "group_rank", "last_heartbeat", "replica", "node_index")
+    __slots__ = ("unit_id", "slurm_job_id", "nodes", "state", "group_rank", "last_heartbeat", "replica", "node_index", "compute_ratio", "straggler")
     UNIT_ID_FIELD_NUMBER: _ClassVar[int]
     SLURM_JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,8 @@ class Unit(_message.Message):
     LAST_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     NODE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_FIELD_NUMBER: _ClassVar[int]
     unit_id: str
     slurm_job_id: int
     nodes: _containers.RepeatedScalarFieldContainer[str]
@@ -110,7 +112,9 @@ class Unit(_message.Message):
     last_heartbeat: _timestamp_pb2.Timestamp
     replica: int
     node_index: int
-    def __init__(self, unit_id: _Optional[str] = ..., slurm_job_id: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., state: _Optional[_Union[UnitState, str]] = ..., group_rank: _Optional[int] = ..., last_heartbeat: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., replica: _Optional[int] = ..., node_index: _Optional[int] = ...) -> None: ...
+    compute_ratio: float
+    straggler: bool
+    def __init__(self, unit_id: _Optional[str] = ..., slurm_job_id: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., state: _Optional[_Union[UnitState, str]] = ..., group_rank: _Optional[int] = ..., last_heartbeat: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., replica: _Optional[int] = ..., node_index: _Optional[int] = ..., compute_ratio: _Optional[float] = ..., straggler: _Optional[bool] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("job_id", "spec", "state", "owner_uid", "generation", "world_size", "replicas", "step", "samples_per_second", "goodput", "created_at", "last_event", "units")

@@ -199,6 +199,9 @@ class Elastic:
         # The last committed step's loss (None before the first): sent with the beats, so
         # the controller keeps a loss history (`tidal plot`).
         self.last_loss: float | None = None
+        # This generation's own compute so far: (generation, seconds, samples) (`_count_compute`;
+        # -1: no step yet).
+        self.compute: tuple[int, float, int] = (-1, 0.0, 0)
 
     # What a script may read.
 
@@ -261,8 +264,21 @@ class Elastic:
         self.membership.enter()
 
     def _beat(self) -> Beat:
+        generation, seconds, samples = self.compute
         return Beat(step=self.counters.step, samples=self.counters.samples, waiting=self.collectives.waiting,
-                    loss=self.last_loss)
+                    loss=self.last_loss, compute_generation=generation, compute_seconds=seconds,
+                    compute_samples=samples)
+
+    def _count_compute(self, generation: int, seconds: float, samples: int) -> None:
+        """Add a committed step's own compute to this generation's totals (the beats carry
+        them). A generation's first step only starts the count: it pays for the world
+        change (a joiner's cold start, new groups), which is not the rank's speed."""
+        counted, total_seconds, total_samples = self.compute
+        if counted != generation:
+            self.compute = (generation, 0.0, 0)
+        elif samples > 0:
+            # One tuple, replaced whole: the beat thread reads it without a lock.
+            self.compute = (generation, total_seconds + seconds, total_samples + samples)
 
     def _agree(self, groups: Groups | None, world: World) -> tuple[int, str]:
         """A world just met: agree on the training state, then size the batch for it."""
@@ -302,7 +318,9 @@ class Elastic:
         strategy.begin_step(groups.replica if groups is not None else None, batch_size)
         try:
             try:
+                computing_since = time.monotonic()
                 control, control_work = self._compute_gradients(samples, world)
+                computed_s = time.monotonic() - computing_since
             except RuntimeError as error:
                 if strategy.shard_group is None or not raised_by_a_collective(error):
                     raise
@@ -329,6 +347,7 @@ class Elastic:
         self.counters.position += batch_size
         self.counters.samples += batch_size
         step_loss = control[4].item() / batch_size
+        self._count_compute(world.generation, computed_s, len(samples.indices))
         self._after_commit(world, step_loss)
         result = StepResult(step=self.counters.step, loss=step_loss, global_batch=batch_size,
                             world_size=world.world_size, rank=world.rank, generation=world.generation,

@@ -183,3 +183,37 @@ def release_unpatched(t: Step, now: float) -> None:
                  fields={"replica": str(replica), "units": join_ids(unit_ids)})
         for unit_id in unit_ids:
             leave(t, unit_id, "released", f"replica {replica} waited {now - started:.0f} s for a node")
+
+
+def replace_straggler(t: Step, now: float) -> None:
+    """straggler_action "replace": one straggler's unit leaves at a step boundary (0 steps
+    lost) when the world keeps min_replicas without it, and its node is cooled down, so that
+    growth puts the replacement on another node. One at a time per job: the next waits until
+    this unit is gone."""
+    state = t.state
+    if state.straggler_leaving is not None:
+        unit = state.units.get(state.straggler_leaving)
+        if unit is not None and not unit.state.is_final:
+            return
+        state.straggler_leaving = None
+    generation = state.generation
+    if state.in_flight is not None or generation is None or t.job.state is not JobState.RUNNING:
+        return
+    suspected = sorted({unit_id for (unit_id, _), worker in state.compute.items() if worker.suspected})
+    for unit_id in suspected:
+        unit = state.units.get(unit_id)
+        if unit is None or unit.state is not UnitState.ACTIVE or unit_id not in generation.unit_ids:
+            continue
+        remaining = (len(generation.unit_ids) - t.replica_nodes) // t.replica_nodes
+        if remaining < t.min_world:
+            if state.straggler_kept != unit_id:
+                state.straggler_kept = unit_id
+                t.record("straggler_kept", f"unit {unit_id} stays until the job has a replica to spare: without it "
+                         f"the world would be below min_replicas {t.job.spec.min_replicas}", unit_id=unit_id)
+            return
+        state.straggler_kept = ""
+        state.straggler_leaving = unit_id
+        slurm_units.cool_down(t, unit, now, why="it was a straggler there")
+        leave(t, unit_id, "straggler", "its workers compute slower than their peers (straggler_action replace)")
+        return
+

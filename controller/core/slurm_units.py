@@ -111,7 +111,7 @@ def on_requeued(t: Step, unit: UnitRecord, slurm_job_id: int) -> None:
         leaving.leave(t, unit.unit_id, "requeued", f"Slurm requeued job {slurm_job_id}")
 
 
-def cool_down(t: Step, unit: UnitRecord, now: float) -> None:
+def cool_down(t: Step, unit: UnitRecord, now: float, why: str = "") -> None:
     """No unit of this job on the failed unit's nodes for a while (doubling with each
     failure there), so a bad node does not eat every replacement."""
     for node in unit.nodes:
@@ -119,7 +119,7 @@ def cool_down(t: Step, unit: UnitRecord, now: float) -> None:
         seconds = t.config.node_cooldown_s * min(8, 2 ** (failures - 1))
         t.state.node_cooldown[node] = (failures, now + seconds)
         t.save_pending()
-        t.record("node_excluded", f"unit {unit.unit_id} failed there", unit_id=unit.unit_id,
+        t.record("node_excluded", f"unit {unit.unit_id} {why or 'failed there'}", unit_id=unit.unit_id,
                  fields={"node": node, "failures": failures, "for_s": f"{seconds:.0f}"})
 
 

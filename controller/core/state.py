@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from tidal.controller.config import ControllerConfig
 from tidal.controller.core import sharing
 from tidal.controller.core.replicas import Slot
+from tidal.controller.core.stragglers import Totals, WorkerCompute, WorkerKey
 from tidal.controller.model import GenerationRecord, JobRecord, JobState, UnitFacts, UnitRecord, UnitState
 from tidal.proto import common_pb2, launcher_pb2
 from tidal.slurm.snapshot import ClusterView
@@ -75,6 +76,8 @@ class Link:
     steps: Mapping[int, int] = dataclasses.field(default_factory=dict)
     beat_at: Mapping[int, float] = dataclasses.field(default_factory=dict)
     waiting: Mapping[int, bool] = dataclasses.field(default_factory=dict)
+    # Live mode, per local rank: the worker's own compute this generation (`stragglers.Totals`).
+    compute: Mapping[int, Totals] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,6 +350,13 @@ class State:
     # formed world said (0: none yet; `replicas.world_nodes`). Not persisted: a restarted
     # controller takes replicas as coupled until the next world forms.
     replica_workers: int = 0
+    # Live mode: each worker's recent compute per sample and its straggler score
+    # (`stragglers`); not persisted (a restarted controller scores afresh).
+    compute: dict[WorkerKey, WorkerCompute] = dataclasses.field(default_factory=dict)
+    # straggler_action "replace": the straggler's unit asked to leave, until it is gone.
+    straggler_leaving: str | None = None
+    # The straggler's unit last said to stay (at min_replicas), so that it is said once.
+    straggler_kept: str = ""
 
     @property
     def live(self) -> bool:

@@ -5,7 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from tidal.controller.core import failure, finishing, forming, health, leaving, planning, replicas, slurm_units
+from tidal.controller.core import (
+    failure,
+    finishing,
+    forming,
+    health,
+    leaving,
+    planning,
+    replicas,
+    slurm_units,
+    stragglers,
+)
 from tidal.controller.core.progress import MemberProgress, committed_step
 from tidal.controller.core.state import (
     SaveJob,
@@ -32,6 +42,7 @@ def on_tick(t: Step, now: float) -> None:
         finishing.maybe_complete(t)
         return
     observe_progress(t, now)
+    observe_compute(t, now)
     for back in verdicts.back_without_workers:
         returned = t.note(state.units[back.unit_id], back_without_workers_at=None)
         if returned.state is UnitState.ACTIVE and t.job.state is JobState.RUNNING:
@@ -151,3 +162,49 @@ def observe_progress(t: Step, now: float) -> None:
         if now - state.step_persisted_at >= 1.0:
             state.step_persisted_at = now
             t.emit(SaveJob(t.job))
+
+
+def straggler_policy(t: Step) -> stragglers.StragglerPolicy:
+    config = t.config
+    return stragglers.StragglerPolicy(ratio=config.straggler_ratio, clear_ratio=config.straggler_clear_ratio,
+                                      window=config.straggler_window, confirm=config.straggler_confirm)
+
+
+def observe_compute(t: Step, now: float) -> None:
+    """Live mode: score the training world's workers' own compute (`stragglers`); say who
+    became a straggler or stopped being one; with straggler_action "replace", ask one
+    straggler's unit to leave."""
+    state = t.state
+    world = state.training_world
+    if not state.live or world is None or t.job.state is not JobState.RUNNING:
+        return
+    totals: dict[stragglers.WorkerKey, stragglers.Totals] = {}
+    ranks: dict[stragglers.WorkerKey, int] = {}
+    for member in world.members:
+        link = state.links.get(member.unit_id) if t.connected(member.unit_id) else None
+        for local_rank, said in (link.compute.items() if link is not None else ()):
+            totals[(member.unit_id, local_rank)] = said
+            ranks[(member.unit_id, local_rank)] = member.first_rank + local_rank
+    policy = straggler_policy(t)
+    previous = state.compute
+    windows = stragglers.observe(previous, totals, world.number, policy)
+    state.compute, changes = stragglers.score(windows, policy)
+    for change in changes:
+        unit_id, local_rank = change.key
+        unit = state.units.get(unit_id)
+        node = unit.nodes[0] if unit is not None and unit.nodes else ""
+        fields = {"rank": ranks.get(change.key, -1), "local_rank": local_rank, "node": node,
+                  "ratio": f"{change.worker.ratio:.2f}", "self_ratio": f"{change.worker.self_ratio:.2f}",
+                  "window": policy.window}
+        if change.suspected:
+            t.record("straggler_suspected", f"worker {local_rank} of unit {unit_id} (rank {fields['rank']}, node "
+                     f"{node or '?'}) computes {change.worker.ratio:.2f}× its peers' median time per sample over "
+                     f"its last {policy.window} intervals", unit_id=unit_id, generation=world.number, fields=fields)
+        else:
+            t.record("straggler_cleared", f"worker {local_rank} of unit {unit_id} computes {change.worker.ratio:.2f}× "
+                     "its peers' median again", unit_id=unit_id, generation=world.number, fields=fields)
+    for unit_id, local_rank in stragglers.cleared_by_leaving(previous, state.compute):
+        t.record("straggler_cleared", f"worker {local_rank} of unit {unit_id} is out of the world",
+                 unit_id=unit_id, generation=world.number, fields={"local_rank": local_rank})
+    if t.config.straggler_action == "replace":
+        leaving.replace_straggler(t, now)

@@ -347,3 +347,12 @@ def test_the_codec_refuses_lines_that_are_not_messages() -> None:
     assert json.loads(encode(Stop(generation=5))) == {"op": "stop", "generation": 5}
     lost = decode(b'{"op": "state_lost", "generation": 1, "target_step": 3, "detail": "' + b"x" * 5000 + b'"}')
     assert isinstance(lost, StateLost) and len(lost.detail) == 2000
+
+
+def test_a_rank_counts_its_own_compute_per_generation_leaving_out_the_first_step() -> None:
+    job = _train(5)
+    generation, seconds, samples = job.compute
+    # Steps 2..5 of the world's one generation: 4 steps of the global batch of 12.
+    assert samples == 4 * 12 and seconds > 0
+    beat = job._beat()
+    assert (beat.compute_generation, beat.compute_seconds, beat.compute_samples) == (generation, seconds, samples)
