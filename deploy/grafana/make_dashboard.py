@@ -3,9 +3,10 @@ Prometheus metrics (controller/metrics.py). Run it after changing a panel:
 
     python deploy/grafana/make_dashboard.py
 
-tests/unit/test_dashboard.py checks the written file is what this makes, and
+tests/unit/test_dashboard.py checks the written file is what this makes,
 tests/integration/test_failures.py that every metric a panel queries is exported by a
-running controller."""
+running controller, and tests/integration/test_prometheus.py that a real Prometheus
+scraping a live controller answers every query of every panel with data."""
 
 from __future__ import annotations
 
