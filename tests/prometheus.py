@@ -4,7 +4,7 @@ that scrapes one controller every second and answers PromQL through its HTTP API
 
 The package's own service is never left running: while apt-get installs, a policy-rc.d
 refuses every service start (unless the machine has one of its own, as containers do),
-and under systemd the packaged unit is disabled afterwards. The test's process listens on
+and afterwards the service is disabled (systemctl under systemd, else update-rc.d). The test's process listens on
 127.0.0.1 only, keeps its data in the test's folder, and is stopped by its PID."""
 
 from __future__ import annotations
