@@ -379,7 +379,7 @@ class JobActor:
                 case core.FailureCounted(cause):
                     self.metrics.failures.labels(cause=cause).inc()
                 case core.GenerationCounted(job_id):
-                    self.metrics.generations_formed.labels(job=job_id).inc()
+                    self.metrics.generations_formed.labels(job_id=job_id).inc()
                 case core.StaleMessageCounted():
                     self.metrics.stale_messages.inc()
                 case core.StopTimed(seconds):

@@ -1,7 +1,11 @@
 """Prometheus metrics of the controller, on a registry of its own (so two controllers in
 one test process do not collide). Counters and histograms are updated where things
 happen; the gauges of jobs, units, world sizes and generations are read from the job actors
-when Prometheus scrapes, so no code path has to keep them up to date."""
+when Prometheus scrapes, so no code path has to keep them up to date.
+
+A Tidal job is the label `job_id` (its id, as `tidal status` shows it), not `job`:
+Prometheus gives every scraped series a `job` label of its own (the scrape job's name) and
+would rename ours `exported_job`."""
 
 from __future__ import annotations
 
@@ -49,13 +53,13 @@ class _StateCollector(Collector):
         jobs = GaugeMetricFamily("tidal_jobs", "Jobs by state.", labels=["state"])
         units = GaugeMetricFamily("tidal_units", "Units (replicas) by state.", labels=["state"])
         world = GaugeMetricFamily("tidal_world_size", "Ranks in the job's current generation (0 when not running).",
-                                  labels=["job"])
-        generation = GaugeMetricFamily("tidal_generation", "The job's current generation number.", labels=["job"])
+                                  labels=["job_id"])
+        generation = GaugeMetricFamily("tidal_generation", "The job's current generation number.", labels=["job_id"])
         compute_ratio = GaugeMetricFamily(
             "tidal_unit_compute_ratio", "Live mode: the unit's slowest worker's own compute per sample over its "
-            "peers' median (1: as fast; scored workers only).", labels=["job", "unit"])
+            "peers' median (1: as fast; scored workers only).", labels=["job_id", "unit_id"])
         straggler = GaugeMetricFamily("tidal_unit_straggler", "Live mode: 1 while a worker of the unit is a straggler.",
-                                      labels=["job", "unit"])
+                                      labels=["job_id", "unit_id"])
         connected = 0
         job_counts = dict.fromkeys(self._job_states, 0)
         unit_counts = dict.fromkeys(self._unit_states, 0)
@@ -80,7 +84,7 @@ class _StateCollector(Collector):
 class ControllerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.generations_formed = Counter("tidal_generations_formed", "Generations formed.", ["job"],
+        self.generations_formed = Counter("tidal_generations_formed", "Generations formed.", ["job_id"],
                                           registry=self.registry)
         self.failures = Counter("tidal_failures", "Failures detected, by cause.", ["cause"], registry=self.registry)
         self.heartbeat_latency = Histogram(

@@ -16,6 +16,9 @@ DASHBOARD = REPO_ROOT / "deploy" / "grafana" / "tidal.json"
 # The metric names in a PromQL expression: every word with the controller's prefix
 # (its metrics all start with tidal_; the board's labels and functions do not).
 _METRIC = re.compile(r"\b(tidal_[a-z0-9_]+)\b")
+# A Grafana template variable in a query: $name, ${name} or ${name:format}, [[name]].
+_VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)|\[\[(\w+)\]\]")
+_LABEL_VALUES = re.compile(r"label_values\(\s*([a-zA-Z_:][a-zA-Z0-9_:]*)\s*,\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*\)")
 SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_count", "_sum", "_created"),
             "gauge": ("",), "summary": ("", "_count", "_sum", "_created"), "untyped": ("",)}
 
@@ -47,3 +50,25 @@ def exported_metrics(exposition: str) -> set[str]:
         names.update(f"{family.name}{suffix}" for suffix in SUFFIXES.get(family.type, ("",)))
         names.update(sample.name for sample in family.samples)
     return names
+
+
+def with_variables(expression: str, values: dict[str, str]) -> str:
+    """`expression` with each Grafana variable ($job, $__rate_interval, …) replaced by its
+    value in `values`; KeyError naming a variable that has none."""
+    def value(match: re.Match[str]) -> str:
+        name = next(group for group in match.groups() if group)
+        if name not in values:
+            raise KeyError(f"no value for Grafana's ${name} in {expression!r}")
+        return values[name]
+
+    return _VARIABLE.sub(value, expression)
+
+
+def label_values_query(variable: dict[str, Any]) -> tuple[str, str]:
+    """(metric, label) of a query variable defined as `label_values(metric, label)`."""
+    query = variable["query"]
+    text = query.get("query", "") if isinstance(query, dict) else str(query)
+    match = _LABEL_VALUES.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(f"variable {variable['name']!r} is not label_values(metric, label): {text!r}")
+    return match.group(1), match.group(2)

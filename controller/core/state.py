@@ -214,7 +214,7 @@ class FailureCounted:
 
 @dataclasses.dataclass(frozen=True)
 class GenerationCounted:
-    """A generation formed (`tidal_generations_formed_total{job}`)."""
+    """A generation formed (`tidal_generations_formed_total{job_id}`)."""
 
     job_id: str
 

@@ -3,9 +3,10 @@ Prometheus metrics (controller/metrics.py). Run it after changing a panel:
 
     python deploy/grafana/make_dashboard.py
 
-tests/unit/test_dashboard.py checks the written file is what this makes, and
+tests/unit/test_dashboard.py checks the written file is what this makes,
 tests/integration/test_failures.py that every metric a panel queries is exported by a
-running controller."""
+running controller, and tests/integration/test_prometheus.py that a real Prometheus
+scraping a live controller answers every query of every panel with data."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from typing import Any
 
 OUTPUT = Path(__file__).resolve().parent / "tidal.json"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
-# The controller's job label is the Tidal job; Prometheus must keep it (honor_labels: true,
-# deploy/prometheus/tidal-scrape.yml), else it is renamed exported_job.
-JOB_FILTER = 'job=~"$job"'
+# The board's variable $job picks Tidal jobs by the metrics' job_id label (Prometheus'
+# own job label is the scrape job).
+JOB_FILTER = 'job_id=~"$job"'
 
 
 def panel(title: str, kind: str, targets: list[tuple[str, str]], *, x: int, y: int, w: int = 12, h: int = 8,
@@ -55,12 +56,12 @@ def dashboard() -> dict[str, Any]:
                                         "active, leaving, left, failed."),
         panel("Launchers connected", "stat", [("tidal_launchers_connected", "launchers")], x=16, y=0, w=8,
               description="Launcher sessions open on the controller: one per unit whose launcher registered."),
-        panel("World size", "timeseries", [(f"tidal_world_size{{{JOB_FILTER}}}", "{{job}}")], x=0, y=8, w=12,
+        panel("World size", "timeseries", [(f"tidal_world_size{{{JOB_FILTER}}}", "{{job_id}}")], x=0, y=8, w=12,
               description="Ranks in each job's current world: it breathes as units join, leave and fail."),
         panel("World changes", "timeseries",
-              [(f"sum by (job) (increase(tidal_generations_formed_total{{{JOB_FILTER}}}[$__rate_interval]))",
-                "{{job}}"),
-               (f"tidal_generation{{{JOB_FILTER}}}", "{{job}} generation")], x=12, y=8, w=12,
+              [(f"sum by (job_id) (increase(tidal_generations_formed_total{{{JOB_FILTER}}}[$__rate_interval]))",
+                "{{job_id}}"),
+               (f"tidal_generation{{{JOB_FILTER}}}", "{{job_id}} generation")], x=12, y=8, w=12,
               description="Worlds formed (grows, shrinks, recoveries) per interval, and each job's generation."),
         panel("Failures by cause", "timeseries",
               [("sum by (cause) (increase(tidal_failures_total[$__rate_interval]))", "{{cause}}")], x=0, y=16,
@@ -82,22 +83,28 @@ def dashboard() -> dict[str, Any]:
                ("sum(increase(tidal_stale_messages_total[$__rate_interval]))", "stale messages")],
               x=0, y=32, w=24, h=6, description="Launcher calls refused (a wrong secret, an unknown job) by gRPC "
                                                 "status, and messages of an old generation ignored."),
+        panel("Stragglers", "timeseries",
+              [(f"max by (job_id, unit_id) (tidal_unit_compute_ratio{{{JOB_FILTER}}})", "{{job_id}} {{unit_id}}"),
+               (f"sum by (job_id) (tidal_unit_straggler{{{JOB_FILTER}}})", "{{job_id}} stragglers")],
+              x=0, y=38, w=24, h=8,
+              description="Live mode: each unit's slowest worker's own compute per sample over its peers' median "
+                          "(1: as fast; a straggler from straggler_ratio, 1.5 by default, held), and how many units "
+                          "have a straggler now."),
     ]
     for index, each in enumerate(panels, start=1):
         each["id"] = index
     return {
         "title": "Tidal", "uid": "tidal-controller", "tags": ["tidal", "slurm", "pytorch"], "editable": True,
         "description": "Tidal's controller: jobs, world sizes, failures, recoveries, heartbeats, launchers. "
-                       "Scrape the controller's metrics_listen with honor_labels: true "
-                       "(deploy/prometheus/tidal-scrape.yml).",
+                       "Scrape the controller's metrics_listen (deploy/prometheus/tidal-scrape.yml).",
         "schemaVersion": 39, "version": 1, "time": {"from": "now-1h", "to": "now"}, "refresh": "10s",
         "timezone": "", "graphTooltip": 1, "links": [], "annotations": {"list": []},
         "templating": {"list": [
             {"name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus",
              "current": {}, "hide": 0, "refresh": 1},
             {"name": "job", "label": "Tidal job", "type": "query", "datasource": DATASOURCE,
-             "query": {"query": "label_values(tidal_world_size, job)", "refId": "jobs"},
-             "definition": "label_values(tidal_world_size, job)", "includeAll": True, "multi": True,
+             "query": {"query": "label_values(tidal_world_size, job_id)", "refId": "jobs"},
+             "definition": "label_values(tidal_world_size, job_id)", "includeAll": True, "multi": True,
              "allValue": ".*", "current": {"text": "All", "value": "$__all"}, "refresh": 2, "hide": 0, "sort": 1},
         ]},
         "panels": panels,

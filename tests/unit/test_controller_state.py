@@ -287,8 +287,8 @@ def test_state_gauges_are_read_from_the_jobs_at_scrape_time() -> None:
     metrics.read_job_states(lambda: jobs, ["pending", "running"], ["active", "left"])
     text = generate_latest(metrics.registry).decode()
     for line in ('tidal_jobs{state="running"} 1.0', 'tidal_jobs{state="pending"} 0.0',
-                 'tidal_units{state="active"} 2.0', 'tidal_world_size{job="j"} 2.0', 'tidal_generation{job="j"} 3.0',
-                 "tidal_launchers_connected 2.0"):
+                 'tidal_units{state="active"} 2.0', 'tidal_world_size{job_id="j"} 2.0',
+                 'tidal_generation{job_id="j"} 3.0', "tidal_launchers_connected 2.0"):
         assert line in text
     jobs.clear()
     assert 'tidal_jobs{state="running"} 0.0' in generate_latest(metrics.registry).decode()

@@ -1,15 +1,17 @@
 """The Grafana dashboard (deploy/grafana/tidal.json) is the one its generator makes, is
-well formed, and queries only metrics the controller exports."""
+well formed, and queries only metrics the controller exports; its Grafana variables are
+filled in as tests/integration/test_prometheus.py fills them."""
 
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
+import pytest
 from prometheus_client import generate_latest
 
 from tests.conftest import REPO_ROOT
-from tests.dashboard import exported_metrics, load, panel_queries, queried_metrics
+from tests.dashboard import exported_metrics, label_values_query, load, panel_queries, queried_metrics, with_variables
 from tidal.controller.metrics import ControllerMetrics
 
 
@@ -58,6 +60,7 @@ class _Job:
     world_size = 2
     generation_number = 3
     connected_launchers = 2
+    unit_compute: Mapping[str, tuple[float, bool]] = {"u1": (1.7, True)}
 
 
 def test_every_metric_the_dashboard_queries_is_in_the_controllers_registry() -> None:
@@ -76,3 +79,17 @@ def test_a_metric_the_controller_does_not_export_is_caught() -> None:
     exported = exported_metrics(generate_latest(metrics.registry).decode())
     dashboard = {"panels": [{"title": "x", "targets": [{"expr": "rate(tidal_no_such_thing_total[5m])"}]}]}
     assert queried_metrics(dashboard) - exported == {"tidal_no_such_thing_total"}
+
+
+def test_grafana_variables_are_replaced_and_an_unknown_one_is_named() -> None:
+    values = {"job": "lm-1", "__rate_interval": "30s"}
+    assert (with_variables('rate(x{job_id=~"$job"}[$__rate_interval]) + ${job} + [[job]]', values)
+            == 'rate(x{job_id=~"lm-1"}[30s]) + lm-1 + lm-1')
+    assert with_variables('x{job_id=~"a$"}', values) == 'x{job_id=~"a$"}'
+    with pytest.raises(KeyError, match=r"\$__interval"):
+        with_variables("rate(x[$__interval])", values)
+
+
+def test_the_job_variable_lists_the_job_ids_of_the_world_size_gauge() -> None:
+    (job,) = [v for v in load()["templating"]["list"] if v["name"] == "job"]
+    assert label_values_query(job) == ("tidal_world_size", "job_id")

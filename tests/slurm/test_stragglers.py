@@ -1,0 +1,142 @@
+"""Stragglers on the real mini cluster: a live job of 3 one-node replicas on 4 nodes
+(DataParallel, the language model, float64), straggler_action "replace".
+
+First two busy loops load the machine's 2 cores for a while: every worker slows alike and
+no straggler is named. Then one worker is slowed from outside, SIGSTOP for 40 ms of every
+100 ms (the script unchanged): it is named (`straggler_suspected`, its unit and rank), its
+unit leaves at a step boundary (0 steps lost), its node is cooled down, a replacement unit
+starts on the free node and joins, steps/s come back to within 10 % of the rate before the
+slowing, and the job runs to its end: COMPLETED once, every step committed once, the full
+parameters those of one process."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from bench import chaos
+from tests.integration.conftest import ControllerProcess
+from tests.integration.test_hsdp import lm_command
+from tests.integration.test_live_mode import read_ledger
+from tests.slurm.test_autoscaling import require_four_idle_nodes, wait_for_units_to_end
+from tests.slurm.test_live_multinode import assert_every_step_once_and_one_process_parameters, events, worker_pids
+from tests.waiting import wait_for
+from tidal.controller.client import AdminClient
+from tidal.proto import admin_pb2, common_pb2
+from tidal.slurm import CliJsonSlurmClient
+
+pytestmark = pytest.mark.slurm
+
+STEPS = 2400
+STOPPED_S = 0.04
+PERIOD_S = 0.1
+
+
+class DutyCycle:
+    """SIGSTOP `pid` for STOPPED_S of every PERIOD_S, from a thread, until stopped (or the
+    process is gone); it is always left running (SIGCONT)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="duty-cycle", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            while not self.done.is_set():
+                os.kill(self.pid, signal.SIGSTOP)
+                time.sleep(STOPPED_S)
+                os.kill(self.pid, signal.SIGCONT)
+                time.sleep(PERIOD_S - STOPPED_S)
+        except ProcessLookupError:
+            return
+
+    def __enter__(self) -> DutyCycle:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.done.set()
+        self.thread.join(5)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGCONT)
+
+
+def steps_per_second(admin: AdminClient, job_id: str, seconds: float) -> float:
+    first, began = admin.job(job_id).step, time.monotonic()
+    time.sleep(seconds)
+    return (admin.job(job_id).step - first) / (time.monotonic() - began)
+
+
+@pytest.mark.timeout(900)
+def test_a_worker_slowed_from_outside_is_named_replaced_live_and_the_job_ends_equal_to_one_process(
+        slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path) -> None:
+    require_four_idle_nodes(slurm)
+    controller = ControllerProcess(tmp_path, {"slurm_units": "true", "slurm_poll_interval_s": "1",
+                                              "join_settle_s": "2", "reconnect_grace_s": "10",
+                                              "node_cooldown_s": "600", "straggler_action": "replace"})
+    controller.start()
+    ledger = tmp_path / "ledger"
+    try:
+        spec = admin_pb2.JobSpec(
+            name="straggler", min_replicas=2, max_replicas=3, partition="train", mode=common_pb2.JOB_MODE_LIVE,
+            working_dir=str(tmp_path), environment={"OMP_NUM_THREADS": "1"},
+            command=lm_command(tmp_path / "elastic.pt", ledger, "dp", steps=STEPS))
+        with AdminClient(unix_socket=controller.socket, timeout_s=10.0) as admin:
+            job_id = admin.submit(spec).job.job_id
+            wait_for("three replicas", lambda: admin.job(job_id).world_size == 3
+                     and admin.job(job_id).state == admin_pb2.JOB_STATE_RUNNING, timeout_s=120, interval_s=0.5)
+
+            # The machine loaded: every worker slows alike, nobody is named.
+            with chaos.cpu_hog():
+                time.sleep(15)
+            assert not events(admin, job_id, "straggler_suspected"), "an even slowdown named a straggler"
+            before = steps_per_second(admin, job_id, 8)
+
+            units = [u for u in admin.job(job_id).units if u.state == admin_pb2.UNIT_STATE_ACTIVE]
+            slowed = max(units, key=lambda u: u.group_rank)
+            [pid] = worker_pids(job_id, slowed)
+            slowed_at_step = admin.job(job_id).step
+            with DutyCycle(pid):
+                slowed_at = time.monotonic()
+                named = wait_for("the straggler named", lambda: next(
+                    iter(events(admin, job_id, "straggler_suspected")), None), timeout_s=60, interval_s=0.3)
+                named_after_s = time.monotonic() - slowed_at
+                named_at_step = admin.job(job_id).step
+                assert named.unit_id == slowed.unit_id and named.fields["rank"] == str(slowed.group_rank), named
+                assert float(named.fields["ratio"]) >= 1.5
+                left = wait_for("its unit to leave", lambda: next(
+                    (e for e in events(admin, job_id, "unit_left") if e.unit_id == slowed.unit_id), None),
+                    timeout_s=60)
+            print(f"named after {named_after_s:.1f} s, {named_at_step - slowed_at_step} steps; ratio "
+                  f"{named.fields['ratio']}; left: {left.reason}")
+            excluded = [e for e in events(admin, job_id, "node_excluded") if e.unit_id == slowed.unit_id]
+            assert excluded and excluded[0].fields["node"] == slowed.nodes[0]
+            replaced = wait_for("a replacement on the free node", lambda: next(
+                (e for e in events(admin, job_id, "world_reconfigured")
+                 if e.generation > left.generation and e.fields["world_size"] == "3"), None), timeout_s=120)
+            replacement = [u for u in admin.job(job_id).units
+                           if u.state == admin_pb2.UNIT_STATE_ACTIVE and u.unit_id not in {x.unit_id for x in units}]
+            assert replacement and replacement[0].nodes[0] != slowed.nodes[0], replacement
+            after = steps_per_second(admin, job_id, 8)
+            print(f"steps/s before the slowing {before:.2f}, after the replacement {after:.2f}")
+            assert after >= 0.9 * before, (before, after)
+            assert [e.kind for e in admin.events(job_id)].count("straggler_suspected") == 1
+            assert replaced.generation > left.generation
+            wait_for("the job's end", lambda: admin.job(job_id).state == admin_pb2.JOB_STATE_COMPLETED,
+                     timeout_s=600, interval_s=1.0)
+            assert [e.kind for e in admin.events(job_id)].count("job_completed") == 1
+        wait_for_units_to_end(slurm, job_id)
+    finally:
+        controller.stop()
+
+    records = read_ledger(ledger)
+    abandoned = [r for r in records if r["kind"] == "abandoned"]
+    assert not abandoned, f"a step was lost: {abandoned[:2]}"
+    assert_every_step_once_and_one_process_parameters(tmp_path, records, STEPS)
