@@ -19,9 +19,11 @@ import pytest
 
 from tests.dashboard import label_values_query, load, panel_queries, with_variables
 from tests.integration.conftest import TidalRun, wait_until
+from tests.integration.test_live_mode import example_command
 from tests.integration.test_refusals import register, session_status
 from tests.listening import listening_addresses
 from tests.prometheus import PrometheusServer, PrometheusUnavailable, has_a_number, installed_binary, version
+from tidal.proto import common_pb2
 
 # Installing the package on a fresh machine downloads about 20 MB: more than the usual 300 s.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -70,14 +72,16 @@ def test_every_query_of_the_grafana_board_returns_series_from_a_real_prometheus(
     scraping_since = time.monotonic()
     assert {host for host, _ in listening_addresses(prometheus.pid)} == {"127.0.0.1"}
     run = tidal_run
-    run.submit(min_replicas=2, max_replicas=2)
+    # Live mode: the workers' beats carry their own compute (the Stragglers panel).
+    run.submit(min_replicas=2, max_replicas=2, mode=common_pb2.JOB_MODE_LIVE,
+               command=example_command(run.directory / "elastic.pt", run.directory / "ledger", 100_000))
     # An intruder's session is refused: tidal_refused_launcher_calls_total{code}.
     code, _ = session_status(run.controller.address, [register(run, "intruder", secret="not-the-secret")])
     assert code == grpc.StatusCode.UNAUTHENTICATED
     run.start_launcher("u1")
     run.start_launcher("u2")
     run.controller.wait_event(run.job_id, "world_formed", where=lambda e: e.generation == 1)
-    run.wait_steps(2, world_size=2)
+    run.controller.wait_event(run.job_id, "first_step", where=lambda e: e.generation == 1)
     # u2's worker killed: u1 alone is below min_replicas, so the world is stopped first (a
     # stop round: tidal_stop_duration_seconds) and the job waits, degraded.
     (victim,) = wait_until(lambda: run.launchers["u2"].worker_pids(), 10, "u2's worker pid")

@@ -37,7 +37,8 @@ def hog() -> Iterator[list[int]]:
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("seed", [1, 2, 3])
+# Seeds 1 and 2 here; `python -m bench.chaos --seeds 20` plays twenty (bench/RESULTS.md).
+@pytest.mark.parametrize("seed", [1, 2])
 def test_a_seeded_sequence_of_faults_ends_completed_once_with_the_fixed_runs_steps_and_parameters(
         seed: int, slurm: CliJsonSlurmClient, mini_cluster: dict, chaos_reference: chaos.Reference,
         hog: list[int], tmp_path: Path) -> None:
