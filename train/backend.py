@@ -37,6 +37,7 @@ import dataclasses
 import datetime
 import enum
 import os
+import threading
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
@@ -328,7 +329,8 @@ def close_groups(groups: list[Any], *, broken: bool, aborted: bool = False) -> N
     """Leave a generation's groups, then drop `groups`' references (the list is emptied; the
     caller must hold no other). NCCL groups are aborted whether or not the world broke
     (unless `aborted`: `abort_groups` already did), and their cached memory given back;
-    gloo groups are aborted after a failure and shut down otherwise, as before this module.
+    gloo groups are shut down after a planned change, and after a failure aborted and
+    dropped on a thread of their own (`_abort_and_drop`: that may block).
 
     Relies on: NCCL's `shutdown()` flushes and destroys the communicators
     (ncclCommFinalize, ncclCommDestroy), which may wait on peers; once every collective
@@ -345,18 +347,34 @@ def close_groups(groups: list[Any], *, broken: bool, aborted: bool = False) -> N
         pass
     elif nccl:
         abort_groups(groups)
+    elif broken:
+        # On a thread of its own, which then drops the last references: see below.
+        closing = threading.Thread(target=_abort_and_drop, args=(list(groups),), name="tidal-gloo-close",
+                                   daemon=True)
+        closing.start()
     else:
         for group in groups:
-            try:
-                if broken:
-                    group.abort()
-                else:
-                    group.shutdown()
-            except RuntimeError:
-                pass
+            with contextlib.suppress(RuntimeError):
+                group.shutdown()
     groups.clear()
     if nccl:
         release_memory()
+
+
+def _abort_and_drop(groups: list[Any]) -> None:
+    """Abort a broken generation's gloo groups, then drop them (their connections close).
+
+    Off the training thread because it can block: `ProcessGroupGloo.abort()` (and the
+    group's destruction) waits for the group's work threads, and one of them may still be
+    in a collective of the broken step (an all-reduce of another gradient bucket) waiting
+    on a peer that is alive but has left that step, until the collective's timeout (seen on
+    the mini cluster: a survivor held 120 s in the close, its peers waiting in the next
+    generation's rendezvous for it). The training thread goes on to the next generation's
+    groups meanwhile; these connections close when this returns."""
+    for group in groups:
+        with contextlib.suppress(RuntimeError):
+            group.abort()
+    groups.clear()
 
 
 def release_memory() -> None:

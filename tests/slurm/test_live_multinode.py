@@ -37,7 +37,7 @@ pytestmark = pytest.mark.slurm
 
 STEPS = 600
 # DataParallel's steps are faster: enough of them for every change before the end.
-DP_STEPS = 1500
+DP_STEPS = 1100
 
 
 def events(admin: AdminClient, job_id: str, kind: str) -> list[admin_pb2.Event]:

@@ -33,7 +33,7 @@ from tidal.slurm import CliJsonSlurmClient
 
 pytestmark = pytest.mark.slurm
 
-STEPS = 1900
+STEPS = 1700
 STOPPED_S = 0.04
 PERIOD_S = 0.1
 
@@ -95,9 +95,9 @@ def test_a_worker_slowed_from_outside_is_named_replaced_live_and_the_job_ends_eq
 
             # The machine loaded: every worker slows alike, nobody is named.
             with chaos.cpu_hog():
-                time.sleep(15)
+                time.sleep(12)
             assert not events(admin, job_id, "straggler_suspected"), "an even slowdown named a straggler"
-            before = steps_per_second(admin, job_id, 8)
+            before = steps_per_second(admin, job_id, 6)
 
             units = [u for u in admin.job(job_id).units if u.state == admin_pb2.UNIT_STATE_ACTIVE]
             slowed = max(units, key=lambda u: u.group_rank)
@@ -128,7 +128,7 @@ def test_a_worker_slowed_from_outside_is_named_replaced_live_and_the_job_ends_eq
             assert replaced.fields["world_size"] == "3"
             replacement = [u for u in admin.job(job_id).units if u.unit_id not in first_units]
             assert replacement and replacement[0].nodes[0] != slowed.nodes[0], replacement
-            after = steps_per_second(admin, job_id, 8)
+            after = steps_per_second(admin, job_id, 6)
             print(f"steps/s before the slowing {before:.2f}, after the replacement {after:.2f}")
             assert after >= 0.9 * before, (before, after)
             assert [e.kind for e in admin.events(job_id)].count("straggler_suspected") == 1
