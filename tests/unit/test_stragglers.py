@@ -137,3 +137,12 @@ def test_a_heartbeat_carries_a_workers_compute_to_the_controller() -> None:
     progress = launcher_pb2.WorkerProgress(local_rank=1, compute_generation=3, compute_seconds=1.5,
                                            compute_samples=12)
     assert (progress.compute_generation, progress.compute_seconds, progress.compute_samples) == (3, 1.5, 12)
+
+
+def test_tidal_status_shows_a_units_compute_ratio_and_its_straggler() -> None:
+    from tidal.controller.cli import _compute
+    from tidal.proto import admin_pb2
+
+    assert _compute(admin_pb2.Unit(compute_ratio=1.714, straggler=True)) == "1.71x STRAGGLER"
+    assert _compute(admin_pb2.Unit(compute_ratio=0.98)) == "0.98x"
+    assert _compute(admin_pb2.Unit()) == "-", "not scored yet"
