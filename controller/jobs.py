@@ -261,7 +261,8 @@ class JobActor:
                     beat_at[worker.rank] = now - max(0.0, sent_at - worker.beat_time.ToNanoseconds() / 1e9)
                     waiting[worker.rank] = worker.waiting
             session.progress_at, session.steps, session.beat_at, session.waiting = progress_at, steps, beat_at, waiting
-            session.compute = {w.local_rank: Totals(w.compute_generation, w.compute_seconds, w.compute_samples)
+            session.compute = {w.local_rank: Totals(w.compute_generation, w.compute_seconds, w.compute_samples,
+                                                    w.compute_steps)
                                for w in beat.workers if w.compute_generation > 0}
             session.samples = max((w.samples for w in beat.workers), default=0)
             # The loss is the global batch's, the same on every rank: the newest one said.
@@ -492,16 +493,17 @@ class JobActor:
     def connected_launchers(self) -> int:
         return len(self.sessions)
 
-    def compute_of(self, unit_id: str) -> tuple[float, bool]:
-        """The unit's slowest worker's compute per sample against its peers' median (0: not
-        scored), and whether one of its workers is a straggler."""
-        workers = [w for (unit, _), w in self.state.compute.items() if unit == unit_id]
-        return max((w.ratio for w in workers), default=0.0), any(w.suspected for w in workers)
-
     @property
     def unit_compute(self) -> dict[str, tuple[float, bool]]:
-        """`compute_of` for each unit with a scored worker."""
-        return {unit_id: self.compute_of(unit_id) for unit_id in {unit for unit, _ in self.state.compute}}
+        """Per unit with a scored worker: its slowest worker's compute per sample against
+        its peers' median, and whether one of its workers is a straggler (one pass)."""
+        found: dict[str, tuple[float, bool]] = {}
+        for (unit_id, _), worker in self.state.compute.items():
+            if worker.ratio <= 0 and not worker.suspected:
+                continue
+            ratio, slow = found.get(unit_id, (0.0, False))
+            found[unit_id] = (max(ratio, worker.ratio), slow or worker.suspected)
+        return found
 
     # Admin views.
 
@@ -510,9 +512,10 @@ class JobActor:
         generation = self.generation
         running = generation is not None and job.state is JobState.RUNNING
         units = []
+        compute = self.unit_compute
         for unit in self.units.values():
             session = self.sessions.get(unit.unit_id)
-            ratio, straggler = self.compute_of(unit.unit_id)
+            ratio, straggler = compute.get(unit.unit_id, (0.0, False))
             entry = admin_pb2.Unit(unit_id=unit.unit_id, slurm_job_id=unit.slurm_job_id, nodes=unit.nodes,
                                    state=unit.state.to_proto(), group_rank=unit.group_rank,
                                    replica=unit.replica, node_index=unit.node_index, compute_ratio=ratio,

@@ -61,6 +61,7 @@ class LastBeat:
     compute_generation: int = 0
     compute_seconds: float = 0.0
     compute_samples: int = 0
+    compute_steps: int = 0
 
 
 @dataclasses.dataclass
@@ -229,9 +230,10 @@ class LiveMode:
             case StateLost(generation=generation, target_step=target_step, detail=detail):
                 self.report_once(generation, launcher_pb2.GENERATION_PHASE_STATE_LOST, step=target_step, detail=detail)
             case Beat(samples=samples, waiting=waiting, loss=loss, compute_generation=compute_generation,
-                      compute_seconds=compute_seconds, compute_samples=compute_samples):
+                      compute_seconds=compute_seconds, compute_samples=compute_samples, compute_steps=compute_steps):
                 live.beats[local_rank] = LastBeat(time.time(), waiting, max(0, samples), loss, compute_generation,
-                                                  max(0.0, compute_seconds), max(0, compute_samples))
+                                                  max(0.0, compute_seconds), max(0, compute_samples),
+                                                  max(0, compute_steps))
                 live.slow.discard(local_rank)
                 beating = next((w for w in group.workers if w.local_rank == local_rank), None)
                 # The CPU reference only (one /proc read per process, no thread scan): this

@@ -245,6 +245,7 @@ class NodeAgent(Generic[OptionsT]):
                 entry.compute_generation = last_beat.compute_generation
                 entry.compute_seconds = last_beat.compute_seconds
                 entry.compute_samples = last_beat.compute_samples
+                entry.compute_steps = last_beat.compute_steps
             entries.append(entry)
         return entries
 

@@ -168,8 +168,8 @@ class Beat:
     """Alive; samples trained so far; whether blocked in a collective; the loss of the
     last committed step (None before the first); and this rank's own compute in generation
     `compute_generation` so far: seconds in its forward and backward passes (before it
-    waits for its peers) over `compute_samples` samples, its first step in the generation
-    left out (straggler detection, `tidal.controller.core.stragglers`)."""
+    waits for its peers) over `compute_samples` samples in `compute_steps` steps, its first
+    step in the generation left out (straggler detection, `tidal.controller.core.stragglers`)."""
 
     step: int
     samples: int = 0
@@ -178,6 +178,7 @@ class Beat:
     compute_generation: int = 0
     compute_seconds: float = 0.0
     compute_samples: int = 0
+    compute_steps: int = 0
 
 
 LauncherToWorker = World | Stop

@@ -77,7 +77,7 @@ class Register(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., unit_id: _Optional[str] = ..., secret: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., address: _Optional[str] = ..., slurm_job_id: _Optional[int] = ..., last_generation: _Optional[int] = ..., worker_pids: _Optional[_Iterable[int]] = ..., store_port: _Optional[int] = ...) -> None: ...
 
 class WorkerProgress(_message.Message):
-    __slots__ = ("local_rank", "rank", "pid", "step", "progress_time", "waiting", "beat_time", "samples", "loss", "compute_generation", "compute_seconds", "compute_samples")
+    __slots__ = ("local_rank", "rank", "pid", "step", "progress_time", "waiting", "beat_time", "samples", "loss", "compute_generation", "compute_seconds", "compute_samples", "compute_steps")
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class WorkerProgress(_message.Message):
     COMPUTE_GENERATION_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_STEPS_FIELD_NUMBER: _ClassVar[int]
     local_rank: int
     rank: int
     pid: int
@@ -102,7 +103,8 @@ class WorkerProgress(_message.Message):
     compute_generation: int
     compute_seconds: float
     compute_samples: int
-    def __init__(self, local_rank: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., progress_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., waiting: _Optional[bool] = ..., beat_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., compute_generation: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., compute_samples: _Optional[int] = ...) -> None: ...
+    compute_steps: int
+    def __init__(self, local_rank: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., progress_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., waiting: _Optional[bool] = ..., beat_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., compute_generation: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., compute_samples: _Optional[int] = ..., compute_steps: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("sequence", "sent_at", "workers")

@@ -199,9 +199,9 @@ class Elastic:
         # The last committed step's loss (None before the first): sent with the beats, so
         # the controller keeps a loss history (`tidal plot`).
         self.last_loss: float | None = None
-        # This generation's own compute so far: (generation, seconds, samples) (`_count_compute`;
-        # -1: no step yet).
-        self.compute: tuple[int, float, int] = (-1, 0.0, 0)
+        # This generation's own compute so far: (generation, seconds, samples, steps)
+        # (`_count_compute`; -1: no step yet).
+        self.compute: tuple[int, float, int, int] = (-1, 0.0, 0, 0)
 
     # What a script may read.
 
@@ -264,21 +264,21 @@ class Elastic:
         self.membership.enter()
 
     def _beat(self) -> Beat:
-        generation, seconds, samples = self.compute
+        generation, seconds, samples, steps = self.compute
         return Beat(step=self.counters.step, samples=self.counters.samples, waiting=self.collectives.waiting,
                     loss=self.last_loss, compute_generation=generation, compute_seconds=seconds,
-                    compute_samples=samples)
+                    compute_samples=samples, compute_steps=steps)
 
     def _count_compute(self, generation: int, seconds: float, samples: int) -> None:
         """Add a committed step's own compute to this generation's totals (the beats carry
         them). A generation's first step only starts the count: it pays for the world
         change (a joiner's cold start, new groups), which is not the rank's speed."""
-        counted, total_seconds, total_samples = self.compute
+        counted, total_seconds, total_samples, total_steps = self.compute
         if counted != generation:
-            self.compute = (generation, 0.0, 0)
+            self.compute = (generation, 0.0, 0, 0)
         elif samples > 0:
             # One tuple, replaced whole: the beat thread reads it without a lock.
-            self.compute = (generation, total_seconds + seconds, total_samples + samples)
+            self.compute = (generation, total_seconds + seconds, total_samples + samples, total_steps + 1)
 
     def _agree(self, groups: Groups | None, world: World) -> tuple[int, str]:
         """A world just met: agree on the training state, then size the batch for it."""

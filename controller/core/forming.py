@@ -49,7 +49,7 @@ def start_generation(t: Step, survivors: tuple[str, ...], form: planning.Form, n
     leave) is set when it replaces a running generation in one message: the old workers'
     stop grace follows from it."""
     state = t.state
-    chosen = list(survivors) + list(form.joiners)
+    chosen = list(dict.fromkeys([*survivors, *form.joiners]))
     try:
         plan = planning.plan_generation(job_id=t.job.job_id, number=t.job.generation + 1,
                                         candidates=candidates(t, chosen), replicas=form.replicas * t.replica_nodes,
@@ -185,6 +185,8 @@ def reconfigure(t: Step, joiners: tuple[str, ...], leaving: tuple[str, ...], cau
     previous = state.generation
     assert previous is not None
     kept = [m.unit_id for m in previous.members if m.unit_id not in leaving and m.unit_id not in set_aside]
+    # A member is never its own joiner (each unit once, members first).
+    joiners = tuple(u for u in dict.fromkeys(joiners) if u not in kept)
     chosen = kept + list(joiners)
     try:
         plan = planning.plan_generation(job_id=t.job.job_id, number=t.job.generation + 1,

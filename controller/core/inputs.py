@@ -20,6 +20,7 @@ from tidal.controller.core.state import (
     Note,
     ResizeRequested,
     SaveJob,
+    SavePending,
     SaveUnit,
     SlurmObserved,
     StaleMessageCounted,
@@ -138,8 +139,12 @@ def on_said(t: Step, unit_id: str, message: launcher_pb2.LauncherMessage) -> Non
         leaving.leave(t, unit_id, cause, request.detail or cause)
     elif kind == "generation_report":
         report = message.generation_report
-        if report.phase == launcher_pb2.GENERATION_PHASE_RECONFIGURED and report.replica_workers > 0:
+        if (report.phase == launcher_pb2.GENERATION_PHASE_RECONFIGURED and report.replica_workers > 0
+                and report.replica_workers != state.replica_workers):
             state.replica_workers = report.replica_workers
+            # Kept across a controller restart: a world decided node by node must not be
+            # taken for whole replicas by the next controller (`replicas.world_nodes`).
+            t.emit(SavePending("replica_workers", report.replica_workers))
         if report.store_port and unit_id in state.units:
             t.note(state.units[unit_id], store_port=report.store_port)
         if report.phase == launcher_pb2.GENERATION_PHASE_LEFT:

@@ -197,7 +197,9 @@ def replace_straggler(t: Step, now: float) -> None:
             return
         state.straggler_leaving = None
     generation = state.generation
-    if state.in_flight is not None or generation is None or t.job.state is not JobState.RUNNING:
+    if (state.in_flight is not None or generation is None or t.job.state is not JobState.RUNNING
+            or state.deferred_leaves or not all(t.connected(u) for u in generation.unit_ids)):
+        # (A leave with a member out of touch would be a stop round, not a step boundary.)
         return
     suspected = sorted({unit_id for (unit_id, _), worker in state.compute.items() if worker.suspected})
     for unit_id in suspected:
@@ -205,11 +207,18 @@ def replace_straggler(t: Step, now: float) -> None:
         if unit is None or unit.state is not UnitState.ACTIVE or unit_id not in generation.unit_ids:
             continue
         remaining = (len(generation.unit_ids) - t.replica_nodes) // t.replica_nodes
-        if remaining < t.min_world:
+        why = ""
+        if t.replica_nodes > 1:
+            # The replica's workers wait on each other inside their passes: all of them look
+            # slow, and which node is the slow one is not known (docs/limits.md).
+            why = "its replica spans several nodes, whose workers all look as slow: reported, not replaced"
+        elif remaining < t.min_world:
+            why = (f"the job has no replica to spare: without it the world would be below min_replicas "
+                   f"{t.job.spec.min_replicas}")
+        if why:
             if state.straggler_kept != unit_id:
                 state.straggler_kept = unit_id
-                t.record("straggler_kept", f"unit {unit_id} stays until the job has a replica to spare: without it "
-                         f"the world would be below min_replicas {t.job.spec.min_replicas}", unit_id=unit_id)
+                t.record("straggler_kept", f"unit {unit_id} stays: {why}", unit_id=unit_id)
             return
         state.straggler_kept = ""
         state.straggler_leaving = unit_id

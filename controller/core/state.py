@@ -347,8 +347,8 @@ class State:
     # min_replicas nodes are idle, rather than queueing replacements.
     released_below_min: bool = False
     # Live mode: the workers one replica of the model spans, as the newest report of a
-    # formed world said (0: none yet; `replicas.world_nodes`). Not persisted: a restarted
-    # controller takes replicas as coupled until the next world forms.
+    # formed world said (0: none yet; `replicas.world_nodes`); kept in SQLite's pending
+    # table, so that a restarted controller decides worlds as the last one did.
     replica_workers: int = 0
     # Live mode: each worker's recent compute per sample and its straggler score
     # (`stragglers`); not persisted (a restarted controller scores afresh).
@@ -416,6 +416,9 @@ def restore(job: JobRecord, units: list[UnitRecord], generation: GenerationRecor
     finishing = pending.get("finishing_members")
     if isinstance(finishing, Mapping):
         finishing_members = {str(u): int(n) for u, n in finishing.items() if u in state.units}
+    replica_workers = pending.get("replica_workers")
+    if isinstance(replica_workers, int) and replica_workers > 0:
+        state.replica_workers = replica_workers
     deferred = pending.get("deferred_leaves")
     deferred = deferred if isinstance(deferred, Mapping) else {}
     for unit_id, unit in state.units.items():

@@ -108,13 +108,13 @@ class Step:
     def sizes(self) -> tuple[int, ...]:
         """The world sizes (in replicas, or in units when replicas are decided node by node)
         the job allows."""
-        spec, scale = self.job.spec, self.world_scale
-        if scale == 1:
+        spec = self.job.spec
+        if self.world_scale == 1:
             return tuple(planning.allowed_sizes(spec.min_replicas, spec.max_replicas, spec.replica_step,
                                                 list(spec.allowed_replicas)))
-        if spec.replica_step > 1 or spec.allowed_replicas:
-            return tuple(n * scale for n in planning.allowed_sizes(spec.min_replicas, spec.max_replicas,
-                                                                   spec.replica_step, list(spec.allowed_replicas)))
+        # Node by node (DataParallel over replicas of K nodes): any count of nodes within
+        # min and max, so that a lost node never forces a stop round; replica_step and
+        # allowed_replicas are not applied (docs/live-mode.md).
         return tuple(planning.allowed_sizes(self.min_world, self.max_world))
 
     def save_pending(self) -> None:

@@ -3,17 +3,22 @@ of what the heartbeats said and the previous windows.
 
 A live-mode worker reports, with its beats, its own compute in the current generation (the
 seconds of its forward and backward passes, before it waits for its peers, over the samples
-they took; the generation's first step left out). The controller takes the difference
-between two heartbeats as one interval: seconds per sample over the steps in it. Each
-worker keeps its last `window` intervals; its score is the median of them against the
-median of its peers' (the other workers of the world with a full window): the ratio vs
-peers. A worker whose ratio stays at or above `ratio` for `confirm` new intervals in a row
-is a straggler; it is cleared once its ratio falls below `clear_ratio`.
+and steps they took; the generation's first step left out). The controller takes the
+difference between two heartbeats as one interval (seconds per sample, seconds per step,
+samples per step). Each worker keeps its last `window` intervals; its score is the median
+of them against the median of its peers' (the other workers of the world with a full
+window): per step against the peers with the same share of the batch, else per sample
+(`peer_ratio`). A worker whose ratio stays at or above `ratio` for `confirm` new intervals
+in a row is a straggler; it is cleared once its ratio falls below `clear_ratio`, or when it
+leaves the world. A world change keeps the scores (a new window fills from the new
+generation's totals).
 
 Why these make no false alarms where a world is slowed evenly: every rank's time rises
-together (a CPU hog on the node, a bigger model), so the ratio stays near 1; a rank with a
-bigger batch share after a shrink does more samples, not slower ones (per sample); the step
-a joiner arrives (cold caches, new groups) is each generation's first, which is not counted.
+together (a CPU hog on the node, a bigger model), so the ratio stays near 1; ranks with
+different shares of the batch (the first `batch % world` ranks take one sample more) are
+compared per step with the ranks of their own share, so neither a per-step cost that does
+not grow with the samples nor a bigger share makes a rank look slow; the step a joiner
+arrives (cold caches, new groups) is each generation's first, which is not counted.
 
 Also kept, for the event and the operator: the worker's own history, its ratio against the
 best window median it had in this job (`self_ratio`). It does not decide: a worker that
@@ -44,6 +49,16 @@ class Totals:
     generation: int
     seconds: float
     samples: int
+    steps: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Interval:
+    """One heartbeat interval of a worker's compute."""
+
+    per_sample: float  # seconds per sample
+    per_step: float  # seconds per step (0: steps not reported)
+    share: float  # samples per step (0: steps not reported)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +66,11 @@ class WorkerCompute:
     """One worker's recent compute, as the controller scores it."""
 
     totals: Totals
-    # Seconds per sample of its last `window` intervals, oldest first.
-    recent: tuple[float, ...] = ()
+    # Its last `window` intervals, oldest first.
+    recent: tuple[Interval, ...] = ()
     # Whether `observe` added an interval this time (a score counts only those).
     fresh: bool = False
-    # The lowest window median it had in this job (its own history).
+    # The lowest window median (per sample) it had in this job (its own history).
     best: float | None = None
     ratio: float = 0.0
     self_ratio: float = 0.0
@@ -73,18 +88,22 @@ class Change:
 
 
 def observe(previous: Mapping[WorkerKey, WorkerCompute], totals: Mapping[WorkerKey, Totals], generation: int,
-            policy: StragglerPolicy) -> dict[WorkerKey, WorkerCompute]:
-    """The windows after a heartbeat's `totals` (the workers of the world now): an interval
-    is added where a worker's totals of `generation` grew since the last ones of the same
-    generation. A worker of another generation, or gone, starts again (its `best` kept)."""
+            policy: StragglerPolicy, members: Iterable[WorkerKey]) -> dict[WorkerKey, WorkerCompute]:
+    """The windows of the world's workers (`members`) after a heartbeat's `totals`: an
+    interval is added where a worker's totals of `generation` grew since the last ones of
+    the same generation. A worker whose totals are missing or still of an older generation
+    (its first step in this one not counted yet, its launcher out of touch) keeps what it
+    had; one whose totals are of this generation for the first time starts a new window,
+    keeping its score and its best until scored again. Workers out of the world are dropped."""
     windows: dict[WorkerKey, WorkerCompute] = {}
-    for key, now in totals.items():
-        if now.generation != generation:
-            continue
+    for key in members:
         before = previous.get(key)
+        now = totals.get(key)
+        if now is None or now.generation != generation:
+            if before is not None:
+                windows[key] = dataclasses.replace(before, fresh=False)
+            continue
         if before is None or before.totals.generation != generation or now.samples < before.totals.samples:
-            # A new generation (or a restarted count): a new window; what it was suspected
-            # of and its best stay until scored again.
             windows[key] = (WorkerCompute(totals=now) if before is None else
                             WorkerCompute(totals=now, best=before.best, suspected=before.suspected,
                                           ratio=before.ratio, self_ratio=before.self_ratio))
@@ -93,17 +112,46 @@ def observe(previous: Mapping[WorkerKey, WorkerCompute], totals: Mapping[WorkerK
         if added <= 0:
             windows[key] = dataclasses.replace(before, totals=now, fresh=False)
             continue
-        per_sample = max(0.0, now.seconds - before.totals.seconds) / added
-        recent = (*before.recent, per_sample)[-policy.window:]
+        seconds = max(0.0, now.seconds - before.totals.seconds)
+        steps = now.steps - before.totals.steps
+        interval = Interval(per_sample=seconds / added, per_step=seconds / steps if steps > 0 else 0.0,
+                            share=added / steps if steps > 0 else 0.0)
+        recent = (*before.recent, interval)[-policy.window:]
         windows[key] = dataclasses.replace(before, totals=now, recent=recent, fresh=True)
     return windows
+
+
+@dataclasses.dataclass(frozen=True)
+class _Medians:
+    per_sample: float
+    per_step: float
+    share: float
+
+
+def _medians(worker: WorkerCompute) -> _Medians:
+    return _Medians(per_sample=statistics.median(i.per_sample for i in worker.recent),
+                    per_step=statistics.median(i.per_step for i in worker.recent),
+                    share=statistics.median(i.share for i in worker.recent))
+
+
+def peer_ratio(mine: _Medians, peers: list[_Medians]) -> float:
+    """A worker's time against its peers': per step against the peers with the same share
+    of the batch (samples a step) where there are any, so that a per-step cost that does not
+    grow with the samples (launches, hooks, a collective's set-up) cannot make a rank with
+    fewer samples look slow per sample; per sample against all of them otherwise."""
+    same_share = [p.per_step for p in peers if mine.share > 0 and p.share == mine.share]
+    if same_share:
+        reference = statistics.median(same_share)
+        return mine.per_step / reference if reference > 0 else 0.0
+    reference = statistics.median(p.per_sample for p in peers)
+    return mine.per_sample / reference if reference > 0 else 0.0
 
 
 def score(windows: Mapping[WorkerKey, WorkerCompute], policy: StragglerPolicy
           ) -> tuple[dict[WorkerKey, WorkerCompute], list[Change]]:
     """Each worker with a full window scored against its peers' (see the module); the
     workers newly suspected or cleared."""
-    medians = {key: statistics.median(w.recent) for key, w in windows.items() if len(w.recent) >= policy.window}
+    medians = {key: _medians(w) for key, w in windows.items() if len(w.recent) >= policy.window}
     scored: dict[WorkerKey, WorkerCompute] = {}
     changes: list[Change] = []
     for key, worker in windows.items():
@@ -113,10 +161,9 @@ def score(windows: Mapping[WorkerKey, WorkerCompute], policy: StragglerPolicy
             # Not scored yet (a window filling): as it was.
             scored[key] = dataclasses.replace(worker, slow_intervals=0)
             continue
-        reference = statistics.median(peers)
-        ratio = mine / reference if reference > 0 else 0.0
-        best = mine if worker.best is None else min(worker.best, mine)
-        self_ratio = mine / best if best > 0 else 0.0
+        ratio = peer_ratio(mine, peers)
+        best = mine.per_sample if worker.best is None else min(worker.best, mine.per_sample)
+        self_ratio = mine.per_sample / best if best > 0 else 0.0
         slow = worker.slow_intervals
         if worker.fresh:
             slow = slow + 1 if ratio >= policy.ratio else 0
@@ -133,7 +180,7 @@ def score(windows: Mapping[WorkerKey, WorkerCompute], policy: StragglerPolicy
     return scored, changes
 
 
-def cleared_by_leaving(previous: Mapping[WorkerKey, WorkerCompute], now: Iterable[WorkerKey]) -> list[WorkerKey]:
+def cleared_by_leaving(previous: Mapping[WorkerKey, WorkerCompute], members: Iterable[WorkerKey]) -> list[WorkerKey]:
     """Suspected workers that are no longer in the world (their unit left or failed)."""
-    present = set(now)
+    present = set(members)
     return [key for key, worker in previous.items() if worker.suspected and key not in present]

@@ -181,13 +181,14 @@ def observe_compute(t: Step, now: float) -> None:
     totals: dict[stragglers.WorkerKey, stragglers.Totals] = {}
     ranks: dict[stragglers.WorkerKey, int] = {}
     for member in world.members:
+        for local_rank in range(member.world_share):
+            ranks[(member.unit_id, local_rank)] = member.first_rank + local_rank
         link = state.links.get(member.unit_id) if t.connected(member.unit_id) else None
         for local_rank, said in (link.compute.items() if link is not None else ()):
             totals[(member.unit_id, local_rank)] = said
-            ranks[(member.unit_id, local_rank)] = member.first_rank + local_rank
     policy = straggler_policy(t)
     previous = state.compute
-    windows = stragglers.observe(previous, totals, world.number, policy)
+    windows = stragglers.observe(previous, totals, world.number, policy, ranks)
     state.compute, changes = stragglers.score(windows, policy)
     for change in changes:
         unit_id, local_rank = change.key
@@ -203,7 +204,7 @@ def observe_compute(t: Step, now: float) -> None:
         else:
             t.record("straggler_cleared", f"worker {local_rank} of unit {unit_id} computes {change.worker.ratio:.2f}× "
                      "its peers' median again", unit_id=unit_id, generation=world.number, fields=fields)
-    for unit_id, local_rank in stragglers.cleared_by_leaving(previous, state.compute):
+    for unit_id, local_rank in stragglers.cleared_by_leaving(previous, ranks):
         t.record("straggler_cleared", f"worker {local_rank} of unit {unit_id} is out of the world",
                  unit_id=unit_id, generation=world.number, fields={"local_rank": local_rank})
     if t.config.straggler_action == "replace":

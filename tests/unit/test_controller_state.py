@@ -282,13 +282,16 @@ def test_state_gauges_are_read_from_the_jobs_at_scrape_time() -> None:
     from tidal.controller.metrics import ControllerMetrics
 
     jobs = [SimpleNamespace(job_id="j", job_state="running", unit_states=["active", "active", "left"],
-                            world_size=2, generation_number=3, connected_launchers=2)]
+                            world_size=2, generation_number=3, connected_launchers=2,
+                            unit_compute={"u2": (1.72, True)})]
     metrics = ControllerMetrics()
     metrics.read_job_states(lambda: jobs, ["pending", "running"], ["active", "left"])
     text = generate_latest(metrics.registry).decode()
     for line in ('tidal_jobs{state="running"} 1.0', 'tidal_jobs{state="pending"} 0.0',
                  'tidal_units{state="active"} 2.0', 'tidal_world_size{job_id="j"} 2.0',
-                 'tidal_generation{job_id="j"} 3.0', "tidal_launchers_connected 2.0"):
+                 'tidal_generation{job_id="j"} 3.0', "tidal_launchers_connected 2.0",
+                 'tidal_unit_compute_ratio{job_id="j",unit_id="u2"} 1.72',
+                 'tidal_unit_straggler{job_id="j",unit_id="u2"} 1.0'):
         assert line in text
     jobs.clear()
     assert 'tidal_jobs{state="running"} 0.0' in generate_latest(metrics.registry).decode()

@@ -351,8 +351,9 @@ def test_the_codec_refuses_lines_that_are_not_messages() -> None:
 
 def test_a_rank_counts_its_own_compute_per_generation_leaving_out_the_first_step() -> None:
     job = _train(5)
-    generation, seconds, samples = job.compute
+    generation, seconds, samples, steps = job.compute
     # Steps 2..5 of the world's one generation: 4 steps of the global batch of 12.
-    assert samples == 4 * 12 and seconds > 0
+    assert samples == 4 * 12 and steps == 4 and seconds > 0
     beat = job._beat()
-    assert (beat.compute_generation, beat.compute_seconds, beat.compute_samples) == (generation, seconds, samples)
+    assert (beat.compute_generation, beat.compute_seconds, beat.compute_samples, beat.compute_steps) == (
+        generation, seconds, samples, steps)

@@ -224,3 +224,17 @@ def test_a_lone_replica_that_lost_a_node_forms_again_once_a_node_takes_its_place
     driver.tick(1.0)
     assert driver.state.job.state is JobState.RUNNING
     assert driver.state.generation.unit_ids == ("a", "c"), "the healthy node and the new one, in node order"
+
+
+def test_what_a_replica_spans_is_kept_across_a_controller_restart() -> None:
+    driver = GroupedDriver()
+    for u in "ab":
+        driver.join(u)
+    driver.tick()
+    driver.grow_completes((), replica_workers=1)
+    saved = [e for e in driver.effects if isinstance(e, core.SavePending) and e.key == "replica_workers"]
+    assert [e.value for e in saved] == [1], "said once, when it changed"
+    restored = core.restore(driver.state.job, list(driver.state.units.values()), driver.state.generation,
+                            generation_stopped=False, pending={"replica_workers": 1}, config=driver.state.config,
+                            now=driver.now)
+    assert restored.replica_workers == 1

@@ -15,18 +15,20 @@ POLICY = StragglerPolicy(ratio=1.5, clear_ratio=1.2, window=4, confirm=2)
 
 
 def play(per_sample: dict[WorkerKey, list[float]], samples: dict[WorkerKey, int] | None = None,
-         generation: int = 1) -> list[tuple[int, WorkerKey, bool]]:
-    """Feed each worker's per-sample time, one interval a heartbeat; the changes, with the
-    heartbeat they came at."""
+         generation: int = 1, overhead: float = 0.0) -> list[tuple[int, WorkerKey, bool]]:
+    """Feed each worker's per-sample time (plus `overhead` seconds a step), one step of
+    `samples` (4) an interval, one interval a heartbeat; the changes, with the heartbeat
+    they came at."""
     windows: dict[WorkerKey, WorkerCompute] = {}
-    totals = {key: Totals(generation, 0.0, 0) for key in per_sample}
+    totals = {key: Totals(generation, 0.0, 0, 0) for key in per_sample}
     changes = []
     for beat in range(len(next(iter(per_sample.values())))):
         for key, times in per_sample.items():
             count = (samples or {}).get(key, 4)
             before = totals[key]
-            totals[key] = Totals(generation, before.seconds + times[beat] * count, before.samples + count)
-        windows = observe(windows, totals, generation, POLICY)
+            totals[key] = Totals(generation, before.seconds + times[beat] * count + overhead,
+                                 before.samples + count, before.steps + 1)
+        windows = observe(windows, totals, generation, POLICY, per_sample)
         windows, found = score(windows, POLICY)
         changes += [(beat, change.key, change.suspected) for change in found]
     return changes
@@ -55,20 +57,40 @@ def test_a_bigger_batch_share_is_more_samples_not_a_slower_worker() -> None:
     assert play(times, samples={("u1", 0): 8, ("u2", 0): 4, ("u3", 0): 4}) == []
 
 
+def test_fewer_samples_a_step_and_a_per_step_cost_do_not_make_a_rank_look_slow() -> None:
+    """The first `batch % world` ranks take a sample more; where a step's cost hardly grows
+    with its samples, per sample the ranks with fewer look slow. Compared per step with the
+    ranks of their own share, nobody does."""
+    keys = [("u1", 0), ("u2", 0), ("u3", 0), ("u4", 0)]
+    times = {key: [0.01] * 12 for key in keys}
+    shares = {("u1", 0): 3, ("u2", 0): 3, ("u3", 0): 1, ("u4", 0): 1}
+    # (Per sample, u3 and u4 would be 0.51 s against u1's and u2's 0.177 s: 2.9 times.)
+    assert play(times, samples=shares, overhead=0.5) == []
+    # A rank slow at its own share is still named: u4 takes 1.0 s a step, u3 0.51 s.
+    times[("u4", 0)] = [0.5] * 12
+    assert [(key, suspected) for _, key, suspected in play(times, samples=shares, overhead=0.5)] == [
+        (("u4", 0), True)]
+
+
 def test_a_one_off_slow_interval_is_not_a_straggler() -> None:
     times = {("u1", 0): [0.1] * 10, ("u2", 0): [0.1] * 4 + [0.9] + [0.1] * 5, ("u3", 0): [0.1] * 10}
     assert play(times) == []
 
 
-def test_a_new_generation_starts_a_new_window_and_old_totals_are_not_mixed_in() -> None:
+def test_a_new_generation_starts_a_new_window_keeping_the_score_and_old_totals_are_not_mixed_in() -> None:
     key = ("u1", 0)
-    windows = observe({}, {key: Totals(1, 1.0, 10)}, 1, POLICY)
-    windows = observe(windows, {key: Totals(1, 2.0, 20)}, 1, POLICY)
-    assert windows[key].recent == (0.1,)
-    # A heartbeat still carrying the previous generation's totals is not this world's.
-    assert observe(windows, {key: Totals(1, 3.0, 30)}, 2, POLICY) == {}
-    restarted = observe(windows, {key: Totals(2, 0.5, 4)}, 2, POLICY)
-    assert restarted[key].recent == () and restarted[key].totals == Totals(2, 0.5, 4)
+    members = [key]
+    windows = observe({}, {key: Totals(1, 1.0, 10, 1)}, 1, POLICY, members)
+    windows = observe(windows, {key: Totals(1, 2.0, 20, 2)}, 1, POLICY, members)
+    assert windows[key].recent[0].per_sample == 0.1 and windows[key].recent[0].share == 10
+    windows = {key: dataclasses.replace(windows[key], suspected=True, ratio=1.8)}
+    # A heartbeat still carrying the previous generation's totals: what it had, kept.
+    held = observe(windows, {key: Totals(1, 3.0, 30, 3)}, 2, POLICY, members)
+    assert held[key].suspected and held[key].recent == windows[key].recent and not held[key].fresh
+    restarted = observe(held, {key: Totals(2, 0.5, 4, 1)}, 2, POLICY, members)
+    assert restarted[key].recent == () and restarted[key].totals == Totals(2, 0.5, 4, 1)
+    assert restarted[key].suspected, "suspected until scored again, not cleared by a world change"
+    assert observe(restarted, {}, 2, POLICY, []) == {}, "out of the world: dropped"
 
 
 class StragglerDriver(Driver):
@@ -79,6 +101,7 @@ class StragglerDriver(Driver):
                          config=dataclasses.replace(CONFIG, straggler_action=action, straggler_window=4,
                                                     straggler_confirm=2))
         self.totals: dict[str, tuple[float, int]] = {}
+        self.steps: dict[str, int] = {}
 
     def compute_beat(self, per_sample: dict[str, float]) -> list[core.Effect]:
         """One heartbeat of every unit, each saying its worker's compute (`per_sample`
@@ -88,8 +111,10 @@ class StragglerDriver(Driver):
         for unit_id, seconds in per_sample.items():
             before = self.totals.get(unit_id, (0.0, 0))
             self.totals[unit_id] = (before[0] + seconds * 4, before[1] + 4)
-            self.links[unit_id] = dataclasses.replace(self.links[unit_id], last_heartbeat_at=self.clock + 1.0,
-                                                      compute={0: Totals(generation.number, *self.totals[unit_id])})
+            self.steps[unit_id] = self.steps.get(unit_id, 0) + 1
+            self.links[unit_id] = dataclasses.replace(
+                self.links[unit_id], last_heartbeat_at=self.clock + 1.0,
+                compute={0: Totals(generation.number, *self.totals[unit_id], self.steps[unit_id])})
         return self.tick(1.0)
 
 
