@@ -2,7 +2,7 @@
 (DataParallel, the language model, float64), straggler_action "replace".
 
 First two busy loops load the machine's 2 cores for a while: every worker slows alike and
-no straggler is named. Then one worker is slowed from outside, SIGSTOP for 40 ms of every
+no straggler is named. Then one worker is slowed from outside, SIGSTOP for 50 ms of every
 100 ms (the script unchanged): it is named (`straggler_suspected`, its unit and rank), its
 unit leaves at a step boundary (0 steps lost), its node is cooled down, a replacement unit
 starts on the free node and joins, steps/s come back to within 10 % of the rate before the
@@ -34,7 +34,7 @@ from tidal.slurm import CliJsonSlurmClient
 pytestmark = pytest.mark.slurm
 
 STEPS = 1700
-STOPPED_S = 0.04
+STOPPED_S = 0.05
 PERIOD_S = 0.1
 
 
