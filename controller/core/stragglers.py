@@ -8,7 +8,7 @@ difference between two heartbeats as one interval (seconds per sample, seconds p
 samples per step). Each worker keeps its last `window` intervals; its score is the median
 of them against the median of its peers' (the other workers of the world with a full
 window): per step against the peers with the same share of the batch, else per sample
-(`peer_ratio`). A worker whose ratio stays at or above `ratio` for `confirm` new intervals
+(`_Peers.ratio`). A worker whose ratio stays at or above `ratio` for `confirm` new intervals
 in a row is a straggler; it is cleared once its ratio falls below `clear_ratio`, or when it
 leaves the world. A world change keeps the scores (a new window fills from the new
 generation's totals).
@@ -26,6 +26,7 @@ was slow from its first step has no faster past to compare with."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import statistics
 from collections.abc import Iterable, Mapping
@@ -134,34 +135,69 @@ def _medians(worker: WorkerCompute) -> _Medians:
                     share=statistics.median(i.share for i in worker.recent))
 
 
-def peer_ratio(mine: _Medians, peers: list[_Medians]) -> float:
-    """A worker's time against its peers': per step against the peers with the same share
-    of the batch (samples a step) where there are any, so that a per-step cost that does not
-    grow with the samples (launches, hooks, a collective's set-up) cannot make a rank with
-    fewer samples look slow per sample; per sample against all of them otherwise."""
-    same_share = [p.per_step for p in peers if mine.share > 0 and p.share == mine.share]
-    if same_share:
-        reference = statistics.median(same_share)
-        return mine.per_step / reference if reference > 0 else 0.0
-    reference = statistics.median(p.per_sample for p in peers)
-    return mine.per_sample / reference if reference > 0 else 0.0
+def median_without(ordered: list[float], value: float) -> float:
+    """The median of `ordered` (sorted, holding `value`) with one copy of `value` taken out:
+    a worker's peers' median, from one sort of everyone's (O(log n), not a list per worker)."""
+    index = bisect.bisect_left(ordered, value)
+    count = len(ordered) - 1
+
+    def at(position: int) -> float:
+        return ordered[position if position < index else position + 1]
+
+    if count % 2:
+        return at(count // 2)
+    return (at(count // 2 - 1) + at(count // 2)) / 2
+
+
+@dataclasses.dataclass(frozen=True)
+class _Peers:
+    """Every scored worker's medians, sorted once: per sample, and per step by share."""
+
+    per_sample: list[float]
+    per_step_by_share: dict[float, list[float]]
+
+    @classmethod
+    def of(cls, medians: Iterable[_Medians]) -> _Peers:
+        per_sample: list[float] = []
+        by_share: dict[float, list[float]] = {}
+        for m in medians:
+            per_sample.append(m.per_sample)
+            if m.share > 0:
+                by_share.setdefault(m.share, []).append(m.per_step)
+        return cls(sorted(per_sample), {share: sorted(times) for share, times in by_share.items()})
+
+    def ratio(self, mine: _Medians) -> float:
+        """A worker's time against its peers': per step against the peers with the same
+        share of the batch (samples a step) where there are any, so that a per-step cost that
+        does not grow with the samples (launches, hooks, a collective's set-up) cannot make a
+        rank with fewer samples look slow per sample; per sample against all of them
+        otherwise."""
+        same_share = self.per_step_by_share.get(mine.share, []) if mine.share > 0 else []
+        if len(same_share) > 1:
+            reference = median_without(same_share, mine.per_step)
+            return mine.per_step / reference if reference > 0 else 0.0
+        reference = median_without(self.per_sample, mine.per_sample)
+        return mine.per_sample / reference if reference > 0 else 0.0
 
 
 def score(windows: Mapping[WorkerKey, WorkerCompute], policy: StragglerPolicy
           ) -> tuple[dict[WorkerKey, WorkerCompute], list[Change]]:
     """Each worker with a full window scored against its peers' (see the module); the
-    workers newly suspected or cleared."""
+    workers newly suspected or cleared. Nothing is scored again until an interval is added
+    (a tick between two heartbeats costs no medians)."""
+    if not any(worker.fresh for worker in windows.values()):
+        return dict(windows), []
     medians = {key: _medians(w) for key, w in windows.items() if len(w.recent) >= policy.window}
+    peers = _Peers.of(medians.values())
     scored: dict[WorkerKey, WorkerCompute] = {}
     changes: list[Change] = []
     for key, worker in windows.items():
         mine = medians.get(key)
-        peers = [m for other, m in medians.items() if other != key]
-        if mine is None or not peers:
-            # Not scored yet (a window filling): as it was.
+        if mine is None or len(medians) < 2:
+            # Not scored yet (a window filling, or no peer with one): as it was.
             scored[key] = dataclasses.replace(worker, slow_intervals=0)
             continue
-        ratio = peer_ratio(mine, peers)
+        ratio = peers.ratio(mine)
         best = mine.per_sample if worker.best is None else min(worker.best, mine.per_sample)
         self_ratio = mine.per_sample / best if best > 0 else 0.0
         slow = worker.slow_intervals

@@ -171,3 +171,18 @@ def test_tidal_status_shows_a_units_compute_ratio_and_its_straggler() -> None:
     assert _compute(admin_pb2.Unit(compute_ratio=1.714, straggler=True)) == "1.71x STRAGGLER"
     assert _compute(admin_pb2.Unit(compute_ratio=0.98)) == "0.98x"
     assert _compute(admin_pb2.Unit()) == "-", "not scored yet"
+
+
+def test_a_peers_median_is_the_median_of_the_others() -> None:
+    import random
+    import statistics
+
+    from tidal.controller.core.stragglers import median_without
+
+    generator = random.Random(7)
+    for count in range(2, 10):
+        for _ in range(50):
+            values = [generator.choice([1.0, 2.0, generator.random()]) for _ in range(count)]
+            ordered = sorted(values)
+            for index, value in enumerate(values):
+                assert median_without(ordered, value) == statistics.median(values[:index] + values[index + 1:])
