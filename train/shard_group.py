@@ -151,7 +151,7 @@ class ShardGroup(ProcessGroup):
     def disconnect(self, broken: bool) -> None:
         """Drop the connection: aborted when its generation broke (a peer may be gone, and
         NCCL's communicators must not wait on it), shut down otherwise."""
-        connection, self._connection, self._inner = self._connection, None, None
+        connection = self.detach()
         if connection is not None:
             # As the generation's other groups (`tidal.train.backend.close_groups`).
             backends.close_groups([connection], broken=broken)

@@ -201,10 +201,11 @@ class StateSync:
             # Some shards of the newest state are gone with a node and no live replica holds
             # them (a job of one replica of several nodes): what the survivors hold cannot
             # be completed, and mixing it with older shards would train on a state that
-            # never was. Going back in-process to the checkpoint is not done: it was seen to
-            # diverge from the fixed run (a survivor's FSDP2 state after its failed step is
-            # suspected, not found). The job stops, loudly; submitted again, it resumes from
-            # its newest checkpoint in fresh processes.
+            # never was. Going back in-process to the checkpoint is not done: it diverged from
+            # the fixed run when tried, before FSDP2's accumulated gradients of a broken step
+            # were found and dropped (`HybridSharded.abandon`), and was not tried since. The
+            # job stops, loudly; submitted again, it resumes from its newest checkpoint in
+            # fresh processes.
             detail = (f"the training state at step {max(steps)} is incomplete in generation {world.generation}: "
                       "shards of it were held only by a lost node and no live replica holds them (steps by rank: "
                       f"{steps}); refusing to mix shards of different steps or to start over. Submit the job again "

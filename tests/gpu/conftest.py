@@ -35,11 +35,17 @@ def visible(*indices: int) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ",".join(physical[i] for i in indices)}
 
 
+def environment_alone() -> dict[str, str]:
+    """This process's environment less what a launcher, torchrun or live mode sets (ranks,
+    rendezvous, Tidal's variables, NCCL's settings): that of a process run alone."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("TIDAL_", "RANK", "WORLD_SIZE", "MASTER_", "LOCAL_", "GROUP_", "TORCH_NCCL_"))}
+
+
 def run_alone(command: list[str], gpu: int, timeout: float = 600) -> None:
     """`command` as a fixed world of one (no launcher, no torchrun) on GPU `gpu`: the reference."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("TIDAL_", "RANK", "WORLD_SIZE", "MASTER_", "LOCAL_", "GROUP_"))}
-    subprocess.run(command, check=True, env={**env, **visible(gpu)}, timeout=timeout, stdout=subprocess.DEVNULL)
+    subprocess.run(command, check=True, env={**environment_alone(), **visible(gpu)}, timeout=timeout,
+                   stdout=subprocess.DEVNULL)
 
 
 def assert_close_to(elastic: Path, fixed: Path, relative_to_scale: bool = False) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import datetime
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -27,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import TensorDataset
 
-from tests.gpu.conftest import assert_close_to, run_alone, visible
+from tests.gpu.conftest import assert_close_to, environment_alone, run_alone, visible
 from tests.integration.conftest import TidalRun
 from tests.integration.test_hsdp import lm_command
 from tests.integration.test_live_mode import commits, example_command, read_ledger
@@ -145,11 +144,6 @@ def test_a_live_hsdp_replica_on_one_gpu_shards_through_its_nccl_shard_group_and_
     assert_close_to(tmp_path / "elastic.pt", fixed, relative_to_scale=True)
 
 
-def os_environ_without_ranks() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items()
-            if not k.startswith(("TIDAL_", "RANK", "WORLD_SIZE", "MASTER_", "LOCAL_", "GROUP_", "TORCH_NCCL_"))}
-
-
 def _sleep_cycles_per_second(device: torch.device) -> float:
     """How many `torch.cuda._sleep` cycles this GPU runs in a second (timed with CUDA events)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -231,7 +225,7 @@ def test_the_shard_groups_collectives_return_to_the_host_while_the_gpu_is_still_
     for kind in ("shard", "blocking"):
         out = tmp_path / f"{kind}.json"
         subprocess.run([sys.executable, str(HERE / "shard_overlap.py"), kind, str(out)], check=True, timeout=300,
-                       env={**os_environ_without_ranks(), **visible(0)})
+                       env={**environment_alone(), **visible(0)})
         timings[kind] = json.loads(out.read_text())
     print(timings)
     shard, blocking = timings["shard"], timings["blocking"]

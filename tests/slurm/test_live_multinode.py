@@ -54,12 +54,13 @@ def worker_pids(job_id: str, unit: admin_pb2.Unit) -> set[int]:
             if env.get("SLURM_JOB_ID") == str(unit.slurm_job_id) and "RANK" in env}
 
 
-def slurm_controller(slurm: CliJsonSlurmClient, tmp_path: Path) -> ControllerProcess:
-    """A controller running units as Slurm jobs on the mini cluster's four idle nodes."""
+def slurm_controller(slurm: CliJsonSlurmClient, tmp_path: Path, **settings: str) -> ControllerProcess:
+    """A controller running units as Slurm jobs on the mini cluster's four idle nodes
+    (`settings` over these tests' own)."""
     require_four_idle_nodes(slurm)
     controller = ControllerProcess(tmp_path, {"slurm_units": "true", "slurm_poll_interval_s": "1",
                                               "join_settle_s": "2", "reconnect_grace_s": "10",
-                                              "node_cooldown_s": "5"})
+                                              "node_cooldown_s": "5", **settings})
     controller.start()
     return controller
 
@@ -88,6 +89,25 @@ def submit_and_grow_to_two_replicas(admin: AdminClient, tmp_path: Path,
     assert sorted((u.replica, u.node_index) for u in units) == [(1, 0), (1, 1), (2, 0), (2, 1)]
     wait_for("steps with two replicas", lambda: admin.job(job_id).step >= 20, timeout_s=120)
     return job_id, grown
+
+
+def preempt_replica_1_and_finish(admin: AdminClient, slurm: CliJsonSlurmClient, job_id: str, lost: admin_pb2.Unit,
+                                 tmp_path: Path) -> int:
+    """An urgent job takes the two nodes of replica 1 (replica 2's are excluded): they leave
+    at a step boundary, no failure but `lost`'s; then the job runs to its end, COMPLETED
+    once. Returns the generation before the urgent job."""
+    replica_2_nodes = tuple(n for u in admin.job(job_id).units if u.state == admin_pb2.UNIT_STATE_ACTIVE
+                            and slot_of(admin, job_id, u.unit_id)[0] == 2 for n in u.nodes)
+    before_urgent = admin.job(job_id).generation
+    urgent = slurm.submit(UnitSubmission(name="urgent", script="#!/bin/sh\nsleep 20\n", partition="urgent",
+                                         nodes=2, exclusive=True, requeue=False, exclude_nodes=replica_2_nodes,
+                                         output=str(tmp_path / "urgent-%j.out")))
+    wait_for("the urgent job to run", lambda: slurm.get_job(urgent).state is JobState.RUNNING, timeout_s=90)
+    assert not [e for e in events(admin, job_id, "failure_detected") if e.unit_id != lost.unit_id]
+    wait_for("the job's end", lambda: admin.job(job_id).state == admin_pb2.JOB_STATE_COMPLETED,
+             timeout_s=600, interval_s=1.0)
+    assert [e.kind for e in admin.events(job_id)].count("job_completed") == 1
+    return before_urgent
 
 
 def kill_node(job_id: str, unit: admin_pb2.Unit) -> None:
@@ -162,19 +182,7 @@ def test_hsdp_replicas_of_two_nodes_lose_a_node_patch_it_with_one_node_and_finis
                 None), timeout_s=120)
 
             # An urgent job takes replica 1's two nodes: that replica leaves at a step boundary.
-            replica_2_nodes = tuple(n for u in admin.job(job_id).units if u.state == admin_pb2.UNIT_STATE_ACTIVE
-                                    and slot_of(admin, job_id, u.unit_id)[0] == 2 for n in u.nodes)
-            before_urgent = admin.job(job_id).generation
-            urgent = slurm.submit(UnitSubmission(name="urgent", script="#!/bin/sh\nsleep 20\n", partition="urgent",
-                                                 nodes=2, exclusive=True, requeue=False,
-                                                 exclude_nodes=replica_2_nodes,
-                                                 output=str(tmp_path / "urgent-%j.out")))
-            wait_for("the urgent job to run", lambda: slurm.get_job(urgent).state is JobState.RUNNING,
-                     timeout_s=90)
-            assert not [e for e in events(admin, job_id, "failure_detected") if e.unit_id != lost.unit_id]
-            wait_for("the job's end", lambda: admin.job(job_id).state == admin_pb2.JOB_STATE_COMPLETED,
-                     timeout_s=600, interval_s=1.0)
-            assert [e.kind for e in admin.events(job_id)].count("job_completed") == 1
+            before_urgent = preempt_replica_1_and_finish(admin, slurm, job_id, lost, tmp_path)
             assert all(worker_pids(job_id, u) in (set(), pids) for u in replica_1
                        for pids in [replica_1_pids[u.unit_id]]), "replica 1 never restarted"
         wait_for_units_to_end(slurm, job_id)
@@ -250,18 +258,7 @@ def test_data_parallel_replicas_of_two_nodes_lose_a_node_that_costs_only_its_own
 
             # An urgent job takes two nodes (not the kept node's, not the patch's): they leave
             # at a step boundary, the two others go on.
-            keep_running = tuple(n for u in admin.job(job_id).units if u.state == admin_pb2.UNIT_STATE_ACTIVE
-                                 and slot_of(admin, job_id, u.unit_id)[0] == 2 for n in u.nodes)
-            before_urgent = admin.job(job_id).generation
-            urgent = slurm.submit(UnitSubmission(name="urgent", script="#!/bin/sh\nsleep 20\n", partition="urgent",
-                                                 nodes=2, exclusive=True, requeue=False, exclude_nodes=keep_running,
-                                                 output=str(tmp_path / "urgent-%j.out")))
-            wait_for("the urgent job to run", lambda: slurm.get_job(urgent).state is JobState.RUNNING,
-                     timeout_s=90)
-            assert not [e for e in events(admin, job_id, "failure_detected") if e.unit_id != lost.unit_id]
-            wait_for("the job's end", lambda: admin.job(job_id).state == admin_pb2.JOB_STATE_COMPLETED,
-                     timeout_s=600, interval_s=1.0)
-            assert [e.kind for e in admin.events(job_id)].count("job_completed") == 1
+            before_urgent = preempt_replica_1_and_finish(admin, slurm, job_id, lost, tmp_path)
             assert worker_pids(job_id, kept) in (set(), survivor_pids[kept.unit_id]), "the kept node never restarted"
         wait_for_units_to_end(slurm, job_id)
     finally:

@@ -21,11 +21,15 @@ from pathlib import Path
 import pytest
 
 from bench import chaos
-from tests.integration.conftest import ControllerProcess
 from tests.integration.test_hsdp import lm_command
 from tests.integration.test_live_mode import read_ledger
-from tests.slurm.test_autoscaling import require_four_idle_nodes, wait_for_units_to_end
-from tests.slurm.test_live_multinode import assert_every_step_once_and_one_process_parameters, events, worker_pids
+from tests.slurm.test_autoscaling import wait_for_units_to_end
+from tests.slurm.test_live_multinode import (
+    assert_every_step_once_and_one_process_parameters,
+    events,
+    slurm_controller,
+    worker_pids,
+)
 from tests.waiting import wait_for
 from tidal.controller.client import AdminClient
 from tidal.proto import admin_pb2, common_pb2
@@ -77,11 +81,7 @@ def steps_per_second(admin: AdminClient, job_id: str, seconds: float) -> float:
 @pytest.mark.timeout(900)
 def test_a_worker_slowed_from_outside_is_named_replaced_live_and_the_job_ends_equal_to_one_process(
         slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path) -> None:
-    require_four_idle_nodes(slurm)
-    controller = ControllerProcess(tmp_path, {"slurm_units": "true", "slurm_poll_interval_s": "1",
-                                              "join_settle_s": "2", "reconnect_grace_s": "10",
-                                              "node_cooldown_s": "600", "straggler_action": "replace"})
-    controller.start()
+    controller = slurm_controller(slurm, tmp_path, node_cooldown_s="600", straggler_action="replace")
     ledger = tmp_path / "ledger"
     try:
         spec = admin_pb2.JobSpec(

@@ -60,6 +60,15 @@ class GroupedDriver(Driver):
         self.links[unit_id] = core.Link(last_heartbeat_at=self.clock)
         return slot
 
+    def form(self, units: str, replica_workers: int = 0) -> None:
+        """`units` register and form the first world; its workers report what a replica
+        spans (`replica_workers`, 0: nothing)."""
+        for unit_id in units:
+            self.join(unit_id)
+        self.tick()
+        if replica_workers:
+            self.grow_completes((), replica_workers=replica_workers)
+
     def grow_completes(self, joiners: tuple[str, ...], replica_workers: int = 0) -> None:
         generation = self.state.generation
         assert generation is not None
@@ -111,10 +120,7 @@ def test_under_data_parallel_a_lost_node_costs_only_its_own_workers() -> None:
     sibling stays in the world, the spec's max_replicas counts 2 nodes a replica, and the
     node that takes the hole joins alone."""
     driver = GroupedDriver()
-    for u in "ab":
-        driver.join(u)
-    driver.tick()
-    driver.grow_completes((), replica_workers=1)
+    driver.form("ab", replica_workers=1)
     assert driver.state.replica_workers == 1
     for u in "cd":
         driver.join(u)
@@ -140,10 +146,7 @@ def test_under_data_parallel_a_lost_node_costs_only_its_own_workers() -> None:
 
 def test_under_data_parallel_a_node_leaving_sets_none_of_its_replica_aside() -> None:
     driver = GroupedDriver()
-    for u in "abcd":
-        driver.join(u)
-    driver.tick()
-    driver.grow_completes((), replica_workers=1)
+    driver.form("abcd", replica_workers=1)
     assert driver.state.generation is not None and len(driver.state.generation.unit_ids) == 4
     driver.say("d", leave_request=launcher_pb2.LeaveRequest(generation=driver.state.generation.number,
                                                             cause=launcher_pb2.LEAVE_CAUSE_PREEMPTED))
@@ -155,9 +158,7 @@ def test_under_data_parallel_a_node_leaving_sets_none_of_its_replica_aside() -> 
 
 def test_a_resize_below_the_replicas_running_asks_whole_replicas_of_nodes_to_leave() -> None:
     driver = GroupedDriver()
-    for u in "abcd":
-        driver.join(u)
-    driver.tick()
+    driver.form("abcd")
     assert driver.state.generation is not None and len(driver.state.generation.unit_ids) == 4
     driver.feed(core.ResizeRequested(0, 1, 0))
     leaving = sorted(u for u, unit in driver.state.units.items() if unit.state is UnitState.LEAVING)
@@ -166,9 +167,7 @@ def test_a_resize_below_the_replicas_running_asks_whole_replicas_of_nodes_to_lea
 
 def test_a_replica_waiting_too_long_for_a_node_gives_its_other_nodes_back() -> None:
     driver = GroupedDriver(replica_patch_wait_s=60.0)
-    for u in "abcd":
-        driver.join(u)
-    driver.tick()
+    driver.form("abcd")
     assert driver.state.generation is not None and len(driver.state.generation.unit_ids) == 4
     driver.exit("d", driver.state.generation.number, 9)
     driver.tick(1.0)
@@ -211,9 +210,7 @@ def test_a_newest_state_missing_a_shard_is_not_whole() -> None:
 def test_a_lone_replica_that_lost_a_node_forms_again_once_a_node_takes_its_place() -> None:
     driver = GroupedDriver()
     driver.state.job.spec.max_replicas = 1
-    for u in "ab":
-        driver.join(u)
-    driver.tick()
+    driver.form("ab")
     assert driver.state.generation is not None and driver.state.generation.unit_ids == ("a", "b")
     driver.exit("b", driver.state.generation.number, 9)
     if driver.state.in_flight is not None:
@@ -228,10 +225,7 @@ def test_a_lone_replica_that_lost_a_node_forms_again_once_a_node_takes_its_place
 
 def test_what_a_replica_spans_is_kept_across_a_controller_restart() -> None:
     driver = GroupedDriver()
-    for u in "ab":
-        driver.join(u)
-    driver.tick()
-    driver.grow_completes((), replica_workers=1)
+    driver.form("ab", replica_workers=1)
     saved = [e for e in driver.effects if isinstance(e, core.SavePending) and e.key == "replica_workers"]
     assert [e.value for e in saved] == [1], "said once, when it changed"
     restored = core.restore(driver.state.job, list(driver.state.units.values()), driver.state.generation,
