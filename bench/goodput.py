@@ -12,7 +12,7 @@ Every worker of the three trains the real (small) LM on a simulated H100
 time slept, a 1B-parameter model of 4096 tokens a sample; --quick: 0.1B), so a node's
 throughput does not depend on how many others share this machine's 2 cores.
 
-The trace, as fractions of the duration D (600 s; --quick: 25 s):
+The trace, as fractions of the duration D (600 s, --duration; --quick: 25 s):
   [0, 0.40)    background work holds 1 node (partition urgent: never preempted)
   [0.20, 0.35) an urgent job needs 1 node     (preempts when nothing is idle)
   [0.55, 0.70) an urgent job needs 2 nodes
@@ -20,10 +20,14 @@ The trace, as fractions of the duration D (600 s; --quick: 25 s):
   [0.85, 0.95) an urgent job needs 3 nodes
 
 Goodput = node-seconds that became training progress / node-seconds the job held. Held:
-squeue sampled every second (nodes of the job's running Slurm jobs). Progress: every step
-counted once (a step redone after a restart counts once; torchft: a step its quorum
-committed), each costing its world size × the median step time at that world size, so
-stalls count as held but not as progress. Goal: Tidal ≥ 95% and ahead of both.
+squeue sampled every second (nodes of the job's running Slurm jobs). Progress: what the
+system committed, every step counted once (a step redone after a restart counts once;
+torchft: a step its quorum committed, with its groups' shares of samples), each at the
+node-seconds an ideal run on the simulated devices spends on that step at its world size
+(`ideal_step_node_seconds`), so a slow step, a stall or a redone step costs its real time
+and earns only its ideal one. Each system plays the trace 3 times (--repeat). Where the held
+node-seconds went (`breakdown`: training, steps slower than ideal, joining, stopped, below
+min) is in the result's text. Goal: Tidal ≥ 95% and ahead of both.
 
 Held node-seconds leave out what a job never asked for, so a second row divides the same
 progress by the node-seconds the trace's other work left free (the cluster's nodes minus
@@ -69,10 +73,15 @@ from tidal.slurm import CliJsonSlurmClient, Job, JobState, UnitSubmission
 from tidal.train.simulated import ACCELERATORS, Simulation
 
 MODEL = ["--global-batch", "32", "--micro-batch", "16", "--context", "64", "--width", "64", "--layers", "2"]
+GLOBAL_BATCH = int(MODEL[MODEL.index("--global-batch") + 1])
 MIN, MAX = 2, 4
 SIMULATION = Simulation(accelerator=ACCELERATORS["h100"], parameters=1e9, tokens_per_sample=4096)
 QUICK_SIMULATION = Simulation(accelerator=ACCELERATORS["h100"], parameters=1e8, tokens_per_sample=4096)
 GOAL = 0.95
+# The controller's settings for the trace (the rest are the defaults): a 1 s poll, a short
+# settle, a 30 s cool-down of a node whose unit failed (the trace's 4 nodes would otherwise
+# lose one for 5 minutes), and one unit kept queued in Slurm below max_replicas.
+TIDAL_SETTINGS = {"slurm_poll_interval_s": "1", "join_settle_s": "1", "node_cooldown_s": "30", "queued_units": "1"}
 
 
 class Trace:
@@ -119,26 +128,104 @@ class Trace:
 
 
 @dataclass(frozen=True)
+class Commit:
+    """A step as first committed: when, by how many replicas (nodes), with how many samples."""
+
+    step: int
+    time: float
+    world: int
+    samples: int
+
+
+# Where a system's held node-seconds went (`breakdown`), in RESULTS.md's order.
+PARTS = ("training (ideal)", "steps slower than ideal", "joining (held, not in the world yet: Slurm start, Python, "
+         "torch, model, state)", "stopped (at or above min: re-forming, recovering, restarting)",
+         "below min (waiting for nodes)")
+
+
+@dataclass(frozen=True)
 class Outcome:
     """One play of the trace: node-seconds of training progress, node-seconds the job held,
     node-seconds the trace's other work left free (the capacity an elastic job could use),
-    and the distinct steps done."""
+    the distinct steps and samples committed, and where the held node-seconds went."""
 
     progress: float
     held: float
     free: float
     steps: int
+    samples: int
+    parts: dict[str, float]
 
 
-def outcome(steps: list[tuple[int, float, int]], samples: list[tuple[float, int, int]], nodes: int) -> Outcome:
-    progress, distinct = progress_node_seconds(steps)
+def ideal_step_node_seconds(simulation: Simulation, samples: int, world: int, micro_batch: int) -> float:
+    """The node-seconds an ideal run spends on a step of `samples` samples over `world`
+    replicas on the simulated devices: each replica's share (the largest, when they differ)
+    in micro-batches of at most `micro_batch`, plus the gradient all-reduce, times `world`."""
+    share = -(-samples // world)
+    chunks = [micro_batch] * (share // micro_batch) + ([share % micro_batch] if share % micro_batch else [])
+    reduction = simulation.reduction_seconds(world) if world > 1 else 0.0
+    return world * (sum(simulation.micro_batch_seconds(c) for c in chunks) + reduction)
+
+
+def first_commits(records: list[Commit]) -> list[Commit]:
+    """Each step once, as first committed (a step redone after a restart counts once)."""
+    first: dict[int, Commit] = {}
+    for commit in sorted(records, key=lambda c: c.time):
+        first.setdefault(commit.step, commit)
+    return sorted(first.values(), key=lambda c: c.time)
+
+
+def outcome(records: list[Commit], samples: list[tuple[float, int, int]], nodes: int, simulation: Simulation,
+            minimum: int) -> Outcome:
+    commits = first_commits(records)
+    micro = int(MODEL[MODEL.index("--micro-batch") + 1])
+    progress = sum(ideal_step_node_seconds(simulation, c.samples, c.world, micro) for c in commits)
     pairs = list(itertools.pairwise(samples))
     return Outcome(progress=progress, held=sum(held * (t1 - t0) for (t0, held, _), (t1, _, _) in pairs),
-                   free=sum((nodes - other) * (t1 - t0) for (t0, _, other), (t1, _, _) in pairs), steps=distinct)
+                   free=sum((nodes - other) * (t1 - t0) for (t0, _, other), (t1, _, _) in pairs), steps=len(commits),
+                   samples=sum(c.samples for c in commits),
+                   parts=breakdown(commits, samples, progress, minimum, simulation, micro))
+
+
+def breakdown(commits: list[Commit], samples: list[tuple[float, int, int]], progress: float, minimum: int,
+              simulation: Simulation, micro_batch: int) -> dict[str, float]:
+    """Where the held node-seconds went, from the squeue samples and the first commits
+    alone (the same for every system). Between two commits less than 3 ideal steps (+ 1 s)
+    apart the world trains with the later one's nodes: those node-seconds are training
+    (the ideal share, `progress`) or steps slower than ideal (the rest); nodes held beyond
+    it are joining. Elsewhere nothing trains: held nodes are stopped (at or above
+    `minimum`) or below min."""
+    spans: list[tuple[float, float, int]] = []
+    for before, after in itertools.pairwise(commits):
+        ideal_s = ideal_step_node_seconds(simulation, after.samples, after.world, micro_batch) / after.world
+        if after.time - before.time <= 3 * ideal_s + 1.0:
+            spans.append((before.time, after.time, after.world))
+    parts = dict.fromkeys(PARTS, 0.0)
+    contributing = 0.0
+    index = 0
+    for (t0, held, _), (t1, _, _) in itertools.pairwise(samples):
+        covered = 0.0
+        while index < len(spans) and spans[index][1] <= t0:
+            index += 1
+        for start, end, world in spans[index:]:
+            if start >= t1:
+                break
+            overlap = min(t1, end) - max(t0, start)
+            if overlap > 0:
+                covered += overlap
+                contributing += min(world, held) * overlap
+                parts[PARTS[2]] += max(0, held - world) * overlap
+        idle = (t1 - t0) - covered
+        parts[PARTS[4] if held < minimum else PARTS[3]] += held * idle
+    parts[PARTS[0]] = min(progress, contributing)
+    parts[PARTS[1]] = max(0.0, contributing - progress)
+    return parts
 
 
 def progress_node_seconds(steps: list[tuple[int, float, int]]) -> tuple[float, int]:
-    """(node-seconds, distinct steps) from (step, time, world size) of rank 0's steps."""
+    """(node-seconds, distinct steps) from (step, time, world size) of rank 0's steps,
+    each step at its world size × the median step time there (the measure before the
+    committed samples: kept for comparison in the note)."""
     first: dict[int, tuple[float, int]] = {}
     for step, at, world in sorted(steps, key=lambda s: s[1]):
         first.setdefault(step, (at, world))
@@ -172,8 +259,7 @@ def is_rank_zero(record: dict[str, object]) -> bool:
 def run_tidal(folder: Path, slurm: CliJsonSlurmClient, duration: float, simulation: Simulation) -> Outcome:
     folder.mkdir(parents=True, exist_ok=True)
     ledger = folder / "ledger"
-    controller = ControllerProcess(folder, {"slurm_units": "true", "slurm_poll_interval_s": "1",
-                                            "join_settle_s": "1", "node_cooldown_s": "30"})
+    controller = ControllerProcess(folder, {**TIDAL_SETTINGS, "slurm_units": "true"})
     trace = Trace(slurm, folder, duration, lambda: kill_one_worker(ledger, "ledger-*.jsonl", is_rank_zero))
     trace.submit("background", 1)
     time.sleep(2.0)
@@ -197,9 +283,9 @@ def run_tidal(folder: Path, slurm: CliJsonSlurmClient, duration: float, simulati
         for name in list(trace.jobs):
             trace.end(name)
         controller.stop()
-    steps = [(r["step"], r["time"], r["world_size"]) for r in read_jsonl(sorted(ledger.glob("ledger-*.jsonl")))
-             if r["kind"] == "commit" and r["rank"] == 0]
-    return outcome(steps, samples, len(slurm.list_nodes()))
+    commits = [Commit(r["step"], r["time"], r["world_size"], GLOBAL_BATCH)
+               for r in read_jsonl(sorted(ledger.glob("ledger-*.jsonl"))) if r["kind"] == "commit" and r["rank"] == 0]
+    return outcome(commits, samples, len(slurm.list_nodes()), simulation, MIN)
 
 
 def run_baseline(folder: Path, slurm: CliJsonSlurmClient, duration: float, simulation: Simulation) -> Outcome:
@@ -226,9 +312,9 @@ def run_baseline(folder: Path, slurm: CliJsonSlurmClient, duration: float, simul
         slurm.cancel(job)
         for name in list(trace.jobs):
             trace.end(name)
-    steps = [(r["step"], r["time"], r["world_size"]) for r in read_jsonl(sorted(logs.glob("*.jsonl")))
-             if r["rank"] == 0]
-    return outcome(steps, samples, len(slurm.list_nodes()))
+    commits = [Commit(r["step"], r["time"], r["world_size"], GLOBAL_BATCH)
+               for r in read_jsonl(sorted(logs.glob("*.jsonl"))) if r["rank"] == 0]
+    return outcome(commits, samples, len(slurm.list_nodes()), simulation, MIN)
 
 
 def run_torchft(folder: Path, slurm: CliJsonSlurmClient, duration: float, simulation: Simulation,
@@ -267,9 +353,10 @@ def run_torchft(folder: Path, slurm: CliJsonSlurmClient, duration: float, simula
         with contextlib.suppress(ProcessLookupError):
             os.killpg(beacon.pid, signal.SIGKILL)
         beacon.wait(10)
-    steps = [(r["step"], r["time"], r["world_size"]) for r in read_jsonl(sorted(logs.glob("torchft-*.jsonl")))
-             if r["committed"]]
-    return outcome(steps, samples, len(slurm.list_nodes()))
+    # Each group trains its own share a step (torchft keeps the per-group batch).
+    commits = [Commit(r["step"], r["time"], r["world_size"], GLOBAL_BATCH // MAX * r["world_size"])
+               for r in read_jsonl(sorted(logs.glob("torchft-*.jsonl"))) if r["committed"]]
+    return outcome(commits, samples, len(slurm.list_nodes()), simulation, MIN)
 
 
 def wait_for_idle_cluster(slurm: CliJsonSlurmClient) -> None:
@@ -282,11 +369,14 @@ def wait_for_idle_cluster(slurm: CliJsonSlurmClient) -> None:
 
 
 def main() -> None:
-    args = parser(__doc__.split("\n\n")[0]).parse_args()
-    duration = 25.0 if args.quick else 600.0
+    arguments = parser(__doc__.split("\n\n")[0])
+    arguments.add_argument("--duration", type=float, default=None,
+                           help="the trace's length D in seconds (default 600; --quick: 25)")
+    args = arguments.parse_args()
+    duration = args.duration or (25.0 if args.quick else 600.0)
     simulation = QUICK_SIMULATION if args.quick else SIMULATION
-    # One run of each by default: each plays the whole trace (3 × 10 minutes in full).
-    repeat = args.repeat or 1
+    # Three plays of each by default (--quick: one): each plays the whole trace.
+    repeat = args.repeat or (1 if args.quick else 3)
     slurm = CliJsonSlurmClient(timeout_s=10)
     lighthouse = torchft_lighthouse()
     if lighthouse is None:
@@ -304,36 +394,52 @@ def main() -> None:
                                                    lighthouse))
             wait_for_idle_cluster(slurm)
             for name, result in ((n, r[-1]) for n, r in runs.items()):
-                print(f"goodput: {name} run {index + 1}: {result.steps} steps, progress {result.progress:.0f} "
-                      f"node-s of {result.held:.0f} held, {result.free:.0f} left free by the trace", flush=True)
+                print(f"goodput: {name} run {index + 1}: {result.steps} steps, {result.samples} samples, progress "
+                      f"{result.progress:.0f} node-s of {result.held:.0f} held, {result.free:.0f} left free by the "
+                      "trace; " + ", ".join(f"{part} {seconds:.0f}" for part, seconds in result.parts.items()),
+                      flush=True)
     names = {"static": f"static {MIN}-node job, torchrun --max-restarts, checkpoint-restart on preemption",
              "torchft": f"{torchft_name('pure', min_replicas=MIN)}; {MAX} replica groups as 1-node Slurm jobs "
                         "with --requeue"}
     runs_note = "; ".join(
-        f"run {i + 1}: " + ", ".join(f"{name} {results[i].steps} steps, {results[i].held:.0f} node-s held of "
-                                     f"{results[i].free:.0f} left free" for name, results in runs.items())
+        f"run {i + 1}: " + ", ".join(f"{name} {results[i].steps} steps ({results[i].samples} samples), "
+                                     f"{results[i].held:.0f} node-s held of {results[i].free:.0f} left free"
+                                     for name, results in runs.items())
         for i in range(repeat))
     ratios = {denominator: {name: [r.progress / (getattr(r, denominator) or float("inf")) for r in results]
                             for name, results in runs.items()} for denominator in ("held", "free")}
-    ahead_of_all = all(median(ratios["held"]["tidal"]) > median(values)
-                       for name, values in ratios["held"].items() if name != "tidal")
+    ahead = {denominator: all(median(values["tidal"]) > median(v) for name, v in values.items() if name != "tidal")
+             for denominator, values in ratios.items()}
     rows = []
     for metric, denominator, goal in (
             ("goodput under churn: progress / node-seconds held", "held", f"Tidal ≥ {GOAL:.0%} and ahead of both"),
-            ("progress / node-seconds the trace left free", "free", "reported: Tidal ahead")):
+            ("progress / node-seconds the trace left free", "free", "Tidal ahead of both")):
         samples = ratios[denominator]
         tidal = median(samples["tidal"])
         for peer in (name for name in runs if name != "tidal"):
             baseline = median(samples[peer])
-            met = (tidal >= GOAL and ahead_of_all) if denominator == "held" else tidal > baseline
+            met = (tidal >= GOAL and ahead["held"]) if denominator == "held" else ahead["free"]
             rows.append(Row(
                 benchmark="goodput", metric=f"{metric}, {duration:.0f} s trace, simulated H100s, vs {peer}",
                 unit="fraction", tidal=tidal, baseline=baseline, tidal_samples=samples["tidal"],
                 baseline_samples=samples[peer], baseline_name=names[peer], goal=goal, met=met,
                 ratio=tidal / baseline if baseline else None, ratio_meaning=f"Tidal / {peer}", note=runs_note))
-    write_result("goodput", rows, quick=args.quick, settings={
+    parts = {name: {part: median([r.parts[part] / r.held if r.held else 0.0 for r in results]) for part in PARTS}
+             for name, results in runs.items()}
+    text = ("Progress is what each system committed: every step counted once (a step redone after a restart "
+            "once; torchft: a step its quorum committed, with its groups' shares), each at the node-seconds an "
+            "ideal run on the simulated devices spends on it at that step's world size (its largest share's "
+            "micro-batches plus the gradient all-reduce, times the world size), so a slow step, a stall or a "
+            "step redone costs its real time and earns its ideal one. Where the held node-seconds went "
+            "(medians over the plays, fractions of held; from squeue samples and the first commits alone, the "
+            "same for every system):\n\n| system | " + " | ".join(PARTS) + " |\n|---|"
+            + "---|" * len(PARTS) + "\n" + "\n".join(
+                f"| {name} | " + " | ".join(f"{parts[name][part]:.1%}" for part in PARTS) + " |" for name in runs))
+    write_result("goodput", rows, quick=args.quick, text=text, settings={
         "duration_s": duration, "min": MIN, "max": MAX, "repeat": repeat, "model": " ".join(MODEL),
-        "simulation": " ".join(simulation_flags(simulation)), "simulated": simulation.describe()})
+        "simulation": " ".join(simulation_flags(simulation)), "simulated": simulation.describe(),
+        "tidal_settings": TIDAL_SETTINGS},
+        extra={"parts": {name: [r.parts for r in results] for name, results in runs.items()}})
 
 
 if __name__ == "__main__":

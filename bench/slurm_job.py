@@ -17,13 +17,14 @@ from tidal.slurm import CliJsonSlurmClient, UnitSubmission
 
 class SlurmJob:
     def __init__(self, folder: Path, max_replicas: int, poll_s: float, blocked_nodes: int = 0,
-                 step_time: float = 0.01) -> None:
+                 step_time: float = 0.01, settings: dict[str, str] | None = None) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.folder = folder
         self.ledger = folder / "ledger"
         self.slurm = CliJsonSlurmClient(timeout_s=10)
         self.controller = ControllerProcess(folder, {"slurm_units": "true", "slurm_poll_interval_s": str(poll_s),
-                                                     "join_settle_s": "1", "reconnect_grace_s": "10"})
+                                                     "join_settle_s": "1", "reconnect_grace_s": "10",
+                                                     **(settings or {})})
         self.max_replicas = max_replicas
         self.job_id = ""
         self.blockers: list[int] = []

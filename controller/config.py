@@ -93,6 +93,14 @@ class ControllerConfig:
     # (its last replica saves the training state as it leaves; the job resumes from it once
     # min_replicas nodes are idle) instead of holding them idle. 0: hold them.
     below_min_release_s: float = 30.0
+    # Live mode with Slurm units, replicas of one node: keep this many units queued in
+    # Slurm (pending) while the job runs at or above min_replicas and below max_replicas
+    # with no idle node to grow onto, so Slurm starts one the moment a node frees instead
+    # of the next poll submitting it (as torchft's requeued replica groups wait). Not while
+    # other Slurm jobs wait for nodes the job could take. A queued unit competes in Slurm's
+    # queue by Slurm's priority, not by the weights elastic jobs share idle nodes by. 0: grow
+    # only onto nodes a poll saw idle.
+    queued_units: int = 0
     # Live mode, replicas of several nodes: a replica that lost a node waits this long for
     # a node to take its place; then its other nodes are given back (the job keeps its
     # other replicas). 0: wait as long as it takes. 30 minutes: on a busy cluster a
@@ -161,7 +169,7 @@ class ControllerConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ["reconnect_grace_s", "join_settle_s", "scale_up_snooze_s", "below_min_release_s",
-                     "replica_patch_wait_s"]:
+                     "replica_patch_wait_s", "queued_units"]:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:

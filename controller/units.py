@@ -270,6 +270,26 @@ def units_to_submit(spec: admin_pb2.JobSpec, *, alive: int, idle_nodes: int, now
     return UnitDemand(count, f"{idle_nodes} idle node(s) fit; growing toward max_replicas {spec.max_replicas}")
 
 
+def units_to_queue(spec: admin_pb2.JobSpec, *, alive: int, pending: int, idle_nodes: int, others_waiting: int,
+                   released: bool, queued_units: int) -> UnitDemand:
+    """How many units to queue in Slurm ahead of a free node (`queued_units`), and why:
+    live mode with one-node replicas, at or above min_replicas (below it replacements are
+    queued anyway) and below max_replicas, no idle node to grow onto, no other Slurm job
+    waiting for the job's nodes, `pending` (units Slurm has not started) short of
+    `queued_units`, and a world one unit larger allowed."""
+    if queued_units <= 0 or spec.mode != common_pb2.JOB_MODE_LIVE or max(1, spec.nodes_per_replica) > 1:
+        return UnitDemand(0, "no units queued ahead (queued_units 0, or not live mode with one-node replicas)")
+    if released or alive < spec.min_replicas or alive >= spec.max_replicas or idle_nodes > 0 or others_waiting:
+        return UnitDemand(0, "no unit to queue ahead now")
+    sizes = allowed_sizes(spec.min_replicas, spec.max_replicas, spec.replica_step, spec.allowed_replicas)
+    count = 0
+    while (count < queued_units - pending and alive + count < spec.max_replicas
+           and alive + count + 1 in sizes):
+        count += 1
+    return UnitDemand(count, f"queued in Slurm for the next free node ({pending + count} of queued_units "
+                             f"{queued_units}; {alive} of max_replicas {spec.max_replicas})")
+
+
 def unit_script(launcher: Sequence[str], *, controller: str, job_id: str, unit_id: str, nodes: int = 1) -> str:
     """The unit's batch script: the launcher, nothing else; the job's secret reaches it
     through the environment (a file path), never the script or argv.

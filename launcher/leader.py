@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import structlog
+from google.protobuf import timestamp_pb2
 
 from tidal.launcher import decisions, worlds
 from tidal.launcher.control import LauncherChannel, WorkerSaid
@@ -57,6 +58,24 @@ log = structlog.get_logger("tidal.launcher")
 # Nothing waits for a store still being made: the child, not the launcher, is inside
 # torch's import, and ending it there is harmless.
 STORE_SERVER_STOP_S = 5.0
+
+
+def process_started_at() -> timestamp_pb2.Timestamp | None:
+    """When this process started, by the kernel's clock (Linux: /proc, 10 ms ticks), as
+    wall-clock time; None where it cannot be read."""
+    try:
+        with open("/proc/self/stat") as stat:
+            # The command name (field 2) may hold spaces: count fields after its ')'.
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+        # Ticks since boot; the boot's own wall time (btime) is whole seconds, so the age is
+        # taken from the boot clock instead.
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        started = time.time() - age
+    except (OSError, ValueError, IndexError):
+        return None
+    stamp = timestamp_pb2.Timestamp()
+    stamp.FromNanoseconds(int(started * 1e9))
+    return stamp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +178,7 @@ class Agent(NodeAgent[LauncherOptions]):
             nodes=list(self.options.nodes), address=self.options.address,
             slurm_job_id=self.options.slurm_job_id, last_generation=self.generation,
             worker_pids=(self.workers.pids if running and self.workers else []) + followers,
-            store_port=self.store_port)
+            store_port=self.store_port, started_at=process_started_at())
 
     async def _open(self) -> bool:
         try:

@@ -55,7 +55,7 @@ class LauncherMessage(_message.Message):
     def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., worker_exited: _Optional[_Union[WorkerExited, _Mapping]] = ..., leave_request: _Optional[_Union[LeaveRequest, _Mapping]] = ..., generation_report: _Optional[_Union[GenerationReport, _Mapping]] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("job_id", "unit_id", "secret", "nodes", "address", "slurm_job_id", "last_generation", "worker_pids", "store_port")
+    __slots__ = ("job_id", "unit_id", "secret", "nodes", "address", "slurm_job_id", "last_generation", "worker_pids", "store_port", "started_at")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     UNIT_ID_FIELD_NUMBER: _ClassVar[int]
     SECRET_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class Register(_message.Message):
     LAST_GENERATION_FIELD_NUMBER: _ClassVar[int]
     WORKER_PIDS_FIELD_NUMBER: _ClassVar[int]
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     unit_id: str
     secret: str
@@ -74,7 +75,8 @@ class Register(_message.Message):
     last_generation: int
     worker_pids: _containers.RepeatedScalarFieldContainer[int]
     store_port: int
-    def __init__(self, job_id: _Optional[str] = ..., unit_id: _Optional[str] = ..., secret: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., address: _Optional[str] = ..., slurm_job_id: _Optional[int] = ..., last_generation: _Optional[int] = ..., worker_pids: _Optional[_Iterable[int]] = ..., store_port: _Optional[int] = ...) -> None: ...
+    started_at: _timestamp_pb2.Timestamp
+    def __init__(self, job_id: _Optional[str] = ..., unit_id: _Optional[str] = ..., secret: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., address: _Optional[str] = ..., slurm_job_id: _Optional[int] = ..., last_generation: _Optional[int] = ..., worker_pids: _Optional[_Iterable[int]] = ..., store_port: _Optional[int] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class WorkerProgress(_message.Message):
     __slots__ = ("local_rank", "rank", "pid", "step", "progress_time", "waiting", "beat_time", "samples", "loss", "compute_generation", "compute_seconds", "compute_samples", "compute_steps")

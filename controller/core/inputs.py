@@ -64,6 +64,9 @@ def on_connected(t: Step, unit_id: str, register: launcher_pb2.Register, slot: S
     unit = state.units.get(unit_id)
     fields = {"address": register.address, "nodes": join_ids(list(register.nodes)),
               "workers": join_ids([str(p) for p in register.worker_pids])}
+    if register.HasField("started_at"):
+        # When the launcher's process started: Slurm's start before it, the launcher's after.
+        fields["launcher_started_at"] = f"{register.started_at.ToNanoseconds() / 1e9:.3f}"
     new = unit is None or unit.state is UnitState.SUBMITTED
     if unit is None:
         unit = UnitRecord(job_id=t.job.job_id, unit_id=unit_id, state=UnitState.JOINING)

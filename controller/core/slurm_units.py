@@ -90,6 +90,11 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
         count = grow_allowance
         note_growth_held(t, f"{demand.count - count} of {demand.count} idle node(s) go to other elastic "
                          f"jobs by weight (this job's weight {spec.weight or 1})")
+    if count == 0 and not holes:
+        queued = unit_rules.units_to_queue(spec, alive=len(alive), pending=waiting, idle_nodes=len(idle),
+                                           others_waiting=len(others_waiting), released=state.released_below_min,
+                                           queued_units=t.config.queued_units)
+        count, demand = queued.count, queued
     for _ in range(count):
         submit_unit(t, demand.reason, excluded)
 

@@ -50,3 +50,34 @@ def test_a_step_counts_once_at_its_world_size_times_the_typical_step_time() -> N
     assert distinct == 6
     # Steps 1-4 cost 2 × 1 s each; 5 and 6 cost 4 × 0.5 s each; the stall is not progress.
     assert math.isclose(progress, 4 * 2.0 + 2 * 2.0)
+
+
+def test_goodput_counts_each_committed_step_once_at_its_ideal_cost_and_splits_the_held_node_seconds() -> None:
+    from bench.goodput import PARTS, Commit, ideal_step_node_seconds, outcome
+    from tidal.train.simulated import ACCELERATORS, Simulation
+
+    simulation = Simulation(accelerator=ACCELERATORS["h100"], parameters=1e9, tokens_per_sample=4096)
+    at_two = ideal_step_node_seconds(simulation, 32, 2, 16)
+    # Each of 2 replicas: one micro-batch of 16 (0.99 s) and the all-reduce at 2 (40 ms).
+    assert math.isclose(at_two, 2 * (simulation.micro_batch_seconds(16) + simulation.reduction_seconds(2)))
+    # 32 over 3: the largest share, 11, sets the step.
+    assert math.isclose(ideal_step_node_seconds(simulation, 32, 3, 16),
+                        3 * (simulation.micro_batch_seconds(11) + simulation.reduction_seconds(3)))
+    step_s = at_two / 2
+    # 2 nodes held from t=0 to 40; steps 1..10 committed 1.2 ideal steps apart from t=10; step 5
+    # redone at t=30 (counts once); nothing else.
+    commits = [Commit(step, 10.0 + (step - 1) * 1.2 * step_s, 2, 32) for step in range(1, 11)]
+    commits.append(Commit(5, 30.0, 2, 32))
+    squeue = [(float(t), 2, 1) for t in range(41)]
+    result = outcome(commits, squeue, 4, simulation, 2)
+    assert result.steps == 10 and result.samples == 320
+    assert math.isclose(result.progress, 10 * at_two)
+    assert math.isclose(result.held, 80.0) and math.isclose(result.free, 120.0)
+    assert math.isclose(sum(result.parts.values()), result.held)
+    assert math.isclose(result.parts[PARTS[0]], result.progress)
+    # 9 gaps of 1.2 ideal steps at 2 nodes trained; the ideal share of the first step has no gap.
+    assert math.isclose(result.parts[PARTS[0]] + result.parts[PARTS[1]], 9 * 1.2 * at_two)
+    assert result.parts[PARTS[2]] == 0.0 and result.parts[PARTS[4]] == 0.0
+    # One node held below a min of 3: all of the held time is below min but the trained spans.
+    below = outcome(commits, [(float(t), 1, 1) for t in range(41)], 4, simulation, 3)
+    assert below.parts[PARTS[4]] > 0 and below.parts[PARTS[3]] == 0.0

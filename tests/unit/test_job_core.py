@@ -574,3 +574,47 @@ def test_members_not_heard_from_since_a_controller_restart_are_not_said_to_hold_
     driver.tick(0.25)
     effects = driver.exit("b", 2, code=1)
     assert "state_not_held" in driver.events(effects)
+
+
+def busy(name: str) -> Node:
+    return dataclasses.replace(node(name), state=NodeState.ALLOCATED)
+
+
+def test_a_job_below_max_keeps_one_unit_queued_in_slurm_when_asked_and_none_by_default() -> None:
+    queued = dataclasses.replace(CONFIG, queued_units=1)
+    driver = Driver(min_replicas=1, max_replicas=3, slurm_units=True, config=queued)
+    driver.feed(core.SlurmObserved(view(driver, (node("n1"), busy("n2")))))
+    driver.feed(core.UnitSubmitted("u1", 801))
+    driver.connect("u1")
+    driver.tick()
+    assert driver.state.job.state is JobState.RUNNING
+    running = (slurm_job(801, SlurmJobState.RUNNING),)
+    # No node idle: one unit goes into Slurm's queue, to start when a node frees.
+    effects = driver.feed(core.SlurmObserved(view(driver, (busy("n1"), busy("n2")), running)))
+    submits = [e for e in effects if isinstance(e, core.Submit)]
+    assert [s.unit_id for s in submits] == ["u2"]
+    assert driver.state.units["u2"].state is UnitState.SUBMITTED
+    assert any(isinstance(e, core.Record) and e.kind == "unit_submitting"
+               and e.reason.startswith("queued in Slurm for the next free node") for e in effects)
+    driver.feed(core.UnitSubmitted("u2", 802))
+    # While it waits in the queue no other is added, nor while another Slurm job waits.
+    pending = (*running, slurm_job(802, SlurmJobState.PENDING))
+    assert not [e for e in driver.feed(core.SlurmObserved(view(driver, (busy("n1"), busy("n2")), pending)))
+                if isinstance(e, core.Submit)]
+    # Slurm started it (not registered yet): the next one is queued, up to max_replicas.
+    started = (*running, slurm_job(802, SlurmJobState.RUNNING))
+    effects = driver.feed(core.SlurmObserved(view(driver, (busy("n1"), busy("n2")), started)))
+    assert [e.unit_id for e in effects if isinstance(e, core.Submit)] == ["u3"]
+    driver.feed(core.UnitSubmitted("u3", 803))
+    full = (*started, slurm_job(803, SlurmJobState.RUNNING))
+    assert not [e for e in driver.feed(core.SlurmObserved(view(driver, (busy("n1"), busy("n2")), full)))
+                if isinstance(e, core.Submit)], "at max_replicas nothing more is queued"
+    # By default (queued_units 0) a busy cluster gets no unit queued.
+    plain = Driver(min_replicas=1, max_replicas=3, slurm_units=True)
+    plain.feed(core.SlurmObserved(view(plain, (node("n1"), busy("n2")))))
+    plain.feed(core.UnitSubmitted("u1", 901))
+    plain.connect("u1")
+    plain.tick()
+    assert not [e for e in plain.feed(core.SlurmObserved(view(plain, (busy("n1"), busy("n2")),
+                                                                (slurm_job(901, SlurmJobState.RUNNING),))))
+                if isinstance(e, core.Submit)]

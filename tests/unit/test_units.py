@@ -346,3 +346,23 @@ def test_node_cool_downs_survive_a_controller_restart(tmp_path: Path) -> None:
         assert growing.fits, "the other node is still there to grow onto"
 
     asyncio.run(scenario())
+
+
+def test_a_unit_is_queued_ahead_only_for_a_live_one_node_job_between_min_and_max_with_nothing_idle() -> None:
+    from tidal.controller.units import units_to_queue
+
+    live = admin_pb2.JobSpec(min_replicas=2, max_replicas=4, mode=common_pb2.JOB_MODE_LIVE)
+
+    def queue(spec: admin_pb2.JobSpec = live, *, alive: int = 2, pending: int = 0, idle: int = 0, others: int = 0,
+              released: bool = False, queued: int = 1) -> int:
+        return units_to_queue(spec, alive=alive, pending=pending, idle_nodes=idle, others_waiting=others,
+                              released=released, queued_units=queued).count
+    assert queue() == 1 and queue(queued=2) == 2 and queue(alive=3, queued=2) == 1
+    assert queue(queued=0) == 0 and queue(pending=1) == 0 and queue(idle=1) == 0 and queue(others=1) == 0
+    assert queue(alive=1) == 0 and queue(alive=4) == 0 and queue(released=True) == 0
+    assert queue(admin_pb2.JobSpec(min_replicas=2, max_replicas=4, mode=common_pb2.JOB_MODE_RESTART)) == 0
+    assert queue(admin_pb2.JobSpec(min_replicas=2, max_replicas=4, mode=common_pb2.JOB_MODE_LIVE,
+                                   nodes_per_replica=2)) == 0
+    # A world one larger must be allowed: with steps of 2, one queued unit could not join.
+    assert queue(admin_pb2.JobSpec(min_replicas=2, max_replicas=6, mode=common_pb2.JOB_MODE_LIVE,
+                                   replica_step=2)) == 0
