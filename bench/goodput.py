@@ -155,6 +155,10 @@ class Outcome:
     steps: int
     samples: int
     parts: dict[str, float]
+    # The squeue samples (time, nodes the job held, nodes the trace's other work held) and
+    # the first commits (step, time, world size, samples): what the figures come from.
+    samples_taken: tuple[tuple[float, int, int], ...] = ()
+    commits: tuple[tuple[int, float, int, int], ...] = ()
 
 
 def ideal_step_node_seconds(simulation: Simulation, samples: int, world: int, micro_batch: int) -> float:
@@ -184,7 +188,9 @@ def outcome(records: list[Commit], samples: list[tuple[float, int, int]], nodes:
     return Outcome(progress=progress, held=sum(held * (t1 - t0) for (t0, held, _), (t1, _, _) in pairs),
                    free=sum((nodes - other) * (t1 - t0) for (t0, _, other), (t1, _, _) in pairs), steps=len(commits),
                    samples=sum(c.samples for c in commits),
-                   parts=breakdown(commits, samples, progress, minimum, simulation, micro))
+                   parts=breakdown(commits, samples, progress, minimum, simulation, micro),
+                   samples_taken=tuple(samples),
+                   commits=tuple((c.step, c.time, c.world, c.samples) for c in commits))
 
 
 def breakdown(commits: list[Commit], samples: list[tuple[float, int, int]], progress: float, minimum: int,
@@ -439,7 +445,9 @@ def main() -> None:
         "duration_s": duration, "min": MIN, "max": MAX, "repeat": repeat, "model": " ".join(MODEL),
         "simulation": " ".join(simulation_flags(simulation)), "simulated": simulation.describe(),
         "tidal_settings": TIDAL_SETTINGS},
-        extra={"parts": {name: [r.parts for r in results] for name, results in runs.items()}})
+        extra={"parts": {name: [r.parts for r in results] for name, results in runs.items()},
+               "plays": {name: [{"squeue": r.samples_taken, "first_commits": r.commits} for r in results]
+                         for name, results in runs.items()}})
 
 
 if __name__ == "__main__":
