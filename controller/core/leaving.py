@@ -39,8 +39,10 @@ def leave(t: Step, unit_id: str, cause: str, detail: str) -> None:
         aside = tuple(u for u in replicas.replica_units(state.units, unit.replica)
                       if u != unit_id and state.units[u].state is UnitState.ACTIVE) if t.replica_nodes > 1 else ()
         remaining = [m.unit_id for m in state.generation.members if m.unit_id != unit_id and m.unit_id not in aside]
+        # Not when it holds the last copy of the state (the others formed no world with it
+        # yet): a world of theirs would have none. It saves the state as it leaves instead.
         if (remaining and len(remaining) // t.replica_nodes >= t.min_world
-                and all(t.connected(u) for u in remaining)):
+                and all(t.connected(u) for u in remaining) and not holds_last_state(t, unit_id)):
             forming.reconfigure(t, (), (unit_id,), "leave", f"unit {unit_id} leaves ({cause})", t.now.monotonic,
                                 set_aside=aside)
             return

@@ -618,3 +618,34 @@ def test_a_job_below_max_keeps_one_unit_queued_in_slurm_when_asked_and_none_by_d
     assert not [e for e in plain.feed(core.SlurmObserved(view(plain, (busy("n1"), busy("n2")),
                                                                 (slurm_job(901, SlurmJobState.RUNNING),))))
                 if isinstance(e, core.Submit)]
+
+
+def test_a_member_leaving_with_the_last_copy_of_the_state_saves_it_rather_than_leave_a_world_without_it() -> None:
+    """bench.goodput --quick: a worker was killed while a joiner's workers were still
+    starting; the world re-formed with the joiner, and the only holder of the state was
+    preempted before that world trained. Its graceful leave made a world of the joiners
+    alone, which held no state (`state_lost`, the job failed). It now saves the state as it
+    leaves, and the next world resumes from it."""
+    driver = Driver(min_replicas=1, max_replicas=3)
+    formed(driver, "a", "x")
+    driver.beat("a", 40)
+    driver.beat("x", 40)
+    driver.tick(0.25)
+    driver.connect("b")
+    driver.tick(0.25)
+    driver.exit("x", 2, code=1)
+    for unit in "ab":
+        driver.report(unit, 2, launcher_pb2.GENERATION_PHASE_STOPPED)
+    assert driver.state.generation is not None and driver.state.generation.unit_ids == ("a", "b")
+    effects = driver.feed(core.DrainRequested(("a",), uid=0))
+    # It saves and leaves; the others stop, and their next world resumes from what it saved.
+    assert driver.events(effects) == ["unit_leaving", "state_saving", "generation_stopping"]
+    leave = next(e.message.generation for e in effects if isinstance(e, core.Send) and e.unit_id == "a")
+    assert leave.save_state and "a" in leave.leaving
+    # Once b holds the state (its heartbeats say the job's step), a drain is a graceful leave.
+    driver = Driver(min_replicas=1, max_replicas=3)
+    formed(driver, "a", "b")
+    driver.beat("a", 40)
+    driver.beat("b", 40)
+    driver.tick(0.25)
+    assert driver.events(driver.feed(core.DrainRequested(("a",), uid=0))) == ["unit_leaving", "world_reconfiguring"]
