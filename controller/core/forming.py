@@ -67,8 +67,9 @@ def start_generation(t: Step, survivors: tuple[str, ...], form: planning.Form, n
     fields.update(state_fields(t, plan))
     # Members of the previous generation that are not in this one (a replica of several
     # nodes that lost one) wait out of it, as joiners.
+    in_plan = set(chosen)
     left_out = [u for u in (state.generation.unit_ids if state.generation is not None else ())
-                if u not in chosen and state.units[u].state is UnitState.ACTIVE]
+                if u not in in_plan and state.units[u].state is UnitState.ACTIVE]
     commit_generation(t, plan, chosen + left_out, "world_formed", form.reason, fields)
     if state.failure_detected_at is not None:
         t.emit(RecoveryTimed(now - state.failure_detected_at))
