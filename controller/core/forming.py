@@ -83,9 +83,9 @@ def start_generation(t: Step, survivors: tuple[str, ...], form: planning.Form, n
         # Each is sent this generation now: nothing left to wait for from before.
         if state.units[unit_id].facts.back_without_workers_at is not None:
             t.note(state.units[unit_id], back_without_workers_at=None)
-    for unit_id in plan.unit_ids:
-        t.send(unit_id, messages.member(plan, unit_id, stop_grace_s=failure.stop_grace_s(t, cause) if cause else None,
-                                        reason=form.reason))
+    for unit_id, message in messages.members(plan, plan.unit_ids, reason=form.reason,
+                                             stop_grace_s=failure.stop_grace_s(t, cause) if cause else None):
+        t.send(unit_id, message)
 
 
 def commit_generation(t: Step, plan: GenerationRecord, unit_ids: list[str], kind: str, reason: str,
