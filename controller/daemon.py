@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import shlex
@@ -205,6 +206,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Python's collector runs its youngest generation every 700 net allocations of objects it
+# tracks, by default. With 2,000 launchers, each session's pending read (a future, a task's
+# coroutine, gRPC's operation) lives for about a heartbeat interval: young collections
+# promoted thousands of them a second, and a collection of the whole heap (about 200,000
+# objects: 100-150 ms with the event loop stopped) followed every 3 s or so, wherever it
+# fell, a failure's fan-out included. A youngest generation larger than what one heartbeat
+# interval keeps alive lets those objects die young, uncollected; cycles are still found.
+GC_YOUNGEST_THRESHOLD = 50_000
+
+
+def tune_garbage_collection() -> None:
+    """Collect the youngest generation every `GC_YOUNGEST_THRESHOLD` allocations (the older
+    generations' thresholds unchanged)."""
+    _, middle, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNGEST_THRESHOLD, middle, oldest)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     overrides: dict[str, Any] = {"state_dir": args.state_dir, "listen": args.listen,
@@ -224,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(config_as_dict(config), indent=2))
         return 0
     configure_logging(level=config.log_level, json={"json": True, "console": False}.get(config.log_format))
+    tune_garbage_collection()
     return asyncio.run(serve(config, args.ready_file))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from collections.abc import Mapping, Sequence
 from typing import cast
 
@@ -162,24 +163,36 @@ class GenerationRecord:
     created_at: float
     resume_step: int = 0
 
-    @property
+    # A generation never changes: what is read of it once per member (its size, a member by
+    # unit) is worked out once, so that sending it to N members is O(N), not O(N^2).
+
+    @functools.cached_property
     def world_size(self) -> int:
         return sum(m.world_share for m in self.members)
 
-    @property
+    @functools.cached_property
     def unit_ids(self) -> tuple[str, ...]:
         return tuple(m.unit_id for m in self.members)
 
+    @functools.cached_property
+    def _members_by_unit(self) -> dict[str, Member]:
+        return {m.unit_id: m for m in self.members}
+
     def member(self, unit_id: str) -> Member | None:
-        return next((m for m in self.members if m.unit_id == unit_id), None)
+        return self._members_by_unit.get(unit_id)
 
     def rank_table(self, only_unit: str | None = None) -> common_pb2.RankTable:
         """Every member's assignment, or only `only_unit`'s (what that unit's launcher needs)."""
+        if only_unit is None:
+            chosen: tuple[Member, ...] | list[Member] = self.members
+        else:
+            found = self.member(only_unit)
+            chosen = [found] if found is not None else []
         return common_pb2.RankTable(
             world_size=self.world_size, groups=len(self.members),
             assignments=[common_pb2.RankAssignment(unit_id=m.unit_id, nodes=list(m.nodes), group_rank=m.group_rank,
                                                    first_rank=m.first_rank, procs_per_node=m.procs_per_node)
-                         for m in self.members if only_unit is None or m.unit_id == only_unit])
+                         for m in chosen])
 
     def rendezvous(self) -> common_pb2.Rendezvous:
         return common_pb2.Rendezvous(host=self.rendezvous_host, port=self.rendezvous_port,

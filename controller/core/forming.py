@@ -67,8 +67,9 @@ def start_generation(t: Step, survivors: tuple[str, ...], form: planning.Form, n
     fields.update(state_fields(t, plan))
     # Members of the previous generation that are not in this one (a replica of several
     # nodes that lost one) wait out of it, as joiners.
+    in_plan = set(chosen)
     left_out = [u for u in (state.generation.unit_ids if state.generation is not None else ())
-                if u not in chosen and state.units[u].state is UnitState.ACTIVE]
+                if u not in in_plan and state.units[u].state is UnitState.ACTIVE]
     commit_generation(t, plan, chosen + left_out, "world_formed", form.reason, fields)
     if state.failure_detected_at is not None:
         t.emit(RecoveryTimed(now - state.failure_detected_at))
@@ -82,9 +83,9 @@ def start_generation(t: Step, survivors: tuple[str, ...], form: planning.Form, n
         # Each is sent this generation now: nothing left to wait for from before.
         if state.units[unit_id].facts.back_without_workers_at is not None:
             t.note(state.units[unit_id], back_without_workers_at=None)
-    for unit_id in plan.unit_ids:
-        t.send(unit_id, messages.member(plan, unit_id, stop_grace_s=failure.stop_grace_s(t, cause) if cause else None,
-                                        reason=form.reason))
+    for unit_id, message in messages.members(plan, plan.unit_ids, reason=form.reason,
+                                             stop_grace_s=failure.stop_grace_s(t, cause) if cause else None):
+        t.send(unit_id, message)
 
 
 def commit_generation(t: Step, plan: GenerationRecord, unit_ids: list[str], kind: str, reason: str,

@@ -60,7 +60,7 @@ def handle(t: Step, event: Input) -> None:
 
 def on_connected(t: Step, unit_id: str, register: launcher_pb2.Register, slot: Slot | None = None) -> None:
     state, now = t.state, t.now.monotonic
-    state.links.pop(unit_id, None)
+    t.forget_link(unit_id)
     unit = state.units.get(unit_id)
     fields = {"address": register.address, "nodes": join_ids(list(register.nodes)),
               "workers": join_ids([str(p) for p in register.worker_pids])}
@@ -218,7 +218,7 @@ def on_worker_exited(t: Step, unit_id: str, exited: launcher_pb2.WorkerExited) -
 
 def on_disconnected(t: Step, unit_id: str, reason: str) -> None:
     state = t.state
-    state.links.pop(unit_id, None)
+    t.forget_link(unit_id)
     unit = state.units.get(unit_id)
     if unit is None:
         return

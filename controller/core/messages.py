@@ -17,12 +17,31 @@ def member(generation: GenerationRecord, unit_id: str, stop_grace_s: float | Non
     """`generation` to one of its members, at once (a form, restart mode's change, a
     failure's next generation): only the member's own assignment; `stop_grace_s` for the
     workers of an older generation it replaces."""
-    message = launcher_pb2.Generation(
-        generation=generation.number, rank_table=generation.rank_table(only_unit=unit_id),
-        rendezvous=generation.rendezvous(), target_step=generation.resume_step, reason=reason)
+    return members(generation, (unit_id,), stop_grace_s, reason)[0][1]
+
+
+def members(generation: GenerationRecord, unit_ids: Iterable[str], stop_grace_s: float | None = None,
+            reason: str = "") -> list[tuple[str, launcher_pb2.ControllerMessage]]:
+    """`member`'s message to each of `unit_ids`: what they share is built once and copied,
+    then each gets its own assignment (a failure's next generation to 2,000 members)."""
+    shared = launcher_pb2.Generation(generation=generation.number, rendezvous=generation.rendezvous(),
+                                     target_step=generation.resume_step, reason=reason)
+    shared.rank_table.SetInParent()
+    shared.rank_table.world_size = generation.world_size
+    shared.rank_table.groups = len(generation.members)
     if stop_grace_s is not None:
-        message.stop_grace.CopyFrom(duration(stop_grace_s))
-    return launcher_pb2.ControllerMessage(generation=message)
+        shared.stop_grace.CopyFrom(duration(stop_grace_s))
+    sent = []
+    for unit_id in unit_ids:
+        message = launcher_pb2.ControllerMessage()
+        message.generation.CopyFrom(shared)
+        found = generation.member(unit_id)
+        if found is not None:
+            message.generation.rank_table.assignments.add(
+                unit_id=found.unit_id, nodes=found.nodes, group_rank=found.group_rank, first_rank=found.first_rank,
+                procs_per_node=found.procs_per_node)
+        sent.append((unit_id, message))
+    return sent
 
 
 def at_step_boundary(generation: GenerationRecord, from_generation: int, leaving: Iterable[str],

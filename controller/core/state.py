@@ -317,8 +317,9 @@ class State:
     # Whether this controller runs the job's units as Slurm jobs.
     slurm_units: bool = False
     # What the connected launchers' heartbeats said, as of the last tick (an observation
-    # delivered with the tick, not a membership fact).
-    links: dict[str, Link] = dataclasses.field(default_factory=dict)
+    # delivered with the tick, not a membership fact). Never changed in place, only
+    # replaced (`Step.forget_link`): transitions share it rather than copy it.
+    links: Mapping[str, Link] = dataclasses.field(default_factory=dict)
     in_flight: InFlight | None = None
     last_change_at: float | None = None
     # When the previous tick was taken (monotonic): a tick much later than it says the
@@ -443,7 +444,7 @@ def working_copy(state: State) -> State:
     input would cost O(units) each time (tens of ms at thousands of units)."""
     flight = state.in_flight
     return dataclasses.replace(
-        state, job=dataclasses.replace(state.job), units=dict(state.units), links=dict(state.links),
+        state, job=dataclasses.replace(state.job), units=dict(state.units),
         in_flight=(dataclasses.replace(flight, joiners_waiting=set(flight.joiners_waiting),
                                        waiting_for=set(flight.waiting_for)) if flight is not None else None),
         first_step_generations=set(state.first_step_generations),

@@ -43,6 +43,13 @@ class Step:
             self.owned.add(unit.unit_id)
         return unit
 
+    def forget_link(self, unit_id: str) -> None:
+        """Drop what `unit_id`'s heartbeats said (its session opened or closed): the links
+        are shared with the state the transition was given, so replaced, not changed."""
+        links = self.state.links
+        if unit_id in links:
+            self.state.links = {u: link for u, link in links.items() if u != unit_id}
+
     @property
     def job(self) -> JobRecord:
         return self.state.job

@@ -209,6 +209,26 @@ def test_a_failure_in_restart_mode_is_one_message_to_each_survivor_that_stops_an
     assert driver.state.units["a"].facts.store_port == 7777
 
 
+def test_each_survivor_of_a_restart_mode_failure_gets_the_world_and_its_own_assignment_only() -> None:
+    driver = Driver(mode=common_pb2.JOB_MODE_RESTART, min_replicas=2, max_replicas=4)
+    formed(driver, "a", "b", "c", "d")
+    effects = driver.exit("b", 1, code=1)
+    generation = driver.state.generation
+    assert generation is not None and generation.number == 2
+    told = {e.unit_id: e.message.generation for e in effects if isinstance(e, core.Send) and e.unit_id != "b"}
+    assert sorted(told) == ["a", "c", "d"]
+    for unit, message in told.items():
+        member = generation.member(unit)
+        assert member is not None
+        assert (message.generation, message.rank_table.world_size, message.rank_table.groups) == (2, 3, 3)
+        assert [(a.unit_id, a.group_rank, a.first_rank, list(a.nodes)) for a in message.rank_table.assignments] == [
+            (unit, member.group_rank, member.first_rank, [f"node-{unit}"])], "its own assignment, no other"
+        assert message.rendezvous == told["a"].rendezvous and message.rendezvous.host_unit_id in told
+        assert message.stop_grace.ToNanoseconds() / 1e9 == CONFIG.failure_stop_grace_s
+        assert message.reason == told["a"].reason and "unit b failed" in message.reason
+    assert sorted(member.group_rank for member in generation.members) == [0, 1, 2]
+
+
 def test_restart_mode_grows_and_leaves_with_one_message_each() -> None:
     driver = Driver(mode=common_pb2.JOB_MODE_RESTART, min_replicas=1, max_replicas=3)
     formed(driver, "a", "b")
