@@ -269,9 +269,10 @@ def run_tidal(folder: Path, slurm: CliJsonSlurmClient, duration: float, simulati
     trace = Trace(slurm, folder, duration, lambda: kill_one_worker(ledger, "ledger-*.jsonl", is_rank_zero))
     trace.submit("background", 1)
     time.sleep(2.0)
-    controller.start()
     samples: list[tuple[float, int, int]] = []
     try:
+        # (In the try: a controller that does not come up in time is stopped too.)
+        controller.start()
         spec = admin_pb2.JobSpec(
             name="goodput", min_replicas=MIN, max_replicas=MAX, partition="train", mode=common_pb2.JOB_MODE_LIVE,
             working_dir=str(folder), environment={"OMP_NUM_THREADS": "1"},
