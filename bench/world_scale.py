@@ -13,7 +13,7 @@ A world change at scale, part by part:
     backend's connect that a GPU world uses (NCCL):
       - connect (a new client each generation, as `_connect_store`; see CONNECT_ATTEMPT_S);
       - the arrival barrier, `train.world.await_peers` itself: one add; the last rank to
-        arrive sets a key, the others wait for it (waits of `arrival_wait_s(world_size)`);
+        arrive sets a key, the others wait for it (one wait each);
       - the groups' NCCL unique ids, as torch 2.13's ProcessGroupNCCL fetches them at the
         first collective (ProcessGroupNCCL.cpp `initNCCLComm`): a group of more than
         TORCH_NCCL_RANKS_PER_ROOT (128) ranks uses NCCL's scalable init, where each of its
@@ -211,8 +211,10 @@ def rank_path(host: str, port: int, generation: int, rank: int, size: int,
         while prefix.add("arrived", 0) < size:
             time.sleep(poll_s)
     else:
+        # A worker looks at its launcher's word every 2 ms meanwhile (no store operation): here
+        # there is no launcher, and hundreds of ranks share a process, so it looks once a second.
         worlds.await_peers(prefix, world, deadline=time.monotonic() + STORE_TIMEOUT_S, timeout_s=STORE_TIMEOUT_S,
-                           check_interrupted=lambda: None)
+                           check_interrupted=lambda: None, look_s=1.0)
     arrived = time.time()
     unique_id = os.urandom(NCCL_UNIQUE_ID_BYTES)
     group = dist.PrefixStore("group", prefix)

@@ -65,13 +65,12 @@ STORE_TIMEOUT_S = 10.0
 FORM_TIMEOUT_S = 5.0
 FORM_TIMEOUT_PER_RANK_S = 0.01
 # While its peers arrive, a rank waits at the generation's store for the key the last one
-# to arrive sets, in waits of `arrival_wait_s` between which it looks at its launcher's word
-# (a stop, a newer world). The store is one server on one launcher: the waits of all ranks
-# together stay under ARRIVAL_LOOKS_PER_S a second (16,384 ranks: waits of 3.3 s). Polling
-# the count every 2 ms, as this did before, asked a store of 4,096 ranks 2 million times a
-# second and its ranks took a minute to connect (bench.world_scale).
-ARRIVAL_MIN_WAIT_S = 0.1
-ARRIVAL_LOOKS_PER_S = 5_000.0
+# to arrive sets (one wait, on a thread of its own), and looks at its launcher's word (a
+# stop, a newer world: no store operation) every ARRIVAL_LOOK_S meanwhile. Polling the count
+# every 2 ms, as this did before, asked a store of 4,096 ranks 2 million times a second, and
+# its ranks took 360 s to meet instead of 3.4 s (bench.world_scale). The wait is not cut into
+# short timed waits: a wait that times out as its key is set cost a rank 5 s in testing.
+ARRIVAL_LOOK_S = 0.002
 # A worker started ahead (standby) waits this long for a world; its launcher ends it
 # sooner if the unit leaves.
 STANDBY_TIMEOUT_S = 7 * 24 * 3600.0
@@ -159,35 +158,35 @@ def form_timeout_s(timeout_s: float, world_size: int) -> float:
     return min(timeout_s, FORM_TIMEOUT_S + FORM_TIMEOUT_PER_RANK_S * world_size)
 
 
-def arrival_wait_s(world_size: int) -> float:
-    """How long one wait for the last peer lasts before the rank looks at its launcher's
-    word: ARRIVAL_MIN_WAIT_S, or longer in a world so large that its ranks' waits together
-    would end more often than ARRIVAL_LOOKS_PER_S times a second."""
-    return max(ARRIVAL_MIN_WAIT_S, world_size / ARRIVAL_LOOKS_PER_S)
-
-
 def await_peers(prefix: Any, world: World, *, deadline: float, timeout_s: float,
-                check_interrupted: Callable[[], None], wait_s: float | None = None) -> None:
+                check_interrupted: Callable[[], None], look_s: float = ARRIVAL_LOOK_S) -> None:
     """Count this rank in at the generation's store (`prefix`: the generation's prefix)
     and return once all `world.world_size` ranks are: the last to arrive sets `all_arrived`,
-    the others wait for it, `wait_s` (default `arrival_wait_s`) at a time, calling
-    `check_interrupted` (it raises WorldBroken to give up) between waits; WorldBroken past
-    `deadline` (monotonic). A rank's store operations: one add, then one wait per `wait_s`."""
-    wait_s = arrival_wait_s(world.world_size) if wait_s is None else wait_s
+    the others wait for it on a thread (`tidal-peers`) while this one calls
+    `check_interrupted` (it raises WorldBroken to give up) every `look_s`;
+    WorldBroken past `deadline` (monotonic). A rank's store operations: one add and one
+    wait. Given up, the waiting thread ends with its wait (at the deadline at the latest);
+    the store client it waits on must not be used again (the next generation connects anew)."""
     if prefix.add("arrived", 1) >= world.world_size:
         prefix.set("all_arrived", "1")
         return
-    while True:
-        check_interrupted()
-        left_s = deadline - time.monotonic()
-        if left_s <= 0:
-            raise WorldBroken(f"peers of generation {world.generation} did not arrive within {timeout_s:g} s")
+    failed: list[RuntimeError] = []
+
+    def wait() -> None:
         try:
-            prefix.wait(["all_arrived"], datetime.timedelta(seconds=min(wait_s, left_s)))
-            return
-        except dist.DistStoreError:
-            # This wait timed out (a store that is gone raises DistNetworkError, which breaks the world).
-            continue
+            prefix.wait(["all_arrived"], datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        except RuntimeError as error:
+            failed.append(error)
+
+    waiter = threading.Thread(target=wait, name="tidal-peers", daemon=True)
+    waiter.start()
+    while waiter.is_alive():
+        check_interrupted()
+        waiter.join(look_s)
+    if failed:
+        if isinstance(failed[0], dist.DistStoreError) and time.monotonic() >= deadline:
+            raise WorldBroken(f"peers of generation {world.generation} did not arrive within {timeout_s:g} s")
+        raise failed[0]
 
 
 # A closed channel breaks every generation (its launcher is gone).
