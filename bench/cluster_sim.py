@@ -144,8 +144,8 @@ TORCHFT_TIMEOUT_S = 60.0  # a hung group is found by the collective's timeout
 # Tidal's at-scale row: what a world change costs at the simulated size, from
 # bench/results/world_scale.json (measured: store, controller, relay; cited: the
 # communicator set-up), else these defaults (bench.world_scale of 2026-11-26 on this machine).
-AT_SCALE_FALLBACK = {1_024: {"store_s": 1.5, "controller_s": 0.01, "relay_s": 0.0003, "communicator_s": 30.0},
-                     16_384: {"store_s": 30.0, "controller_s": 1.23, "relay_s": 0.001, "communicator_s": 30.0}}
+AT_SCALE_FALLBACK = {1_024: {"store_s": 0.307, "controller_s": 0.0014, "relay_s": 0.0003, "communicator_s": 30.0},
+                     16_384: {"store_s": 13.55, "controller_s": 1.225, "relay_s": 0.0008, "communicator_s": 30.0}}
 URGENT_PER_DAY = 0.5  # per 1,024 GPUs
 URGENT_MEAN_H = 2.0
 WINDOWS_PER_DAY = 2.0  # per 1,024 GPUs
