@@ -114,7 +114,8 @@ COMMUNICATOR_CITED: dict[str, Any] = {
     "seconds": 30.0,
     "gpus": "more than 10,000",
     "source": "Jiang et al., MegaScale: Scaling Large Language Model Training to More Than 10,000 GPUs, "
-              "NSDI 2024, its section on collective communication group initialization: with their fixes (the TCPStore replaced by "
+              "NSDI 2024, its section on collective communication group initialization: with their "
+              "fixes (the TCPStore replaced by "
               "Redis, an O(n) global barrier), initialization of a job of more than 10,000 GPUs under 30 s "
               "(a 2,048-GPU job from 1,047 s to under 5 s)",
     "url": "https://www.usenix.org/conference/nsdi24/presentation/jiang-ziheng",
