@@ -79,7 +79,7 @@ demo: install
 # trace three times, chaos runs 20 seeds to their end), on the mini cluster where Slurm is
 # involved, then bench/RESULTS.md. A benchmark that fails is named at the end and fails the
 # target; the others still run.
-BENCHMARKS := detection recovery overhead reduction scaling transfer controller_scale grow preemption goodput chaos cluster_sim
+BENCHMARKS := detection recovery overhead reduction scaling transfer controller_scale world_scale grow preemption goodput chaos cluster_sim
 # torchft, the peer the benchmarks compare with, is a bench-only extra.
 BENCH_STAMP := $(VENV)/.installed-bench
 install-bench: $(BENCH_STAMP)

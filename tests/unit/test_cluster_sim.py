@@ -36,7 +36,7 @@ def test_without_failures_or_other_work_every_policy_keeps_all_its_time() -> Non
             assert outcome.goodput == pytest.approx(expected, abs=2e-3), name
         else:
             # Tidal pays one world change: growing onto the idle spares at the start.
-            change_s = sim.TIDAL_AT_SCALE_CHANGE_S if "world changes" in name else 0.0
+            change_s = sim.world_change_at_scale(QUIET.gpus).change_s if "world changes" in name else 0.0
             assert outcome.ettr == pytest.approx(1.0 - change_s / QUIET.span_s, abs=1e-5), name
             # Tidal's units on the spares hold their nodes for the grow time before they train.
             assert outcome.goodput == pytest.approx(1.0 - change_s / QUIET.span_s, abs=1e-4), name
