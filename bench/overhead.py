@@ -205,12 +205,16 @@ def rows_for(settings: Settings, runs: dict[str, list[Run]], label: str) -> list
 
 
 def main() -> None:
-    args = parser(__doc__.split("\n\n")[0]).parse_args()
+    options = parser(__doc__.split("\n\n")[0])
+    options.add_argument("--series", choices=("cpu", "simulated", "both"), default="both",
+                         help="which series of pairs to run (a full run of both takes about 15 minutes)")
+    args = options.parse_args()
     flags = tuple(simulation_flags(SIMULATION))
     if args.quick:
         series = [Settings("cpu", args.repeat or 1, 40, 10), Settings("simulated", 1, 30, 10, flags, False)]
     else:
         series = [Settings("cpu", args.repeat or 10, 200, 40), Settings("simulated", 6, 80, 20, flags, False)]
+    series = [s for s in series if args.series in ("both", s.name)]
     lighthouse = torchft_lighthouse()
     if lighthouse is None:
         print("overhead: torchft is not installed here (pip install torchft==0.2.0): its row is left out", flush=True)

@@ -102,11 +102,12 @@ def _index_checksums(indices: Sequence[int]) -> tuple[float, float]:
     return (float(sum(indices) % CHECKSUM_MODULUS), float(sum(i * i for i in indices) % CHECKSUM_MODULUS))
 
 
-def check_accounting(step: int, control: torch.Tensor, expected: list[int]) -> None:
+def check_accounting(step: int, control: torch.Tensor | Sequence[float], expected: list[int]) -> None:
     """Raises AccountingError unless the step's reduced control vector counts exactly the
     step's `expected` samples (their number and both index checksums)."""
+    values = control.tolist() if isinstance(control, torch.Tensor) else control
     index_sum, index_square_sum = _index_checksums(expected)
-    got = (int(control[0].item()), control[1].item() % CHECKSUM_MODULUS, control[2].item() % CHECKSUM_MODULUS)
+    got = (int(values[0]), values[1] % CHECKSUM_MODULUS, values[2] % CHECKSUM_MODULUS)
     if got != (len(expected), index_sum, index_square_sum):
         raise AccountingError(f"step {step}: the ranks consumed {got[0]} samples with checksums {got[1:]}, "
                               f"expected {len(expected)} with {(index_sum, index_square_sum)}")
@@ -174,6 +175,8 @@ class Elastic:
         self.ledger = Ledger(Path(ledger_dir) if ledger_dir else None)
         self.base_lrs = [group["lr"] for group in optimizer.param_groups]
         self.params = [p for p in model.parameters() if p.requires_grad]
+        # The model's modules, each step's training mode checked on them (`_train_mode`).
+        self._modules = list(model.modules())
         self.strategy.attach(model, self.params)
         on_gpu = any(p.is_cuda for p in self.params)
         backend = backend or ("nccl" if on_gpu and dist.is_nccl_available() else "gloo")
@@ -300,6 +303,13 @@ class Elastic:
 
     # One step.
 
+    def _train_mode(self) -> None:
+        """The model in training mode for the step (the script may have evaluated it since
+        the last one). `model.train()` walks every module in Python, a cost each step would
+        pay; so it is called only when a module is not in training mode."""
+        if not all(module.training for module in self._modules):
+            self.parts.model.train()
+
     def _attempt_step(self) -> tuple[StepResult, bool]:
         world = self.membership.world
         assert world is not None
@@ -313,8 +323,7 @@ class Elastic:
         self.ledger.write("attempt", generation=world.generation, step=step, rank=world.rank,
                           world_size=world.world_size,
                           indices=samples.indices)
-        model = self.parts.model
-        model.train()
+        self._train_mode()
         strategy.begin_step(groups.replica if groups is not None else None, batch_size)
         try:
             try:
@@ -337,7 +346,8 @@ class Elastic:
             strategy.abandon()
             raise
         # Committed: every rank's contribution is in the sum.
-        check_accounting(step, control, samples.step_indices)
+        reduced = control.tolist()
+        check_accounting(step, reduced, samples.step_indices)
         grad_norm = (strategy.clip_grad_norm(self.params, self.max_grad_norm) if self.max_grad_norm is not None
                      else None)
         self.parts.optimizer.step()
@@ -346,20 +356,22 @@ class Elastic:
         self.counters.step += 1
         self.counters.position += batch_size
         self.counters.samples += batch_size
-        step_loss = control[4].item() / batch_size
+        step_loss = reduced[4] / batch_size
         self._count_compute(world.generation, computed_s, len(samples.indices))
         self._after_commit(world, step_loss)
         result = StepResult(step=self.counters.step, loss=step_loss, global_batch=batch_size,
                             world_size=world.world_size, rank=world.rank, generation=world.generation,
                             indices=samples.indices, seconds=time.monotonic() - started, grad_norm=grad_norm)
-        return result, control[3].item() > 0
+        return result, reduced[3] > 0
 
     def _compute_gradients(self, samples: StepSamples, world: World) -> tuple[torch.Tensor, Any]:
         """Forward and backward over this rank's micro-batches; the strategy starts reducing
         gradients during the last backward pass. Returns the step's control tensor and its
         all-reduce in flight (None in a world of one)."""
         strategy = self.strategy
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        # The rank's summed loss, in float64 (each micro-batch's loss read once: on a GPU,
+        # one wait for the device, as a copy to the host would be).
+        loss_sum = 0.0
         control: tuple[torch.Tensor, Any] | None = None
         chunks = micro_batch_plan(samples.indices, global_batch=samples.global_batch, world_size=world.world_size,
                                   micro_batch=self.micro_batch, uniform=strategy.uniform_micro_batches)
@@ -373,13 +385,14 @@ class Elastic:
             else:
                 # A rank short of samples keeps its unit's collectives in step: one sample, weight 0.
                 loss = self.loss_fn(self.parts.model, self.collate_fn([self.dataset[samples.step_indices[0]]])) * 0.0
-            loss_sum += loss.detach().to(torch.float64).cpu()
+            loss_sum += loss.item()
             strategy.before_backward(last)
             if last and strategy.stops_within_step:
                 # The control all-reduce goes first on every rank, then the gradient buckets,
                 # in the same order everywhere (they share the world's group).
                 control = self._start_control(samples, loss_sum)
             loss.backward()
+            strategy.after_backward(last)
             if self.simulated is not None:
                 # The rest of the micro-batch's simulated device time (an empty one runs one sample).
                 self.simulated.finish_micro_batch(max(1, len(chunk)), started)
@@ -387,14 +400,14 @@ class Elastic:
         # worker of a unit has then run the same FSDP collectives.
         return control or self._start_control(samples, loss_sum)
 
-    def _start_control(self, samples: StepSamples, loss_sum: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def _start_control(self, samples: StepSamples, loss_sum: float) -> tuple[torch.Tensor, Any]:
         """The step's control vector (sample count, index checksums, whether a world change
         is wanted, summed loss), its all-reduce started (None in a world of one)."""
         self.membership.check_stop()
         change_wanted = self.membership.change_announced()
         index_sum, index_square_sum = _index_checksums(samples.indices)
-        control = torch.tensor([len(samples.indices), index_sum, index_square_sum, float(change_wanted),
-                                loss_sum.item()], dtype=torch.float64, device=self.device)
+        control = torch.tensor([len(samples.indices), index_sum, index_square_sum, float(change_wanted), loss_sum],
+                               dtype=torch.float64, device=self.device)
         groups = self.membership.groups
         if groups is None:
             return control, None

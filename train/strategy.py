@@ -28,7 +28,7 @@ import contextlib
 import dataclasses
 import datetime
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, TypeVar
 
 import torch
@@ -82,6 +82,9 @@ class Strategy(abc.ABC):
     def before_backward(self, last: bool) -> None:
         """The next backward pass is the step's last (its gradients get reduced) or not."""
 
+    def after_backward(self, last: bool) -> None:  # noqa: B027 (a hook with nothing to do by default)
+        """The backward pass that `before_backward(last)` announced has returned."""
+
     @abc.abstractmethod
     def finish(self) -> None:
         """Start what is left of the reduction and wait for all of it: each parameter's
@@ -122,10 +125,16 @@ class DataParallel(Strategy):
     """Every worker a whole replica; gradients reduced in buckets during the backward pass.
     `overlap=False` reduces the same buckets after the backward pass instead (for comparison).
 
-    Each micro-batch's gradient of a parameter is taken from autograd as it is made and
-    lands in the parameter's place in its bucket already divided by the global batch (the
-    first one of a step written there, later ones added): no zeroing of the buckets and no
-    division after the reduction. `finish` points every parameter's `grad` at its place."""
+    A model of several buckets takes each micro-batch's gradient of a parameter from
+    autograd as it is made (a post-accumulate-grad hook); it lands in the parameter's place
+    in its bucket already divided by the global batch (the first one of a step written
+    there, later ones added): no zeroing of the buckets and no division after the
+    reduction. A model that fits one bucket (the first is 1 MiB) has nothing to overlap
+    (its only bucket is ready when the backward pass ends) and no hooks: autograd
+    accumulates its micro-batches' gradients as usual, and once the last backward pass has
+    returned they land in the bucket in one copy and one division (`after_backward`), which
+    spares a small model the hooks' per-parameter Python work (DDP's reducer does that
+    work in C++). `finish` points every parameter's `grad` at its place."""
 
     stops_within_step = True
     uniform_micro_batches = False
@@ -136,13 +145,15 @@ class DataParallel(Strategy):
         self.bucket_bytes = int(bucket_mb * (1 << 20))
         self.overlap = overlap
         self._buckets: list[_Bucket] = []
-        # Parameter id → (bucket index, place in the bucket).
-        self._place: dict[int, tuple[int, int]] = {}
+        # Whether the gradients land through the hooks (more than one bucket).
+        self._hooked = False
         self._group: Any = None
         self._scale = 1.0
         self._armed = False
-        # Per bucket: which of its parameters got a gradient this step.
+        # Per bucket: which of its parameters got a gradient this step (hooked).
         self._written: list[list[bool]] = []
+        # Unhooked: whether this step's gradients have landed in the bucket.
+        self._landed = False
         self._pending: list[int] = []
         self._launched = 0
         self._works: list[Any] = []
@@ -172,18 +183,19 @@ class DataParallel(Strategy):
             current_bytes += size
         if current:
             self._add_bucket(current)
-        for parameter in params:
-            parameter.register_post_accumulate_grad_hook(self._gradient_ready)
+        self._hooked = len(self._buckets) > 1
+        if self._hooked:
+            for index, bucket in enumerate(self._buckets):
+                for place, (parameter, view) in enumerate(zip(bucket.params, bucket.views, strict=True)):
+                    parameter.register_post_accumulate_grad_hook(self._hook(index, place, view))
 
     def _add_bucket(self, params: list[torch.nn.Parameter]) -> None:
         offsets = [0]
         for parameter in params:
             offsets.append(offsets[-1] + parameter.numel())
         flat = torch.zeros(offsets[-1], dtype=params[0].dtype, device=params[0].device)
-        views = []
-        for place, (parameter, start, end) in enumerate(zip(params, offsets, offsets[1:], strict=False)):
-            self._place[id(parameter)] = (len(self._buckets), place)
-            views.append(flat[start:end].view_as(parameter))
+        views = [flat[start:end].view_as(parameter)
+                 for parameter, start, end in zip(params, offsets, offsets[1:], strict=False)]
         self._buckets.append(_Bucket(params=params, flat=flat, views=views))
 
     @property
@@ -199,8 +211,10 @@ class DataParallel(Strategy):
         self._launched = 0
         self._works = []
         self._error = None
-        self._pending = [len(bucket.params) for bucket in self._buckets]
-        self._written = [[False] * len(bucket.params) for bucket in self._buckets]
+        self._landed = False
+        if self._hooked:
+            self._pending = [len(bucket.params) for bucket in self._buckets]
+            self._written = [[False] * len(bucket.params) for bucket in self._buckets]
         self._in_step = True
         for bucket in self._buckets:
             for parameter in bucket.params:
@@ -210,33 +224,68 @@ class DataParallel(Strategy):
     def before_backward(self, last: bool) -> None:
         self._armed = last and self.overlap and self._group is not None
 
+    def after_backward(self, last: bool) -> None:
+        if last and not self._hooked and self._in_step and not self._landed:
+            # The only bucket is ready: its gradients land and (overlap) its all-reduce starts.
+            self._land_from_autograd()
+            if self._armed:
+                self._launch(0)
+
+    def _hook(self, index: int, place: int, view: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        """The post-accumulate-grad hook of the parameter at `place` in bucket `index`
+        (`view`): a closure over its place, as it runs in Python for every parameter in
+        every backward pass; no_grad is entered only when grad mode is on (autograd runs a
+        plain backward pass's hooks with it off)."""
+
+        def gradient_ready(parameter: torch.Tensor) -> None:
+            grad = parameter.grad
+            if grad is None or not self._in_step:
+                return
+            written = self._written[index]
+            with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
+                if written[place]:
+                    view.add_(grad, alpha=self._scale)
+                else:
+                    torch.mul(grad, self._scale, out=view)
+                    written[place] = True
+            parameter.grad = None
+            if not self._armed:
+                return
+            pending = self._pending
+            pending[index] -= 1
+            # Buckets start in index order on every rank, so that collectives pair up.
+            while self._launched < len(pending) and pending[self._launched] <= 0:
+                self._launch(self._launched)
+
+        return gradient_ready
+
     @torch.no_grad()
-    def _gradient_ready(self, parameter: torch.Tensor) -> None:
-        grad = parameter.grad
-        if grad is None or not self._in_step:
-            return
-        index, place = self._place[id(parameter)]
-        view = self._buckets[index].views[place]
-        if self._written[index][place]:
-            view.add_(grad, alpha=self._scale)
-        else:
-            torch.mul(grad, self._scale, out=view)
-            self._written[index][place] = True
-        parameter.grad = None
-        if not self._armed:
-            return
-        self._pending[index] -= 1
-        # Buckets start in index order on every rank, so that collectives pair up.
-        while self._launched < len(self._buckets) and self._pending[self._launched] <= 0:
-            self._launch(self._launched)
+    def _land_from_autograd(self) -> None:
+        """Unhooked: each parameter's accumulated gradient (None: unused this step, zeros)
+        into its place, divided by the global batch; autograd's tensors are dropped."""
+        for bucket in self._buckets:
+            grads = [parameter.grad for parameter in bucket.params]
+            if all(grad is not None for grad in grads):
+                torch.cat([grad.reshape(-1) for grad in grads if grad is not None], out=bucket.flat)
+                bucket.flat.mul_(self._scale)
+            else:
+                for view, grad in zip(bucket.views, grads, strict=True):
+                    if grad is None:
+                        view.zero_()
+                    else:
+                        torch.mul(grad, self._scale, out=view)
+            for parameter in bucket.params:
+                parameter.grad = None
+        self._landed = True
 
     def _launch(self, index: int) -> None:
         self._launched = index + 1
         bucket = self._buckets[index]
-        # A parameter without a gradient this step (unused by the model's forward) adds zero.
-        for view, written in zip(bucket.views, self._written[index], strict=True):
-            if not written:
-                view.zero_()
+        if self._hooked:
+            # A parameter without a gradient this step (unused by the model's forward) adds zero.
+            for view, written in zip(bucket.views, self._written[index], strict=True):
+                if not written:
+                    view.zero_()
         if self._group is None:
             return
         try:
@@ -247,6 +296,9 @@ class DataParallel(Strategy):
 
     def finish(self) -> None:
         self._armed = False
+        if not self._hooked and not self._landed:
+            # No backward pass ended the step (an empty share), or after_backward was not called.
+            self._land_from_autograd()
         self._in_step = False
         while self._launched < len(self._buckets):
             self._launch(self._launched)

@@ -1,8 +1,9 @@
 """The baseline: the example language model in a plain torch.distributed script, as a
 user would write it without Tidal: DDP, gradient accumulation with no_sync, a fixed global
-batch split over the ranks, and (optionally) a checkpoint every N steps that a restarted
-run resumes from. Run it under torchrun; every rank appends one JSON line per completed
-step to --log-dir (step, time, world size, the torchrun restart count).
+batch split over the ranks, the example's learning-rate schedule, and (optionally) a
+checkpoint every N steps that a restarted run resumes from. Run it under torchrun; every
+rank appends one JSON line per completed step to --log-dir (step, time, world size, the
+torchrun restart count).
 
 Used by bench/overhead.py (no checkpoint, fixed world) and bench/recovery.py (torchrun
 --nnodes 3:4 --max-restarts, resuming from its own checkpoint)."""
@@ -25,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tidal.train import simulated
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "live_mode"))
-from train_lm import CharWindows, TinyTransformer, generate_text
+from train_lm import CharWindows, TinyTransformer, generate_text, lr_schedule
 
 
 def add_lm_options(parser: argparse.ArgumentParser) -> None:
@@ -48,12 +49,15 @@ def simulated_device(args: argparse.Namespace) -> simulated.SimulatedDevice | No
     return simulated.SimulatedDevice(simulation) if simulation is not None else None
 
 
-def build_lm(args: argparse.Namespace) -> tuple[CharWindows, TinyTransformer, torch.optim.AdamW]:
-    """The dataset, model and optimizer every baseline trains, seeded alike."""
+def build_lm(args: argparse.Namespace) -> tuple[CharWindows, TinyTransformer, torch.optim.AdamW,
+                                                torch.optim.lr_scheduler.LambdaLR]:
+    """The dataset, model, optimizer and learning-rate schedule every baseline trains, seeded
+    alike and as the example trains them (its schedule stepped after each optimizer step)."""
     torch.manual_seed(args.seed)
     dataset = CharWindows(generate_text(args.characters, args.seed), args.context)
     model = TinyTransformer(len(dataset.vocabulary), args.context, args.width, heads=4, layers=args.layers)
-    return dataset, model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    return dataset, model, optimizer, lr_schedule(optimizer, args.steps)
 
 
 def lm_loss(model: torch.nn.Module, batch: torch.Tensor, context: int) -> torch.Tensor:
@@ -73,13 +77,14 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    dataset, model, optimizer = build_lm(args)
+    dataset, model, optimizer, scheduler = build_lm(args)
     device = simulated_device(args)
     step = 0
     if args.checkpoint and Path(args.checkpoint).exists():
         saved = torch.load(args.checkpoint, weights_only=True)
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
         step = int(saved["step"])
     ddp = DistributedDataParallel(model)
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed))
@@ -108,12 +113,14 @@ def main() -> None:
         if device is not None:
             device.reduce(world)
         optimizer.step()
+        scheduler.step()
         step += 1
         log.write(json.dumps({"step": step, "time": time.time(), "rank": rank, "world_size": world,
                               "restart": restart, "cpu_s": time.process_time()}) + "\n")
         if args.checkpoint and rank == 0 and step % args.checkpoint_every == 0:
             temporary = Path(args.checkpoint + ".tmp")
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, temporary)
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(), "step": step}, temporary)
             os.replace(temporary, args.checkpoint)
     # DDP holds the group in reference cycles: collect it before the destroy, or the gloo
     # group is freed during the interpreter's finalization, where a rank can abort.

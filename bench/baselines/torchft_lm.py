@@ -47,15 +47,16 @@ def main() -> None:
     from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
     from torchft.ddp import PureDistributedDataParallel
 
-    dataset, model, inner = build_lm(args)
+    dataset, model, inner, scheduler = build_lm(args)
     device = simulated_device(args)
 
     def state_dict() -> dict[str, Any]:
-        return {"model": model.state_dict(), "optimizer": inner.state_dict()}
+        return {"model": model.state_dict(), "optimizer": inner.state_dict(), "scheduler": scheduler.state_dict()}
 
     def load_state_dict(state: dict[str, Any]) -> None:
         model.load_state_dict(state["model"])
         inner.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
 
     # The group's own store (world size 1: this process is its rank 0), on loopback.
     store = TCPStore("127.0.0.1", args.store_port, is_master=True, wait_for_workers=False)
@@ -93,6 +94,7 @@ def main() -> None:
         committed = manager.should_commit()
         if committed:
             inner.step()
+            scheduler.step()
         log.write(json.dumps({"step": manager.current_step(), "time": time.time(), "replica": args.replica,
                               "committed": committed, "world_size": manager.num_participants(),
                               "cpu_s": time.process_time()}) + "\n")

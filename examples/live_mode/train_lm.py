@@ -86,6 +86,14 @@ class TinyTransformer(nn.Module):
         return self.head(self.norm(hidden))
 
 
+def lr_schedule(optimizer: torch.optim.Optimizer, steps: int, warmup: int = 20) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up over `warmup` steps, then a cosine decay to 0 at `steps`."""
+    def factor(step: int) -> float:
+        return min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
 @torch.no_grad()
 def sample(model: TinyTransformer, dataset: CharWindows, prompt: str, characters: int) -> str:
     model.eval()
@@ -140,10 +148,7 @@ def main() -> None:
     else:
         strategy = DataParallel(bucket_mb=args.bucket_mb, overlap=not args.no_overlap)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    warmup = 20
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step, args.steps)
-                                                                                    / args.steps)))
+    scheduler = lr_schedule(optimizer, args.steps)
 
     def loss_fn(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         batch = batch.to(device)

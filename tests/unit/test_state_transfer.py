@@ -121,8 +121,14 @@ def test_a_state_of_another_model_is_refused_and_nothing_is_applied() -> None:
         apply_manifest(other, counters, {"format": "something else"})
 
 
+# Buckets of a few kB: several, their gradients landing through hooks during the backward
+# pass; 25 MB: the model in one bucket, its gradients taken once the backward pass returns.
+BUCKET_SIZES = [pytest.param(0.004, id="several-buckets"), pytest.param(25.0, id="one-bucket")]
+
+
+@pytest.mark.parametrize("bucket_mb", BUCKET_SIZES)
 @pytest.mark.parametrize("overlap", [True, False])
-def test_bucketed_reduction_during_backward_sums_every_ranks_gradients(overlap: bool) -> None:
+def test_bucketed_reduction_during_backward_sums_every_ranks_gradients(overlap: bool, bucket_mb: float) -> None:
     torch.manual_seed(0)
     reference = torch.nn.Sequential(torch.nn.Linear(5, 30), torch.nn.Tanh(), torch.nn.Linear(30, 30),
                                     torch.nn.Tanh(), torch.nn.Linear(30, 2)).double()
@@ -134,14 +140,15 @@ def test_bucketed_reduction_during_backward_sums_every_ranks_gradients(overlap: 
     def body(rank: int, group: Any) -> Any:
         model = models[rank]
         # Tiny buckets: several all-reduces, started as the backward pass finishes each.
-        strategy = DataParallel(bucket_mb=0.004, overlap=overlap)
+        strategy = DataParallel(bucket_mb=bucket_mb, overlap=overlap)
         strategy.attach(model, list(model.parameters()))
-        assert strategy.buckets > 2
+        assert strategy.buckets > 2 if bucket_mb < 1 else strategy.buckets == 1
         strategy.begin_step(group, 12)
         share = inputs[rank * 6:(rank + 1) * 6]
         for number, chunk in enumerate((share[:4], share[4:])):
             strategy.before_backward(last=number == 1)
             model(chunk).pow(2).sum().backward()
+            strategy.after_backward(last=number == 1)
         strategy.finish()
         return [p.grad.clone() for p in model.parameters()]
 
@@ -164,8 +171,10 @@ class _WithUnused(torch.nn.Module):
         return self.last(hidden)
 
 
+@pytest.mark.parametrize("bucket_mb", [pytest.param(0.0005, id="several-buckets"), pytest.param(25.0, id="one-bucket")])
 @pytest.mark.parametrize("overlap", [True, False])
-def test_each_step_reduces_only_its_own_gradients_and_an_unused_parameter_gets_zero(overlap: bool) -> None:
+def test_each_step_reduces_only_its_own_gradients_and_an_unused_parameter_gets_zero(overlap: bool,
+                                                                                     bucket_mb: float) -> None:
     # Two steps on the same buckets: the second uses a parameter the first did not, and the
     # first a parameter the second does not. Nothing of step 1 may reach step 2's sums.
     torch.manual_seed(0)
@@ -182,7 +191,7 @@ def test_each_step_reduces_only_its_own_gradients_and_an_unused_parameter_gets_z
 
     def body(rank: int, group: Any) -> Any:
         model = models[rank]
-        strategy = DataParallel(bucket_mb=0.0005, overlap=overlap)
+        strategy = DataParallel(bucket_mb=bucket_mb, overlap=overlap)
         strategy.attach(model, list(model.parameters()))
         got = []
         for inputs, use_all in steps:
@@ -191,6 +200,7 @@ def test_each_step_reduces_only_its_own_gradients_and_an_unused_parameter_gets_z
             for number, chunk in enumerate((share[:1], share[1:])):
                 strategy.before_backward(last=number == 1)
                 model(chunk, use_all).pow(2).sum().backward()
+                strategy.after_backward(last=number == 1)
             strategy.finish()
             got.append([p.grad.clone() for p in model.parameters()])
         return got
@@ -202,18 +212,20 @@ def test_each_step_reduces_only_its_own_gradients_and_an_unused_parameter_gets_z
     assert not expected[0][2].any() and expected[1][2].any()
 
 
-def small_model_in_buckets(seed: int) -> tuple[torch.nn.Module, torch.nn.Module, DataParallel]:
-    """A float64 MLP under DataParallel with buckets of a few parameters, and its copy."""
+def small_model_in_buckets(seed: int, bucket_mb: float = 0.0002) -> tuple[torch.nn.Module, torch.nn.Module,
+                                                                           DataParallel]:
+    """A float64 MLP under DataParallel (by default with buckets of a few parameters), and its copy."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1)).double()
     reference = copy.deepcopy(model)
-    strategy = DataParallel(bucket_mb=0.0002)
+    strategy = DataParallel(bucket_mb=bucket_mb)
     strategy.attach(model, list(model.parameters()))
     return model, reference, strategy
 
 
-def test_a_step_abandoned_between_micro_batches_leaves_nothing_for_the_next() -> None:
-    model, reference, strategy = small_model_in_buckets(seed=1)
+@pytest.mark.parametrize("bucket_mb", [pytest.param(0.0002, id="several-buckets"), pytest.param(25.0, id="one-bucket")])
+def test_a_step_abandoned_between_micro_batches_leaves_nothing_for_the_next(bucket_mb: float) -> None:
+    model, reference, strategy = small_model_in_buckets(seed=1, bucket_mb=bucket_mb)
     strategy.begin_step(None, 4)
     strategy.before_backward(last=False)
     model(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
@@ -229,8 +241,9 @@ def test_a_step_abandoned_between_micro_batches_leaves_nothing_for_the_next() ->
         torch.testing.assert_close(got.grad, parameter.grad / 4, rtol=1e-12, atol=1e-15)
 
 
-def test_a_backward_pass_outside_a_step_is_plain_autograd_and_leaves_the_next_step_alone() -> None:
-    model, reference, strategy = small_model_in_buckets(seed=2)
+@pytest.mark.parametrize("bucket_mb", [pytest.param(0.0002, id="several-buckets"), pytest.param(25.0, id="one-bucket")])
+def test_a_backward_pass_outside_a_step_is_plain_autograd_and_leaves_the_next_step_alone(bucket_mb: float) -> None:
+    model, reference, strategy = small_model_in_buckets(seed=2, bucket_mb=bucket_mb)
     probe = torch.randn(3, 4, dtype=torch.float64)
     # Before any step, then again after one: gradients accumulate as autograd's own would.
     for _ in range(2):
