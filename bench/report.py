@@ -19,7 +19,7 @@ def number(value: float | None, unit: str) -> str:
     if unit == "s":
         return f"{value:.3f} s" if value < 10 else f"{value:.1f} s"
     if unit == "ms":
-        return f"{value:.0f} ms"
+        return f"{value:.0f} ms" if value >= 10 else f"{value:.2g} ms"
     return f"{value:.3g} {unit}"
 
 
