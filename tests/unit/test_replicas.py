@@ -162,7 +162,13 @@ def test_a_resize_below_the_replicas_running_asks_whole_replicas_of_nodes_to_lea
     assert driver.state.generation is not None and len(driver.state.generation.unit_ids) == 4
     driver.feed(core.ResizeRequested(0, 1, 0))
     leaving = sorted(u for u, unit in driver.state.units.items() if unit.state is UnitState.LEAVING)
-    assert leaving == ["c", "d"], "max_replicas 1 keeps one replica of two nodes"
+    assert leaving == ["d"] and list(driver.state.deferred_leaves) == ["c"], \
+        "max_replicas 1 keeps one replica of two nodes: d leaves at a step boundary; c, set aside, after it"
+    assert driver.state.generation is not None and driver.state.generation.unit_ids == ("a", "b")
+    for member in "ab":
+        driver.report(member, driver.state.generation.number, launcher_pb2.GENERATION_PHASE_RECONFIGURED, step=11)
+    leaving = sorted(u for u, unit in driver.state.units.items() if unit.state is UnitState.LEAVING)
+    assert leaving == ["c", "d"]
 
 
 def test_a_replica_waiting_too_long_for_a_node_gives_its_other_nodes_back() -> None:
@@ -232,3 +238,32 @@ def test_what_a_replica_spans_is_kept_across_a_controller_restart() -> None:
                             generation_stopped=False, pending={"replica_workers": 1}, config=driver.state.config,
                             now=driver.now)
     assert restored.replica_workers == 1
+
+
+def test_a_whole_replica_leaving_at_once_lets_its_set_aside_node_finish_the_old_worlds_step() -> None:
+    """Both nodes of replica 1 are drained (or preempted) at once: the first leaves at a step
+    boundary and sets its sibling aside; the sibling still trains in the old world until
+    that step, so its own leave waits for the change (leaving at once broke the step for
+    every rank: the live multi-node Slurm test lost step 171 this way)."""
+    driver = GroupedDriver()
+    driver.form("ab", replica_workers=4)
+    for u in "cd":
+        driver.join(u)
+    driver.tick()
+    driver.grow_completes(("c", "d"), replica_workers=4)
+    assert driver.state.generation is not None and driver.state.generation.unit_ids == ("a", "b", "c", "d")
+
+    effects = driver.feed(core.DrainRequested(("a", "b"), uid=0))
+    assert driver.state.generation.unit_ids == ("c", "d")
+    assert driver.event("world_reconfiguring").fields["leaving"] == "a"
+    assert sent(effects, "b") == ["reconfigure:" + str(driver.state.generation.number)], \
+        "b only hears of the step-boundary change: no leave before the old world's step ends"
+    assert driver.state.deferred_leaves == {"b": ("drained", "drained by uid 0")}
+
+    effects = []
+    for member in driver.state.generation.unit_ids:
+        effects += driver.report(member, driver.state.generation.number, launcher_pb2.GENERATION_PHASE_RECONFIGURED,
+                                 step=11, replica_workers=4)
+    assert "world_reconfigured" in driver.events(effects)
+    assert sent(effects, "b") == ["leave"], "once the change is done, b leaves"
+    assert driver.state.units["b"].state is UnitState.LEAVING and not driver.state.deferred_leaves
