@@ -189,6 +189,7 @@ class Elastic:
         if mismatch is not None:
             raise ValueError(mismatch)
         self.collectives = Collectives()
+        self.strategy.wait_work = self.collectives.wait_work
         self.state = StateSync(self.parts, self.counters, strategy=self.strategy, checkpointer=checkpointer,
                                checkpoint_every=checkpoint_every if checkpoint_path is not None else 0,
                                state_folder=state_folder, bucket_bytes=transfer_bucket_bytes, device=self.device,
@@ -341,7 +342,7 @@ class Elastic:
                     self.simulated.reduce(groups.replicas if groups is not None else 1, strategy.shard_size)
                 strategy.finish()
                 if control_work is not None:
-                    control_work.wait()
+                    self.collectives.wait_work(control_work)
         except WorldBroken:
             strategy.abandon()
             raise

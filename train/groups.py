@@ -129,18 +129,35 @@ def form_groups(backend: str, store: Any, *, rank: int, world_size: int, shard_s
                   shard_rank=shard_rank)
 
 
+# How long a wait on a gloo collective blocks before the rank looks at its launcher's word
+# again (`Collectives.wait_work`); a completed collective returns at once, whatever this is.
+WAIT_SLICE = datetime.timedelta(milliseconds=100)
+
+
 class Collectives:
     """Waits on a generation's collectives. While a rank waits in one, `waiting` is True
     (its beat thread says so to the launcher: when one rank hangs, the others wait for it,
     and that tells a hang's cause from its victims); a collective that fails breaks the
     world (`WorldBroken`), and so does one that returned because its groups were aborted
     from outside (`broken`, set before the abort: an NCCL wait unblocked by an abort
-    returns without raising, its output unfinished)."""
+    returns without raising, its output unfinished).
+
+    Gloo's groups are not aborted from outside (`tidal.train.backend.aborts_from_outside`),
+    and a gloo collective can wait on a peer that is alive but has left it (its own wait
+    failed on a lost rank; its group's connections close only once its work threads are
+    done) until the group's timeout: the ranks of one broken world then wait on each other
+    for minutes (seen on the mini cluster: 120 s, a replica's node killed). So a gloo wait
+    is cut into slices (`sliced`), and between two the rank gives up once its launcher
+    said the generation broke (`interrupted`)."""
 
     def __init__(self) -> None:
         self.waiting = False
         # Why the current groups were aborted from outside (None: they were not).
         self.broken: str | None = None
+        # Waits in slices (gloo), and why the launcher said the current groups' generation
+        # broke (None: it did not), which a wait still blocked gives up for.
+        self.sliced = False
+        self.interrupted: str | None = None
 
     @contextlib.contextmanager
     def waiting_in(self) -> Iterator[None]:
@@ -157,7 +174,27 @@ class Collectives:
 
     def wait(self, work: Any) -> None:
         with self.waiting_in():
+            self.wait_work(work)
+
+    def wait_work(self, work: Any) -> None:
+        """Wait for `work` (within `waiting_in`): at once, or (`sliced`) a slice at a time,
+        raising WorldBroken between two once `interrupted` says why. A slice that ends with
+        the work unfinished raises in torch ("Operation timed out!") and leaves the work as
+        it was; a work that completed, failed or not, answers a plain wait at once."""
+        if not self.sliced:
             work.wait()
+            return
+        while True:
+            try:
+                work.wait(WAIT_SLICE)
+                return
+            except RuntimeError:
+                if work.is_completed():
+                    # It failed (its error raised again), or completed as the slice ended.
+                    work.wait()
+                    return
+            if self.interrupted is not None:
+                raise WorldBroken(self.interrupted)
 
 
 def _set_timeout(group: Any, timeout: datetime.timedelta) -> None:

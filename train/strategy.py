@@ -53,6 +53,10 @@ class Strategy(abc.ABC):
     # unit need it): a rank short of samples runs one with weight zero.
     uniform_micro_batches: ClassVar[bool]
 
+    # How the strategy waits on its collectives' works: `Elastic` gives it its
+    # `Collectives.wait_work` (gloo waits in slices, interruptible by the launcher's word).
+    wait_work: Callable[[Any], None] = staticmethod(lambda work: work.wait())
+
     @property
     def shard_size(self) -> int:
         """Workers per replica."""
@@ -305,7 +309,7 @@ class DataParallel(Strategy):
         if self._error is not None:
             raise RuntimeError(f"a gradient bucket's all-reduce failed to start: {self._error}")
         for work in self._works:
-            work.wait()
+            self.wait_work(work)
         self._release()
         for bucket in self._buckets:
             for parameter, view in zip(bucket.params, bucket.views, strict=True):
@@ -483,7 +487,7 @@ class HybridSharded(Strategy):
         if self._error is not None:
             raise RuntimeError(f"a cross-replica all-reduce failed to start: {self._error}")
         for work in self._works:
-            work.wait()
+            self.wait_work(work)
         self._works = []
         self._group = None
         for parameter in self._params:

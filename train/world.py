@@ -266,6 +266,8 @@ class Membership:
         self.groups: Groups | None = None
         # The waits on the groups' collectives (told when the groups are aborted from outside).
         self.collectives = collectives or Collectives()
+        # Gloo's groups are not aborted from outside: its waits give up between slices.
+        self.collectives.sliced = not aborts_from_outside(backend)
         # The generation `groups` belong to, and the newest generation the launcher said is
         # broken; the control channel's thread reads and writes them (under the lock) too.
         self._groups_generation: int | None = None
@@ -412,12 +414,15 @@ class Membership:
         with self._groups_lock:
             self.groups, self._groups_generation = groups, generation
             self.collectives.broken = None
-            late = abort_from_outside(self.backend, groups_generation=generation if groups else None,
-                                      broken_through=self._broken_through)
-            if late:
+            self.collectives.interrupted = None
+            late = groups is not None and generation <= self._broken_through
+            aborted = abort_from_outside(self.backend, groups_generation=generation if groups else None,
+                                         broken_through=self._broken_through)
+            if aborted:
                 self.collectives.broken = f"generation {generation} broke while its groups connected"
-        if late and groups is not None:
+        if aborted and groups is not None:
             groups.abort()
+        if late:
             raise WorldBroken(f"generation {generation} broke while its groups connected")
 
     def on_launcher_word(self, message: LauncherToWorker | None) -> None:
@@ -425,12 +430,21 @@ class Membership:
         the channel closed): when it says the generation of this rank's groups broke and
         the backend aborts from outside (NCCL), the collectives are told first, then the
         groups are aborted on a thread of their own, so that a training thread blocked in
-        one of their collectives returns and breaks the world. Gloo: nothing (its peers fail
-        once the frozen rank is killed)."""
+        one of their collectives returns and breaks the world. Gloo: the collectives are told
+        (`Collectives.interrupted`), and a wait still blocked in one gives up at its next
+        slice; the groups are closed once the training thread has left them."""
         broken = breakage(message)
-        if broken is None or not aborts_from_outside(self.backend):
+        if broken is None:
             return
         through, why = broken
+        if not aborts_from_outside(self.backend):
+            with self._groups_lock:
+                self._broken_through = max(self._broken_through, through)
+                generation = self._groups_generation
+                if (self.groups is not None and generation is not None and generation <= through
+                        and self.collectives.interrupted is None):
+                    self.collectives.interrupted = f"generation {generation} broke: {why}"
+            return
         with self._groups_lock:
             self._broken_through = max(self._broken_through, through)
             groups, generation = self.groups, self._groups_generation

@@ -245,17 +245,83 @@ def test_a_stop_aborts_too_but_a_change_at_a_step_boundary_or_an_older_stop_does
     assert membership.collectives.broken == "generation 4's groups were aborted: the launcher stopped generation 4"
 
 
-def test_gloo_keeps_todays_behaviour_the_launcher_kills_the_frozen_peer_instead() -> None:
+def test_gloo_is_not_aborted_from_outside_its_waits_are_told_instead_and_a_broken_group_closes_off_thread() -> None:
     membership = _membership("gloo")
+    assert membership.collectives.sliced
     group = FakeGroup("gloo")
     membership._adopt(_groups(group), generation=4)
+    membership.on_launcher_word(Stop(generation=3))
+    membership.on_launcher_word(World(generation=5, rank=0, world_size=3, master_addr="h", master_port=1))
+    assert membership.collectives.interrupted is None, "an older stop, a change at a step boundary: nothing"
     membership.on_launcher_word(Stop(generation=4))
     membership.on_launcher_word(None)
     time.sleep(0.05)
     assert group.calls == [] and membership.collectives.broken is None
+    assert membership.collectives.interrupted == "generation 4 broke: the launcher stopped generation 4"
     membership.close_groups(broken=True)
     assert group.aborted.wait(5)
     assert group.calls == [("abort", "tidal-gloo-close")], "aborted off the training thread (it may block)"
+
+
+def _gloo_pair(timeout_s: float) -> list[Any]:
+    """Two ranks' gloo groups in this process (a real gloo connection over loopback)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    groups: list[Any] = [None, None]
+
+    def connect(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("pair", store), rank, 2,
+                                             datetime.timedelta(seconds=timeout_s))
+
+    threads = [threading.Thread(target=connect, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert all(group is not None for group in groups)
+    return groups
+
+
+def test_a_gloo_wait_on_a_peer_that_left_the_collective_gives_up_once_the_launcher_says_the_world_broke() -> None:
+    """Rank 1 is alive but never joins rank 0's all-reduce (it left that step: its own wait
+    failed on a lost rank). Gloo would hold rank 0 until the group's timeout (120 s on the
+    mini cluster); the launcher's word that generation 4 broke frees it at the next slice."""
+    membership = _membership("gloo")
+    pair = _gloo_pair(timeout_s=60)
+    membership._adopt(Groups(world=pair[0], replica=pair[0], rank=0, world_size=2, shard_size=1, shard_rank=0),
+                      generation=4)
+    raised: list[BaseException] = []
+    started = time.monotonic()
+
+    def train() -> None:
+        try:
+            membership.collectives.wait(pair[0].allreduce([torch.ones(3)]))
+        except BaseException as error:
+            raised.append(error)
+
+    thread = threading.Thread(target=train, name="training")
+    thread.start()
+    time.sleep(0.5)
+    assert thread.is_alive() and membership.collectives.waiting, "waiting for rank 1, slice after slice"
+    membership.on_launcher_word(World(generation=5, rank=0, world_size=1, master_addr="h", master_port=1,
+                                      at_step_boundary=False))
+    thread.join(10)
+    assert not thread.is_alive() and time.monotonic() - started < 5
+    assert len(raised) == 1 and isinstance(raised[0], WorldBroken)
+    assert str(raised[0]) == "generation 4 broke: generation 5 replaced it after a failure"
+    # A collective both ranks join completes through the same sliced wait, and its result is whole.
+    collectives = Collectives()
+    collectives.sliced = True
+    other = _gloo_pair(timeout_s=60)
+    tensors = [torch.full((2,), float(rank + 1)) for rank in range(2)]
+    late = threading.Timer(0.3, lambda: other[1].allreduce([tensors[1]]).wait())
+    late.start()
+    collectives.wait(other[0].allreduce([tensors[0]]))
+    late.join()
+    assert tensors[0].tolist() == [3.0, 3.0]
 
 
 def test_groups_that_connect_after_the_launcher_said_their_generation_broke_are_aborted_at_once() -> None:
