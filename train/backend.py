@@ -348,10 +348,15 @@ def close_groups(groups: list[Any], *, broken: bool, aborted: bool = False) -> N
     elif nccl:
         abort_groups(groups)
     elif broken:
-        # On a thread of its own, which then drops the last references: see below.
-        closing = threading.Thread(target=_abort_and_drop, args=(list(groups),), name="tidal-gloo-close",
-                                   daemon=True)
-        closing.start()
+        # On a thread of its own, which then drops the last references: see below. They
+        # move to the thread's own list first: had this thread kept one (the caller's
+        # list), it could be the last to let go, once the other had aborted and dropped
+        # its copy, and block here in the groups' destruction (seen on the mini cluster:
+        # a survivor held 120 s in `groups.clear()` below).
+        handed = list(groups)
+        groups.clear()
+        threading.Thread(target=_abort_and_drop, args=(handed,), name="tidal-gloo-close", daemon=True).start()
+        del handed
     else:
         for group in groups:
             with contextlib.suppress(RuntimeError):

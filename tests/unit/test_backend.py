@@ -380,6 +380,36 @@ def test_nccl_groups_are_aborted_together_even_after_a_planned_change_and_gloo_o
     assert aborted.calls == []
 
 
+class DestroyedWhere:
+    """A gloo group whose abort returns at once and whose destruction says on which thread
+    it ran (a real gloo group's destruction waits for its work threads: minutes, if one is
+    in a collective with a peer that left it)."""
+
+    def __init__(self, destroyed: list[str]) -> None:
+        self.destroyed = destroyed
+
+    def name(self) -> str:
+        return "gloo"
+
+    def abort(self) -> None:
+        pass
+
+    def __del__(self) -> None:
+        self.destroyed.append(threading.current_thread().name)
+
+
+def test_a_broken_gloo_groups_last_reference_goes_on_the_closing_thread_never_the_training_thread() -> None:
+    for _ in range(20):
+        destroyed: list[str] = []
+        groups: list[Any] = [DestroyedWhere(destroyed), DestroyedWhere(destroyed)]
+        close_groups(groups, broken=True)
+        assert groups == []
+        deadline = time.monotonic() + 5
+        while len(destroyed) < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert destroyed == ["tidal-gloo-close"] * 2
+
+
 def test_a_wait_that_returned_after_an_abort_from_outside_breaks_the_world() -> None:
     collectives = Collectives()
     with collectives.waiting_in():
