@@ -437,19 +437,14 @@ class Membership:
         if broken is None:
             return
         through, why = broken
-        if not aborts_from_outside(self.backend):
-            with self._groups_lock:
-                self._broken_through = max(self._broken_through, through)
-                generation = self._groups_generation
-                if (self.groups is not None and generation is not None and generation <= through
-                        and self.collectives.interrupted is None):
-                    self.collectives.interrupted = f"generation {generation} broke: {why}"
-            return
         with self._groups_lock:
             self._broken_through = max(self._broken_through, through)
             groups, generation = self.groups, self._groups_generation
-            if groups is None or not abort_from_outside(self.backend, groups_generation=generation,
-                                                        broken_through=through):
+            if groups is None or generation is None or generation > through:
+                return
+            if not aborts_from_outside(self.backend):
+                if self.collectives.interrupted is None:
+                    self.collectives.interrupted = f"generation {generation} broke: {why}"
                 return
             reason = f"generation {generation}'s groups were aborted: {why}"
             # Before the abort: a wait it unblocks returns without raising.

@@ -20,13 +20,13 @@ def leave(t: Step, unit_id: str, cause: str, detail: str) -> None:
     connected = t.connected(unit_id)
     running = (was_active and t.job.state is JobState.RUNNING and state.generation is not None
                and state.stopping is None)
-    # A member of the world a step-boundary change leaves (set aside by it: the other node
-    # of a replica one of whose nodes leaves) still trains there until the step the old
-    # world's ranks agree on; leaving at once would break that step for every rank.
-    finishing_old_step = (state.live and state.changing is not None and t.job.state is JobState.RUNNING
-                          and state.stopping is None and unit_id in state.changing.old_members)
-    if (running or finishing_old_step) and state.live and connected and state.changing is not None:
-        # One world change at a time: this leave follows the one in flight.
+    changing = state.changing
+    # One world change at a time: this leave follows the one in flight, for an active unit
+    # and for one that change sets aside (the other node of a replica one of whose nodes
+    # leaves): it trains in the old world until the step its ranks agree on, and leaving
+    # at once would break that step for every rank.
+    if (state.live and connected and changing is not None and t.job.state is JobState.RUNNING
+            and state.stopping is None and (was_active or unit_id in changing.old_members)):
         if unit.facts.deferred_leave is None:
             t.note(unit, deferred_leave=(cause, detail))
         t.save_pending()
