@@ -68,7 +68,7 @@ def fail(t: Step, unit_id: str, reason: str, cause: str, detected_at: float,
         state.failure_detected_at = detected_at
         wall_detected = t.now.wall - (t.now.monotonic - detected_at)
         state.recovery = Recovery(failed_at=failed_at or wall_detected, detected_at=wall_detected,
-                                  unit_id=unit_id)
+                                  unit_id=unit_id, broken_generation=number)
     if regroup:
         regroup_survivors(t, [(unit_id, reason, detected_at)])
     return True

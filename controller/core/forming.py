@@ -11,6 +11,7 @@ from tidal.controller.core.state import (
     GenerationCounted,
     InFlight,
     Note,
+    Recovery,
     RecoveryTimed,
     SaveGeneration,
     SaveJob,
@@ -268,26 +269,47 @@ def on_first_step(t: Step, unit_id: str, report: launcher_pb2.GenerationReport) 
     end of a recovery, or of a planned change."""
     state = t.state
     generation = state.generation
-    if (generation is None or report.generation != generation.number
-            or report.generation in state.first_step_generations):
+    if generation is None or report.generation in state.first_step_generations:
+        return
+    if report.generation != generation.number:
+        # The world the survivors formed after a failure, already being replaced (a grow
+        # decided before its first step was heard of): its first step still ends the
+        # recovery, at that step's time, not at the next world's.
+        recovery = state.recovery
+        if recovery is not None and recovery.broken_generation < report.generation < generation.number:
+            state.first_step_generations.add(report.generation)
+            state.recovery = None
+            previous = state.in_flight.previous if state.in_flight is not None else None
+            record_recovered(t, unit_id, report, recovery, previous.world_size
+                             if previous is not None and previous.number == report.generation else None)
         return
     state.first_step_generations.add(report.generation)
     # The step committed collectively: every member holds it.
     for member in generation.unit_ids:
         if report.step > state.units[member].facts.holds_step:
             t.note(state.units[member], holds_step=report.step)
-    at = report.at.ToNanoseconds() / 1e9 if report.HasField("at") else t.now.wall
-    fields: dict[str, object] = {"step": report.step, "world_size": generation.world_size}
     recovery = state.recovery
     if recovery is not None:
         state.recovery = None
-        fields.update({"failed_unit": recovery.unit_id,
-                       "failure_to_first_step_s": f"{at - recovery.failed_at:.3f}",
-                       "detection_to_first_step_s": f"{at - recovery.detected_at:.3f}"})
-        t.record("recovered", f"survivors completed step {report.step} at world size "
-                 f"{generation.world_size}", unit_id=unit_id, generation=report.generation, fields=fields)
+        record_recovered(t, unit_id, report, recovery, world_size=generation.world_size)
         return
     t.record("first_step", f"first step of generation {report.generation} completed", unit_id=unit_id,
+             generation=report.generation, fields={"step": report.step, "world_size": generation.world_size})
+
+
+def record_recovered(t: Step, unit_id: str, report: launcher_pb2.GenerationReport, recovery: Recovery,
+                     world_size: int | None) -> None:
+    """The `recovered` event: from the failure (and its detection) to `report`'s step, at
+    the step's own time (`world_size` None: not known any more, left out)."""
+    at = report.at.ToNanoseconds() / 1e9 if report.HasField("at") else t.now.wall
+    fields: dict[str, object] = {"step": report.step, "failed_unit": recovery.unit_id,
+                                 "failure_to_first_step_s": f"{at - recovery.failed_at:.3f}",
+                                 "detection_to_first_step_s": f"{at - recovery.detected_at:.3f}"}
+    where = ""
+    if world_size is not None:
+        fields["world_size"] = world_size
+        where = f" at world size {world_size}"
+    t.record("recovered", f"survivors completed step {report.step}{where}", unit_id=unit_id,
              generation=report.generation, fields=fields)
 
 

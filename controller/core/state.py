@@ -303,6 +303,8 @@ class Recovery:
     failed_at: float
     detected_at: float
     unit_id: str
+    # The generation the failure broke: the first step of any later one ends the recovery.
+    broken_generation: int = 0
 
 
 @dataclasses.dataclass

@@ -222,6 +222,31 @@ def test_a_failure_is_one_message_to_each_survivor_the_next_generation(harness: 
     assert float(recovered[0].fields["failure_to_first_step_s"]) >= 0
 
 
+def test_the_survivors_first_step_ends_the_recovery_even_when_a_grow_replaced_their_world_before_it_was_heard(
+        harness: Harness) -> None:
+    """Seen on the mini cluster: a replacement unit registered 1.6 s after a failure, the
+    grow was decided before the survivors' first step was reported, and `recovered` came
+    with the next world's first step: 30 s after the failure, though the survivors had
+    trained all along."""
+    harness.say("b", worker_exited=launcher_pb2.WorkerExited(generation=1, local_rank=0, pid=77, signal=9))
+    assert harness.outbox("a") == ["start:2"]
+    harness.connect("c", 1003)
+    harness.tick()
+    assert harness.outbox("c") == ["reconfigure:3:a,c"], "the grow is decided before generation 2's first step"
+    harness.report("a", 2, launcher_pb2.GENERATION_PHASE_FIRST_STEP, step=12)
+    recovered = [e for e in harness.store.events("live-1") if e.kind == "recovered"]
+    assert len(recovered) == 1, harness.kinds()
+    assert recovered[0].generation == 2 and recovered[0].fields["step"] == "12"
+    assert recovered[0].fields["failed_unit"] == "b" and recovered[0].fields["world_size"] == "1"
+    harness.report("a", 3, launcher_pb2.GENERATION_PHASE_RECONFIGURED, step=20)
+    harness.report("c", 3, launcher_pb2.GENERATION_PHASE_RECONFIGURED, step=20)
+    harness.report("a", 3, launcher_pb2.GENERATION_PHASE_FIRST_STEP, step=21)
+    assert [e.kind for e in harness.store.events("live-1")].count("recovered") == 1, "measured once"
+    # A late first step of the broken generation itself is no recovery.
+    harness.report("a", 1, launcher_pb2.GENERATION_PHASE_FIRST_STEP, step=5)
+    assert [e.kind for e in harness.store.events("live-1")].count("recovered") == 1
+
+
 def test_training_that_ends_while_a_grow_is_in_flight_completes_the_job(harness: Harness) -> None:
     harness.connect("c", 1003)
     harness.tick()
