@@ -184,6 +184,10 @@ class PrometheusServer:
             raise AssertionError(f"prometheus exited with {self.process.returncode}: {self.log()}")
         try:
             return any(series["value"][1] == "1" for series in self.query(f'up{{job="{self.scrape_job}"}}'))
+        except urllib.error.HTTPError as error:
+            if error.code == 503:
+                return False  # listening, its storage not ready yet ("Service Unavailable")
+            raise
         except (urllib.error.URLError, ConnectionError):
             return False  # not listening yet
 
@@ -209,6 +213,8 @@ class PrometheusServer:
             with urllib.request.urlopen(url, timeout=QUERY_TIMEOUT_S) as response:
                 answer = json.load(response)
         except urllib.error.HTTPError as error:
+            if error.code not in (400, 422):
+                raise  # 503 while it starts: a plain-text body
             # 400 and 422 carry Prometheus' reason (a parse error, a bad range).
             answer = json.load(error)
         if answer.get("status") != "success":
