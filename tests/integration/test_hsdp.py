@@ -33,11 +33,17 @@ CONTEXT = 16
 CHARACTERS = 20_000
 
 
-def lm_command(out: Path, ledger: Path, strategy: str, steps: int = STEPS) -> list[str]:
+# The one-process references train the same global batch in two micro-batches, not twelve:
+# the same run to float64 rounding (800 DataParallel steps: 1.5e-10 of a tensor's scale
+# apart, against the tests' 1e-9) in half the time.
+REFERENCE_MICRO_BATCH = GLOBAL_BATCH // 2
+
+
+def lm_command(out: Path, ledger: Path, strategy: str, steps: int = STEPS, micro_batch: int = 2) -> list[str]:
     return [sys.executable, str(LM_EXAMPLE), "--strategy", strategy, "--dtype", "float64", "--steps", str(steps),
-            "--global-batch", str(GLOBAL_BATCH), "--micro-batch", "2", "--context", str(CONTEXT), "--width", "32",
-            "--layers", "2", "--characters", str(CHARACTERS), "--seed", str(SEED), "--log-every", "1000",
-            "--ledger-dir", str(ledger), "--out", str(out)]
+            "--global-batch", str(GLOBAL_BATCH), "--micro-batch", str(micro_batch), "--context", str(CONTEXT),
+            "--width", "32", "--layers", "2", "--characters", str(CHARACTERS), "--seed", str(SEED),
+            "--log-every", "1000", "--ledger-dir", str(ledger), "--out", str(out)]
 
 
 def test_hsdp_with_every_unit_lost_resumes_every_shard_from_its_checkpoint_at_one_step(tidal_run: TidalRun,
@@ -82,8 +88,8 @@ def assert_full_parameters_match_one_process(tmp_path: Path, steps: int = STEPS)
     fixed_out = tmp_path / "fixed.pt"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TIDAL_", "RANK", "WORLD_SIZE", "MASTER_",
                                                                     "LOCAL_"))}
-    subprocess.run(lm_command(fixed_out, tmp_path / "fixed-ledger", "dp", steps), check=True, env=env, timeout=600,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(lm_command(fixed_out, tmp_path / "fixed-ledger", "dp", steps, micro_batch=REFERENCE_MICRO_BATCH),
+                   check=True, env=env, timeout=600, stdout=subprocess.DEVNULL)
     elastic_params = torch.load(tmp_path / "elastic.pt", weights_only=True)["model"]
     for name, reference in torch.load(fixed_out, weights_only=True)["model"].items():
         scale = float(reference.abs().max())

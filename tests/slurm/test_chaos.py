@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slurm
 CHAOS_STEPS = 1600
 CHAOS_DEADLINE_S = 300.0
 # Long enough for all four faults of the churn scenario to land before the end.
-CHURN_STEPS = 1200
+CHURN_STEPS = 1000
 CHURN_DEADLINE_S = 260.0
 # The urgent-job scenarios: one fault, a few seconds in; what follows the resume is only
 # the rest of the run (at 1,600 steps, a minute of each test's 90 s).
