@@ -183,6 +183,11 @@ def on_worker_exit(view: NodeView, generation: int, local_rank: int, returncode:
     actions: list[Action] = [ReportWorkerExit(local_rank, exit_code, signum, view.silenced.get(local_rank, ""))]
     if view.live_mode and view.state is LauncherState.STOPPING:
         actions.append(CheckLiveStopped())
+    if view.live_mode and view.state is LauncherState.LEAVING and view.group_all_exited:
+        # Out of the world already (the controller sent one without this unit): a worker
+        # killed on its way out (judged frozen as it left) ends the leave like one that
+        # exited 0, or the unit would linger until the controller called it overdue.
+        actions.append(WorkersGone(generation))
     if view.finished and view.group_all_exited:
         # Training is over and every worker of this unit has exited: the unit is done,
         # whether or not the controller is there to say so.

@@ -71,6 +71,18 @@ def test_a_live_worker_that_left_as_asked_exits_quietly_and_the_last_one_ends_th
     assert on_worker_exit(leaving, 3, 1, 0) == (WorkersGone(3),)
 
 
+def test_a_leaving_live_worker_killed_on_its_way_out_is_reported_and_the_last_exit_still_ends_the_leave() -> None:
+    """Seen on the mini cluster: a straggler's unit was asked to leave, its worker (stopped
+    half the time from outside) was judged frozen as it left and killed, and the unit
+    stayed until the controller called its leave overdue, 13 s later."""
+    frozen = "frozen; killed by its launcher"
+    leaving = dataclasses.replace(LIVE, state=LauncherState.LEAVING, silenced={1: frozen})
+    assert on_worker_exit(leaving, 3, 1, -signal.SIGKILL) == (ReportWorkerExit(1, 0, signal.SIGKILL, frozen),)
+    last = dataclasses.replace(leaving, group_all_exited=True)
+    assert on_worker_exit(last, 3, 1, -signal.SIGKILL) == (
+        ReportWorkerExit(1, 0, signal.SIGKILL, frozen), WorkersGone(3))
+
+
 def test_a_silenced_workers_exit_carries_why_and_a_live_stop_checks_whether_it_is_done() -> None:
     stopping = dataclasses.replace(LIVE, state=LauncherState.STOPPING, silenced={1: "frozen; killed by its launcher"})
     assert on_worker_exit(stopping, 3, 1, -signal.SIGKILL) == (
