@@ -167,16 +167,3 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
     line = config.stash.get(GPU_SUMMARY, None)
     if line is not None:
         terminalreporter.write_line(line)
-
-
-@pytest.fixture
-def references() -> Iterator[list[subprocess.Popen[bytes]]]:
-    """One-process reference runs a test starts beside its elastic run's last steps
-    (tests/slurm/test_live_multinode.py's `start_reference`): stopped by PID if the test
-    ends before they do."""
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for process in started:
-        if process.poll() is None:
-            process.kill()
-            process.wait()

@@ -17,12 +17,12 @@ import os
 import signal
 import subprocess
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import torch
 
+from bench import chaos
 from tests.integration.conftest import ControllerProcess
 from tests.integration.test_cli import tidal
 from tests.integration.test_hsdp import REFERENCE_MICRO_BATCH, lm_command
@@ -96,7 +96,7 @@ def submit_and_grow_to_two_replicas(admin: AdminClient, tmp_path: Path,
 
 
 def preempt_replica_1_and_finish(admin: AdminClient, slurm: CliJsonSlurmClient, job_id: str, lost: admin_pb2.Unit,
-                                 tmp_path: Path, references: list[subprocess.Popen[bytes]], steps: int) -> int:
+                                 tmp_path: Path) -> int:
     """An urgent job takes the two nodes of replica 1 (replica 2's are excluded): they leave
     at a step boundary, no failure but `lost`'s; then the job runs to its end on replica 2
     (the urgent job holds its nodes until then), COMPLETED once. Returns the generation
@@ -110,7 +110,6 @@ def preempt_replica_1_and_finish(admin: AdminClient, slurm: CliJsonSlurmClient, 
     try:
         wait_for("the urgent job to run", lambda: slurm.get_job(urgent).state is JobState.RUNNING, timeout_s=90)
         assert not [e for e in events(admin, job_id, "failure_detected") if e.unit_id != lost.unit_id]
-        start_reference(references, tmp_path, steps)
         wait_for("the job's end", lambda: admin.job(job_id).state == admin_pb2.JOB_STATE_COMPLETED,
                  timeout_s=600, interval_s=1.0)
     finally:
@@ -127,45 +126,22 @@ def kill_node(job_id: str, unit: admin_pb2.Unit) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def assert_every_step_committed_once(records: list[dict], steps: int) -> None:
-    """Steps 0..steps-1 each committed, none done twice: at most one generation in which
-    every rank committed a step, and none committing it after that one. A generation can
-    break at a step some of its ranks committed and others abandoned (a gloo wait given up
-    when the launcher said the world broke, as an NCCL abort does): the next world starts
-    after it, its state passed on by the ranks that committed it (the final parameters
-    show that it was)."""
-    ranks: dict[int, dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
-    sizes: dict[int, int] = {}
-    for record in records:
-        if record["kind"] == "commit":
-            ranks[record["step"]][record["generation"]].add(record["rank"])
-            sizes[record["generation"]] = record["world_size"]
-    assert sorted(ranks) == list(range(steps)), "a step never committed, or one past the end"
-    for step, by_generation in ranks.items():
-        whole = sorted(g for g, committed in by_generation.items() if len(committed) == sizes[g])
-        assert not whole or max(by_generation) == whole[0], f"step {step} done again: {dict(by_generation)}"
-
-
-def start_reference(references: list[subprocess.Popen[bytes]], tmp_path: Path, steps: int) -> None:
-    """The language model trained alone in one process (tmp_path/fixed.pt), started beside
-    the elastic run's last steps (for make test's time: nothing is left to happen to those)."""
+def assert_every_step_once_and_one_process_parameters(tmp_path: Path, records: list[dict], steps: int) -> None:
+    """Against the language model trained alone in one process: every step committed with
+    its samples and none done twice (`bench.chaos.step_verdict`: a generation may break at
+    a step some of its ranks committed and others abandoned — a gloo wait given up when the
+    launcher said the world broke, as an NCCL abort does — and the next world starts after
+    it), and the full parameters (tmp_path/elastic.pt) to 1e-9 of each tensor's scale."""
+    fixed_out = tmp_path / "fixed.pt"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TIDAL_", "RANK", "WORLD_SIZE", "MASTER_",
                                                                     "LOCAL_", "SLURM_"))}
-    references.append(subprocess.Popen(
-        lm_command(tmp_path / "fixed.pt", tmp_path / "fixed-ledger", "dp", steps=steps,
-                   micro_batch=REFERENCE_MICRO_BATCH), env=env, stdout=subprocess.DEVNULL))
-
-
-def assert_every_step_once_and_one_process_parameters(tmp_path: Path, records: list[dict], steps: int,
-                                                      references: list[subprocess.Popen[bytes]]) -> None:
-    """Every step committed once, and the full parameters (tmp_path/elastic.pt) those of the
-    language model trained alone in one process (started by `start_reference`, or here),
-    to 1e-9 of each tensor's scale."""
-    assert_every_step_committed_once(records, steps)
-    if not references:
-        start_reference(references, tmp_path, steps)
-    assert references[-1].wait(timeout=600) == 0, "the one-process reference run failed"
-    fixed_out = tmp_path / "fixed.pt"
+    subprocess.run(lm_command(fixed_out, tmp_path / "fixed-ledger", "dp", steps=steps,
+                              micro_batch=REFERENCE_MICRO_BATCH), check=True, env=env,
+                   timeout=600, stdout=subprocess.DEVNULL)
+    samples = {r["step"]: sorted(r["indices"]) for r in read_ledger(tmp_path / "fixed-ledger")
+               if r["kind"] == "attempt"}
+    verdict = chaos.step_verdict(records, [samples[step] for step in range(steps)])
+    assert not verdict.problems, verdict.problems
     elastic = torch.load(tmp_path / "elastic.pt", weights_only=True)["model"]
     for name, reference in torch.load(fixed_out, weights_only=True)["model"].items():
         scale = float(reference.abs().max())
@@ -174,8 +150,7 @@ def assert_every_step_once_and_one_process_parameters(tmp_path: Path, records: l
 
 @pytest.mark.timeout(900)
 def test_hsdp_replicas_of_two_nodes_lose_a_node_patch_it_with_one_node_and_finish_equal_to_one_process(
-        slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path,
-        references: list[subprocess.Popen[bytes]]) -> None:
+        slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path) -> None:
     controller = slurm_controller(slurm, tmp_path)
     ledger = tmp_path / "ledger"
     lost_node = ""
@@ -221,7 +196,7 @@ def test_hsdp_replicas_of_two_nodes_lose_a_node_patch_it_with_one_node_and_finis
                 None), timeout_s=120)
 
             # An urgent job takes replica 1's two nodes: that replica leaves at a step boundary.
-            before_urgent = preempt_replica_1_and_finish(admin, slurm, job_id, lost, tmp_path, references, STEPS)
+            before_urgent = preempt_replica_1_and_finish(admin, slurm, job_id, lost, tmp_path)
             assert all(worker_pids(job_id, u) in (set(), pids) for u in replica_1
                        for pids in [replica_1_pids[u.unit_id]]), "replica 1 never restarted"
         wait_for_units_to_end(slurm, job_id)
@@ -241,13 +216,12 @@ def test_hsdp_replicas_of_two_nodes_lose_a_node_patch_it_with_one_node_and_finis
     assert all(r["sources"] == [0] for r in received), "each shard from replica 1 (the only other one)"
     abandoned = [r for r in records if r["kind"] == "abandoned" and r["generation"] >= before_urgent]
     assert not abandoned, f"a step was lost when replica 1 left: {abandoned[:2]}"
-    assert_every_step_once_and_one_process_parameters(tmp_path, records, STEPS, references)
+    assert_every_step_once_and_one_process_parameters(tmp_path, records, STEPS)
 
 
 @pytest.mark.timeout(900)
 def test_data_parallel_replicas_of_two_nodes_lose_a_node_that_costs_only_its_own_workers(
-        slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path,
-        references: list[subprocess.Popen[bytes]]) -> None:
+        slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path) -> None:
     """The same scenario under DataParallel (every worker holds the whole model): the workers
     say so when their world forms, and the controller then keeps a node whose replica lost
     its other node in the world: a lost node costs its own two workers, no more."""
@@ -299,7 +273,7 @@ def test_data_parallel_replicas_of_two_nodes_lose_a_node_that_costs_only_its_own
 
             # An urgent job takes two nodes (not the kept node's, not the patch's): they leave
             # at a step boundary, the two others go on.
-            before_urgent = preempt_replica_1_and_finish(admin, slurm, job_id, lost, tmp_path, references, DP_STEPS)
+            before_urgent = preempt_replica_1_and_finish(admin, slurm, job_id, lost, tmp_path)
             assert worker_pids(job_id, kept) in (set(), survivor_pids[kept.unit_id]), "the kept node never restarted"
         wait_for_units_to_end(slurm, job_id)
     finally:
@@ -315,4 +289,4 @@ def test_data_parallel_replicas_of_two_nodes_lose_a_node_that_costs_only_its_own
     assert grown.generation < recovered.generation < rejoined.generation
     abandoned = [r for r in records if r["kind"] == "abandoned" and r["generation"] >= before_urgent]
     assert not abandoned, f"a step was lost when two nodes left: {abandoned[:2]}"
-    assert_every_step_once_and_one_process_parameters(tmp_path, records, DP_STEPS, references)
+    assert_every_step_once_and_one_process_parameters(tmp_path, records, DP_STEPS)

@@ -141,30 +141,10 @@ def test_both_tiny_recipes_grow_lose_a_worker_and_leave_and_match_their_single_p
         "node_cooldown_s": "5"})
     controller.start()
     jobs: list[RecipeJob] = []
-    alone: list[subprocess.Popen[bytes]] = []
     try:
         jobs += [RecipeJob(name, tokens, tmp_path / name, controller.socket) for name in ("llama3", "gpt-oss")]
         run_the_phases(jobs, controller)
-        # The references, each recipe alone in one process (both at once), beside the
-        # elastic jobs' last steps (for make test's time: nothing is left to happen to those).
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("TIDAL_", "RANK", "WORLD_SIZE", "MASTER_",
-                                                                        "LOCAL_", "SLURM_"))}
-        env["OMP_NUM_THREADS"] = "1"
-        alone = [subprocess.Popen([sys.executable, "-m", "tidal.recipes.run", "--recipe", job.name,
-                                   *recipe_settings(job.name, job.tokens, tmp_path / f"{job.name}-fixed")],
-                                  env=env, stdout=subprocess.DEVNULL) for job in jobs]
-        with AdminClient(unix_socket=controller.socket, timeout_s=10.0) as admin:
-            for job in jobs:
-                wait_for(f"{job.name} to complete", lambda job=job: admin.job(job.job_id).state in (
-                    admin_pb2.JOB_STATE_COMPLETED, admin_pb2.JOB_STATE_FAILED), timeout_s=400)
-                assert admin.job(job.job_id).state == admin_pb2.JOB_STATE_COMPLETED
-                assert len(job.events(admin, "job_completed")) == 1
-        assert [process.wait(timeout=600) for process in alone] == [0, 0]
     finally:
-        for process in alone:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
         with AdminClient(unix_socket=controller.socket, timeout_s=10.0) as admin:
             for job in jobs:
                 if admin.job(job.job_id).state == admin_pb2.JOB_STATE_RUNNING:
@@ -173,6 +153,20 @@ def test_both_tiny_recipes_grow_lose_a_worker_and_leave_and_match_their_single_p
             wait_for_units_to_end(slurm, job.job_id)
         controller.stop()
 
+    # The references: each recipe alone in one process (both at once).
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIDAL_", "RANK", "WORLD_SIZE", "MASTER_",
+                                                                    "LOCAL_", "SLURM_"))}
+    env["OMP_NUM_THREADS"] = "1"
+    alone = [subprocess.Popen([sys.executable, "-m", "tidal.recipes.run", "--recipe", job.name,
+                               *recipe_settings(job.name, job.tokens, tmp_path / f"{job.name}-fixed")],
+                              env=env, stdout=subprocess.DEVNULL) for job in jobs]
+    try:
+        assert [process.wait(timeout=600) for process in alone] == [0, 0]
+    finally:
+        for process in alone:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     for job in jobs:
         check_against_one_process(job, tmp_path)
 
@@ -236,7 +230,7 @@ def check_against_one_process(job: RecipeJob, tmp_path: Path) -> None:
 def run_the_phases(jobs: list[RecipeJob], controller: ControllerProcess) -> None:
     """Both jobs at once: trained at one unit, grown to two, a joined worker killed (back to
     one, then grown again by a replacement unit), the replacement drained (and --max 1, so
-    that no unit takes its place); the rest of each run is left to the caller."""
+    that no unit takes its place), then to the end."""
     with AdminClient(unix_socket=controller.socket, timeout_s=10.0) as admin:
         for job in jobs:
             spec = admin.job(job.job_id).spec
@@ -295,4 +289,9 @@ def run_the_phases(jobs: list[RecipeJob], controller: ControllerProcess) -> None
                 for e in job.events(admin, "world_reconfigured")), timeout_s=60)
             # No unit in place of the drained one: the job ends on its first unit.
             tidal(controller.socket, "resize", job.job_id, "--max", "1")
+        for job in jobs:
+            wait_for(f"{job.name} to complete", lambda job=job: admin.job(job.job_id).state in (
+                admin_pb2.JOB_STATE_COMPLETED, admin_pb2.JOB_STATE_FAILED), timeout_s=400)
+            assert admin.job(job.job_id).state == admin_pb2.JOB_STATE_COMPLETED
+            assert len(job.events(admin, "job_completed")) == 1
 

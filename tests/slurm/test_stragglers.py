@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -29,7 +28,6 @@ from tests.slurm.test_live_multinode import (
     assert_every_step_once_and_one_process_parameters,
     events,
     slurm_controller,
-    start_reference,
     worker_pids,
 )
 from tests.waiting import wait_for
@@ -84,8 +82,7 @@ def steps_per_second(admin: AdminClient, job_id: str, seconds: float) -> float:
 
 @pytest.mark.timeout(900)
 def test_a_worker_slowed_from_outside_is_named_replaced_live_and_the_job_ends_equal_to_one_process(
-        slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path,
-        references: list[subprocess.Popen[bytes]]) -> None:
+        slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path) -> None:
     controller = slurm_controller(slurm, tmp_path, node_cooldown_s="600", straggler_action="replace")
     ledger = tmp_path / "ledger"
     try:
@@ -136,7 +133,6 @@ def test_a_worker_slowed_from_outside_is_named_replaced_live_and_the_job_ends_eq
             after = steps_per_second(admin, job_id, 6)
             print(f"steps/s before the slowing {before:.2f}, after the replacement {after:.2f}")
             assert after >= 0.9 * before, (before, after)
-            start_reference(references, tmp_path, STEPS)
             assert [e.kind for e in admin.events(job_id)].count("straggler_suspected") == 1
             wait_for("the job's end", lambda: admin.job(job_id).state == admin_pb2.JOB_STATE_COMPLETED,
                      timeout_s=600, interval_s=1.0)
@@ -148,4 +144,4 @@ def test_a_worker_slowed_from_outside_is_named_replaced_live_and_the_job_ends_eq
     records = read_ledger(ledger)
     abandoned = [r for r in records if r["kind"] == "abandoned"]
     assert not abandoned, f"a step was lost: {abandoned[:2]}"
-    assert_every_step_once_and_one_process_parameters(tmp_path, records, STEPS, references)
+    assert_every_step_once_and_one_process_parameters(tmp_path, records, STEPS)
