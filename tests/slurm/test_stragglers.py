@@ -5,9 +5,10 @@ First two busy loops load the machine's 2 cores for a while: every worker slows 
 no straggler is named. Then one worker is slowed from outside, SIGSTOP for 50 ms of every
 100 ms (the script unchanged): it is named (`straggler_suspected`, its unit and rank), its
 unit leaves at a step boundary (0 steps lost), its node is cooled down, a replacement unit
-starts on the free node and joins, steps/s come back to within 10 % of the rate before the
-slowing, and the job runs to its end: COMPLETED once, every step committed once, the full
-parameters those of one process."""
+starts on the free node and joins, steps/s come back to within 20 % of the rate before the
+slowing (both read from the ledger's commit times afterwards; slowed, the job runs at about
+0.55 of it), and the job runs to its end: COMPLETED once, every step committed once, the
+full parameters those of one process."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import pytest
 
 from bench import chaos
 from tests.integration.test_hsdp import lm_command
-from tests.integration.test_live_mode import read_ledger
+from tests.integration.test_live_mode import commits, read_ledger
 from tests.slurm.test_autoscaling import wait_for_units_to_end
 from tests.slurm.test_live_multinode import (
     assert_every_step_once_and_one_process_parameters,
@@ -37,9 +38,17 @@ from tidal.slurm import CliJsonSlurmClient
 
 pytestmark = pytest.mark.slurm
 
-# Every phase below is done by about step 1,100 at 36 steps/s (the replacement in the world
-# by step 890, then 6 s measured); at 28 steps/s, by step 650.
-STEPS = 1400
+# Every phase below is done by about step 1,300 at 36 steps/s (the replacement in the world
+# by step 890, then 1 s settling and 10 s measured); at 28 steps/s, by step 800. A job that
+# ends inside the last measure is measured up to its end (PACE_MIN_STEPS at least).
+STEPS = 1500
+PACE_BEFORE_S = 6.0
+PACE_AFTER_S = 10.0
+PACE_MIN_STEPS = 60
+# Three workers on 2 cores: the pace of 2 s stretches of one run wanders from 26 to 34 steps/s
+# with nothing changed (a 6 s window before and 10 s after measured 0.86 once). A straggler
+# left in the world holds the job at about 0.55.
+PACE_KEPT = 0.8
 STOPPED_S = 0.05
 PERIOD_S = 0.1
 
@@ -74,10 +83,19 @@ class DutyCycle:
             os.kill(self.pid, signal.SIGCONT)
 
 
-def steps_per_second(admin: AdminClient, job_id: str, seconds: float) -> float:
-    first, began = admin.job(job_id).step, time.monotonic()
-    time.sleep(seconds)
-    return (admin.job(job_id).step - first) / (time.monotonic() - began)
+def pace(records: list[dict], start: float, end: float) -> tuple[float, int]:
+    """Steps a second the job committed between wall-clock times `start` and `end` (each
+    step at its first commit in the ledger), and how many steps that counts. The
+    controller's step, heard once a heartbeat, is too coarse for a few seconds (a second's
+    steps either way); the ledger's times are the workers' own. A job that ended inside the
+    window is measured up to its last step."""
+    first_commit: dict[int, float] = {}
+    for record in commits(records):
+        first_commit[record["step"]] = min(record["time"], first_commit.get(record["step"], record["time"]))
+    times = sorted(t for t in first_commit.values() if start <= t <= end)
+    if len(times) < 2 or times[-1] == times[0]:
+        return 0.0, len(times)
+    return (len(times) - 1) / (times[-1] - times[0]), len(times)
 
 
 @pytest.mark.timeout(900)
@@ -99,7 +117,8 @@ def test_a_worker_slowed_from_outside_is_named_replaced_live_and_the_job_ends_eq
             with chaos.cpu_hog():
                 time.sleep(12)
             assert not events(admin, job_id, "straggler_suspected"), "an even slowdown named a straggler"
-            before = steps_per_second(admin, job_id, 6)
+            before_window = (time.time(), time.time() + PACE_BEFORE_S)
+            time.sleep(PACE_BEFORE_S)
 
             units = [u for u in admin.job(job_id).units if u.state == admin_pb2.UNIT_STATE_ACTIVE]
             slowed = max(units, key=lambda u: u.group_rank)
@@ -130,9 +149,9 @@ def test_a_worker_slowed_from_outside_is_named_replaced_live_and_the_job_ends_eq
             assert replaced.fields["world_size"] == "3"
             replacement = [u for u in admin.job(job_id).units if u.unit_id not in first_units]
             assert replacement and replacement[0].nodes[0] != slowed.nodes[0], replacement
-            after = steps_per_second(admin, job_id, 6)
-            print(f"steps/s before the slowing {before:.2f}, after the replacement {after:.2f}")
-            assert after >= 0.9 * before, (before, after)
+            # A second for the replacement's first steps, then the window measured.
+            after_window = (time.time() + 1.0, time.time() + 1.0 + PACE_AFTER_S)
+            time.sleep(1.0 + PACE_AFTER_S)
             assert [e.kind for e in admin.events(job_id)].count("straggler_suspected") == 1
             wait_for("the job's end", lambda: admin.job(job_id).state == admin_pb2.JOB_STATE_COMPLETED,
                      timeout_s=600, interval_s=1.0)
@@ -142,6 +161,12 @@ def test_a_worker_slowed_from_outside_is_named_replaced_live_and_the_job_ends_eq
         controller.stop()
 
     records = read_ledger(ledger)
+    (before, before_steps), (after, after_steps) = pace(records, *before_window), pace(records, *after_window)
+    print(f"steps/s before the slowing {before:.2f} ({before_steps} steps), after the replacement {after:.2f} "
+          f"({after_steps} steps)")
+    assert before_steps >= PACE_MIN_STEPS and after_steps >= PACE_MIN_STEPS, (
+        f"too few steps to measure the pace ({before_steps}, {after_steps}): the job ended too soon; raise STEPS")
+    assert after >= PACE_KEPT * before, (before, after)
     abandoned = [r for r in records if r["kind"] == "abandoned"]
     assert not abandoned, f"a step was lost: {abandoned[:2]}"
     assert_every_step_once_and_one_process_parameters(tmp_path, records, STEPS)
