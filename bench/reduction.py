@@ -96,7 +96,8 @@ class Settings:
 
 FULL = Settings(width=2048, depth=12, global_batch=32, micro_batch=8, bucket_mb=25.0, steps=20, skip=3, rounds=10,
                 cycles=20, cycle_skip=2, probe_steps=5, interleaved_rounds=10)
-QUICK = Settings(width=512, depth=4, global_batch=32, micro_batch=8, bucket_mb=1.0, steps=8, skip=2, rounds=2,
+# --quick (make test) checks the code path, not the figure: one round of each mode.
+QUICK = Settings(width=512, depth=4, global_batch=32, micro_batch=8, bucket_mb=1.0, steps=8, skip=2, rounds=1,
                  cycles=5, cycle_skip=1, probe_steps=3, interleaved_rounds=1)
 
 

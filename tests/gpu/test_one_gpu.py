@@ -122,7 +122,8 @@ def test_a_live_single_replica_run_on_the_gpu_ends_where_the_script_ends_alone(t
     assert [r for r in records if r["kind"] == "formed"], "the world formed and its state was digested"
     saved = torch.load(tmp_path / "elastic.pt", weights_only=True)["model"]
     assert all(value.device.type == "cpu" for value in saved.values())  # the example saves host copies
-    run_alone([*example_command(tmp_path / "fixed.pt", tmp_path / "fixed-ledger", steps), "--device", "cuda"], 0)
+    run_alone([*example_command(tmp_path / "fixed.pt", tmp_path / "fixed-ledger", steps, step_time=0.0),
+               "--device", "cuda"], 0)
     assert_close_to(tmp_path / "elastic.pt", tmp_path / "fixed.pt")
 
 

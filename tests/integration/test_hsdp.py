@@ -26,7 +26,7 @@ from tidal.proto import common_pb2
 pytestmark = pytest.mark.integration
 
 LM_EXAMPLE = REPO / "examples" / "live_mode" / "train_lm.py"
-STEPS = 120
+STEPS = 90
 GLOBAL_BATCH = 24
 SEED = 3
 CONTEXT = 16

@@ -35,10 +35,12 @@ SAMPLES = 500
 SEED = 7
 
 
-def example_command(out: Path, ledger: Path, steps: int = STEPS) -> list[str]:
+def example_command(out: Path, ledger: Path, steps: int = STEPS, step_time: float = 0.01) -> list[str]:
+    """The example MLP; `step_time` s slept a micro-batch (the one-process references sleep
+    none: the sleep changes no number, and 260 steps of 6 micro-batches would sleep 15.6 s)."""
     return [sys.executable, str(LIVE_EXAMPLE), "--steps", str(steps), "--global-batch", str(GLOBAL_BATCH),
             "--micro-batch", "4", "--samples", str(SAMPLES), "--seed", str(SEED), "--dtype", "float64",
-            "--step-time", "0.01", "--ledger-dir", str(ledger), "--out", str(out)]
+            "--step-time", f"{step_time:g}", "--ledger-dir", str(ledger), "--out", str(out)]
 
 
 def read_ledger(directory: Path) -> list[dict[str, Any]]:
@@ -64,8 +66,8 @@ def assert_parameters_match_a_fixed_run(tmp_path: Path, steps: int) -> None:
     """The elastic run's parameters (tmp_path/elastic.pt) equal the same script's alone."""
     fixed_out = tmp_path / "fixed.pt"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TIDAL_", "RANK", "WORLD_SIZE", "MASTER_"))}
-    subprocess.run(example_command(fixed_out, tmp_path / "fixed-ledger", steps), check=True, env=env, timeout=300,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(example_command(fixed_out, tmp_path / "fixed-ledger", steps, step_time=0.0), check=True, env=env,
+                   timeout=300, stdout=subprocess.DEVNULL)
     elastic_params = torch.load(tmp_path / "elastic.pt", weights_only=True)["model"]
     for name, reference in torch.load(fixed_out, weights_only=True)["model"].items():
         torch.testing.assert_close(elastic_params[name], reference, rtol=1e-9, atol=1e-12, msg=name)
@@ -146,7 +148,7 @@ def test_live_grow_kill_leave_matches_a_fixed_run(tidal_run: TidalRun, tmp_path:
     fixed_ledger = tmp_path / "fixed-ledger"
     fixed_out = tmp_path / "fixed.pt"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TIDAL_", "RANK", "WORLD_SIZE", "MASTER_"))}
-    subprocess.run(example_command(fixed_out, fixed_ledger), check=True, env=env, timeout=300,
+    subprocess.run(example_command(fixed_out, fixed_ledger, step_time=0.0), check=True, env=env, timeout=300,
                    stdout=subprocess.DEVNULL)
 
     records = read_ledger(ledger)

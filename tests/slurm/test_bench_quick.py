@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slurm
 # (tests/unit/test_cluster_sim.py runs it).
 # torchft runs beside Tidal in these when it is installed (`make test` installs it).
 WITH_TORCHFT = {"recovery", "overhead", "goodput"}
-# bench.world_scale needs no cluster but runs here with the others (its --quick: about 20 s).
+# bench.world_scale needs no cluster but runs here with the others (its --quick: about 10 s).
 BENCHMARKS = ["detection", "recovery", "overhead", "reduction", "transfer", "controller_scale", "world_scale", "grow",
               "preemption", "goodput"]
 
