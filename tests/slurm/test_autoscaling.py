@@ -176,6 +176,7 @@ def test_a_node_failure_the_job_recovers_and_the_replacement_avoids_the_node(
     require_four_idle_nodes(slurm)
     controller = slurm_controller(tmp_path)
     failed_node = ""
+    restarted = False
     try:
         with controller.admin() as admin:
             job_id = admin.submit(live_job("replace", 3, tmp_path, tmp_path / "ledger")).job.job_id
@@ -205,11 +206,17 @@ def test_a_node_failure_the_job_recovers_and_the_replacement_avoids_the_node(
                                    capture_output=True, text=True, check=True).stdout.strip()
             assert failed_node in shown, shown
             admin.cancel(job_id)
+        # The node back before the units' end is awaited: the cancelled unit's Slurm job on the
+        # dead node ends only once its slurmd answers again, or Slurm sets the node DOWN after
+        # SlurmdTimeout (30 s here; that wait was most of this test's time).
+        minicluster("start-node", failed_node)
+        restarted = True
         wait_for_units_to_end(slurm, job_id)
     finally:
         controller.stop()
-        if failed_node:
+        if failed_node and not restarted:
             minicluster("start-node", failed_node)
+        if failed_node:
             wait_for("every node idle again", lambda: all(n.is_idle_and_usable for n in slurm.list_nodes()),
                      timeout_s=90, interval_s=0.5)
 
