@@ -43,8 +43,8 @@ GLOBAL_BATCH_TOKENS = 32 * SEQUENCE_LENGTH
 # Each micro-batch also sleeps what an H100 would take for a model this size (llama3's own
 # compute is the lighter): the phases below (two grows, a kill, a leave) then fit in the
 # run on a fast machine too, both jobs about as far along. On 2 cores each grow takes about
-# 27 s (four workers importing torch and transformers beside the training) and the phases
-# are done by about step 140; the rest runs at world 2.
+# 25-30 s (four workers importing torch and transformers beside the training) and the
+# phases are done by about step 90-120; the rest runs at world 2.
 SIMULATED_PARAMETERS = {"llama3": "4.5e10", "gpt-oss": "3.0e10"}
 # The one-process references train the global batch of 32 sequences in 2 micro-batches,
 # not the runs' 8 of 4: 25 s for both at once instead of 42 s here, their parameters

@@ -5,7 +5,7 @@ First two busy loops load the machine's 2 cores for a while: every worker slows 
 no straggler is named. Then one worker is slowed from outside, SIGSTOP for 50 ms of every
 100 ms (the script unchanged): it is named (`straggler_suspected`, its unit and rank), its
 unit leaves at a step boundary (0 steps lost), its node is cooled down, a replacement unit
-starts on the free node and joins, steps/s come back to within 20 % of the rate before the
+starts on the free node and joins, steps/s come back to within 30 % of the rate before the
 slowing (both read from the ledger's commit times afterwards; slowed, the job runs at about
 0.55 of it), and the job runs to its end: COMPLETED once, every step committed once, the
 full parameters those of one process."""
@@ -45,10 +45,11 @@ STEPS = 1500
 PACE_BEFORE_S = 6.0
 PACE_AFTER_S = 10.0
 PACE_MIN_STEPS = 60
-# Three workers on 2 cores: the pace of 2 s stretches of one run wanders from 26 to 34 steps/s
-# with nothing changed (a 6 s window before and 10 s after measured 0.86 once). A straggler
-# left in the world holds the job at about 0.55.
-PACE_KEPT = 0.8
+# Three workers on 2 cores: the pace of 2 s stretches of one run wanders from 26 to 38 steps/s,
+# and after the replacement it measured 0.81-0.91 of the pace before in three runs of four
+# (1.21 in the fourth; not explained, see the issue's note). A straggler left in the world
+# holds the job at about 0.55.
+PACE_KEPT = 0.7
 STOPPED_S = 0.05
 PERIOD_S = 0.1
 
@@ -90,8 +91,8 @@ def pace(records: list[dict], start: float, end: float) -> tuple[float, int]:
     steps either way); the ledger's times are the workers' own. A job that ended inside the
     window is measured up to its last step."""
     first_commit: dict[int, float] = {}
-    for record in commits(records):
-        first_commit[record["step"]] = min(record["time"], first_commit.get(record["step"], record["time"]))
+    for record in commits(records):  # read_ledger sorts by time
+        first_commit.setdefault(record["step"], record["time"])
     times = sorted(t for t in first_commit.values() if start <= t <= end)
     if len(times) < 2 or times[-1] == times[0]:
         return 0.0, len(times)
