@@ -137,3 +137,31 @@ def test_the_same_seed_gives_the_same_table_and_failures_follow_llama3s_rate() -
     first = sim.simulate(sim.scenario("shared", 1_024, 1.0), [1], COSTS)
     again = sim.simulate(sim.scenario("shared", 1_024, 1.0), [1], COSTS)
     assert {k: [o.ettr for o in v] for k, v in first.items()} == {k: [o.ettr for o in v] for k, v in again.items()}
+
+
+def test_the_largest_world_change_cost_that_keeps_the_goal_is_found_to_its_precision() -> None:
+    # ETTR falling 0.1 % a second of world change: 97 % holds up to 30 s.
+    tried: list[float] = []
+
+    def ettr_at(change_s: float) -> float:
+        tried.append(change_s)
+        return 1.0 - 0.001 * change_s
+
+    largest = sim.largest_change_keeping(ettr_at, 0.97, high_s=44.8, precision_s=0.5)
+    assert largest is not None and 29.5 <= largest <= 30.0
+    assert all(0.0 <= t <= 44.8 for t in tried) and len(tried) <= 10
+    assert sim.largest_change_keeping(ettr_at, 0.97, high_s=20.0) == 20.0
+    assert sim.largest_change_keeping(lambda _: 0.9, 0.97, high_s=20.0) is None
+
+
+def test_the_break_even_row_brackets_the_cost_at_which_the_simulated_ettr_crosses_the_goal() -> None:
+    load = sim.scenario("shared", 16_384, 1.0)
+    scale = sim.WorldChangeAtScale(store_s=10.0, controller_s=1.0, relay_s=0.001, communicator_s=30.0, source="test")
+    row = sim.break_even_row(load, [1], COSTS, scale)
+    # A simulated day at 16,384 GPUs with these costs crosses 97 % near 29.5 s.
+    assert row.tidal == pytest.approx(41.001) and row.baseline is not None and 0.0 < row.baseline < row.tidal
+    assert not row.met
+    trace = sim.make_trace(load, 1)
+    below = sim.Tidal(load, trace, sim.at_scale(COSTS, row.baseline)).run().ettr
+    above = sim.Tidal(load, trace, sim.at_scale(COSTS, row.baseline + 0.5)).run().ettr
+    assert below >= sim.GOAL_ETTR > above
