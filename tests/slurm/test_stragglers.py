@@ -45,10 +45,10 @@ STEPS = 1500
 PACE_BEFORE_S = 6.0
 PACE_AFTER_S = 10.0
 PACE_MIN_STEPS = 60
-# Three workers on 2 cores: the pace of 2 s stretches of one run wanders from 26 to 38 steps/s,
-# and after the replacement it measured 0.81-0.91 of the pace before in three runs of four
-# (1.21 in the fourth; not explained, see the note). A straggler left in the world
-# holds the job at about 0.55.
+# Three workers on 2 cores: the pace of 2 s stretches of one run wanders from 26 to 38 steps/s.
+# In the five runs whose paces were printed, after the replacement 28.2-31.8 steps/s, before
+# the slowing 23.5-38.2 (ratios 0.81-1.35): it is the pace before that varies from run to
+# run. A straggler left in the world holds the job at about 0.55.
 PACE_KEPT = 0.7
 STOPPED_S = 0.05
 PERIOD_S = 0.1
