@@ -4,6 +4,7 @@ registry of job actors."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import os
 import re
@@ -50,6 +51,8 @@ from tidal.slurm.snapshot import ClusterPoll, ClusterView
 log = structlog.get_logger("tidal.controller.server")
 
 GARBLED = "garbled message: not a tidal.v1.LauncherMessage"
+# Polls asked for early (a job submitted or resized) come at least this far apart.
+EARLY_POLL_GAP_S = 1.0
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 
 
@@ -67,6 +70,7 @@ class Controller:
         self.yielded: dict[int, set[int]] = {}
         self.shutting_down = False
         self._tasks: set[asyncio.Task[None]] = set()
+        self._poll_soon = asyncio.Event()
         metrics.read_job_states(lambda: list(self.actors.values()), [s.value for s in JobState],
                                 [s.value for s in UnitState])
 
@@ -90,15 +94,29 @@ class Controller:
             actor.slurm = slurm_units
 
     async def poll_slurm_forever(self, poll: ClusterPoll) -> None:
-        """One cluster-wide view per interval for every job; after failed polls the next
-        comes later (doubling, up to 10 intervals), and the actors see the view as stale."""
+        """One cluster-wide view per interval for every job, or sooner when `poll_soon` asks
+        (EARLY_POLL_GAP_S after the last at the earliest); after failed polls the next comes
+        later (doubling, up to 10 intervals, early asks ignored), and the actors see the
+        view as stale."""
         interval = self.config.slurm_poll_interval_s
         while True:
+            self._poll_soon.clear()
             view = await asyncio.to_thread(poll.poll)
             if view.stale:
                 log.warning("slurm_poll_failed", failures=view.consecutive_failures, error=str(view.error))
             self.observe_slurm(view, time.monotonic())
-            await asyncio.sleep(interval * min(10, 2 ** view.consecutive_failures))
+            wait_s = interval * min(10, 2 ** view.consecutive_failures)
+            if view.consecutive_failures or wait_s <= EARLY_POLL_GAP_S:
+                await asyncio.sleep(wait_s)
+                continue
+            await asyncio.sleep(EARLY_POLL_GAP_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._poll_soon.wait(), timeout=wait_s - EARLY_POLL_GAP_S)
+
+    def poll_soon(self) -> None:
+        """Ask for the next Slurm poll now rather than at the interval's end: a job just
+        submitted or resized gets its units without waiting up to `slurm_poll_interval_s`."""
+        self._poll_soon.set()
 
     def observe_slurm(self, view: ClusterView, now: float) -> None:
         """Hand one view to every job, with the cluster-wide decisions taken on it: the
@@ -219,6 +237,7 @@ class Controller:
         actor = JobActor(job, [], None, generation_stopped=False, config=self.config, store=self.store,
                          events=self.events, metrics=self.metrics, started_at=time.monotonic())
         self._add(actor)
+        self.poll_soon()
         return actor, secret_path
 
 
@@ -489,6 +508,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"min_replicas {new_min} / max_replicas {new_max}: need 1 <= min <= max")
         await actor.put_and_wait(ResizeRequested(request.min_replicas, request.max_replicas, caller.uid))
+        self.controller.poll_soon()
         return actor.to_proto()
 
     async def Drain(self, request: admin_pb2.DrainRequest,

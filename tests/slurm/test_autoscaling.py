@@ -371,3 +371,37 @@ def test_an_invalid_spec_is_refused_at_submit_naming_the_field_and_leaves_nothin
             admin.cancel(json.loads(accepted.stdout)["job"]["job_id"])
     finally:
         controller.stop()
+
+
+def test_with_a_30_s_poll_a_submitted_or_resized_job_gets_its_units_within_seconds(
+        slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path) -> None:
+    """The controller's Slurm poll comes every 30 s (the default), but a job submitted or
+    resized does not wait for it: the controller polls at once (1 s after the last poll at
+    the earliest) and submits the units."""
+    require_four_idle_nodes(slurm)
+    controller = ControllerProcess(tmp_path, {"slurm_units": "true", "slurm_poll_interval_s": "30",
+                                              "join_settle_s": "1", "reconnect_grace_s": "10"})
+    controller.start()
+    try:
+        with controller.admin() as admin:
+            job_id = admin.submit(live_job("prompt", 1, tmp_path, tmp_path / "ledger")).job.job_id
+
+            def first(kind: str, after: int = 0) -> admin_pb2.Event | None:
+                return next((e for e in admin.events(job_id) if e.kind == kind and e.sequence > after), None)
+
+            submitted = wait_for("the job's first unit in Slurm", lambda: first("unit_submitted"), timeout_s=30)
+            job_event = first("job_submitted")
+            assert job_event is not None
+            waited_s = submitted.time.ToNanoseconds() / 1e9 - job_event.time.ToNanoseconds() / 1e9
+            assert waited_s <= 5.0, f"the first unit reached Slurm {waited_s:.1f} s after the job was submitted"
+            wait_for("one replica training", running_at(admin, job_id, 1), timeout_s=120, interval_s=0.5)
+            last = max(e.sequence for e in admin.events(job_id))
+            resized_at = time.time()
+            admin.resize(job_id, max_replicas=2)
+            grown = wait_for("a second unit in Slurm", lambda: first("unit_submitted", last), timeout_s=30)
+            waited_s = grown.time.ToNanoseconds() / 1e9 - resized_at
+            assert waited_s <= 5.0, f"the second unit reached Slurm {waited_s:.1f} s after the resize"
+            admin.cancel(job_id)
+        wait_for_units_to_end(slurm, job_id)
+    finally:
+        controller.stop()
