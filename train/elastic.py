@@ -21,7 +21,10 @@ What it does for every step k (see `data` for the numbers):
   divided by B. The update is the same whatever the world size;
 - the step commits only once the gradient all-reduce has completed; if a peer dies before
   that, the step is abandoned here (no optimizer step, gradients dropped), the survivors
-  re-form and redo the step's samples. A rank whose all-reduce did complete has applied
+  re-form and redo the step's samples. Under HybridSharded the control all-reduce starts
+  only after this rank's reduction completed: each shard reduces with its own peers, and a
+  rank commits only if every rank's reduction did (else one shard of a replica could be a
+  step ahead of another). A rank whose all-reduce did complete has applied
   the step correctly; on re-forming, every rank adopts the state of the most advanced
   survivor, so the optimizer step counts as applied everywhere or nowhere.
 
@@ -329,7 +332,7 @@ class Elastic:
         try:
             try:
                 computing_since = time.monotonic()
-                control, control_work = self._compute_gradients(samples, world)
+                started_control, loss_sum = self._compute_gradients(samples, world)
                 computed_s = time.monotonic() - computing_since
             except RuntimeError as error:
                 if strategy.shard_group is None or not raised_by_a_collective(error):
@@ -341,6 +344,8 @@ class Elastic:
                     # Once per step, on top of the real reduction (none in a world of one replica).
                     self.simulated.reduce(groups.replicas if groups is not None else 1, strategy.shard_size)
                 strategy.finish()
+                # Under HybridSharded the vote comes only now (`Strategy.vote_after_reduction`).
+                control, control_work = started_control or self._start_control(samples, loss_sum)
                 if control_work is not None:
                     self.collectives.wait_work(control_work)
         except WorldBroken:
@@ -365,10 +370,11 @@ class Elastic:
                             indices=samples.indices, seconds=time.monotonic() - started, grad_norm=grad_norm)
         return result, reduced[3] > 0
 
-    def _compute_gradients(self, samples: StepSamples, world: World) -> tuple[torch.Tensor, Any]:
+    def _compute_gradients(self, samples: StepSamples, world: World) -> tuple[tuple[torch.Tensor, Any] | None, float]:
         """Forward and backward over this rank's micro-batches; the strategy starts reducing
         gradients during the last backward pass. Returns the step's control tensor and its
-        all-reduce in flight (None in a world of one)."""
+        all-reduce in flight (None in a world of one), or None where the strategy votes
+        after its reduction (`Strategy.vote_after_reduction`); and the rank's summed loss."""
         strategy = self.strategy
         # The rank's summed loss, in float64 (each micro-batch's loss read once: on a GPU,
         # one wait for the device, as a copy to the host would be).
@@ -397,9 +403,12 @@ class Elastic:
             if self.simulated is not None:
                 # The rest of the micro-batch's simulated device time (an empty one runs one sample).
                 self.simulated.finish_micro_batch(max(1, len(chunk)), started)
-        # Under HybridSharded a stop is only taken here, after the backward pass: every
-        # worker of a unit has then run the same FSDP collectives.
-        return control or self._start_control(samples, loss_sum)
+        # Under HybridSharded a stop is only taken after the backward pass (every worker of a
+        # unit has then run the same FSDP collectives), when the vote starts: after the
+        # reduction (`_attempt_step`).
+        if control is None and not strategy.vote_after_reduction:
+            control = self._start_control(samples, loss_sum)
+        return control, loss_sum
 
     def _start_control(self, samples: StepSamples, loss_sum: float) -> tuple[torch.Tensor, Any]:
         """The step's control vector (sample count, index checksums, whether a world change

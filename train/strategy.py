@@ -52,6 +52,13 @@ class Strategy(abc.ABC):
     # Whether every rank runs the same number of micro-batches (FSDP's collectives within the
     # unit need it): a rank short of samples runs one with weight zero.
     uniform_micro_batches: ClassVar[bool]
+    # Whether the step's control all-reduce (its commit vote) must wait until this rank's
+    # gradient reduction has completed. Under HybridSharded each shard reduces with its own
+    # peers in the other replicas: when a node dies, one shard's reduction can complete while
+    # another's fails, and a vote taken earlier would let the first shard's ranks commit the
+    # step the others abandon (a replica's shards at two steps). Voting after the reduction,
+    # a rank commits only if every rank's reduction completed.
+    vote_after_reduction: ClassVar[bool]
 
     # How the strategy waits on its collectives' works: `Elastic` gives it its
     # `Collectives.wait_work` (gloo waits in slices, interruptible by the launcher's word).
@@ -141,6 +148,7 @@ class DataParallel(Strategy):
     work in C++). `finish` points every parameter's `grad` at its place."""
 
     stops_within_step = True
+    vote_after_reduction = False
     uniform_micro_batches = False
 
     def __init__(self, bucket_mb: float = 25.0, overlap: bool = True) -> None:
@@ -393,6 +401,7 @@ class HybridSharded(Strategy):
 
     stops_within_step = False
     uniform_micro_batches = True
+    vote_after_reduction = True
 
     def __init__(self, reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None) -> None:
