@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from tidal.controller.config import ControllerConfig
@@ -31,13 +32,13 @@ class RecordedPoll:
         return ClusterView((), (), time.time(), stale=False)
 
 
-def run_polls(tmp_path: Path, poll: RecordedPoll, script: object) -> None:
+def run_polls(tmp_path: Path, poll: RecordedPoll, script: Callable[[Controller], Awaitable[None]]) -> None:
     async def main() -> None:
         controller = Controller(ControllerConfig(slurm_poll_interval_s=30.0), StateStore(tmp_path / "tidal.db"),
                                 ControllerMetrics())
         polling = asyncio.create_task(controller.poll_slurm_forever(poll))  # type: ignore[arg-type]
         try:
-            await script(controller)  # type: ignore[operator]
+            await script(controller)
         finally:
             polling.cancel()
     asyncio.run(main())
