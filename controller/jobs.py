@@ -17,6 +17,7 @@ import os
 import sqlite3
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -182,6 +183,8 @@ class JobActor:
                                   pending=store.pending(job.job_id), config=config, now=now,
                                   slurm_units=slurm is not None)
         self._slurm = slurm
+        # Asks the controller for a Slurm poll soon (`Controller.poll_soon`; set by it).
+        self.ask_for_poll: Callable[[], None] = lambda: None
         # In memory: a controller restart starts the rates and goodput afresh.
         self.throughput = Throughput()
         # The newest sample of the job's progress history kept in SQLite (`tidal plot`).
@@ -377,6 +380,9 @@ class JobActor:
                     self._cancel_in_slurm(unit_id, slurm_job_id)
                 case core.Submit(unit_id, excluded):
                     self._submit(unit_id, excluded)
+                case core.PollSlurmSoon(reason):
+                    self.log.debug("slurm_poll_asked", reason=reason)
+                    self.ask_for_poll()
                 case core.FailureCounted(cause):
                     self.metrics.failures.labels(cause=cause).inc()
                 case core.GenerationCounted(job_id):

@@ -115,7 +115,8 @@ class Controller:
 
     def poll_soon(self) -> None:
         """Ask for the next Slurm poll now rather than at the interval's end: a job just
-        submitted or resized gets its units without waiting up to `slurm_poll_interval_s`."""
+        submitted or resized gets its units, and a unit that failed or was preempted its
+        replacement, without waiting up to `slurm_poll_interval_s`."""
         self._poll_soon.set()
 
     def observe_slurm(self, view: ClusterView, now: float) -> None:
@@ -152,6 +153,7 @@ class Controller:
 
     def _add(self, actor: JobActor) -> None:
         actor.slurm = self.slurm_units
+        actor.ask_for_poll = self.poll_soon
         self.actors[actor.job.job_id] = actor
         task = asyncio.get_running_loop().create_task(actor.run(), name=f"job-{actor.job.job_id}")
         self._tasks.add(task)

@@ -30,7 +30,7 @@ Times: `Now.monotonic` for deadlines and ages, `Now.wall` for what is recorded."
 
 from __future__ import annotations
 
-from tidal.controller.core import inputs
+from tidal.controller.core import inputs, slurm_units
 from tidal.controller.core.queries import (
     MAX_WORKER_ERROR_CHARS,
     MAX_WORKER_TRACEBACK_CHARS,
@@ -66,6 +66,7 @@ from tidal.controller.core.state import (
     Note,
     Now,
     Persist,
+    PollSlurmSoon,
     Record,
     Recovery,
     RecoveryTimed,
@@ -92,6 +93,8 @@ def transition(state: State, event: Input, now: Now) -> tuple[State, list[Effect
     left as it was."""
     step = Step(working_copy(state), now)
     inputs.handle(step, event)
+    if not isinstance(event, SlurmObserved):
+        slurm_units.poll_after_units_ended(step, state)
     return step.state, step.effects
 
 
@@ -119,6 +122,7 @@ __all__ = [
     "Note",
     "Now",
     "Persist",
+    "PollSlurmSoon",
     "Record",
     "Recovery",
     "RecoveryTimed",

@@ -250,8 +250,16 @@ class Note:
     warning: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class PollSlurmSoon:
+    """Ask for the next Slurm poll now rather than at `slurm_poll_interval_s`'s end: what
+    the job needs next (a replacement unit) is decided on a view of Slurm."""
+
+    reason: str
+
+
 Persist = SaveJob | SaveUnit | SaveGeneration | GenerationStopped | Record | SavePending
-Effect = Persist | Send | Close | CancelInSlurm | Submit | Metric | Note
+Effect = Persist | Send | Close | CancelInSlurm | Submit | PollSlurmSoon | Metric | Note
 PERSISTENT = (SaveJob, SaveUnit, SaveGeneration, GenerationStopped, Record, SavePending)
 
 

@@ -373,11 +373,11 @@ def test_an_invalid_spec_is_refused_at_submit_naming_the_field_and_leaves_nothin
         controller.stop()
 
 
-def test_with_a_30_s_poll_a_submitted_or_resized_job_gets_its_units_within_seconds(
+def test_with_a_30_s_poll_a_submitted_resized_or_failed_job_gets_its_units_within_seconds(
         slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path) -> None:
     """The controller's Slurm poll comes every 30 s (the default), but a job submitted or
-    resized does not wait for it: the controller polls at once (1 s after the last poll at
-    the earliest) and submits the units."""
+    resized, or a unit that failed, does not wait for it: the controller polls at once (1 s
+    after the last poll at the earliest) and submits the units."""
     require_four_idle_nodes(slurm)
     controller = ControllerProcess(tmp_path, {"slurm_units": "true", "slurm_poll_interval_s": "30",
                                               "join_settle_s": "1", "reconnect_grace_s": "10"})
@@ -401,6 +401,20 @@ def test_with_a_30_s_poll_a_submitted_or_resized_job_gets_its_units_within_secon
             grown = wait_for("a second unit in Slurm", lambda: first("unit_submitted", last), timeout_s=30)
             waited_s = grown.time.ToNanoseconds() / 1e9 - resized_at
             assert waited_s <= 5.0, f"the second unit reached Slurm {waited_s:.1f} s after the resize"
+            # The grown unit's workers die: its replacement (onto an idle node) is decided on
+            # a Slurm view, and the failure asks for one at once rather than at the poll.
+            job = wait_for("two replicas training", running_at(admin, job_id, 2), timeout_s=120, interval_s=0.5)
+            victim = next(u for u in job.units if u.unit_id == grown.unit_id)
+            pid = wait_for("the grown unit's launcher", lambda: launcher_pid(job_id, victim.unit_id), timeout_s=10)
+            last = max(e.sequence for e in admin.events(job_id))
+            for worker in unit_processes(pid)[1:]:
+                if Path(f"/proc/{worker}/comm").read_text().startswith("python"):
+                    os.kill(worker, signal.SIGKILL)
+            failed = wait_for("the failure", lambda: first("failure_detected", last), timeout_s=30)
+            replaced = wait_for("a replacement unit in Slurm", lambda: first("unit_submitted", failed.sequence),
+                                timeout_s=30)
+            waited_s = (replaced.time.ToNanoseconds() - failed.time.ToNanoseconds()) / 1e9
+            assert waited_s <= 5.0, f"the replacement reached Slurm {waited_s:.1f} s after the failure"
             admin.cancel(job_id)
         wait_for_units_to_end(slurm, job_id)
     finally:

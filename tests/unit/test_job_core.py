@@ -379,6 +379,52 @@ def test_slurm_units_are_submitted_to_min_replicas_and_a_failed_units_node_is_av
     assert [(s.unit_id, s.excluded) for s in replacement] == [("u3", ("node-u2",))]
 
 
+def polls_asked(effects: list[core.Effect]) -> list[str]:
+    return [e.reason for e in effects if isinstance(e, core.PollSlurmSoon)]
+
+
+def test_a_unit_that_ends_asks_for_a_slurm_poll_at_once_so_its_replacement_is_not_left_to_the_interval() -> None:
+    # The replacement is decided on a Slurm view; with the default 30 s poll it waited
+    # up to 30 s for one. A unit's end asks for a poll in the transition that ends it.
+    driver = Driver(min_replicas=2, max_replicas=2, slurm_units=True)
+    driver.feed(core.SlurmObserved(view(driver, (node("n1"), node("n2")))))
+    driver.feed(core.UnitSubmitted("u1", 501))
+    driver.feed(core.UnitSubmitted("u2", 502))
+    for unit in ("u1", "u2"):
+        driver.connect(unit)
+    assert polls_asked(driver.effects) == []
+    driver.tick()
+    effects = driver.exit("u2", 1, code=1)
+    assert driver.state.units["u2"].state is UnitState.FAILED
+    assert polls_asked(effects) == ["unit(s) u2 ended"]
+    # Nothing more ends: no more asks (one ask, one poll).
+    assert polls_asked(driver.report("u1", 1, launcher_pb2.GENERATION_PHASE_STOPPED)) == []
+    assert polls_asked(driver.tick(1.0)) == []
+    # A view of Slurm decides on itself: it asks for no other.
+    effects = driver.feed(core.SlurmObserved(view(driver, (node("n1"), node("n2")),
+                                                  (slurm_job(501, SlurmJobState.RUNNING),))))
+    assert [e.unit_id for e in effects if isinstance(e, core.Submit)] == ["u3"] and polls_asked(effects) == []
+
+
+def test_a_unit_ending_asks_for_no_poll_without_slurm_units_or_once_the_job_has_ended() -> None:
+    driver = Driver(min_replicas=1, max_replicas=2)
+    formed(driver, "u1", "u2")
+    assert driver.state.units["u2"].state is UnitState.ACTIVE
+    effects = driver.exit("u2", 1, code=1)
+    assert driver.state.units["u2"].state is UnitState.FAILED and polls_asked(effects) == []
+    driver = Driver(min_replicas=1, max_replicas=1, slurm_units=True)
+    driver.feed(core.SlurmObserved(view(driver, (node("n1"),))))
+    driver.feed(core.UnitSubmitted("u1", 701))
+    driver.connect("u1")
+    driver.tick()
+    driver.feed(core.CancelRequested(0))
+    assert driver.state.job.state.is_final and driver.state.units["u1"].state is UnitState.LEAVING
+    driver.say("u1", worker_exited=launcher_pb2.WorkerExited(generation=1, local_rank=0, pid=4000, exit_code=0))
+    driver.feed(core.LauncherClosed("u1", "left"))
+    assert driver.state.units["u1"].state.is_final
+    assert polls_asked(driver.effects) == []
+
+
 def test_a_unit_slurm_preempts_leaves_and_a_stale_view_decides_nothing() -> None:
     driver = Driver(min_replicas=1, max_replicas=2, slurm_units=True)
     driver.feed(core.SlurmObserved(view(driver, (node("n1"),))))
