@@ -124,6 +124,15 @@ class ControllerConfig:
     # Live mode: a world change (joiners' workers ready, every member re-formed) must
     # complete within this long, or the units holding it up count as failed.
     reconfigure_timeout_s: float = 120.0
+    # A job whose workers fail the same way every time (a bug, a missing file) fails,
+    # rather than replace its units forever: `crash_loop_generations` generations in a row
+    # whose failure was a worker exiting with an error (a non-zero exit code; not a
+    # signal, not ended by its launcher), each within `crash_loop_window_s` of forming
+    # and with no step committed between them, end the job (event `job_failed`, with the
+    # last worker's error and traceback). A generation that ran longer, or a step
+    # committed, starts the count again. 0: never.
+    crash_loop_generations: int = 3
+    crash_loop_window_s: float = 300.0
     # Units as Slurm jobs: the controller submits each job's units with sbatch (at least
     # min_replicas; more onto idle nodes, up to max_replicas) and polls Slurm.
     slurm_units: bool = False
@@ -164,12 +173,12 @@ class ControllerConfig:
         positive = ["heartbeat_interval_s", "heartbeat_timeout_s", "progress_timeout_s", "worker_silence_timeout_s",
                     "register_timeout_s", "restart_grace_s", "failure_stop_grace_s", "reconfigure_timeout_s",
                     "slurm_poll_interval_s", "node_cooldown_s", "launcher_messages_per_s",
-                    "readiness_check_interval_s"]
+                    "readiness_check_interval_s", "crash_loop_window_s"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ["reconnect_grace_s", "join_settle_s", "scale_up_snooze_s", "below_min_release_s",
-                     "replica_patch_wait_s", "queued_units"]:
+                     "replica_patch_wait_s", "queued_units", "crash_loop_generations"]:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:

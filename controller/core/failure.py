@@ -9,6 +9,7 @@ from tidal.controller.core import finishing, forming, leaving, messages, plannin
 from tidal.controller.core.state import (
     ChangeKind,
     Close,
+    CrashLoop,
     FailureCounted,
     GenerationStopped,
     InFlight,
@@ -72,6 +73,36 @@ def fail(t: Step, unit_id: str, reason: str, cause: str, detected_at: float,
     if regroup:
         regroup_survivors(t, [(unit_id, reason, detected_at)])
     return True
+
+
+def count_crash(t: Step, generation: int) -> int:
+    """A worker of `generation` (the running one) exited with an error: how many
+    generations in a row have now failed that way soon after forming with no step
+    committed between them (`crash_loop_generations`); 0 when this one does not count (it
+    ran `crash_loop_window_s` or longer: that is no crash loop, and the count starts again).
+    A generation counts once, however many of its workers fail."""
+    state = t.state
+    loop = state.crash_loop
+    if loop is not None and t.job.step > loop.step:
+        loop = None
+    if t.now.monotonic - state.generation_started_at >= t.config.crash_loop_window_s:
+        state.crash_loop = None
+        return 0
+    if loop is not None and loop.last_generation == generation:
+        return loop.generations
+    count = (loop.generations if loop is not None else 0) + 1
+    state.crash_loop = CrashLoop(generations=count, step=t.job.step, last_generation=generation)
+    return count
+
+
+def end_crash_loop(t: Step, generations: int, last: str, fields: Mapping[str, str]) -> None:
+    """The job fails: its workers failed by an error in `generations` generations in a row
+    (the event carries the last worker's error and traceback, as `failure_detected` does)."""
+    window = t.config.crash_loop_window_s
+    finishing.end(t, JobState.FAILED, "job_failed",
+                  f"workers exited with an error in {generations} generations in a row, each within {window:g} s "
+                  f"of forming, with no step committed between (crash_loop_generations "
+                  f"{t.config.crash_loop_generations}); the last: {last}", fields={"cause": "crash_loop", **fields})
 
 
 def regroup_survivors(t: Step, failed: list[tuple[str, str, float]]) -> None:

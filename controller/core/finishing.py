@@ -3,6 +3,8 @@ and the end of a job for any reason (`end`)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from tidal.controller.core import leaving, messages, slurm_units
 from tidal.controller.core.completion import FinishingMember, completion_verdict
 from tidal.controller.core.queries import (
@@ -89,7 +91,7 @@ def maybe_complete(t: Step) -> None:
         end(t, JobState.COMPLETED, "job_completed", verdict.reason)
 
 
-def end(t: Step, job_state: JobState, kind: str, reason: str) -> None:
+def end(t: Step, job_state: JobState, kind: str, reason: str, fields: Mapping[str, object] | None = None) -> None:
     state = t.state
     t.job.state = job_state
     state.in_flight = None
@@ -97,7 +99,7 @@ def end(t: Step, job_state: JobState, kind: str, reason: str) -> None:
     t.emit(SaveJob(t.job))
     if state.generation is not None:
         t.emit(GenerationStopped(t.job.job_id, number, t.now.wall))
-    t.record(kind, reason, generation=number)
+    t.record(kind, reason, generation=number, fields=fields)
     for unit_id, unit in state.units.items():
         if unit.state.is_final:
             continue

@@ -210,10 +210,18 @@ def on_worker_exited(t: Step, unit_id: str, exited: launcher_pb2.WorkerExited) -
         finishing.begin_finishing(t, unit_id, exited.generation, t.job.step, f"rank {rank} (pid {exited.pid}) exited 0")
         finishing.on_exit_after_finish(t, unit_id, exited)
         return
-    failure.fail(t, unit_id, f"worker rank {rank} (pid {exited.pid}) {describe_worker_exit(exited)}",
-                 "silent" if exited.detail else "worker_exit", t.now.monotonic,
+    reason = f"worker rank {rank} (pid {exited.pid}) {describe_worker_exit(exited)}"
+    # An error of the worker's own (not a signal, not its launcher ending it) may be one a
+    # replacement would hit again: enough generations in a row end the job.
+    own_error = exited.exit_code != 0 and exited.signal == 0 and not exited.detail
+    crashes = failure.count_crash(t, exited.generation) if own_error else 0
+    limit = t.config.crash_loop_generations
+    ending = limit > 0 and crashes >= limit
+    failure.fail(t, unit_id, reason, "silent" if exited.detail else "worker_exit", t.now.monotonic,
                  failed_at=exited.exited_at.ToNanoseconds() / 1e9 if exited.HasField("exited_at") else None,
-                 fields=worker_error_fields(exited))
+                 fields=worker_error_fields(exited), regroup=not ending)
+    if ending:
+        failure.end_crash_loop(t, crashes, f"unit {unit_id} {reason}", worker_error_fields(exited))
 
 
 def on_disconnected(t: Step, unit_id: str, reason: str) -> None:

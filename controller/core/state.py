@@ -315,6 +315,16 @@ class Recovery:
     broken_generation: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class CrashLoop:
+    """Generations in a row that failed by a worker's error soon after forming, with no
+    step committed since `step` (`failure.count_crash`)."""
+
+    generations: int
+    step: int
+    last_generation: int
+
+
 @dataclasses.dataclass
 class State:
     """Everything the controller knows of one job (monotonic times unless said)."""
@@ -364,6 +374,9 @@ class State:
     # Live mode: each worker's recent compute per sample and its straggler score
     # (`stragglers`); not persisted (a restarted controller scores afresh).
     compute: dict[WorkerKey, WorkerCompute] = dataclasses.field(default_factory=dict)
+    # Generations in a row that failed by a worker's error (`crash_loop_generations`); not
+    # persisted (a restarted controller counts afresh).
+    crash_loop: CrashLoop | None = None
     # straggler_action "replace": the straggler's unit asked to leave, until it is gone.
     straggler_leaving: str | None = None
     # The straggler's unit last said to stay (at min_replicas), so that it is said once.

@@ -419,3 +419,34 @@ def test_with_a_30_s_poll_a_submitted_resized_or_failed_job_gets_its_units_withi
         wait_for_units_to_end(slurm, job_id)
     finally:
         controller.stop()
+
+
+def test_a_job_whose_workers_fail_by_an_error_every_time_fails_with_it_after_three_generations(
+        slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path) -> None:
+    """A script that fails the same way at every start (here: a missing dataset) does not
+    make the controller replace its units forever: after 3 generations in a row failed by a
+    worker's error with no step between, the job fails, saying why, and leaves Slurm."""
+    require_four_idle_nodes(slurm)
+    controller = ControllerProcess(tmp_path, {"slurm_units": "true", "slurm_poll_interval_s": "30",
+                                              "reconnect_grace_s": "10"})
+    controller.start()
+    try:
+        with controller.admin() as admin:
+            job_id = admin.submit(admin_pb2.JobSpec(
+                name="crashes", min_replicas=1, max_replicas=1, partition="train",
+                mode=common_pb2.JOB_MODE_RESTART, working_dir=str(tmp_path),
+                command=[sys.executable, "-c", "import sys; sys.exit('no dataset at /data/missing')"])).job.job_id
+            job = wait_for("the job failed", lambda: (j := admin.job(job_id)).state == admin_pb2.JOB_STATE_FAILED
+                           and j, timeout_s=120, interval_s=0.5)
+            assert job
+            events = admin.events(job_id)
+            failures = [e for e in events if e.kind == "failure_detected"]
+            assert len(failures) == 3 and all("exit code 1" in e.reason for e in failures), failures
+            (ended,) = [e for e in events if e.kind == "job_failed"]
+            assert "3 generations in a row" in ended.reason and ended.fields["cause"] == "crash_loop", ended
+            # Each generation's replacement went in at once (a 30 s poll would not have).
+            assert len([e for e in events if e.kind == "unit_submitted"]) == 3
+            assert ended.time.ToNanoseconds() - events[0].time.ToNanoseconds() < 60e9, ended
+        wait_for_units_to_end(slurm, job_id)
+    finally:
+        controller.stop()

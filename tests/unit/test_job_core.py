@@ -425,6 +425,75 @@ def test_a_unit_ending_asks_for_no_poll_without_slurm_units_or_once_the_job_has_
     assert polls_asked(driver.effects) == []
 
 
+def crash_once(driver: Driver, nodes: tuple[Node, ...], *, code: int = 1, signal: int = 0,
+               after_s: float = 1.0, step: int | None = None) -> list[core.Effect]:
+    """One generation of a one-unit job: a unit submitted, registered, formed, and its
+    worker exiting `after_s` later (an error, or killed by `signal`), having reported
+    `step` first if given."""
+    effects = driver.feed(core.SlurmObserved(view(driver, nodes)))
+    (submit,) = [e for e in effects if isinstance(e, core.Submit)]
+    driver.feed(core.UnitSubmitted(submit.unit_id, 900 + len(driver.state.units)))
+    driver.connect(submit.unit_id)
+    driver.tick()
+    generation = driver.state.generation
+    assert generation is not None and generation.unit_ids == (submit.unit_id,)
+    driver.clock += after_s
+    if step is not None:
+        driver.beat(submit.unit_id, step)
+        driver.tick()
+    return driver.feed(core.LauncherSaid(submit.unit_id, launcher_pb2.LauncherMessage(
+        worker_exited=launcher_pb2.WorkerExited(generation=generation.number, local_rank=0, pid=4000,
+                                                exit_code=code, signal=signal, error="ValueError: boom 42",
+                                                traceback="Traceback (most recent call last):\n  ...\nValueError: boom 42"))))
+
+
+def test_workers_that_fail_by_an_error_in_three_generations_in_a_row_fail_the_job_with_the_error() -> None:
+    # Before: such a job replaced its units forever, each failure cooling down one more node.
+    nodes = tuple(node(f"n{i}") for i in range(6))
+    for mode in (common_pb2.JOB_MODE_RESTART, common_pb2.JOB_MODE_LIVE):
+        driver = Driver(mode=mode, min_replicas=1, max_replicas=1, slurm_units=True)
+        crash_once(driver, nodes)
+        crash_once(driver, nodes)
+        assert driver.state.job.state is JobState.DEGRADED and "job_failed" not in driver.events()
+        effects = crash_once(driver, nodes)
+        assert driver.state.job.state is JobState.FAILED
+        ended = driver.event("job_failed")
+        assert "3 generations in a row" in ended.reason and ended.reason.endswith("ValueError: boom 42"), ended
+        assert ended.fields is not None and ended.fields["traceback"].endswith("ValueError: boom 42")
+        assert ended.fields["cause"] == "crash_loop"
+        # Nothing more is submitted for it.
+        assert not [e for e in driver.feed(core.SlurmObserved(view(driver, nodes))) if isinstance(e, core.Submit)]
+        assert [e for e in effects if isinstance(e, core.SaveJob)][-1].job.state is JobState.FAILED
+
+
+def test_kills_long_lived_generations_and_committed_steps_are_no_crash_loop() -> None:
+    nodes = tuple(node(f"n{i}") for i in range(12))
+    driver = Driver(mode=common_pb2.JOB_MODE_RESTART, min_replicas=1, max_replicas=1, slurm_units=True)
+    # Killed by a signal (an OOM kill, chaos, a node's end) counts for nothing.
+    for _ in range(3):
+        crash_once(driver, nodes, code=0, signal=9)
+    # A generation that lived the window long starts the count again.
+    crash_once(driver, nodes)
+    crash_once(driver, nodes)
+    crash_once(driver, nodes, after_s=CONFIG.crash_loop_window_s)
+    crash_once(driver, nodes)
+    crash_once(driver, nodes)
+    assert driver.state.job.state is JobState.DEGRADED
+    # A step committed between two failures starts it again too.
+    crash_once(driver, nodes, step=5)
+    assert driver.state.job.step == 5
+    crash_once(driver, nodes)
+    assert driver.state.job.state is JobState.DEGRADED and "job_failed" not in driver.events()
+    crash_once(driver, nodes)
+    assert driver.state.job.state is JobState.FAILED
+    # 0: never.
+    driver = Driver(mode=common_pb2.JOB_MODE_RESTART, min_replicas=1, max_replicas=1, slurm_units=True,
+                    config=dataclasses.replace(CONFIG, crash_loop_generations=0))
+    for _ in range(5):
+        crash_once(driver, nodes)
+    assert driver.state.job.state is JobState.DEGRADED
+
+
 def test_a_unit_slurm_preempts_leaves_and_a_stale_view_decides_nothing() -> None:
     driver = Driver(min_replicas=1, max_replicas=2, slurm_units=True)
     driver.feed(core.SlurmObserved(view(driver, (node("n1"),))))
