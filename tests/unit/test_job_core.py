@@ -441,10 +441,10 @@ def crash_once(driver: Driver, nodes: tuple[Node, ...], *, code: int = 1, signal
     if step is not None:
         driver.beat(submit.unit_id, step)
         driver.tick()
-    return driver.feed(core.LauncherSaid(submit.unit_id, launcher_pb2.LauncherMessage(
-        worker_exited=launcher_pb2.WorkerExited(generation=generation.number, local_rank=0, pid=4000,
-                                                exit_code=code, signal=signal, error="ValueError: boom 42",
-                                                traceback="Traceback (most recent call last):\n  ...\nValueError: boom 42"))))
+    exited = launcher_pb2.WorkerExited(generation=generation.number, local_rank=0, pid=4000, exit_code=code,
+                                       signal=signal, error="ValueError: boom 42",
+                                       traceback="Traceback (most recent call last):\n  ...\nValueError: boom 42")
+    return driver.feed(core.LauncherSaid(submit.unit_id, launcher_pb2.LauncherMessage(worker_exited=exited)))
 
 
 def test_workers_that_fail_by_an_error_in_three_generations_in_a_row_fail_the_job_with_the_error() -> None:
