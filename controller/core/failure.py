@@ -25,17 +25,21 @@ from tidal.controller.model import JobState, UnitState, join_ids
 
 def fail(t: Step, unit_id: str, reason: str, cause: str, detected_at: float,
          failed_at: float | None = None, regroup: bool = True,
-         fields: Mapping[str, str] | None = None) -> bool:
+         fields: Mapping[str, str] | None = None, own_error: bool = False) -> bool:
     """The one failure path: record, tell the failed unit to kill its workers, and move
     the others to the next generation (`regroup_survivors`; with `regroup` False the caller does,
     once for failures found together). `failed_at` (wall clock) is when the failure
     happened, where known; the survivors' first step after it ends the recovery;
     `fields` go into the failure's event besides its cause (a worker's exception).
-    Whether the running world must re-form without the unit."""
+    Whether the running world must re-form without the unit. A failure other than a
+    worker's own error (`own_error`: a kill, a silence, a lost session or node) ends any
+    run of crashes (`count_crash`)."""
     state = t.state
     unit = state.units.get(unit_id)
     if unit is None or unit.state.is_final:
         return False
+    if not own_error:
+        state.crash_loop = None
     if t.job.state is JobState.FINISHING:
         # Training is over: nothing to recover; the unit is just gone.
         leaving.mark_left(t, unit_id, f"after the last step: {reason}")
@@ -80,7 +84,9 @@ def count_crash(t: Step, generation: int) -> int:
     generations in a row have now failed that way soon after forming with no step
     committed between them (`crash_loop_generations`); 0 when this one does not count (it
     ran `crash_loop_window_s` or longer: that is no crash loop, and the count starts again).
-    A generation counts once, however many of its workers fail."""
+    A generation counts once, however many of its workers fail; any other failure ends
+    the run (`fail`), and so does a worker of a counted generation found killed
+    (`uncount_crash`)."""
     state = t.state
     loop = state.crash_loop
     if loop is not None and t.job.step > loop.step:
@@ -93,6 +99,15 @@ def count_crash(t: Step, generation: int) -> int:
     count = (loop.generations if loop is not None else 0) + 1
     state.crash_loop = CrashLoop(generations=count, step=t.job.step, last_generation=generation)
     return count
+
+
+def uncount_crash(t: Step, generation: int) -> None:
+    """A worker of `generation` turns out to have been killed (a signal) or ended by its
+    launcher: if that generation was counted as a crash, it was not one, and the run of
+    crashes ends."""
+    loop = t.state.crash_loop
+    if loop is not None and loop.last_generation == generation:
+        t.state.crash_loop = None
 
 
 def end_crash_loop(t: Step, generations: int, last: str, fields: Mapping[str, str]) -> None:

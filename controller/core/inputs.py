@@ -192,10 +192,19 @@ def on_worker_exited(t: Step, unit_id: str, exited: launcher_pb2.WorkerExited) -
         forming.on_state_lost(t, f"a worker of unit {unit_id} exited {EXIT_STATE_LOST}: no replica holds the "
                               f"training state at step {t.job.step} and there is no checkpoint")
         return
+    # An error of the worker's own (not a signal, not its launcher ending it) may be one a
+    # replacement would hit again: enough generations in a row end the job
+    # (`failure.count_crash`).
+    own_error = exited.exit_code != 0 and exited.signal == 0 and not exited.detail
     current = {state.generation.number} if state.generation is not None else set()
     if state.changing is not None:
         current.add(state.changing.from_generation)
     if state.generation is None or exited.generation not in current or t.job.state is not JobState.RUNNING:
+        if not own_error:
+            # (A worker of a generation counted as a crash was in fact killed: the error
+            # that came first was its peers' reaction, as a restart-mode rank raises when a
+            # peer dies.)
+            failure.uncount_crash(t, exited.generation)
         t.emit(StaleMessageCounted(),
                Note("stale_message_ignored", {"unit": unit_id, "kind": "worker_exited",
                                               "message_generation": exited.generation}))
@@ -211,15 +220,12 @@ def on_worker_exited(t: Step, unit_id: str, exited: launcher_pb2.WorkerExited) -
         finishing.on_exit_after_finish(t, unit_id, exited)
         return
     reason = f"worker rank {rank} (pid {exited.pid}) {describe_worker_exit(exited)}"
-    # An error of the worker's own (not a signal, not its launcher ending it) may be one a
-    # replacement would hit again: enough generations in a row end the job.
-    own_error = exited.exit_code != 0 and exited.signal == 0 and not exited.detail
     crashes = failure.count_crash(t, exited.generation) if own_error else 0
     limit = t.config.crash_loop_generations
     ending = limit > 0 and crashes >= limit
     failure.fail(t, unit_id, reason, "silent" if exited.detail else "worker_exit", t.now.monotonic,
                  failed_at=exited.exited_at.ToNanoseconds() / 1e9 if exited.HasField("exited_at") else None,
-                 fields=worker_error_fields(exited), regroup=not ending)
+                 fields=worker_error_fields(exited), regroup=not ending, own_error=own_error)
     if ending:
         failure.end_crash_loop(t, crashes, f"unit {unit_id} {reason}", worker_error_fields(exited))
 

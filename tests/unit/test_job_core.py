@@ -494,6 +494,36 @@ def test_kills_long_lived_generations_and_committed_steps_are_no_crash_loop() ->
     assert driver.state.job.state is JobState.DEGRADED
 
 
+def test_an_error_that_came_first_because_a_peer_was_killed_is_no_crash_and_other_failures_end_the_run() -> None:
+    # Restart mode: a rank raises when a peer dies; its error may reach the controller
+    # before the killed peer's signal. The killed worker's report, stale by then, uncounts
+    # the generation.
+    driver = Driver(mode=common_pb2.JOB_MODE_RESTART, min_replicas=1, max_replicas=2)
+    formed(driver, "u1", "u2")
+    generation = driver.state.generation
+    assert generation is not None
+    driver.exit("u1", generation.number, code=1)
+    assert driver.state.crash_loop is not None and driver.state.crash_loop.generations == 1
+    driver.say("u2", worker_exited=launcher_pb2.WorkerExited(generation=generation.number, local_rank=0, pid=4001,
+                                                            signal=9))
+    assert driver.state.crash_loop is None
+    # A failure of another kind (here a broken session) ends a run of crashes too.
+    nodes = tuple(node(f"n{i}") for i in range(3, 9))
+    driver = Driver(mode=common_pb2.JOB_MODE_RESTART, min_replicas=1, max_replicas=1, slurm_units=True)
+    crash_once(driver, nodes)
+    crash_once(driver, nodes)
+    effects = driver.feed(core.SlurmObserved(view(driver, nodes)))
+    (submit,) = [e for e in effects if isinstance(e, core.Submit)]
+    driver.feed(core.UnitSubmitted(submit.unit_id, 990))
+    driver.connect(submit.unit_id)
+    driver.tick()
+    driver.feed(core.LauncherClosed(submit.unit_id, "connection reset"))
+    assert driver.state.units[submit.unit_id].state is UnitState.FAILED and driver.state.crash_loop is None
+    crash_once(driver, nodes)
+    crash_once(driver, nodes)
+    assert driver.state.job.state is JobState.DEGRADED
+
+
 def test_a_unit_slurm_preempts_leaves_and_a_stale_view_decides_nothing() -> None:
     driver = Driver(min_replicas=1, max_replicas=2, slurm_units=True)
     driver.feed(core.SlurmObserved(view(driver, (node("n1"),))))
