@@ -31,15 +31,13 @@ def fail(t: Step, unit_id: str, reason: str, cause: str, detected_at: float,
     once for failures found together). `failed_at` (wall clock) is when the failure
     happened, where known; the survivors' first step after it ends the recovery;
     `fields` go into the failure's event besides its cause (a worker's exception).
-    Whether the running world must re-form without the unit. A failure other than a
-    worker's own error (`own_error`: a kill, a silence, a lost session or node) ends any
-    run of crashes (`count_crash`)."""
+    Whether the running world must re-form without the unit. A member's failure other
+    than a worker's own error (`own_error`: a kill, a silence, a lost session or node)
+    ends any run of crashes (`count_crash`)."""
     state = t.state
     unit = state.units.get(unit_id)
     if unit is None or unit.state.is_final:
         return False
-    if not own_error:
-        state.crash_loop = None
     if t.job.state is JobState.FINISHING:
         # Training is over: nothing to recover; the unit is just gone.
         leaving.mark_left(t, unit_id, f"after the last step: {reason}")
@@ -49,6 +47,8 @@ def fail(t: Step, unit_id: str, reason: str, cause: str, detected_at: float,
     was_member = (state.generation is not None and state.generation.member(unit_id) is not None
                   and unit.state in (UnitState.ACTIVE, UnitState.LEAVING)
                   and t.job.state in (JobState.RUNNING, JobState.RECONFIGURING))
+    if was_member and not own_error:
+        state.crash_loop = None
     unit = t.own(unit)
     unit.state = UnitState.FAILED
     unit.reason = reason
@@ -79,34 +79,39 @@ def fail(t: Step, unit_id: str, reason: str, cause: str, detected_at: float,
     return True
 
 
-def count_crash(t: Step, generation: int) -> int:
-    """A worker of `generation` (the running one) exited with an error: how many
-    generations in a row have now failed that way soon after forming with no step
-    committed between them (`crash_loop_generations`); 0 when this one does not count (it
-    ran `crash_loop_window_s` or longer: that is no crash loop, and the count starts again).
-    A generation counts once, however many of its workers fail; any other failure ends
-    the run (`fail`), and so does a worker of a counted generation found killed
+def count_crash(t: Step, generation: int, exited_at: float) -> int:
+    """A worker of `generation` exited with its own error at `exited_at` (wall clock): how
+    many generations in a row have now failed that way soon after forming with no step
+    committed between them (`crash_loop_generations`); 0 when this one does not count: it
+    ran `crash_loop_window_s` or longer, or it is the world a live change leaves (whose
+    start this state no longer has), and the count starts again. A generation counts once,
+    however many of its workers fail; any other failure of a member ends the run (`fail`),
+    and so does a worker of the counted generation found killed before the error came
     (`uncount_crash`)."""
     state = t.state
     loop = state.crash_loop
-    if loop is not None and t.job.step > loop.step:
+    if loop is not None and t.job.step != loop.step:
+        # (Up: a step committed. Down: the job resumed from a checkpoint; no crash loop either.)
         loop = None
-    if t.now.monotonic - state.generation_started_at >= t.config.crash_loop_window_s:
+    running = state.generation.number if state.generation is not None else None
+    if generation != running or t.now.monotonic - state.generation_started_at >= t.config.crash_loop_window_s:
         state.crash_loop = None
         return 0
     if loop is not None and loop.last_generation == generation:
         return loop.generations
     count = (loop.generations if loop is not None else 0) + 1
-    state.crash_loop = CrashLoop(generations=count, step=t.job.step, last_generation=generation)
+    state.crash_loop = CrashLoop(generations=count, step=t.job.step, last_generation=generation, exited_at=exited_at)
     return count
 
 
-def uncount_crash(t: Step, generation: int) -> None:
+def uncount_crash(t: Step, generation: int, exited_at: float) -> None:
     """A worker of `generation` turns out to have been killed (a signal) or ended by its
-    launcher: if that generation was counted as a crash, it was not one, and the run of
-    crashes ends."""
+    launcher at `exited_at`: if that generation was counted as a crash by an error that
+    came later (a restart-mode rank raises when a peer dies, and its report may arrive
+    first), it was no crash, and the run ends. Peers aborted after the error (NCCL's
+    async error handling) leave the count as it is."""
     loop = t.state.crash_loop
-    if loop is not None and loop.last_generation == generation:
+    if loop is not None and loop.last_generation == generation and exited_at <= loop.exited_at:
         t.state.crash_loop = None
 
 

@@ -181,6 +181,11 @@ def on_said(t: Step, unit_id: str, message: launcher_pb2.LauncherMessage) -> Non
             failure.maybe_finish_stop(t)
 
 
+# Exit codes a shell gives a child killed by a signal (128 + N): a worker started through a
+# wrapper (`bash -c`, a run script) that was killed exits so, with no signal of its own.
+SIGNALLED_EXIT_CODES = (129, 128 + 64)
+
+
 def on_worker_exited(t: Step, unit_id: str, exited: launcher_pb2.WorkerExited) -> None:
     state = t.state
     if t.job.state is JobState.FINISHING:
@@ -195,7 +200,9 @@ def on_worker_exited(t: Step, unit_id: str, exited: launcher_pb2.WorkerExited) -
     # An error of the worker's own (not a signal, not its launcher ending it) may be one a
     # replacement would hit again: enough generations in a row end the job
     # (`failure.count_crash`).
-    own_error = exited.exit_code != 0 and exited.signal == 0 and not exited.detail
+    own_error = (exited.exit_code != 0 and exited.signal == 0 and not exited.detail
+                 and not SIGNALLED_EXIT_CODES[0] <= exited.exit_code <= SIGNALLED_EXIT_CODES[1])
+    exited_at = exited.exited_at.ToNanoseconds() / 1e9 if exited.HasField("exited_at") else t.now.wall
     current = {state.generation.number} if state.generation is not None else set()
     if state.changing is not None:
         current.add(state.changing.from_generation)
@@ -204,7 +211,7 @@ def on_worker_exited(t: Step, unit_id: str, exited: launcher_pb2.WorkerExited) -
             # (A worker of a generation counted as a crash was in fact killed: the error
             # that came first was its peers' reaction, as a restart-mode rank raises when a
             # peer dies.)
-            failure.uncount_crash(t, exited.generation)
+            failure.uncount_crash(t, exited.generation, exited_at)
         t.emit(StaleMessageCounted(),
                Note("stale_message_ignored", {"unit": unit_id, "kind": "worker_exited",
                                               "message_generation": exited.generation}))
@@ -220,7 +227,7 @@ def on_worker_exited(t: Step, unit_id: str, exited: launcher_pb2.WorkerExited) -
         finishing.on_exit_after_finish(t, unit_id, exited)
         return
     reason = f"worker rank {rank} (pid {exited.pid}) {describe_worker_exit(exited)}"
-    crashes = failure.count_crash(t, exited.generation) if own_error else 0
+    crashes = failure.count_crash(t, exited.generation, exited_at) if own_error else 0
     limit = t.config.crash_loop_generations
     ending = limit > 0 and crashes >= limit
     failure.fail(t, unit_id, reason, "silent" if exited.detail else "worker_exit", t.now.monotonic,

@@ -102,18 +102,21 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
 
 
 def poll_after_units_ended(t: Step, before: State) -> None:
-    """Units of a running job ended in this transition (failed, preempted, left): what
-    replaces them (below min_replicas, or onto idle nodes) is decided on the next Slurm
-    view, so ask for it now rather than up to `slurm_poll_interval_s` later. Not after a
-    Slurm view (`on_slurm` decided on that one); the controller makes one poll of many
-    asks, at most one a second."""
+    """Units of a running job ended in this transition (failed, preempted, left), or the
+    stop that held its replacements back finished: what replaces them (below
+    min_replicas, or onto idle nodes) is decided on the next Slurm view, so ask for it now
+    rather than up to `slurm_poll_interval_s` later. Not after a Slurm view (`on_slurm`
+    decided on that one), not for a job past its last step; the controller makes one
+    poll of many asks, at most one a second."""
     state = t.state
-    if not state.slurm_units or t.job.state.is_final:
+    if not state.slurm_units or t.job.state.is_final or t.job.state is JobState.FINISHING:
         return
     ended = sorted(unit_id for unit_id, unit in state.units.items() if unit.state.is_final
                    and (unit_id not in before.units or not before.units[unit_id].state.is_final))
     if ended:
         t.emit(PollSlurmSoon(f"unit(s) {', '.join(ended)} ended"))
+    elif before.stopping is not None and state.stopping is None:
+        t.emit(PollSlurmSoon("the stop before the next generation finished"))
 
 
 def note_growth_held(t: Step, reason: str) -> None:

@@ -323,6 +323,8 @@ class CrashLoop:
     generations: int
     step: int
     last_generation: int
+    # When the counted error of `last_generation` happened (wall clock).
+    exited_at: float
 
 
 @dataclasses.dataclass

@@ -397,13 +397,23 @@ def test_a_unit_that_ends_asks_for_a_slurm_poll_at_once_so_its_replacement_is_no
     effects = driver.exit("u2", 1, code=1)
     assert driver.state.units["u2"].state is UnitState.FAILED
     assert polls_asked(effects) == ["unit(s) u2 ended"]
-    # Nothing more ends: no more asks (one ask, one poll).
-    assert polls_asked(driver.report("u1", 1, launcher_pb2.GENERATION_PHASE_STOPPED)) == []
+    # Below min, the survivor stops first: no replacement is submitted while the stop is in
+    # flight, so its end asks again.
+    assert driver.state.stopping is not None
+    assert polls_asked(driver.report("u1", 1, launcher_pb2.GENERATION_PHASE_STOPPED)) == [
+        "the stop before the next generation finished"]
     assert polls_asked(driver.tick(1.0)) == []
-    # A view of Slurm decides on itself: it asks for no other.
+    # A view of Slurm decides on itself: it asks for no other, even where it ends a unit
+    # (u3's Slurm job gone before its launcher registered; u4 replaces it in that view).
     effects = driver.feed(core.SlurmObserved(view(driver, (node("n1"), node("n2")),
                                                   (slurm_job(501, SlurmJobState.RUNNING),))))
     assert [e.unit_id for e in effects if isinstance(e, core.Submit)] == ["u3"] and polls_asked(effects) == []
+    driver.feed(core.UnitSubmitted("u3", 503))
+    driver.clock += 2.0
+    effects = driver.feed(core.SlurmObserved(view(driver, (node("n1"), node("n2")),
+                                                  (slurm_job(501, SlurmJobState.RUNNING),))))
+    assert driver.state.units["u3"].state is UnitState.FAILED and "unit_lost" in driver.events(effects)
+    assert [e.unit_id for e in effects if isinstance(e, core.Submit)] == ["u4"] and polls_asked(effects) == []
 
 
 def test_a_unit_ending_asks_for_no_poll_without_slurm_units_or_once_the_job_has_ended() -> None:
@@ -426,7 +436,7 @@ def test_a_unit_ending_asks_for_no_poll_without_slurm_units_or_once_the_job_has_
 
 
 def crash_once(driver: Driver, nodes: tuple[Node, ...], *, code: int = 1, signal: int = 0,
-               after_s: float = 1.0, step: int | None = None) -> list[core.Effect]:
+               after_s: float = 1.0, step: int | None = None, detail: str = "") -> list[core.Effect]:
     """One generation of a one-unit job: a unit submitted, registered, formed, and its
     worker exiting `after_s` later (an error, or killed by `signal`), having reported
     `step` first if given."""
@@ -442,7 +452,7 @@ def crash_once(driver: Driver, nodes: tuple[Node, ...], *, code: int = 1, signal
         driver.beat(submit.unit_id, step)
         driver.tick()
     exited = launcher_pb2.WorkerExited(generation=generation.number, local_rank=0, pid=4000, exit_code=code,
-                                       signal=signal, error="ValueError: boom 42",
+                                       signal=signal, detail=detail, error="ValueError: boom 42",
                                        traceback="Traceback (most recent call last):\n  ...\nValueError: boom 42")
     return driver.feed(core.LauncherSaid(submit.unit_id, launcher_pb2.LauncherMessage(worker_exited=exited)))
 
@@ -469,9 +479,16 @@ def test_workers_that_fail_by_an_error_in_three_generations_in_a_row_fail_the_jo
 def test_kills_long_lived_generations_and_committed_steps_are_no_crash_loop() -> None:
     nodes = tuple(node(f"n{i}") for i in range(12))
     driver = Driver(mode=common_pb2.JOB_MODE_RESTART, min_replicas=1, max_replicas=1, slurm_units=True)
-    # Killed by a signal (an OOM kill, chaos, a node's end) counts for nothing.
+    # Killed by a signal (an OOM kill, chaos, a node's end) counts for nothing, nor does a
+    # worker whose wrapper (`bash -c`) says it was killed (128 + N), nor one its launcher
+    # ended (`detail`: silent past the progress timeout).
     for _ in range(3):
         crash_once(driver, nodes, code=0, signal=9)
+    for _ in range(3):
+        crash_once(driver, nodes, code=137)
+    for _ in range(3):
+        crash_once(driver, nodes, code=1, detail="silent for 60 s")
+    assert driver.state.job.state is JobState.DEGRADED and driver.state.crash_loop is None
     # A generation that lived the window long starts the count again.
     crash_once(driver, nodes)
     crash_once(driver, nodes)
@@ -502,10 +519,20 @@ def test_an_error_that_came_first_because_a_peer_was_killed_is_no_crash_and_othe
     formed(driver, "u1", "u2")
     generation = driver.state.generation
     assert generation is not None
-    driver.exit("u1", generation.number, code=1)
+    error_at = driver.now.wall
+    exited = launcher_pb2.WorkerExited(generation=generation.number, local_rank=0, pid=4000, exit_code=1)
+    exited.exited_at.FromNanoseconds(int(error_at * 1e9))
+    driver.say("u1", worker_exited=exited)
     assert driver.state.crash_loop is not None and driver.state.crash_loop.generations == 1
-    driver.say("u2", worker_exited=launcher_pb2.WorkerExited(generation=generation.number, local_rank=0, pid=4001,
-                                                            signal=9))
+    # A peer that aborted after the error (NCCL's async error handling: SIGABRT) leaves it counted.
+    aborted = launcher_pb2.WorkerExited(generation=generation.number, local_rank=0, pid=4001, signal=6)
+    aborted.exited_at.FromNanoseconds(int((error_at + 0.2) * 1e9))
+    driver.say("u2", worker_exited=aborted)
+    assert driver.state.crash_loop is not None and driver.state.crash_loop.generations == 1
+    # One killed before it: the error was the reaction.
+    killed = launcher_pb2.WorkerExited(generation=generation.number, local_rank=1, pid=4002, signal=9)
+    killed.exited_at.FromNanoseconds(int((error_at - 0.05) * 1e9))
+    driver.say("u2", worker_exited=killed)
     assert driver.state.crash_loop is None
     # A failure of another kind (here a broken session) ends a run of crashes too.
     nodes = tuple(node(f"n{i}") for i in range(3, 9))
