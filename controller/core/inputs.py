@@ -202,7 +202,8 @@ def on_worker_exited(t: Step, unit_id: str, exited: launcher_pb2.WorkerExited) -
     # (`failure.count_crash`).
     own_error = (exited.exit_code != 0 and exited.signal == 0 and not exited.detail
                  and not SIGNALLED_EXIT_CODES[0] <= exited.exit_code <= SIGNALLED_EXIT_CODES[1])
-    exited_at = exited.exited_at.ToNanoseconds() / 1e9 if exited.HasField("exited_at") else t.now.wall
+    reported_at = exited.exited_at.ToNanoseconds() / 1e9 if exited.HasField("exited_at") else None
+    exited_at = reported_at if reported_at is not None else t.now.wall
     current = {state.generation.number} if state.generation is not None else set()
     if state.changing is not None:
         current.add(state.changing.from_generation)
@@ -230,11 +231,11 @@ def on_worker_exited(t: Step, unit_id: str, exited: launcher_pb2.WorkerExited) -
     crashes = failure.count_crash(t, exited.generation, exited_at) if own_error else 0
     limit = t.config.crash_loop_generations
     ending = limit > 0 and crashes >= limit
+    fields = worker_error_fields(exited)
     failure.fail(t, unit_id, reason, "silent" if exited.detail else "worker_exit", t.now.monotonic,
-                 failed_at=exited.exited_at.ToNanoseconds() / 1e9 if exited.HasField("exited_at") else None,
-                 fields=worker_error_fields(exited), regroup=not ending, own_error=own_error)
+                 failed_at=reported_at, fields=fields, regroup=not ending, own_error=own_error)
     if ending:
-        failure.end_crash_loop(t, crashes, f"unit {unit_id} {reason}", worker_error_fields(exited))
+        failure.end_crash_loop(t, crashes, f"unit {unit_id} {reason}", fields)
 
 
 def on_disconnected(t: Step, unit_id: str, reason: str) -> None:

@@ -111,8 +111,10 @@ def poll_after_units_ended(t: Step, before: State) -> None:
     state = t.state
     if not state.slurm_units or t.job.state.is_final or t.job.state is JobState.FINISHING:
         return
-    ended = sorted(unit_id for unit_id, unit in state.units.items() if unit.state.is_final
-                   and (unit_id not in before.units or not before.units[unit_id].state.is_final))
+    # (From this transition's saved units, not a scan of every unit: this runs on every
+    # input, ticks and heartbeats included.)
+    ended = sorted({e.unit.unit_id for e in t.effects if isinstance(e, SaveUnit) and e.unit.state.is_final
+                    and ((was := before.units.get(e.unit.unit_id)) is None or not was.state.is_final)})
     if ended:
         t.emit(PollSlurmSoon(f"unit(s) {', '.join(ended)} ended"))
     elif before.stopping is not None and state.stopping is None:
