@@ -273,8 +273,13 @@ class Membership:
         self._groups_generation: int | None = None
         self._broken_through = 0
         self._groups_lock = threading.Lock()
-        # The generation's rendezvous store, kept for the world's life.
+        # The generation's rendezvous store client, kept for the world's life, and its
+        # address; `_store_settled` once a generation committed a step with it (no store
+        # operation of this rank is left half-done on it): then the next generation, when
+        # its store is at the same address, uses it again instead of connecting anew.
         self._store: Any = None
+        self._store_address: tuple[str, int] | None = None
+        self._store_settled = False
         self.log = log.bind(pid=os.getpid())
 
     @property
@@ -339,9 +344,10 @@ class Membership:
         self.world = world
         timeout = datetime.timedelta(seconds=self.timeout_s)
         try:
-            store = self._connect_store(world)
+            kept = self._kept_store(world)
+            store = kept if kept is not None else self._connect_store(world)
             store.set_timeout(timeout)
-            self._store = store
+            self._store, self._store_address = store, (world.master_addr, world.master_port)
             # One store serves the launcher's life; each generation meets under its own prefix.
             prefix = dist.PrefixStore(f"gen/{world.generation}", store)
             await_peers(prefix, world, deadline=started + self.timeout_s, timeout_s=self.timeout_s,
@@ -370,7 +376,8 @@ class Membership:
         self.ledger.write("formed", generation=world.generation, rank=world.rank, world_size=world.world_size,
                           shard=self.shard_rank, step=step, digest=state_digest, source=source, seconds=seconds)
         self.log.info("world_formed", generation=world.generation, rank=world.rank, world_size=world.world_size,
-                      step=step, state_source=source, seconds=round(seconds, 4))
+                      step=step, state_source=source, seconds=round(seconds, 4),
+                      store="kept" if kept is not None else "connected")
 
     def _check_interrupted(self, world: World, doing: str) -> None:
         assert self.channel is not None
@@ -378,6 +385,26 @@ class Membership:
                               newer=self.channel.next_world(world.generation))
         if reason is not None:
             raise WorldBroken(reason)
+
+    def _kept_store(self, world: World) -> Any:
+        """The previous generation's store client, when `world`'s store is at the same
+        address (its host launcher survived: the controller keeps rank 0's unit as host while
+        it lives), that generation committed a step (`committed`: none of this rank's store
+        operations was left waiting or timed out on it, after which a client's replies could
+        be out of step) and the server still answers (a read-only `check`); else None, and a
+        new client connects. At scale this is what spares the host a connect from every
+        surviving rank at each world change (bench.world_scale, "connections kept")."""
+        kept, settled = self._store, self._store_settled
+        self._store, self._store_settled = None, False
+        if kept is None or not settled or self._store_address != (world.master_addr, world.master_port):
+            return None
+        try:
+            kept.set_timeout(datetime.timedelta(seconds=min(self.timeout_s, STORE_TIMEOUT_S)))
+            kept.check(["tidal/alive"])
+        except RuntimeError as error:
+            self.log.info("store_reconnect", generation=world.generation, reason=str(error))
+            return None
+        return kept
 
     def _connect_store(self, world: World) -> dist.TCPStore:
         """The generation's rendezvous store, on its host launcher. That host may be gone (it
@@ -496,6 +523,9 @@ class Membership:
         assert self.world is not None
         if self.phase is Phase.FORMED:
             self.phase = Phase.TRAINING
+            # The generation's store operations (arrival, the groups' connects, NCCL's at
+            # their first collectives, the state's transfer) are done: the client is clean.
+            self._store_settled = True
             if self.channel is not None:
                 self.channel.send(FirstStep(generation=self.world.generation, step=step))
 

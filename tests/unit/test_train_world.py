@@ -235,3 +235,59 @@ def test_a_fixed_world_does_not_recover() -> None:
     membership.channel = None
     with pytest.raises(RuntimeError, match="training failed in a fixed world: peer lost"):
         membership.recover("peer lost")
+
+
+def _forming_membership(channel: QueuedChannel) -> Membership:
+    def agree(groups: object, world: World) -> tuple[int, str]:
+        return 0, "digest"
+
+    return Membership(backend="gloo", shard_size=1, shard_rank=0, timeout_s=5.0, counters=Counters(step=12),
+                      ledger=Ledger(None), agree=agree, before_leaving=lambda save: "")
+
+
+def test_a_survivor_keeps_its_store_connection_across_world_changes_only_when_it_is_clean() -> None:
+    # A real TCPStore server (the host launcher's), and worlds of one rank formed at it.
+    import datetime
+
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=5))
+    other = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=5))
+
+    def at(generation: int, port: int) -> World:
+        return World(generation=generation, rank=0, world_size=1, master_addr="127.0.0.1", master_port=port)
+
+    channel = QueuedChannel()
+    membership = _forming_membership(channel)
+    membership.channel = channel
+    membership.form(at(1, server.port))
+    first = membership._store
+    # Formed but no step committed yet: the next world connects anew.
+    membership.form(at(2, server.port))
+    second = membership._store
+    assert second is not first
+    # A step committed: the next world at the same address uses the same connection, and
+    # meets under its own generation's keys there.
+    membership.committed(13)
+    membership.form(at(3, server.port))
+    assert membership._store is second
+    assert server.get("gen/3/all_arrived") == b"1"
+    # Another address (the host launcher was lost): a new connection.
+    membership.committed(14)
+    membership.form(at(4, other.port))
+    assert membership._store is not second and other.get("gen/4/all_arrived") == b"1"
+    # The server behind a kept connection gone: the check fails and it connects anew (to
+    # the new server at that address, whose generation 5 it then joins).
+    membership.committed(15)
+    kept = membership._store
+    port = other.port
+    del other
+    import gc
+
+    gc.collect()
+    replacement = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                                timeout=datetime.timedelta(seconds=5))
+    membership.form(at(5, port))
+    assert membership._store is not kept and replacement.get("gen/5/all_arrived") == b"1"
