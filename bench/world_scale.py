@@ -11,7 +11,8 @@ A world change at scale, part by part:
     on a thread of one of CLIENT_PROCESSES client processes, and does exactly the store
     operations of Tidal's worker path (`train.world.Membership.form`) and of the collective
     backend's connect that a GPU world uses (NCCL):
-      - connect (a new client each generation, as `_connect_store`; see CONNECT_ATTEMPT_S);
+      - connect (a new client, as `_connect_store`; see CONNECT_ATTEMPT_S), or with the
+        connection kept, the check of it;
       - the arrival barrier, `train.world.await_peers` itself: one add; the last rank to
         arrive sets a key, the others wait for it (one wait each);
       - the groups' NCCL unique ids, as torch 2.13's ProcessGroupNCCL fetches them at the
@@ -27,20 +28,34 @@ A world change at scale, part by part:
     The figure is the wall time from the moment every rank is told the world (all at once)
     to the moment the last rank holds every id it needs, median over repetitions (with when
     the last rank had connected and when all knew all had arrived); and the store server's
-    CPU seconds in that window. The clients share this machine's 2 cores with the server,
-    and a client thread's Python between its store calls holds its process's GIL: on a
-    cluster the clients are on other hosts, so the wall time here is an upper bound of the
-    store's share, and the server's CPU seconds the serial work no client host can take off
-    it. Reverse DNS: torch names each connection's peer with getnameinfo on both ends (on
-    the server, on its loop thread); this sandbox's resolver throttles those lookups, so the
-    processes here run with getnameinfo made numeric (NUMERIC_NAMES_C). On a cluster whose
-    resolver answers slowly for the workers' addresses, that is one lookup per rank on the
-    store server's loop each world change, not measured here. Gloo's full-mesh connect (every rank reads every
-    rank's key of N addresses: O(N^2) bytes) is not what a 16,384-GPU world uses and is not
+    CPU seconds in that window. The figure charged to a world change is every rank
+    connecting anew (a first world, one whose store host was lost, and every world change
+    before workers kept their connection). At --kept-sizes (default 1,024 and 4,096; --quick:
+    its sizes) it is also measured with the survivors' connections kept, as a worker keeps
+    its client when the next world's store is at the same address (`train.world.Membership.
+    _kept_store`; the controller keeps rank 0's unit as host while it lives): a warm-up
+    generation, not measured, only connects the clients, at most WARM_CONNECTS_IN_FLIGHT a
+    client process at once, and each measured one starts with a read-only check instead of
+    a connect. That second figure is reported, not charged: on this machine it is no smaller
+    within the noise (1,024 and 4,096 ranks), and at 8,192 and 16,384 ranks it was larger
+    (2026-11-27: 8,192 ranks 39.7 and 42.5 s kept against 24.1 and 28.2 s connecting;
+    16,384 ranks 351 s kept, the server 7 s of CPU of it): thousands of client threads of a
+    process wake at once and queue for its GIL, where connecting spreads them out; a
+    cluster's workers are processes on other hosts. Not resolved here.
+    The clients share this machine's 2 cores with the server, and a client thread's Python
+    between its store calls holds its process's GIL: on a cluster the clients are on other
+    hosts, so the wall time here is an upper bound of the store's share, and the server's
+    CPU seconds the serial work no client host can take off it. Reverse DNS: torch names
+    each connection's peer with getnameinfo on both ends (on the server, on its loop
+    thread); this sandbox's resolver throttles those lookups, so the processes here run with
+    getnameinfo made numeric (NUMERIC_NAMES_C). On a cluster whose resolver answers slowly
+    for the workers' addresses, that is one lookup per rank on the store server's loop each
+    world change, not measured here. Gloo's full-mesh connect (every rank reads every rank's
+    key of N addresses: O(N^2) bytes) is not what a 16,384-GPU world uses and is not
     measured at scale. File descriptors: the server holds one socket per rank; the soft
     RLIMIT_NOFILE is raised to the hard one (20,000 here) before the server starts, each
-    client process holds size/CLIENT_PROCESSES, and a repetition starts only once the
-    server closed the previous one's sockets.
+    client process holds size/CLIENT_PROCESSES, and a repetition starts only once the server
+    closed the previous one's sockets.
 
 (b) The controller, measured: forming a generation of size/8 launchers (8 GPUs a node, one
     node a unit) with its own functions: `planning.plan_generation` (the rank table), the
@@ -75,6 +90,7 @@ takes these figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -108,6 +124,9 @@ BEFORE_POLL_S = 0.002
 # attempts of CONNECT_ATTEMPT_S within CONNECT_DEADLINE_S (what a rank waits is measured).
 CONNECT_ATTEMPT_S = 5.0
 CONNECT_DEADLINE_S = 120.0
+# The warm-up of a kept run (not measured) connects at most this many ranks of a client
+# process at once, so that 16,384 connects do not overflow the server's listen queue.
+WARM_CONNECTS_IN_FLIGHT = 32
 
 # The communicator set-up at scale, from a public figure (no GPU here to measure it).
 COMMUNICATOR_CITED: dict[str, Any] = {
@@ -182,26 +201,42 @@ def nccl_connect(store: Any, rank: int, size: int, unique_id: bytes) -> int:
     return trips + 1
 
 
-def rank_path(host: str, port: int, generation: int, rank: int, size: int,
-              poll_s: float) -> tuple[Any, tuple[float, float, float]]:
+def connect(host: str, port: int, connecting: threading.Semaphore | None = None) -> Any:
+    """A rank's store client (attempts of CONNECT_ATTEMPT_S within CONNECT_DEADLINE_S);
+    `connecting` bounds the connects in flight (the warm-up of kept runs)."""
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + CONNECT_DEADLINE_S
+    while True:
+        try:
+            with connecting or contextlib.nullcontext():
+                return dist.TCPStore(host, port, is_master=False,
+                                     timeout=datetime.timedelta(seconds=CONNECT_ATTEMPT_S), wait_for_workers=False)
+        except RuntimeError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def rank_path(host: str, port: int, generation: int, rank: int, size: int, poll_s: float,
+              kept: Any = None) -> tuple[Any, tuple[float, float, float]]:
     """One rank's store operations for one generation (see the module); returns its client
     (kept until the next generation, as a worker keeps `_store`) and when it was connected,
-    when every rank had arrived, and when it finished (time.time())."""
+    when every rank had arrived, and when it finished (time.time()). With `kept` (a client
+    of the previous generation at the same store), no connect: the worker's read-only check
+    that the server still answers (`train.world.Membership._kept_store`), then the same
+    operations."""
     import torch.distributed as dist
 
     from tidal.proto.control import World
     from tidal.train import world as worlds
 
-    deadline = time.monotonic() + CONNECT_DEADLINE_S
-    store: Any = None
-    while store is None:
-        try:
-            store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=CONNECT_ATTEMPT_S),
-                                  wait_for_workers=False)
-        except RuntimeError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+    if kept is not None:
+        store = kept
+        store.set_timeout(datetime.timedelta(seconds=worlds.STORE_TIMEOUT_S))
+        store.check(["tidal/alive"])
+    else:
+        store = connect(host, port)
     connected = time.time()
     store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
     prefix = dist.PrefixStore(f"gen/{generation}", store)
@@ -228,27 +263,36 @@ def rank_path(host: str, port: int, generation: int, rank: int, size: int,
 
 def client_main(args: argparse.Namespace) -> None:
     """A client process: ranks `first`..`first+count-1` of a world of `size`, one thread each.
-    Reads `go <generation> <poll_s>` (threads made: answers `ready`), then `start` (runs
-    them: answers `done <last connected> <last arrived> <last finished> <errors> <first error>`,
-    then `closed` once its clients are dropped)."""
+    Reads `go <generation> <poll_s> <how>` (threads made: answers `ready`), then `start`
+    (runs them: answers `done <last connected> <last arrived> <last finished> <errors> <first
+    error>`, then `closed` once its clients are dropped, or kept). `how`: `connect` (every
+    rank connects anew, its client dropped after), `warm` (connects, at most
+    WARM_CONNECTS_IN_FLIGHT at once, clients kept) or `kept` (the kept clients, no connect)."""
     import torch.distributed  # noqa: F401  (once, before the threads)
 
     threading.stack_size(256 * 1024)
     stores: list[Any] = [None] * args.count
     finished = [(0.0, 0.0, 0.0)] * args.count
     errors: list[str] = []
+    connecting = threading.Semaphore(WARM_CONNECTS_IN_FLIGHT)
     for line in sys.stdin:
         words = line.split()
         if not words or words[0] != "go":
             break
-        generation, poll_s = int(words[1]), float(words[2])
+        generation, poll_s, how = int(words[1]), float(words[2]), words[3]
         go = threading.Event()
 
-        def run(index: int, generation: int = generation, poll_s: float = poll_s, go: threading.Event = go) -> None:
+        def run(index: int, generation: int = generation, poll_s: float = poll_s, go: threading.Event = go,
+                how: str = how) -> None:
             go.wait()
             try:
-                stores[index], finished[index] = rank_path(args.host, args.port, generation, args.first + index,
-                                                           args.size, poll_s)
+                if how == "warm":
+                    stores[index] = connect(args.host, args.port, connecting)
+                    finished[index] = (time.time(),) * 3
+                else:
+                    stores[index], finished[index] = rank_path(args.host, args.port, generation, args.first + index,
+                                                               args.size, poll_s,
+                                                               kept=stores[index] if how == "kept" else None)
             except Exception as error:  # reported, the run fails
                 errors.append(f"rank {args.first + index}: {type(error).__name__}: {error}")
 
@@ -264,8 +308,9 @@ def client_main(args: argparse.Namespace) -> None:
         print(f"done {latest[0]:.6f} {latest[1]:.6f} {latest[2]:.6f} {len(errors)} {errors[0] if errors else ''}",
               flush=True)
         errors.clear()
-        # The generation's clients close before the next one's connect (the server's fds).
-        stores[:] = [None] * args.count
+        if how == "connect":
+            # The generation's clients close before the next one's connect (the server's fds).
+            stores[:] = [None] * args.count
         print("closed", flush=True)
 
 
@@ -278,8 +323,11 @@ def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def measure_store(size: int, repetitions: int, poll_s: float, first_generation: int) -> dict[str, Any]:
-    """`repetitions` generations of `size` ranks at one real store server (see the module)."""
+def measure_store(size: int, repetitions: int, poll_s: float, first_generation: int,
+                  kept: bool = False) -> dict[str, Any]:
+    """`repetitions` generations of `size` ranks at one real store server (see the module).
+    `kept`: a world change whose store host survived: every rank keeps its client from the
+    generation before (a warm-up generation, not measured, connects them) and only checks it."""
     from tidal.launcher.store import ServedStore, stop_store_server
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -308,11 +356,12 @@ def measure_store(size: int, repetitions: int, poll_s: float, first_generation: 
                 [sys.executable, "-m", "bench.world_scale", "--client", "--host", "127.0.0.1", "--port",
                  str(served.port), "--first", str(index * per), "--count", str(count), "--size", str(size)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True))
-        for repetition in range(repetitions):
-            generation = first_generation + repetition
+        for repetition in range(-1 if kept else 0, repetitions):
+            generation = first_generation + repetition + (1 if kept else 0)
+            how = "connect" if not kept else "warm" if repetition < 0 else "kept"
             for client in clients:
                 assert client.stdin is not None
-                client.stdin.write(f"go {generation} {poll_s}\n")
+                client.stdin.write(f"go {generation} {poll_s} {how}\n")
                 client.stdin.flush()
             for client in clients:
                 assert client.stdout is not None
@@ -332,18 +381,22 @@ def measure_store(size: int, repetitions: int, poll_s: float, first_generation: 
                 if not words or words[0] != "done" or words[4] != "0":
                     raise RuntimeError(f"a client failed: {' '.join(words)}")
                 latest = [max(a, float(b)) for a, b in zip(latest, words[1:4], strict=True)]
+            for client in clients:
+                assert client.stdout is not None
+                client.stdout.readline()  # "closed"
+            if how == "warm":
+                print(f"world_scale: store, {size} ranks: warm-up generation connected in {latest[2] - started:.3f} s"
+                      " (not measured)", flush=True)
+                continue
             server_cpu.append(cpu_seconds(server_pid) - cpu0)
             walls.append(latest[2] - started)
             connected.append(latest[0] - started)
             arrived.append(latest[1] - started)
-            for client in clients:
-                assert client.stdout is not None
-                client.stdout.readline()  # "closed"
             # The server has closed the generation's sockets before the next one's connect.
             deadline = time.monotonic() + 60.0
-            while open_fds(server_pid) > baseline_fds + 16 and time.monotonic() < deadline:
+            while how == "connect" and open_fds(server_pid) > baseline_fds + 16 and time.monotonic() < deadline:
                 time.sleep(0.1)
-            print(f"world_scale: store, {size} ranks, poll {poll_s * 1000 if poll_s else 0:g} ms: "
+            print(f"world_scale: store, {size} ranks, {how}, poll {poll_s * 1000 if poll_s else 0:g} ms: "
                   f"{walls[-1]:.3f} s (all connected {connected[-1]:.3f} s, all arrived {arrived[-1]:.3f} s), "
                   f"server CPU {server_cpu[-1]:.3f} s", flush=True)
     finally:
@@ -473,12 +526,18 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 def measure_size(size: int, repetitions: int, baseline: bool, generation: int,
-                 fan_out: tuple[float, str] | None, results: dict[str, Any]) -> int:
+                 fan_out: tuple[float, str] | None, results: dict[str, Any], with_kept: bool = False) -> int:
     """Every part at `size` ranks into `results[str(size)]`; returns the next generation number."""
     # 16,384 ranks: 3 generations at most (each about half a minute here, clients and all).
     store_repetitions = repetitions if size < 16_384 else min(repetitions, 3)
+    # Every rank connecting (what a world change is charged), then, at the sizes asked for,
+    # a world change whose store host survived with the survivors' connections kept.
     store = measure_store(size, store_repetitions, 0.0, generation)
     generation += store_repetitions
+    kept = None
+    if with_kept:
+        kept = measure_store(size, store_repetitions, 0.0, generation, kept=True)
+        generation += store_repetitions + 1
     before = None
     if baseline:
         before = measure_store(size, 1 if size >= 4_096 else 2, BEFORE_POLL_S, generation)
@@ -492,8 +551,11 @@ def measure_size(size: int, repetitions: int, baseline: bool, generation: int,
         parts["controller_s"] = max(parts["controller_s"], fan_out[0])
     parts["communicator_s"] = COMMUNICATOR_CITED["seconds"]
     parts["total_s"] = sum(parts.values())
-    results[str(size)] = {"store": store, "store_before": before, "controller": controller, "relay": relay,
-                          "parts_s": parts}
+    if kept is not None:
+        # Its store host survived, the survivors' connections kept (reported, not charged).
+        parts["store_connections_kept_s"] = median(kept["wall_s"])
+    results[str(size)] = {"store": store, "store_kept": kept, "store_before": before, "controller": controller,
+                          "relay": relay, "parts_s": parts}
     print(f"world_scale: {size} ranks: store {parts['store_s']:.3f} s + controller {parts['controller_s']:.3f} s "
           f"+ relay {parts['relay_s'] * 1000:.2f} ms + communicator {parts['communicator_s']:g} s (cited) = "
           f"{parts['total_s']:.2f} s", flush=True)
@@ -502,13 +564,31 @@ def measure_size(size: int, repetitions: int, baseline: bool, generation: int,
 
 def rows_at(size: int, r: dict[str, Any], fan_out: tuple[float, str] | None) -> list[Row]:
     """The result rows of one size: each part, and the total."""
-    store, before, parts, controller, relay = r["store"], r["store_before"], r["parts_s"], r["controller"], r["relay"]
+    store, kept, before, parts = r["store"], r.get("store_kept"), r["store_before"], r["parts_s"]
+    controller, relay = r["controller"], r["relay"]
     store_note = (f"connect + arrival barrier + NCCL ids of the world, replica and shard groups; the last rank "
                   f"connected at {median(store['connected_s']):.2f} s, all arrived at {median(store['arrived_s']):.2f} "
                   f"s; store server CPU {median(store['server_cpu_s']):.2f} s")
     if before:
         store_note += f" (before: {median(before['server_cpu_s']):.2f} s)"
     store_note += f"; {store['client_processes']} client processes on the same 2 cores (an upper bound)"
+    rows = [Row(benchmark="world_scale", metric=f"store: one world change's rendezvous at {size:,} ranks (one server)",
+                unit="s", tidal=median(store["wall_s"]), tidal_samples=store["wall_s"],
+                baseline=median(before["wall_s"]) if before else None,
+                baseline_samples=before["wall_s"] if before else [],
+                baseline_name="arrival polls every 2 ms (before)" if before else "",
+                ratio=median(before["wall_s"]) / median(store["wall_s"]) if before else None,
+                ratio_meaning="before / now" if before else "", goal="reported", met=True, note=store_note)]
+    if kept:
+        rows.append(Row(
+            benchmark="world_scale", metric=f"store: a world change at {size:,} ranks whose store host survived, "
+            "the survivors' connections kept (one server)", unit="s", tidal=median(kept["wall_s"]),
+            tidal_samples=kept["wall_s"], baseline=median(store["wall_s"]), baseline_samples=store["wall_s"],
+            baseline_name="every rank connecting anew (the row above, same run)",
+            ratio=median(store["wall_s"]) / median(kept["wall_s"]), ratio_meaning="connecting / kept",
+            goal="reported (not charged to world changes: see the module)", met=True,
+            note=f"check + arrival barrier + NCCL ids; all arrived at {median(kept['arrived_s']):.2f} s; store server "
+                 f"CPU {median(kept['server_cpu_s']):.2f} s (connecting: {median(store['server_cpu_s']):.2f} s)"))
     controller_note = (f"plan and lookups {median(controller['plan_s']):.3f} s; failure messages (each launcher its "
                        f"own assignment) {median(controller['failure_messages_s']):.3f} s; step-boundary message "
                        f"(the whole table, serialized for each) {median(controller['step_boundary_messages_s']):.3f} s,"
@@ -517,14 +597,10 @@ def rows_at(size: int, r: dict[str, Any], fan_out: tuple[float, str] | None) -> 
     total_note = (f"store {parts['store_s']:.2f} s + controller {parts['controller_s']:.2f} s"
                   + (f" ({fan_out[1]}, when larger than in-process)" if fan_out is not None and size >= 16_384 else "")
                   + f" + relay {parts['relay_s'] * 1000:.1f} ms, measured; + communicator "
-                  f"{parts['communicator_s']:g} s cited: {COMMUNICATOR_CITED['source']} ({COMMUNICATOR_CITED['url']})")
+                  f"{parts['communicator_s']:g} s cited: {COMMUNICATOR_CITED['source']} ({COMMUNICATOR_CITED['url']})"
+)
     return [
-        Row(benchmark="world_scale", metric=f"store: one world change's rendezvous at {size:,} ranks (one server)",
-            unit="s", tidal=median(store["wall_s"]), tidal_samples=store["wall_s"],
-            baseline=median(before["wall_s"]) if before else None, baseline_samples=before["wall_s"] if before else [],
-            baseline_name="arrival polls every 2 ms (before)" if before else "",
-            ratio=median(before["wall_s"]) / median(store["wall_s"]) if before else None,
-            ratio_meaning="before / now" if before else "", goal="reported", met=True, note=store_note),
+        *rows,
         Row(benchmark="world_scale", metric=f"controller: forming a generation of {controller['launchers']:,} "
             "launchers (plan, tables, messages serialized)", unit="s", tidal=median(controller["total_s"]),
             tidal_samples=controller["total_s"], goal="reported", met=True, note=controller_note),
@@ -547,6 +623,9 @@ def main() -> None:
     for name in ("--port", "--first", "--count", "--size"):
         command.add_argument(name, type=int, default=0, help=argparse.SUPPRESS)
     command.add_argument("--sizes", help="comma-separated world sizes (default 1024,4096,16384)")
+    command.add_argument("--kept-sizes", default="1024,4096",
+                         help="sizes whose store is also measured with the survivors' connections kept (default "
+                              "1024,4096; --quick: its sizes; '' for none)")
     command.add_argument("--baseline-sizes", default="1024,4096",
                          help="sizes whose store is also measured with the 2 ms arrival polls of before (default "
                               "1024,4096; '' for none)")
@@ -557,6 +636,7 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else list(QUICK_SIZES if args.quick else SIZES)
     repetitions = args.repeat or (2 if args.quick else 5)
     baseline_sizes = set() if args.quick else {int(n) for n in args.baseline_sizes.split(",") if n.strip()}
+    kept_sizes = set(sizes) if args.quick else {int(n) for n in args.kept_sizes.split(",") if n.strip()}
     fan_out = controller_fan_out_s()
     results: dict[str, Any] = {}
     generation = 1
@@ -566,13 +646,15 @@ def main() -> None:
             # Inherited by the store server and the client processes.
             os.environ["LD_PRELOAD"] = " ".join(filter(None, [os.environ.get("LD_PRELOAD", ""), preload]))
         for size in sizes:
-            generation = measure_size(size, repetitions, size in baseline_sizes, generation, fan_out, results)
+            generation = measure_size(size, repetitions, size in baseline_sizes, generation, fan_out, results,
+                                      with_kept=size in kept_sizes)
         os.environ.pop("LD_PRELOAD", None)
     rows = [row for size in sizes for row in rows_at(size, results[str(size)], fan_out)]
     write_result("world_scale", rows, quick=args.quick,
                  settings={"sizes": sizes, "repetitions": repetitions, "gpus_per_node": GPUS_PER_NODE,
                            "shard_size": SHARD_SIZE, "nccl_ranks_per_root": NCCL_RANKS_PER_ROOT,
                            "client_processes": CLIENT_PROCESSES, "before_poll_s": BEFORE_POLL_S,
+                           "kept_sizes": sorted(kept_sizes),
                            "nofile_hard": resource.getrlimit(resource.RLIMIT_NOFILE)[1]},
                  extra={"results": results, "communicator_cited": COMMUNICATOR_CITED,
                         "controller_fan_out": {"seconds": fan_out[0], "source": fan_out[1]} if fan_out else None})
