@@ -233,8 +233,7 @@ def rank_path(host: str, port: int, generation: int, rank: int, size: int, poll_
 
     if kept is not None:
         store = kept
-        store.set_timeout(datetime.timedelta(seconds=worlds.STORE_TIMEOUT_S))
-        store.check(["tidal/alive"])
+        worlds.check_kept_store(store, worlds.STORE_TIMEOUT_S)
     else:
         store = connect(host, port)
     connected = time.time()

@@ -189,6 +189,13 @@ def await_peers(prefix: Any, world: World, *, deadline: float, timeout_s: float,
         raise failed[0]
 
 
+def check_kept_store(store: Any, timeout_s: float) -> None:
+    """Raise RuntimeError unless the server behind a kept store client still answers (one
+    read-only request, within `timeout_s`)."""
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    store.check(["tidal/alive"])
+
+
 # A closed channel breaks every generation (its launcher is gone).
 EVERY_GENERATION = 2**62
 
@@ -399,8 +406,7 @@ class Membership:
         if kept is None or not settled or self._store_address != (world.master_addr, world.master_port):
             return None
         try:
-            kept.set_timeout(datetime.timedelta(seconds=min(self.timeout_s, STORE_TIMEOUT_S)))
-            kept.check(["tidal/alive"])
+            check_kept_store(kept, min(self.timeout_s, STORE_TIMEOUT_S))
         except RuntimeError as error:
             self.log.info("store_reconnect", generation=world.generation, reason=str(error))
             return None
