@@ -62,7 +62,7 @@ from tidal.train.backend import device_mismatch, prepare_worker
 from tidal.train.batch import BatchPolicy, FixedBatch, ScaledBatch
 from tidal.train.data import GlobalOrder, StepSamples, micro_batches, step_samples
 from tidal.train.errors import AccountingError, StateLost, StateMismatch, WorldBroken, raised_by_a_collective
-from tidal.train.groups import Collectives, Groups
+from tidal.train.groups import Collectives, Groups, start_world_allreduce
 from tidal.train.ledger import Ledger
 from tidal.train.progress import report_progress
 from tidal.train.simulated import SimulatedDevice, Simulation
@@ -422,7 +422,7 @@ class Elastic:
         if groups is None:
             return control, None
         with self.collectives.waiting_in():
-            return control, groups.world.allreduce([control])
+            return control, start_world_allreduce(groups, self.collectives, control)
 
     def _after_commit(self, world: World, loss: float) -> None:
         step = self.counters.step

@@ -11,6 +11,13 @@ which FSDP2 holds for the unit's life.
   cross-replica gradient all-reduce, the state transfer). Under `DataParallel` every
   worker is a whole replica and the replica group is the world group.
 
+Under `HybridSharded` in live mode no world group is made: the world's collectives (the
+control all-reduce, the gathers of steps and digests) go in two levels, over the replica's
+shard group and then over the replica group (`start_world_allreduce`, `gather_world`). So
+the largest group a world change connects has one rank per replica, not one per worker: at
+16,384 GPUs in replicas of one 8-GPU node, 2,048 ranks instead of 16,384 (what an NCCL
+communicator's set-up costs grows with its ranks; bench.world_scale cites the figures).
+
 On a break the groups are aborted (`ProcessGroup.abort`), which returns at once and makes
 peers still waiting in a collective with this rank fail, instead of waiting for it.
 What differs between gloo and NCCL (how a group is made, closed and aborted, from which
@@ -27,6 +34,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from tidal.train import backend as backends
@@ -56,6 +64,8 @@ def fixed_world_store() -> Any:
 class Groups:
     """One generation's groups, as this rank sees them."""
 
+    # Every rank of the generation; None when the world's collectives go in two levels
+    # through `shard` and `replica` (HybridSharded in live mode).
     world: Any
     # The cross-replica group of this rank's shard index (the world group under DataParallel).
     replica: Any
@@ -64,6 +74,10 @@ class Groups:
     # Workers per replica (the shard group's size) and this rank's shard index.
     shard_size: int
     shard_rank: int
+    # The replica's shard group (a `ShardGroup`, connected by the generation after these
+    # groups), set when `world` is None. Not one of the generation's groups: its connection
+    # is aborted and closed with them by `Membership`, never here.
+    shard: Any = None
 
     @property
     def replica_index(self) -> int:
@@ -110,23 +124,56 @@ class Groups:
 
 
 def form_groups(backend: str, store: Any, *, rank: int, world_size: int, shard_size: int, shard_rank: int,
-                connect_timeout: datetime.timedelta, timeout: datetime.timedelta) -> Groups:
+                connect_timeout: datetime.timedelta, timeout: datetime.timedelta, shard: Any = None) -> Groups:
     """Build the generation's groups under `store` (already prefixed for the generation):
-    each must connect within `connect_timeout`; formed, their collectives get `timeout`."""
+    each must connect within `connect_timeout`; formed, their collectives get `timeout`.
+    Given the replica's shard group (`shard`, replicas of more than one worker), no world
+    group is made: the world's collectives go through `shard` and the replica group."""
     if world_size % shard_size:
         raise ValueError(f"a world of {world_size} ranks is not whole replicas of {shard_size} workers")
     if rank % shard_size != shard_rank:
         raise ValueError(f"rank {rank} is not shard {shard_rank} of its replica (replicas of {shard_size} workers "
                          "take consecutive ranks)")
-    world = backends.new_group(backend, dist.PrefixStore("world", store), rank, world_size, connect_timeout)
+    two_levels = shard is not None and shard_size > 1
+    world = None if two_levels else backends.new_group(backend, dist.PrefixStore("world", store), rank, world_size,
+                                                       connect_timeout)
     replica = world
     if shard_size > 1:
         replica = backends.new_group(backend, dist.PrefixStore(f"replica/{shard_rank}", store), rank // shard_size,
                             world_size // shard_size, connect_timeout)
-    for group in {id(g): g for g in (world, replica)}.values():
+    for group in {id(g): g for g in (world, replica) if g is not None}.values():
         _set_timeout(group, timeout)
     return Groups(world=world, replica=replica, rank=rank, world_size=world_size, shard_size=shard_size,
-                  shard_rank=shard_rank)
+                  shard_rank=shard_rank, shard=shard if two_levels else None)
+
+
+def start_world_allreduce(groups: Groups, collectives: Collectives, tensor: torch.Tensor) -> Any:
+    """Start summing `tensor` over every rank of the world, in place; returns the work to
+    wait for. Called within `collectives.waiting_in()`. With a world group, one all-reduce;
+    without one, the replica's sum over its shard group (waited for here), then its
+    all-reduce over the replica group of this rank's shard index: each replica's sum counted
+    once in each, so every rank ends with the world's sum."""
+    if groups.world is not None:
+        return groups.world.allreduce([tensor])
+    collectives.wait_work(groups.shard.allreduce([tensor]))
+    return groups.replica.allreduce([tensor])
+
+
+def gather_world(groups: Groups, collectives: Collectives, tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's `tensor` (of one shape on every rank), by world rank. With a world
+    group, one all-gather; without one, two: the replica's over its shard group, then those
+    rows over the replica group (the rank holding shard k of replica r is world rank
+    r × shard_size + k)."""
+    if groups.world is not None:
+        gathered = [torch.zeros_like(tensor) for _ in range(groups.world_size)]
+        collectives.wait(groups.world.allgather([gathered], [tensor]))
+        return gathered
+    in_replica = [torch.zeros_like(tensor) for _ in range(groups.shard_size)]
+    collectives.wait(groups.shard.allgather([in_replica], [tensor]))
+    row = torch.stack(in_replica)
+    rows = [torch.zeros_like(row) for _ in range(groups.replicas)]
+    collectives.wait(groups.replica.allgather([rows], [row]))
+    return [part for replica_row in rows for part in replica_row.unbind(0)]
 
 
 # How long a wait on a gloo collective blocks before the rank looks at its launcher's word

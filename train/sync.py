@@ -31,7 +31,7 @@ from tidal.train.backend import synchronize
 from tidal.train.channel import WorkerChannel
 from tidal.train.checkpoint import AsyncCheckpointer
 from tidal.train.errors import StateLost, StateMismatch
-from tidal.train.groups import Collectives, Groups
+from tidal.train.groups import Collectives, Groups, gather_world
 from tidal.train.ledger import Ledger
 from tidal.train.state import Counters, StateDoesNotFit, TrainingParts, capture, digest, restore
 from tidal.train.strategy import Strategy
@@ -242,9 +242,7 @@ class StateSync:
         mine = self.counters.step if self.has_state else -1
         if groups is None:
             return [mine]
-        gathered = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(groups.world_size)]
-        self.collectives.wait(groups.world.allgather([gathered],
-                                                     [torch.tensor([mine], dtype=torch.int64, device=self.device)]))
+        gathered = gather_world(groups, self.collectives, torch.tensor([mine], dtype=torch.int64, device=self.device))
         return [int(t.item()) for t in gathered]
 
     def _transfer(self, groups: Groups, world: World, sources: list[int], receivers: list[int]) -> None:
@@ -281,8 +279,7 @@ class StateSync:
     def _check_digests(self, groups: Groups, state_digest: str) -> None:
         """Every replica's copy of each shard must be bit-identical."""
         encoded = torch.tensor(list(bytes.fromhex(state_digest)), dtype=torch.uint8, device=self.device)
-        gathered = [torch.zeros(32, dtype=torch.uint8, device=self.device) for _ in range(groups.world_size)]
-        self.collectives.wait(groups.world.allgather([gathered], [encoded]))
+        gathered = gather_world(groups, self.collectives, encoded)
         digests = [bytes(t.tolist()).hex() for t in gathered]
         disagreeing = disagreeing_shards(digests, groups.shard_size)
         if disagreeing:

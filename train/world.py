@@ -362,8 +362,8 @@ class Membership:
             # Formed, the groups' collectives (the state's transfer first) get the full
             # timeout, the backstop.
             connect = datetime.timedelta(seconds=form_timeout_s(self.timeout_s, world.world_size))
-            self._adopt(self._form_groups(dist.PrefixStore("group", prefix), world, connect, timeout),
-                        world.generation)
+            self._adopt(self._form_groups(dist.PrefixStore("group", prefix), world, connect, timeout,
+                                          shard=self.shard_group), world.generation)
             if self.shard_group is not None:
                 # The replica's shard ranks meet under the replica's own prefix; FSDP2's
                 # collectives go to this connection until the next generation's.
@@ -429,13 +429,15 @@ class Membership:
                 time.sleep(0.05)
 
     def _form_groups(self, store: Any, world: World, connect: datetime.timedelta,
-                     timeout: datetime.timedelta) -> Groups | None:
+                     timeout: datetime.timedelta, shard: Any = None) -> Groups | None:
+        """The generation's groups; given the replica's shard group (`shard`, live mode), the
+        world's collectives go through it and the replica group, and no group spans the world."""
         if world.world_size == 1:
             return None
         try:
             return form_groups(self.backend, store, rank=world.rank, world_size=world.world_size,
                                shard_size=self.shard_size, shard_rank=self.shard_rank,
-                               connect_timeout=connect, timeout=timeout)
+                               connect_timeout=connect, timeout=timeout, shard=shard)
         except ValueError as error:
             # A world that does not fit the strategy's replicas is a planning bug, never retried.
             raise StateMismatch(f"generation {world.generation}: {error}") from error
