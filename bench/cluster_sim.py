@@ -141,11 +141,13 @@ REPAIR_MEAN_H = 4.0
 FAILURE_MIX = {"worker_crash": 0.6, "node_lost": 0.2, "worker_hang": 0.1, "node_hang": 0.1}
 TORCHFT_RECONFIGURE_S = 5.0  # a new quorum and process group after a change of replica groups
 TORCHFT_TIMEOUT_S = 60.0  # a hung group is found by the collective's timeout
-# Tidal's at-scale row: what a world change costs at the simulated size, from
-# bench/results/world_scale.json (measured: store, controller, relay; cited: the
-# communicator set-up), else these defaults (bench.world_scale of 2026-11-26 on this machine).
-AT_SCALE_FALLBACK = {1_024: {"store_s": 0.307, "controller_s": 0.0014, "relay_s": 0.0003, "communicator_s": 30.0},
-                     16_384: {"store_s": 13.55, "controller_s": 1.225, "relay_s": 0.0008, "communicator_s": 30.0}}
+# Tidal's at-scale row: what a world change costs at the simulated size: the store, the
+# controller and the relay measured, from bench/results/world_scale.json, else these
+# defaults (bench.world_scale of 2026-11-26 on this machine, d8f299b); the communicator
+# set-up cited, bench.world_scale.COMMUNICATOR_CITED as the code says it now (a live
+# HybridSharded world's groups; a result file's own figure may be older).
+AT_SCALE_FALLBACK = {1_024: {"store_s": 0.307, "controller_s": 0.0014, "relay_s": 0.0003},
+                     16_384: {"store_s": 13.55, "controller_s": 1.225, "relay_s": 0.0008}}
 URGENT_PER_DAY = 0.5  # per 1,024 GPUs
 URGENT_MEAN_H = 2.0
 WINDOWS_PER_DAY = 2.0  # per 1,024 GPUs
@@ -239,22 +241,29 @@ class WorldChangeAtScale:
 
 
 def world_change_at_scale(gpus: int, folder: Path = RESULTS_DIR) -> WorldChangeAtScale:
-    """A world change's cost at `gpus` ranks from `folder`/world_scale.json (bench.world_scale's
-    parts at that size, or at the nearest size it measured), else AT_SCALE_FALLBACK."""
+    """A world change's cost at `gpus` ranks: the measured parts from `folder`/world_scale.json
+    (bench.world_scale's at that size, or at the nearest size it measured), else
+    AT_SCALE_FALLBACK; the communicator set-up cited (bench.world_scale.COMMUNICATOR_CITED)."""
+    from bench.world_scale import COMMUNICATOR_CITED
+
+    communicator_s = float(COMMUNICATOR_CITED["seconds"])
+    cited = f"communicator cited: {COMMUNICATOR_CITED['gpus']} GPUs' set-up, bench.world_scale.COMMUNICATOR_CITED"
     path = folder / "world_scale.json"
     if path.exists():
-        measured = json.loads(path.read_text()).get("results", {})
+        result = json.loads(path.read_text())
+        measured = result.get("results", {})
         if measured:
             size = min(measured, key=lambda n: abs(int(n) - gpus))
             parts = measured[size]["parts_s"]
             return WorldChangeAtScale(
-                parts["store_s"], parts["controller_s"], parts["relay_s"], parts["communicator_s"],
-                source=f"bench/results/world_scale.json, {int(size):,} ranks (store, controller, relay measured; "
-                       "communicator cited)")
+                parts["store_s"], parts["controller_s"], parts["relay_s"], communicator_s,
+                source=f"bench/results/world_scale.json ({result.get('code', 'code not recorded')}), {int(size):,} "
+                       f"ranks (store, controller, relay measured; {cited})")
     nearest = min(AT_SCALE_FALLBACK, key=lambda n: abs(n - gpus))
     parts = AT_SCALE_FALLBACK[nearest]
-    return WorldChangeAtScale(parts["store_s"], parts["controller_s"], parts["relay_s"], parts["communicator_s"],
-                              source=f"fallback for {nearest:,} ranks (bench/results/world_scale.json not found)")
+    return WorldChangeAtScale(parts["store_s"], parts["controller_s"], parts["relay_s"], communicator_s,
+                              source=f"fallback for {nearest:,} ranks (bench/results/world_scale.json not found; "
+                                     f"{cited})")
 
 
 def at_scale(costs: Costs, change_s: float) -> Costs:

@@ -11,8 +11,9 @@ A world change at scale, part by part:
     on a thread of one of CLIENT_PROCESSES client processes, and does exactly the store
     operations of Tidal's worker path (`train.world.Membership.form`) and of the collective
     backend's connect that a GPU world uses (NCCL):
-      - connect (a new client, as `_connect_store`; see CONNECT_ATTEMPT_S), or with the
-        connection kept, the check of it;
+      - connect (a new client, as `_connect_store`; see CONNECT_ATTEMPT_S; at most
+        CONNECTS_IN_FLIGHT of a client process at once), or with the connection kept, the
+        check of it;
       - the arrival barrier, `train.world.await_peers` itself: one add; the last rank to
         arrive sets a key, the others wait for it (one wait each);
       - the groups' NCCL unique ids, as torch 2.13's ProcessGroupNCCL fetches them at the
@@ -22,9 +23,11 @@ A world change at scale, part by part:
         multiGets all of them (`allgatherUniqueNCCLIDs`); a smaller group is one set by its
         rank 0 (key "0") and one get by each other rank (`broadcastUniqueNCCLID`). The groups
         are those of a replica of one node sharded over its 8 GPUs (`HybridSharded`): the
-        world group (all ranks), the replica group of each shard index (size/8 ranks) and the
-        replica's shard group (8 ranks), under the prefixes `train.groups.form_groups` and
-        `Membership.form` give them.
+        replica group of each shard index (size/8 ranks) and the replica's shard group (8
+        ranks), under the prefixes `train.groups.form_groups` and `Membership.form` give
+        them. No group of every rank: a live HybridSharded world has none (its world-wide
+        collectives go through the shard and replica groups, `train.groups.gather_world`);
+        before 2026-11-27 it had one, whose scalable init made every rank fetch 128 ids.
     The figure is the wall time from the moment every rank is told the world (all at once)
     to the moment the last rank holds every id it needs, median over repetitions (with when
     the last rank had connected and when all knew all had arrived); and the store server's
@@ -34,8 +37,7 @@ A world change at scale, part by part:
     its smallest) it is also measured with the survivors' connections kept, as a worker keeps
     its client when the next world's store is at the same address (`train.world.Membership.
     _kept_store`; the controller keeps rank 0's unit as host while it lives): a warm-up
-    generation, not measured, only connects the clients, at most WARM_CONNECTS_IN_FLIGHT a
-    client process at once, and each measured one starts with a read-only check instead of
+    generation, not measured, only connects the clients, and each measured one starts with a read-only check instead of
     a connect. That second figure is reported, not charged: on this machine it is no smaller
     within the noise (1,024 and 4,096 ranks), and at 8,192 and 16,384 ranks it was larger
     (2026-11-27: 8,192 ranks 39.7 and 42.5 s kept against 24.1 and 28.2 s connecting;
@@ -72,15 +74,20 @@ A world change at scale, part by part:
     build each worker's World and send it over a Unix socket (`proto.control.encode`), the
     worker decoding it. Launchers relay in parallel, so one launcher's time is the part.
 
-(d) The communicator set-up (ncclCommInitRank(Scalable) across the world), cited, not
-    measured (no GPU here): COMMUNICATOR_CITED below says the source and the figure.
+(d) The communicator set-up, cited, not measured (no GPU here): COMMUNICATOR_CITED below
+    says the source and the figure. What a world change sets up is each GPU's replica group
+    (size/8 ranks: 2,048 at 16,384 GPUs; the 8 groups of a node's GPUs at once, each its own
+    NCCL bootstrap) and its shard group (the node's 8 GPUs). Under `DataParallel` (every GPU
+    a replica) the replica group is every rank: COMMUNICATOR_EVERY_RANK_CITED, reported.
 
 Total = store + controller + relay + communicator. `bench.cluster_sim` reads the 16,384 row's
 parts from bench/results/world_scale.json for its Tidal-at-scale row.
 
-Baseline (same run, at `--baseline-sizes`, default 1,024 and 4,096 ranks): the arrival
-barrier as it was before this benchmark, the count polled every 2 ms by every rank whatever
-the world's size (4,096 ranks: 2 million polls a second at one server).
+Baseline (same run, at `--baseline-sizes`, default 1,024, 4,096 and 16,384 ranks, 2
+repetitions): the store as a world change used it before 2026-11-27, with a group of every
+rank as well (its NCCL ids: at 16,384 ranks, 128 roots' ids fetched by every rank). (The
+baseline before that, the arrival barrier polled every 2 ms by every rank, took 360 s at
+4,096 ranks in 2026-11-26's run; docs/benchmarks.md keeps it.)
 
 No goal of its own: the goal (ETTR ≥ 97 % at 16,384 GPUs) is bench.cluster_sim's, which
 takes these figures.
@@ -117,30 +124,52 @@ NCCL_UNIQUE_ID_BYTES = 128
 CLIENT_PROCESSES = 8
 # The worker path's store timeout (`Membership.timeout_s` of a typical job).
 STORE_TIMEOUT_S = 300.0
-BEFORE_POLL_S = 0.002
 # A worker's store connect: attempts of 1 s within 10 s (`train.world._connect_store`).
 # Here 16,384 client threads share 2 cores with the server, and a thread not run within
 # its attempt's second times out for want of a core, not for the server: the clients get
 # attempts of CONNECT_ATTEMPT_S within CONNECT_DEADLINE_S (what a rank waits is measured).
 CONNECT_ATTEMPT_S = 5.0
 CONNECT_DEADLINE_S = 120.0
-# The warm-up of a kept run (not measured) connects at most this many ranks of a client
-# process at once, so that 16,384 connects do not overflow the server's listen queue.
-WARM_CONNECTS_IN_FLIGHT = 32
+# A client process connects at most this many of its ranks at once (8 processes: 256 in
+# flight), below the server's listen backlog (net.core.somaxconn, 4,096 here). Unbounded,
+# 16,384 connects at once on 2 cores overflowed it (2026-11-27: 80,806 listen drops) and
+# every rank of one client process, its threads starved of the cores, failed to connect
+# within CONNECT_DEADLINE_S: the run measured nothing. Bounded, no listen drops, but that
+# day's runs at 16,384 ranks still did not finish: the ranks that arrived waited out the
+# 300 s store timeout with the machine idle (8 and, tried once, 32 client processes). Not
+# resolved; the last 16,384-rank figure is d8f299b's (2026-11-26). A cluster's ranks
+# connect from 2,048 hosts with cores of their own; what SYN drops at a full backlog would
+# add there is not measured.
+CONNECTS_IN_FLIGHT = 32
 
 # The communicator set-up at scale, from a public figure (no GPU here to measure it).
+MEGASCALE_SOURCE = ("Jiang et al., MegaScale: Scaling Large Language Model Training to More Than 10,000 GPUs, "
+                    "NSDI 2024, its section on collective communication group initialization: with their "
+                    "fixes (the TCPStore replaced by Redis, an O(n) global barrier), initialization of a "
+                    "2,048-GPU job from 1,047 s to under 5 s, and of a job of more than 10,000 GPUs under 30 s")
+MEGASCALE_URL = "https://www.usenix.org/conference/nsdi24/presentation/jiang-ziheng"
+MEGASCALE_HOW = ("from the paper as remembered, the passage not retrieved here (the search tool found the "
+                 "paper's page and summaries, not the sentence)")
+# Charged: a live HybridSharded world's largest group has one rank per replica (2,048 at
+# 16,384 GPUs in one-node replicas); used for every size here (at most 2,048 replicas).
 COMMUNICATOR_CITED: dict[str, Any] = {
+    "seconds": 5.0,
+    "gpus": "2,048",
+    "source": MEGASCALE_SOURCE,
+    "url": MEGASCALE_URL,
+    "how_cited": MEGASCALE_HOW + ": their whole initialization of a 2,048-GPU job (every group of its "
+                 "3D parallelism), taken as an upper figure for what a world change of HybridSharded "
+                 "one-node replicas sets up on each GPU: a replica group of at most 2,048 ranks (the 8 "
+                 "of a node at once) and the node's shard group of 8. Not measured: no GPU here",
+}
+# Reported: under DataParallel the replica group is every rank.
+COMMUNICATOR_EVERY_RANK_CITED: dict[str, Any] = {
     "seconds": 30.0,
     "gpus": "more than 10,000",
-    "source": "Jiang et al., MegaScale: Scaling Large Language Model Training to More Than 10,000 GPUs, "
-              "NSDI 2024, its section on collective communication group initialization: with their "
-              "fixes (the TCPStore replaced by "
-              "Redis, an O(n) global barrier), initialization of a job of more than 10,000 GPUs under 30 s "
-              "(a 2,048-GPU job from 1,047 s to under 5 s)",
-    "url": "https://www.usenix.org/conference/nsdi24/presentation/jiang-ziheng",
-    "how_cited": "from the paper as remembered, the passage not retrieved here (the search tool found the "
-                 "paper's page and summaries, not the sentence): an upper figure for their whole "
-                 "initialization, communicators included, at 12,288 GPUs, used as-is for 16,384",
+    "source": MEGASCALE_SOURCE,
+    "url": MEGASCALE_URL,
+    "how_cited": MEGASCALE_HOW + ": an upper figure for their whole initialization at 12,288 GPUs, used "
+                 "as-is for a group of 16,384 ranks",
 }
 
 
@@ -203,7 +232,7 @@ def nccl_connect(store: Any, rank: int, size: int, unique_id: bytes) -> int:
 
 def connect(host: str, port: int, connecting: threading.Semaphore | None = None) -> Any:
     """A rank's store client (attempts of CONNECT_ATTEMPT_S within CONNECT_DEADLINE_S);
-    `connecting` bounds the connects in flight (the warm-up of kept runs)."""
+    `connecting` bounds the connects in flight (CONNECTS_IN_FLIGHT)."""
     import torch.distributed as dist
 
     deadline = time.monotonic() + CONNECT_DEADLINE_S
@@ -218,14 +247,16 @@ def connect(host: str, port: int, connecting: threading.Semaphore | None = None)
             time.sleep(0.05)
 
 
-def rank_path(host: str, port: int, generation: int, rank: int, size: int, poll_s: float,
-              kept: Any = None) -> tuple[Any, tuple[float, float, float]]:
+def rank_path(host: str, port: int, generation: int, rank: int, size: int, world_group: bool,
+              kept: Any = None,
+              connecting: threading.Semaphore | None = None) -> tuple[Any, tuple[float, float, float]]:
     """One rank's store operations for one generation (see the module); returns its client
     (kept until the next generation, as a worker keeps `_store`) and when it was connected,
     when every rank had arrived, and when it finished (time.time()). With `kept` (a client
     of the previous generation at the same store), no connect: the worker's read-only check
     that the server still answers (`train.world.Membership._kept_store`), then the same
-    operations."""
+    operations. `world_group`: also a group of every rank's NCCL ids (the baseline: before
+    2026-11-27, a live HybridSharded world had one)."""
     import torch.distributed as dist
 
     from tidal.proto.control import World
@@ -235,26 +266,21 @@ def rank_path(host: str, port: int, generation: int, rank: int, size: int, poll_
         store = kept
         worlds.check_kept_store(store, worlds.STORE_TIMEOUT_S)
     else:
-        store = connect(host, port)
+        store = connect(host, port, connecting)
     connected = time.time()
     store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
     prefix = dist.PrefixStore(f"gen/{generation}", store)
     world = World(generation=generation, rank=rank, world_size=size, master_addr=host, master_port=port)
-    if poll_s > 0:
-        # Before: the count polled every `poll_s` by every rank.
-        prefix.add("arrived", 1)
-        while prefix.add("arrived", 0) < size:
-            time.sleep(poll_s)
-    else:
-        # A worker looks at its launcher's word every 2 ms meanwhile (no store operation): here
-        # there is no launcher, and hundreds of ranks share a process, so it looks once a second.
-        worlds.await_peers(prefix, world, deadline=time.monotonic() + STORE_TIMEOUT_S, timeout_s=STORE_TIMEOUT_S,
-                           check_interrupted=lambda: None, look_s=1.0)
+    # A worker looks at its launcher's word every 2 ms meanwhile (no store operation): here
+    # there is no launcher, and hundreds of ranks share a process, so it looks once a second.
+    worlds.await_peers(prefix, world, deadline=time.monotonic() + STORE_TIMEOUT_S, timeout_s=STORE_TIMEOUT_S,
+                       check_interrupted=lambda: None, look_s=1.0)
     arrived = time.time()
     unique_id = os.urandom(NCCL_UNIQUE_ID_BYTES)
     group = dist.PrefixStore("group", prefix)
     shard_rank, replica = rank % SHARD_SIZE, rank // SHARD_SIZE
-    nccl_connect(dist.PrefixStore("world", group), rank, size, unique_id)
+    if world_group:
+        nccl_connect(dist.PrefixStore("world", group), rank, size, unique_id)
     nccl_connect(dist.PrefixStore(f"replica/{shard_rank}", group), replica, size // SHARD_SIZE, unique_id)
     nccl_connect(dist.PrefixStore(f"shard/{replica}", prefix), shard_rank, SHARD_SIZE, unique_id)
     return store, (connected, arrived, time.time())
@@ -262,26 +288,27 @@ def rank_path(host: str, port: int, generation: int, rank: int, size: int, poll_
 
 def client_main(args: argparse.Namespace) -> None:
     """A client process: ranks `first`..`first+count-1` of a world of `size`, one thread each.
-    Reads `go <generation> <poll_s> <how>` (threads made: answers `ready`), then `start`
+    Reads `go <generation> <world group: 0 or 1> <how>` (threads made: answers `ready`), then `start`
     (runs them: answers `done <last connected> <last arrived> <last finished> <errors> <first
     error>`, then `closed` once its clients are dropped, or kept). `how`: `connect` (every
     rank connects anew, its client dropped after), `warm` (connects, at most
-    WARM_CONNECTS_IN_FLIGHT at once, clients kept) or `kept` (the kept clients, no connect)."""
+    CONNECTS_IN_FLIGHT at once, as every connect here, clients kept) or `kept` (the kept clients,
+    no connect)."""
     import torch.distributed  # noqa: F401  (once, before the threads)
 
     threading.stack_size(256 * 1024)
     stores: list[Any] = [None] * args.count
     finished = [(0.0, 0.0, 0.0)] * args.count
     errors: list[str] = []
-    connecting = threading.Semaphore(WARM_CONNECTS_IN_FLIGHT)
+    connecting = threading.Semaphore(CONNECTS_IN_FLIGHT)
     for line in sys.stdin:
         words = line.split()
         if not words or words[0] != "go":
             break
-        generation, poll_s, how = int(words[1]), float(words[2]), words[3]
+        generation, world_group, how = int(words[1]), words[2] == "1", words[3]
         go = threading.Event()
 
-        def run(index: int, generation: int = generation, poll_s: float = poll_s, go: threading.Event = go,
+        def run(index: int, generation: int = generation, world_group: bool = world_group, go: threading.Event = go,
                 how: str = how) -> None:
             go.wait()
             try:
@@ -290,8 +317,9 @@ def client_main(args: argparse.Namespace) -> None:
                     finished[index] = (time.time(),) * 3
                 else:
                     stores[index], finished[index] = rank_path(args.host, args.port, generation, args.first + index,
-                                                               args.size, poll_s,
-                                                               kept=stores[index] if how == "kept" else None)
+                                                               args.size, world_group,
+                                                               kept=stores[index] if how == "kept" else None,
+                                                               connecting=connecting)
             except Exception as error:  # reported, the run fails
                 errors.append(f"rank {args.first + index}: {type(error).__name__}: {error}")
 
@@ -322,9 +350,10 @@ def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def measure_store(size: int, repetitions: int, poll_s: float, first_generation: int,
+def measure_store(size: int, repetitions: int, world_group: bool, first_generation: int,
                   kept: bool = False) -> dict[str, Any]:
-    """`repetitions` generations of `size` ranks at one real store server (see the module).
+    """`repetitions` generations of `size` ranks at one real store server (see the module);
+    `world_group`: with a group of every rank as well (the baseline).
     `kept`: a world change whose store host survived: every rank keeps its client from the
     generation before (a warm-up generation, not measured, connects them) and only checks it."""
     from tidal.launcher.store import ServedStore, stop_store_server
@@ -360,7 +389,7 @@ def measure_store(size: int, repetitions: int, poll_s: float, first_generation: 
             how = "connect" if not kept else "warm" if repetition < 0 else "kept"
             for client in clients:
                 assert client.stdin is not None
-                client.stdin.write(f"go {generation} {poll_s} {how}\n")
+                client.stdin.write(f"go {generation} {int(world_group)} {how}\n")
                 client.stdin.flush()
             for client in clients:
                 assert client.stdout is not None
@@ -395,7 +424,7 @@ def measure_store(size: int, repetitions: int, poll_s: float, first_generation: 
             deadline = time.monotonic() + 60.0
             while how == "connect" and open_fds(server_pid) > baseline_fds + 16 and time.monotonic() < deadline:
                 time.sleep(0.1)
-            print(f"world_scale: store, {size} ranks, {how}, poll {poll_s * 1000 if poll_s else 0:g} ms: "
+            print(f"world_scale: store, {size} ranks, {how}{', with a world group' if world_group else ''}: "
                   f"{walls[-1]:.3f} s (all connected {connected[-1]:.3f} s, all arrived {arrived[-1]:.3f} s), "
                   f"server CPU {server_cpu[-1]:.3f} s", flush=True)
     finally:
@@ -531,15 +560,15 @@ def measure_size(size: int, repetitions: int, baseline: bool, generation: int,
     store_repetitions = repetitions if size < 16_384 else min(repetitions, 3)
     # Every rank connecting (what a world change is charged), then, at the sizes asked for,
     # a world change whose store host survived with the survivors' connections kept.
-    store = measure_store(size, store_repetitions, 0.0, generation)
+    store = measure_store(size, store_repetitions, False, generation)
     generation += store_repetitions
     kept = None
     if with_kept:
-        kept = measure_store(size, store_repetitions, 0.0, generation, kept=True)
+        kept = measure_store(size, store_repetitions, False, generation, kept=True)
         generation += store_repetitions + 1
     before = None
     if baseline:
-        before = measure_store(size, 1 if size >= 4_096 else 2, BEFORE_POLL_S, generation)
+        before = measure_store(size, min(store_repetitions, 2), True, generation)
         generation += 2
     controller = measure_controller(size, repetitions)
     relay = measure_relay(size, max(repetitions, 20))
@@ -565,7 +594,8 @@ def rows_at(size: int, r: dict[str, Any], fan_out: tuple[float, str] | None) -> 
     """The result rows of one size: each part, and the total."""
     store, kept, before, parts = r["store"], r.get("store_kept"), r["store_before"], r["parts_s"]
     controller, relay = r["controller"], r["relay"]
-    store_note = (f"connect + arrival barrier + NCCL ids of the world, replica and shard groups; the last rank "
+    store_note = (f"connect + arrival barrier + NCCL ids of the replica and shard groups (no group of every rank); "
+                  f"the last rank "
                   f"connected at {median(store['connected_s']):.2f} s, all arrived at {median(store['arrived_s']):.2f} "
                   f"s; store server CPU {median(store['server_cpu_s']):.2f} s")
     if before:
@@ -575,7 +605,7 @@ def rows_at(size: int, r: dict[str, Any], fan_out: tuple[float, str] | None) -> 
                 unit="s", tidal=median(store["wall_s"]), tidal_samples=store["wall_s"],
                 baseline=median(before["wall_s"]) if before else None,
                 baseline_samples=before["wall_s"] if before else [],
-                baseline_name="arrival polls every 2 ms (before)" if before else "",
+                baseline_name="with a group of every rank as well (before 2026-11-27)" if before else "",
                 ratio=median(before["wall_s"]) / median(store["wall_s"]) if before else None,
                 ratio_meaning="before / now" if before else "", goal="reported", met=True, note=store_note)]
     if kept:
@@ -596,8 +626,10 @@ def rows_at(size: int, r: dict[str, Any], fan_out: tuple[float, str] | None) -> 
     total_note = (f"store {parts['store_s']:.2f} s + controller {parts['controller_s']:.2f} s"
                   + (f" ({fan_out[1]}, when larger than in-process)" if fan_out is not None and size >= 16_384 else "")
                   + f" + relay {parts['relay_s'] * 1000:.1f} ms, measured; + communicator "
-                  f"{parts['communicator_s']:g} s cited: {COMMUNICATOR_CITED['source']} ({COMMUNICATOR_CITED['url']})"
-)
+                  f"{parts['communicator_s']:g} s cited (replica groups of {max(1, size // SHARD_SIZE):,} ranks, "
+                  f"HybridSharded one-node replicas): {COMMUNICATOR_CITED['source']} ({COMMUNICATOR_CITED['url']}); "
+                  f"under DataParallel (a group of every rank) the cited set-up is "
+                  f"{COMMUNICATOR_EVERY_RANK_CITED['seconds']:g} s instead")
     return [
         *rows,
         Row(benchmark="world_scale", metric=f"controller: forming a generation of {controller['launchers']:,} "
@@ -625,9 +657,9 @@ def main() -> None:
     command.add_argument("--kept-sizes", default="1024,4096",
                          help="sizes whose store is also measured with the survivors' connections kept (default "
                               "1024,4096; --quick: its smallest; '' for none)")
-    command.add_argument("--baseline-sizes", default="1024,4096",
-                         help="sizes whose store is also measured with the 2 ms arrival polls of before (default "
-                              "1024,4096; '' for none)")
+    command.add_argument("--baseline-sizes", default="1024,4096,16384",
+                         help="sizes whose store is also measured with a group of every rank as well, as before "
+                              "2026-11-27 (default 1024,4096,16384; '' for none)")
     args = command.parse_args()
     if args.client:
         client_main(args)
@@ -653,10 +685,11 @@ def main() -> None:
     write_result("world_scale", rows, quick=args.quick,
                  settings={"sizes": sizes, "repetitions": repetitions, "gpus_per_node": GPUS_PER_NODE,
                            "shard_size": SHARD_SIZE, "nccl_ranks_per_root": NCCL_RANKS_PER_ROOT,
-                           "client_processes": CLIENT_PROCESSES, "before_poll_s": BEFORE_POLL_S,
+                           "client_processes": CLIENT_PROCESSES, "baseline": "with a group of every rank",
                            "kept_sizes": sorted(kept_sizes),
                            "nofile_hard": resource.getrlimit(resource.RLIMIT_NOFILE)[1]},
                  extra={"results": results, "communicator_cited": COMMUNICATOR_CITED,
+                        "communicator_every_rank_cited": COMMUNICATOR_EVERY_RANK_CITED,
                         "controller_fan_out": {"seconds": fan_out[0], "source": fan_out[1]} if fan_out else None})
 
 
