@@ -7,9 +7,10 @@ gives each node's job step its own: a worker then takes `cuda:LOCAL_RANK` among 
 (`tidal.train.backend.worker_device`), and no two ranks of one NCCL communicator share a
 GPU (which NCCL does not support).
 
-Run once on a machine of one GPU (an H100, torch 2.11): the one-GPU tests ran there
-(tests/gpu/test_one_gpu.py says which passed); the tests of two or more GPUs have not run
-anywhere. Without CUDA they import, collect and skip."""
+Run on a machine of one GPU (an H100, torch 2.11) on 2026-11-26 and 2026-11-27: the one-GPU
+tests ran there (tests/gpu/test_one_gpu.py says which passed); the tests of two or more GPUs
+have not run anywhere. There the repository was installed from a wheel (`pip wheel .`) with
+structlog, protobuf, grpcio and grpcio-health-checking carried as wheels. Without CUDA they import, collect and skip."""
 
 from __future__ import annotations
 

@@ -5,9 +5,11 @@ single-replica run on the GPU under a real controller and launcher ending where 
 script ends alone on the GPU. With two GPUs, a state streamed between two processes over
 NCCL, one GPU each, arrives bit-identical.
 
-Ran on one H100 (a lent machine, torch 2.11.0+cu130, NCCL 2.28.9, 2026-11-26): the one-GPU
+Ran on one H100 (a lent machine, torch 2.11.0+cu130, NCCL 2.28.9): on 2026-11-26 the one-GPU
 tests passed, but for the test of the shard group's host waits, rewritten from that run's
-measurements and not run since. The two-GPU test has not run."""
+measurements; on 2026-11-27, the library at 49a6b9d, all six one-GPU tests passed, that one
+too (3 s of work queued: the shard group's waited all-gather returned in 0.0003 s, a
+blocking group's in 2.99 s). The two-GPU test has not run."""
 
 from __future__ import annotations
 
