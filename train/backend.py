@@ -250,9 +250,11 @@ def new_group(backend: str, store: Any, rank: int, size: int, timeout: datetime.
     and this setting keeps a waited shard collective (FSDP2's `unshard(async_op=True)`,
     whose work it waits on before the layer runs) from stopping the host. Such a group's
     failures are not raised by its waits: a collective stuck on a lost peer holds the
-    streams, the step's next blocking wait (on the world group) stops the host, and the
-    launcher's word aborts every group of the generation together (`abort_groups`), which
-    ends the stuck kernels."""
+    streams until the step's next wait that stops the host (the commit vote's: on the world
+    group, or under `HybridSharded` on the replica group and then the stream's
+    synchronization that ends the vote, `tidal.train.groups.start_world_allreduce`), and
+    the launcher's word aborts every group of the generation together (`abort_groups`),
+    which ends the stuck kernels."""
     if backend == NCCL:
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout

@@ -11,9 +11,11 @@ which FSDP2 holds for the unit's life.
   cross-replica gradient all-reduce, the state transfer). Under `DataParallel` every
   worker is a whole replica and the replica group is the world group.
 
-Under `HybridSharded` in live mode no world group is made: the world's collectives (the
-control all-reduce, the gathers of steps and digests) go in two levels, over the replica's
-shard group and then over the replica group (`start_world_allreduce`, `gather_world`). So
+Under `HybridSharded` in live mode no world group is made: the world's collectives go in
+two levels through the replica group and the replica's shard group (the control
+all-reduce, the step's commit vote, ends in the replica's own group so that a replica's
+ranks commit together: `start_world_allreduce`; the gathers of steps and digests:
+`gather_world`). So
 the largest group a world change connects has one rank per replica, not one per worker: at
 16,384 GPUs in replicas of one 8-GPU node, 2,048 ranks instead of 16,384 (what an NCCL
 communicator's set-up costs grows with its ranks; bench.world_scale cites the figures).
@@ -149,14 +151,47 @@ def form_groups(backend: str, store: Any, *, rank: int, world_size: int, shard_s
 
 def start_world_allreduce(groups: Groups, collectives: Collectives, tensor: torch.Tensor) -> Any:
     """Start summing `tensor` over every rank of the world, in place; returns the work to
-    wait for. Called within `collectives.waiting_in()`. With a world group, one all-reduce;
-    without one, the replica's sum over its shard group (waited for here), then its
-    all-reduce over the replica group of this rank's shard index: each replica's sum counted
-    once in each, so every rank ends with the world's sum."""
+    wait for. Called within `collectives.waiting_in()`. With a world group, one all-reduce.
+    Without one, two levels: over the replica group of this rank's shard index (waited for
+    here: the sum of shard k's part over the replicas), then over the replica's shard group
+    (the sum over the shard indices): every rank ends with the world's sum.
+
+    The replica's own group goes last because this sum is the step's commit vote: a rank
+    commits once its vote returns. Last, the shard group's all-reduce returns on a rank only
+    once every shard rank of its replica finished the first level, so the ranks of a live
+    replica commit a step together or not at all, wherever a rank of another replica stops
+    (its replica is lost as a whole). In the other order each shard index's replica group
+    would end the vote on its own: a rank of another replica stopping between the levels
+    leaves this replica's shards at two steps, and the job's state lost
+    (tests/unit/test_groups.py).
+
+    On NCCL the shard group's waits do not stop the host (`ShardGroup`), so the work
+    returned makes its wait stop the host too (`HostWaited`): a vote read before its
+    collective finished (or after the launcher's word aborted it) would be garbage."""
     if groups.world is not None:
         return groups.world.allreduce([tensor])
-    collectives.wait_work(groups.shard.allreduce([tensor]))
-    return groups.replica.allreduce([tensor])
+    collectives.wait_work(groups.replica.allreduce([tensor]))
+    return HostWaited(groups.shard.allreduce([tensor]), tensor)
+
+
+class HostWaited:
+    """A collective's work whose `wait` returns once `tensor`, its output, is ready for the
+    host: after the work's own wait, the current CUDA stream is synchronized when `tensor`
+    is on a GPU (a wait on a group that does not stop the host only orders the stream).
+    Waited as any work (`Collectives.wait_work`)."""
+
+    def __init__(self, work: Any, tensor: torch.Tensor) -> None:
+        self.work = work
+        self.tensor = tensor
+
+    def wait(self, *timeout: datetime.timedelta) -> bool:
+        self.work.wait(*timeout)
+        if self.tensor.is_cuda:
+            torch.cuda.current_stream(self.tensor.device).synchronize()
+        return True
+
+    def is_completed(self) -> bool:
+        return bool(self.work.is_completed())
 
 
 def gather_world(groups: Groups, collectives: Collectives, tensor: torch.Tensor) -> list[torch.Tensor]:

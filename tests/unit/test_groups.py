@@ -5,6 +5,7 @@ groups over loopback, one thread per rank, as the live path forms them."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import threading
 from typing import Any
@@ -13,13 +14,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tidal.train.errors import WorldBroken
 from tidal.train.groups import Collectives, Groups, form_groups, gather_world, start_world_allreduce
 from tidal.train.shard_group import ShardGroup
 
 TIMEOUT = datetime.timedelta(seconds=30)
 
 
-def _run_ranks(world_size: int, shard_size: int, body: Any, *, two_levels: bool) -> list[Any]:
+def _run_ranks(world_size: int, shard_size: int, body: Any, *, two_levels: bool,
+               timeout: datetime.timedelta = TIMEOUT) -> list[Any]:
     """`body(groups, collectives, rank)` on each rank of a world of `world_size` in replicas
     of `shard_size`, formed as `Membership.form` forms a generation; its results by rank."""
     store = dist.PrefixStore("gen/1", dist.HashStore())
@@ -32,15 +35,15 @@ def _run_ranks(world_size: int, shard_size: int, body: Any, *, two_levels: bool)
             shard = ShardGroup(shard_rank, shard_size) if two_levels else None
             groups = form_groups("gloo", dist.PrefixStore("group", store), rank=rank, world_size=world_size,
                                  shard_size=shard_size, shard_rank=shard_rank, connect_timeout=TIMEOUT,
-                                 timeout=TIMEOUT, shard=shard)
+                                 timeout=timeout, shard=shard)
             if shard is not None:
                 shard.connect("gloo", dist.PrefixStore(f"shard/{replica}", store), generation=1,
-                              connect_timeout=TIMEOUT, timeout=TIMEOUT)
+                              connect_timeout=TIMEOUT, timeout=timeout)
             results[rank] = body(groups, Collectives(), rank)
             if shard is not None:
                 shard.disconnect(broken=False)
             groups.close(broken=False)
-        except BaseException as error:  # noqa: BLE001 (handed to the test's thread)
+        except BaseException as error:
             errors.append(error)
 
     threads = [threading.Thread(target=rank_main, args=(rank,), name=f"rank-{rank}") for rank in range(world_size)]
@@ -86,14 +89,70 @@ def test_a_world_wide_gather_returns_every_ranks_tensor_in_world_rank_order(two_
     assert results == [expected] * 8
 
 
+class RankDied(Exception):
+    """A rank stopped (its process died) before joining a collective."""
+
+
+class DiesAfter:
+    """One of a rank's groups that lets `budget[0]` more collectives of that rank through
+    (shared by the rank's groups), then stops the rank: it never joins the next one."""
+
+    def __init__(self, group: Any, budget: list[int]) -> None:
+        self.group = group
+        self.budget = budget
+
+    def allreduce(self, *args: Any) -> Any:
+        if self.budget[0] <= 0:
+            raise RankDied
+        self.budget[0] -= 1
+        return self.group.allreduce(*args)
+
+
+@pytest.mark.parametrize("collectives_before_it_stops", [0, 1])
+def test_a_rank_of_another_replica_stopping_mid_vote_never_leaves_a_replicas_shards_at_two_steps(
+        collectives_before_it_stops: int) -> None:
+    """The world sum is the step's commit vote: a rank commits once its sum returns. 6 ranks
+    in 3 replicas of 2; shard 1 of replica 2 (rank 5) stops after 0 or 1 of the vote's
+    collectives, as a node dies mid-vote. The ranks of each other replica must all commit or
+    all not: a replica holding shard 0 at one step and shard 1 at another has lost the
+    state (the next world's agreement refuses to mix them). With the replica group last,
+    rank 5 stopping between the two levels let shard 0's replica group finish and shard 1's
+    not: replicas 0 and 1 committed shard 0 only."""
+
+    def vote(groups: Groups, collectives: Collectives, rank: int) -> bool:
+        if rank == 5:
+            budget = [collectives_before_it_stops]
+            groups = dataclasses.replace(groups, replica=DiesAfter(groups.replica, budget),
+                                         shard=DiesAfter(groups.shard, budget))
+        control = torch.ones(1, dtype=torch.float64)
+        try:
+            with collectives.waiting_in():
+                collectives.wait_work(start_world_allreduce(groups, collectives, control))
+        except (WorldBroken, RankDied):
+            return False
+        return control.item() == 6.0
+
+    committed = _run_ranks(6, 2, vote, two_levels=True, timeout=datetime.timedelta(seconds=5))
+    assert committed[0] == committed[1] and committed[2] == committed[3], committed
+    # Stopped before the vote, nobody's vote completes; stopped after the first level, the
+    # other two replicas commit (rank 5's replica is lost with it).
+    assert committed[:4] == [collectives_before_it_stops == 1] * 4, committed
+    assert committed[5] is False
+
+
 def test_without_the_shard_group_connected_a_world_wide_collective_breaks_the_world() -> None:
     """Between a broken generation and the next, the shard group has no connection: a world
     collective then fails as a broken world (WorldBroken), not with an unrelated error."""
-    from tidal.train.errors import WorldBroken
 
-    groups = Groups(world=None, replica=object(), rank=0, world_size=4, shard_size=2, shard_rank=0,
+    class Finished:
+        def allreduce(self, tensors: list[torch.Tensor]) -> Any:
+            return self
+
+        def wait(self, *timeout: Any) -> bool:
+            return True
+
+    groups = Groups(world=None, replica=Finished(), rank=0, world_size=4, shard_size=2, shard_rank=0,
                     shard=ShardGroup(0, 2))
     collectives = Collectives()
-    with pytest.raises(WorldBroken, match="shard group is not connected"):
-        with collectives.waiting_in():
-            start_world_allreduce(groups, collectives, torch.zeros(3))
+    with pytest.raises(WorldBroken, match="shard group is not connected"), collectives.waiting_in():
+        start_world_allreduce(groups, collectives, torch.zeros(3))
