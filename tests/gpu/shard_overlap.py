@@ -1,7 +1,9 @@
 """One process of tests/gpu/test_one_gpu.py: the collectives FSDP2 issues on a live worker's
 shard group (a `ShardGroup` over NCCL, one rank, live mode's NCCL settings), called through
 torch.distributed's API as FSDP2 calls them (async_op=False) and as a caller that waits on
-the work (async_op=True, then wait()), while the GPU still has about 3 s of earlier work.
+the work (async_op=True, then wait()), and the commit vote's last all-reduce waited as
+`tidal.train.groups.start_world_allreduce` returns it, while the GPU still has about 3 s of
+earlier work.
 Prints, as JSON, how long the host took to return from each.
 
     python tests/gpu/shard_overlap.py {shard|blocking} OUT.json
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from tidal.train import backend as backends
 from tidal.train import shard_group
 from tidal.train.backend import NCCL, Mode, apply_environment, select_device, worker_device
+from tidal.train.groups import HostWaited
 
 BUSY_S = 3.0
 
@@ -47,6 +50,7 @@ def main(kind: str, out: Path) -> None:
                   timeout=timeout)
     shard = torch.ones(1 << 20, device=device)
     full = torch.empty(1 << 20, device=device)
+    vote = torch.ones(5, dtype=torch.float64, device=device)
     dist.all_gather_into_tensor(full, shard)  # the communicator connects
     torch.cuda.synchronize(device)
 
@@ -77,6 +81,9 @@ def main(kind: str, out: Path) -> None:
         # As a caller that waits on the work (async_op=True, then wait()).
         "all_gather_wait_s": host_seconds(lambda: waited(dist.all_gather_into_tensor(full, shard, async_op=True))),
         "reduce_scatter_wait_s": host_seconds(lambda: waited(dist.reduce_scatter_tensor(shard, full, async_op=True))),
+        # The commit vote's last level under HybridSharded: an all-reduce on the shard group
+        # waited as `start_world_allreduce` returns it (HostWaited: the stream synchronized).
+        "vote_wait_s": host_seconds(lambda: waited(HostWaited(group.allreduce([vote]), vote))),
     }
     out.write_text(json.dumps({"kind": kind, "busy_s": BUSY_S, **timings}))
     group.disconnect(broken=False)
