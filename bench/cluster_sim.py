@@ -116,6 +116,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import RESULTS_DIR, Row, parser, write_result
+from bench.world_scale import COMMUNICATOR_CITED
 from tidal.controller import units as unit_rules
 from tidal.controller.config import ControllerConfig
 from tidal.controller.core import health, planning, sharing
@@ -246,8 +247,6 @@ def world_change_at_scale(gpus: int, folder: Path = RESULTS_DIR) -> WorldChangeA
     """A world change's cost at `gpus` ranks: the measured parts from `folder`/world_scale.json
     (bench.world_scale's at that size, or at the nearest size it measured), else
     AT_SCALE_FALLBACK; the communicator set-up cited (bench.world_scale.COMMUNICATOR_CITED)."""
-    from bench.world_scale import COMMUNICATOR_CITED
-
     communicator_s = float(COMMUNICATOR_CITED["seconds"])
     cited = f"communicator cited: {COMMUNICATOR_CITED['gpus']} GPUs' set-up, bench.world_scale.COMMUNICATOR_CITED"
     path = folder / "world_scale.json"
