@@ -93,6 +93,11 @@ class ControllerConfig:
     # (its last replica saves the training state as it leaves; the job resumes from it once
     # min_replicas nodes are idle) instead of holding them idle. 0: hold them.
     below_min_release_s: float = 30.0
+    # ... and sooner, after this long, while Slurm's views show nothing on its way: no
+    # idle node the job could take (none, or other jobs wait for them) and none of its
+    # units started and not registered yet. Holding then only waits for another job to
+    # end. 0: always the full below_min_release_s.
+    below_min_blocked_release_s: float = 5.0
     # Live mode with Slurm units, replicas of one node: keep this many units queued in
     # Slurm (pending) while the job runs at or above min_replicas and below max_replicas
     # with no idle node to grow onto, so Slurm starts one the moment a node frees instead
@@ -178,6 +183,7 @@ class ControllerConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ["reconnect_grace_s", "join_settle_s", "scale_up_snooze_s", "below_min_release_s",
+                     "below_min_blocked_release_s",
                      "replica_patch_wait_s", "queued_units", "crash_loop_generations"]:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")

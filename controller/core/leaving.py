@@ -74,7 +74,8 @@ def leave(t: Step, unit_id: str, cause: str, detail: str) -> None:
 
 def release_below_min(t: Step, now: float) -> None:
     """Live mode with Slurm units: below min_replicas for `below_min_release_s` since the
-    last registration, the units that are left (they train nothing) give their nodes
+    last registration (or `below_min_blocked_release_s` while Slurm's views show nothing
+    on its way: `slurm_units.note_blocked_below_min`), the units that are left (they train nothing) give their nodes
     back; the last holder of the training state saves it as it leaves (`leave`), the
     replacements queued in Slurm are cancelled (they would take the nodes given back),
     and the job submits units again only once min_replicas nodes are idle, resuming
@@ -86,25 +87,32 @@ def release_below_min(t: Step, now: float) -> None:
     since = max([state.degraded_since or now, *(state.units[u].facts.joined_at or 0.0 for u in holding)])
     if not (state.live and state.slurm_units) or not planning.release_below_min(
             below_min_since=since, now=now, release_after_s=t.config.below_min_release_s,
-            holding=len(holding)):
+            holding=len(holding), blocked_since=state.blocked_below_min_since,
+            blocked_release_after_s=t.config.below_min_blocked_release_s):
         return
     spec = t.job.spec
     queued = sorted(u for u, unit in state.units.items() if unit.state is UnitState.SUBMITTED)
     state.released_below_min = True
+    if now - since >= t.config.below_min_release_s:
+        why = f"below min_replicas {spec.min_replicas} for {t.config.below_min_release_s:g} s (below_min_release_s)"
+    else:
+        why = (f"below min_replicas {spec.min_replicas} with nothing on its way for "
+               f"{t.config.below_min_blocked_release_s:g} s (below_min_blocked_release_s: no idle node it could "
+               "take, no unit of its starting)")
     t.record("below_min_released",
-             f"below min_replicas {spec.min_replicas} for {now - since:.0f} s: {len(holding)} unit(s) give "
-             "their nodes back; the last to hold the training state saves it, and the job resumes from it "
-             f"once {spec.min_replicas} node(s) are idle",
+             f"{why}: {len(holding)} unit(s) give their nodes back after {now - since:.0f} s; the last to hold "
+             f"the training state saves it, and the job resumes from it once {spec.min_replicas} node(s) are idle",
              fields={"units": join_ids(holding), "cancelled_queued": join_ids(queued),
-                     "below_min_release_s": f"{t.config.below_min_release_s:g}"})
+                     "below_min_release_s": f"{t.config.below_min_release_s:g}",
+                     "below_min_blocked_release_s": f"{t.config.below_min_blocked_release_s:g}",
+                     "below_min_s": f"{now - since:.1f}"})
     for unit_id in queued:
         slurm_units.cancel_in_slurm(t, state.units[unit_id])
         mark_left(t, unit_id, "cancelled while queued: the job gave its nodes back below min_replicas")
     # Those without the state first, so that the holder is the last to go and saves it.
     holders = set(state.state_holders)
     for unit_id in sorted(holding, key=lambda u: (u in holders, u)):
-        leave(t, unit_id, "released", f"below min_replicas {spec.min_replicas} for "
-              f"{t.config.below_min_release_s:g} s (below_min_release_s): nodes given back")
+        leave(t, unit_id, "released", f"{why}: nodes given back")
 
 
 def holds_last_state(t: Step, unit_id: str) -> bool:

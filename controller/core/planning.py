@@ -166,9 +166,16 @@ def decide_world(snapshot: WorldSnapshot, now: float) -> WorldAction:
     return Grow(size, taken, f"grow {current} -> {size} replicas: {', '.join(taken)} joined")
 
 
-def release_below_min(*, below_min_since: float | None, now: float, release_after_s: float, holding: int) -> bool:
+def release_below_min(*, below_min_since: float | None, now: float, release_after_s: float, holding: int,
+                      blocked_since: float | None = None, blocked_release_after_s: float = 0.0) -> bool:
     """Whether a live job below min_replicas since `below_min_since` gives back the
     `holding` units it still has (they train nothing until more nodes come): once it has
-    been below min for `release_after_s` (0: never)."""
-    return (release_after_s > 0 and below_min_since is not None and holding > 0
-            and now - below_min_since >= release_after_s)
+    been below min for `release_after_s` (0: never), or sooner, for
+    `blocked_release_after_s` (0: not sooner), while nothing has been on its way since
+    `blocked_since` (Slurm's views: no idle node it could take, no unit of its starting)."""
+    if release_after_s <= 0 or below_min_since is None or holding <= 0:
+        return False
+    if now - below_min_since >= release_after_s:
+        return True
+    return (blocked_release_after_s > 0 and blocked_since is not None
+            and now - max(blocked_since, below_min_since) >= blocked_release_after_s)

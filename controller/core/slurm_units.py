@@ -61,6 +61,7 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
             unit_lost(t, unit, f"Slurm job {unit.slurm_job_id} {what} before its launcher registered")
     for order in yields:
         leaving.leave(t, order.unit_id, "yielded", order.reason)
+    note_blocked_below_min(t, view, now)
     if now < state.next_submit_at or state.stopping is not None or t.job.state is JobState.FINISHING:
         return
     spec = t.job.spec
@@ -99,6 +100,28 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
         count, demand = queued.count, queued
     for _ in range(count):
         submit_unit(t, demand.reason, excluded)
+
+
+def note_blocked_below_min(t: Step, view: ClusterView, now: float) -> None:
+    """Live mode, below min_replicas: whether this view shows anything on its way to bring
+    the job back (an idle node it could take with no other job waiting for it, or a unit
+    of its that Slurm started and whose launcher has not registered yet). Nothing on its
+    way since `blocked_below_min_since`: the job gives its nodes back after
+    `below_min_blocked_release_s` (`leaving.release_below_min`)."""
+    state = t.state
+    if not state.live or t.job.state is not JobState.DEGRADED or state.released_below_min:
+        state.blocked_below_min_since = None
+        return
+    spec = t.job.spec
+    idle = unit_rules.idle_nodes_for(spec, view.nodes, frozenset(state.excluded_nodes(now)))
+    usable = frozenset(n.name for n in view.nodes if spec.partition in n.partitions or not spec.partition)
+    starting = any(u.state is UnitState.SUBMITTED and (found := view.job(u.slurm_job_id)) is not None
+                   and found.state is SlurmJobState.RUNNING for u in alive_units(state))
+    on_its_way = starting or (bool(idle) and not unit_rules.others_waiting_for(view, t.job.job_id, usable))
+    if on_its_way:
+        state.blocked_below_min_since = None
+    elif state.blocked_below_min_since is None:
+        state.blocked_below_min_since = now
 
 
 def poll_after_units_ended(t: Step, before: State) -> None:

@@ -841,3 +841,70 @@ def test_a_member_leaving_with_the_last_copy_of_the_state_saves_it_rather_than_l
     driver.beat("b", 40)
     driver.tick(0.25)
     assert driver.events(driver.feed(core.DrainRequested(("a",), uid=0))) == ["unit_leaving", "world_reconfiguring"]
+
+
+def degraded_with_slurm_units(config: ControllerConfig = CONFIG) -> Driver:
+    """u1 and u2 train as Slurm units on n1 and n2; u2's worker fails and u1 alone waits
+    below min 2 (DEGRADED), holding its node and the training state."""
+    driver = Driver(min_replicas=2, max_replicas=3, slurm_units=True, config=config)
+    driver.feed(core.SlurmObserved(view(driver, (node("n1"), node("n2")))))
+    driver.feed(core.UnitSubmitted("u1", 501))
+    driver.feed(core.UnitSubmitted("u2", 502))
+    for unit in ("u1", "u2"):
+        driver.connect(unit)
+    driver.tick()
+    driver.exit("u2", 1, code=1)
+    driver.report("u1", 1, launcher_pb2.GENERATION_PHASE_STOPPED, step=40)
+    assert driver.state.job.state is JobState.DEGRADED
+    return driver
+
+
+def released(effects: list[core.Effect]) -> list[core.Record]:
+    return [e for e in effects if isinstance(e, core.Record) and e.kind == "below_min_released"]
+
+
+def test_below_min_with_nothing_on_its_way_the_job_gives_its_nodes_back_after_the_blocked_wait() -> None:
+    # Seen in bench.goodput: an urgent job of 3 nodes took every node but one; the last
+    # unit held its node idle for the whole 30 s below_min_release_s, though no Slurm view
+    # showed anything that could bring the job back to min before another job ended.
+    driver = degraded_with_slurm_units()
+    urgent = dataclasses.replace(slurm_job(900, SlurmJobState.RUNNING), name="urgent")
+    blocked = view(driver, (busy("n1"), busy("n2")), (slurm_job(501, SlurmJobState.RUNNING), urgent))
+    driver.feed(core.SlurmObserved(blocked))
+    assert driver.state.blocked_below_min_since == driver.clock
+    assert released(driver.tick(CONFIG.below_min_blocked_release_s - 0.5)) == []
+    effects = driver.tick(0.5)
+    (record,) = released(effects)
+    assert "below_min_blocked_release_s" in record.reason and (record.fields or {})["units"] == "u1"
+    (leave,) = [e.message.generation for e in effects
+                if isinstance(e, core.Send) and e.unit_id == "u1" and generations.said(e.message) == "leave"]
+    assert leave.save_state, "u1 holds the only copy of the state: it saves it as it leaves"
+
+
+def test_below_min_an_idle_node_or_a_starting_unit_keeps_the_full_release_wait() -> None:
+    driver = degraded_with_slurm_units()
+    # An idle node (n3): a replacement is submitted onto it; while Slurm starts it, it is
+    # on its way, and the job keeps its state in memory for it.
+    effects = driver.feed(core.SlurmObserved(view(driver, (busy("n1"), busy("n2"), node("n3")),
+                                                  (slurm_job(501, SlurmJobState.RUNNING),))))
+    (submit,) = [e for e in effects if isinstance(e, core.Submit)]
+    driver.feed(core.UnitSubmitted(submit.unit_id, 503))
+    assert driver.state.blocked_below_min_since is None
+    driver.feed(core.SlurmObserved(view(driver, (busy("n1"), busy("n2"), busy("n3")),
+                                        (slurm_job(501, SlurmJobState.RUNNING),
+                                         slurm_job(503, SlurmJobState.RUNNING)))))
+    assert driver.state.blocked_below_min_since is None, "u3's job runs: its launcher is on its way"
+    assert released(driver.tick(CONFIG.below_min_blocked_release_s + 1)) == []
+    # An idle node that another job waits for is not the job's: nothing on its way.
+    waiting = dataclasses.replace(slurm_job(901, SlurmJobState.PENDING), name="urgent", reason="Resources")
+    driver.feed(core.SlurmObserved(view(driver, (busy("n1"), busy("n2"), node("n3")),
+                                        (slurm_job(501, SlurmJobState.RUNNING), waiting))))
+    assert driver.state.blocked_below_min_since == driver.clock
+
+
+def test_the_blocked_release_is_off_when_the_release_is_off_or_its_own_wait_is_zero() -> None:
+    for settings in ({"below_min_release_s": 0.0}, {"below_min_blocked_release_s": 0.0}):
+        driver = degraded_with_slurm_units(dataclasses.replace(CONFIG, **settings))
+        driver.feed(core.SlurmObserved(view(driver, (busy("n1"), busy("n2")),
+                                            (slurm_job(501, SlurmJobState.RUNNING),))))
+        assert released(driver.tick(10.0)) == [], settings
