@@ -344,6 +344,8 @@ class Elastic:
                     # Once per step, on top of the real reduction (none in a world of one replica).
                     self.simulated.reduce(groups.replicas if groups is not None else 1, strategy.shard_size)
                 strategy.finish()
+                # The norm's collective (sharded gradients) before the vote: nothing after it.
+                norm = strategy.gradient_norm(self.params) if self.max_grad_norm is not None else None
                 # Under HybridSharded the vote comes only now (`Strategy.vote_after_reduction`).
                 control, control_work = started_control or self._start_control(samples, loss_sum)
                 if control_work is not None:
@@ -354,7 +356,7 @@ class Elastic:
         # Committed: every rank's contribution is in the sum.
         reduced = control.tolist()
         check_accounting(step, reduced, samples.step_indices)
-        grad_norm = (strategy.clip_grad_norm(self.params, self.max_grad_norm) if self.max_grad_norm is not None
+        grad_norm = (strategy.clip_to_norm(self.params, self.max_grad_norm, norm) if self.max_grad_norm is not None
                      else None)
         self.parts.optimizer.step()
         if self.parts.scheduler is not None:

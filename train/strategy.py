@@ -108,19 +108,29 @@ class Strategy(abc.ABC):
         """The step will not be applied: drop in-flight reductions and gradients."""
 
     @torch.no_grad()
-    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
-        """After `finish`: scale the gradients so that their global 2-norm (over the whole
-        model, every sample of the step) is at most `max_norm`; returns the norm before
-        clipping, the same on every rank. A sharded gradient's norm is completed across
-        the shard group (a collective within the unit)."""
+    def gradient_norm(self, params: list[torch.nn.Parameter]) -> torch.Tensor | None:
+        """After `finish`: the gradients' global 2-norm (over the whole model, every sample
+        of the step), the same on every rank; None with no gradient. A sharded gradient's
+        norm is completed across the shard group, a collective within the unit: the step
+        takes it before its commit vote, so that no collective runs between the vote and
+        the optimizer's step (a peer lost there would leave a committed step unapplied)."""
         from torch.distributed.tensor import DTensor
 
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
-            return 0.0
+            return None
         total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         if isinstance(total, DTensor):
             total = total.full_tensor()
+        return total
+
+    @staticmethod
+    @torch.no_grad()
+    def clip_to_norm(params: list[torch.nn.Parameter], max_norm: float, total: torch.Tensor | None) -> float:
+        """Scale the gradients so that their norm `total` (`gradient_norm`) is at most
+        `max_norm`, on this rank alone; returns the norm before clipping."""
+        if total is None:
+            return 0.0
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return float(total)
 

@@ -117,6 +117,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-grad-norm", type=float, default=None,
+                        help="clip the gradients' global 2-norm to this (under hsdp, a collective of the unit)")
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--checkpoint-every", type=int, default=0)
@@ -160,11 +162,13 @@ def main() -> None:
     job = Elastic(model, optimizer, dataset, loss_fn=loss_fn, global_batch=args.global_batch,
                   micro_batch=args.micro_batch, lr_scheduler=scheduler, seed=args.seed,
                   checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                  ledger_dir=args.ledger_dir, strategy=strategy, simulation=simulation)
+                  ledger_dir=args.ledger_dir, strategy=strategy, simulation=simulation,
+                  max_grad_norm=args.max_grad_norm)
     for result in job.train(args.steps):
         if result.rank == 0 and (result.step % args.log_every == 0 or result.step == args.steps):
             print(f"step {result.step} loss {result.loss:.4f} world {result.world_size} generation {result.generation} "
-                  f"step_time {result.seconds * 1000:.0f} ms", flush=True)
+                  f"step_time {result.seconds * 1000:.0f} ms"
+                  + (f" grad_norm {result.grad_norm:.4f}" if result.grad_norm is not None else ""), flush=True)
     sharded = args.strategy == "hsdp"
     # Under HSDP every worker of a unit takes part in a forward pass and in gathering the
     # full tensors (FSDP's collectives within the unit); rank 0 prints and writes.
