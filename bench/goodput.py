@@ -379,7 +379,13 @@ def main() -> None:
     arguments = parser(__doc__.split("\n\n")[0])
     arguments.add_argument("--duration", type=float, default=None,
                            help="the trace's length D in seconds (default 600; --quick: 25)")
+    arguments.add_argument("--systems", default="tidal,static,torchft",
+                           help="which systems play the trace (comma-separated); with fewer than all three the "
+                                "plays are printed and no result is written")
     args = arguments.parse_args()
+    systems = {name.strip() for name in args.systems.split(",") if name.strip()}
+    if not systems or systems - {"tidal", "static", "torchft"}:
+        raise SystemExit(f"goodput: --systems takes tidal, static and torchft, got {args.systems!r}")
     duration = args.duration or (25.0 if args.quick else 600.0)
     simulation = QUICK_SIMULATION if args.quick else SIMULATION
     # Three plays of each by default (--quick: one): each plays the whole trace.
@@ -389,13 +395,16 @@ def main() -> None:
     if lighthouse is None:
         print("goodput: torchft is not installed here (pip install torchft==0.2.0): its rows are left out",
               flush=True)
-    runs: dict[str, list[Outcome]] = {"tidal": [], "static": [], **({"torchft": []} if lighthouse else {})}
+    runs: dict[str, list[Outcome]] = {name: [] for name in ("tidal", "static", "torchft") if name in systems
+                                      and (name != "torchft" or lighthouse is not None)}
     with workspace(args.keep, "goodput") as folder:
         for index in range(repeat):
             for name, run in (("tidal", run_tidal), ("static", run_baseline)):
+                if name not in runs:
+                    continue
                 wait_for_idle_cluster(slurm)
                 runs[name].append(run(folder / f"{name}-{index}", slurm, duration, simulation))
-            if lighthouse is not None:
+            if "torchft" in runs and lighthouse is not None:
                 wait_for_idle_cluster(slurm)
                 runs["torchft"].append(run_torchft(folder / f"torchft-{index}", slurm, duration, simulation,
                                                    lighthouse))
@@ -405,6 +414,9 @@ def main() -> None:
                       f"{result.progress:.0f} node-s of {result.held:.0f} held, {result.free:.0f} left free by the "
                       "trace; " + ", ".join(f"{part} {seconds:.0f}" for part, seconds in result.parts.items()),
                       flush=True)
+    if systems != {"tidal", "static", "torchft"}:
+        print(f"goodput: {', '.join(sorted(systems))} only (--systems): no result written", flush=True)
+        return
     names = {"static": f"static {MIN}-node job, torchrun --max-restarts, checkpoint-restart on preemption",
              "torchft": f"{torchft_name('pure', min_replicas=MIN)}; {MAX} replica groups as 1-node Slurm jobs "
                         "with --requeue"}
