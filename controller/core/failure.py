@@ -210,7 +210,7 @@ def begin_stop(t: Step, cause: str, reason: str, detected_at: float) -> None:
     deadline = max(now + grace_s + t.config.heartbeat_timeout_s, state.reconnect_deadline)
     stop = state.in_flight = InFlight(ChangeKind.STOP, generation=state.generation.number, cause=cause,
                                       reason=reason, decided_at=detected_at, waiting_for=waiting, deadline=deadline)
-    t.job.state = JobState.RECONFIGURING
+    t.enter_state(JobState.RECONFIGURING)
     t.emit(SaveJob(t.job))
     t.record("generation_stopping", reason, generation=state.generation.number,
              fields={"cause": cause, "waiting_for": join_ids(sorted(waiting))})

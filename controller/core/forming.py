@@ -59,7 +59,7 @@ def start_generation(t: Step, survivors: tuple[str, ...], form: planning.Form, n
         t.emit(Note("generation_not_formed", {"reason": str(error)}, warning=True))
         return
     t.job.generation = plan.number
-    t.job.state = JobState.RUNNING
+    t.enter_state(JobState.RUNNING)
     fields: dict[str, object] = {"world_size": plan.world_size, "replicas": len(plan.members) // t.replica_nodes,
                                  "members": join_ids(list(plan.unit_ids)),
                                  "rendezvous": f"{plan.rendezvous_host}:{plan.rendezvous_port}"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from tidal.controller.core import failure, finishing, forming, messages, planning, replicas, slurm_units
 from tidal.controller.core.state import (
+    PollSlurmSoon,
     SaveUnit,
 )
 from tidal.controller.core.step import Step
@@ -85,10 +86,19 @@ def release_below_min(t: Step, now: float) -> None:
                      if unit.state in (UnitState.ACTIVE, UnitState.JOINING) and t.connected(u))
     # A registration restarts the wait: more units may be on their way.
     since = max([state.degraded_since or now, *(state.units[u].facts.joined_at or 0.0 for u in holding)])
-    if not (state.live and state.slurm_units) or not planning.release_below_min(
-            below_min_since=since, now=now, release_after_s=t.config.below_min_release_s,
-            holding=len(holding), blocked_since=state.blocked_below_min_since,
-            blocked_release_after_s=t.config.below_min_blocked_release_s):
+    if not (state.live and state.slurm_units):
+        return
+    decision = planning.release_below_min(
+        below_min_since=since, now=now, release_after_s=t.config.below_min_release_s, holding=len(holding),
+        blocked_since=state.blocked_below_min_since, blocked_seen_at=state.blocked_below_min_seen_at,
+        blocked_release_after_s=t.config.below_min_blocked_release_s)
+    if decision is planning.BelowMin.POLL:
+        # Released sooner only on a view taken after the blocked wait (the controller makes
+        # one poll of many asks, at most one a second).
+        t.emit(PollSlurmSoon("below min_replicas with nothing on its way: a fresh view before giving the nodes "
+                             "back"))
+        return
+    if decision is not planning.BelowMin.RELEASE:
         return
     spec = t.job.spec
     queued = sorted(u for u, unit in state.units.items() if unit.state is UnitState.SUBMITTED)

@@ -6,6 +6,7 @@ the reason in the event log. Nothing here reads a clock, a socket or the databas
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping, Sequence
 
 from tidal.controller.model import GenerationRecord, Member
@@ -166,16 +167,33 @@ def decide_world(snapshot: WorldSnapshot, now: float) -> WorldAction:
     return Grow(size, taken, f"grow {current} -> {size} replicas: {', '.join(taken)} joined")
 
 
+class BelowMin(enum.Enum):
+    """What a live job below min_replicas does with the units it still holds."""
+
+    HOLD = "hold"
+    RELEASE = "release"
+    # Released sooner only on a Slurm view taken after the blocked wait: ask for one.
+    POLL = "poll"
+
+
 def release_below_min(*, below_min_since: float | None, now: float, release_after_s: float, holding: int,
-                      blocked_since: float | None = None, blocked_release_after_s: float = 0.0) -> bool:
-    """Whether a live job below min_replicas since `below_min_since` gives back the
-    `holding` units it still has (they train nothing until more nodes come): once it has
-    been below min for `release_after_s` (0: never), or sooner, for
-    `blocked_release_after_s` (0: not sooner), while nothing has been on its way since
-    `blocked_since` (Slurm's views: no idle node it could take, no unit of its starting)."""
+                      blocked_since: float | None = None, blocked_seen_at: float | None = None,
+                      blocked_release_after_s: float = 0.0) -> BelowMin:
+    """Whether a live job below min_replicas since `below_min_since` (its last registration
+    included) gives back the `holding` units it still has (they train nothing until more
+    nodes come): once it has been below min for `release_after_s` (0: never); or sooner,
+    after `blocked_release_after_s` (0: not sooner), when every Slurm view from
+    `blocked_since` to `blocked_seen_at` (the latest) showed nothing on its way (no idle
+    node it could take, no unit of its starting) and that latest view was taken the
+    blocked wait after both `blocked_since` and `below_min_since`. Past the wait with no
+    such view yet: POLL (ask Slurm for a view now)."""
     if release_after_s <= 0 or below_min_since is None or holding <= 0:
-        return False
+        return BelowMin.HOLD
     if now - below_min_since >= release_after_s:
-        return True
-    return (blocked_release_after_s > 0 and blocked_since is not None
-            and now - max(blocked_since, below_min_since) >= blocked_release_after_s)
+        return BelowMin.RELEASE
+    if blocked_release_after_s <= 0 or blocked_since is None or blocked_seen_at is None:
+        return BelowMin.HOLD
+    due = max(blocked_since, below_min_since) + blocked_release_after_s
+    if blocked_seen_at >= due:
+        return BelowMin.RELEASE
+    return BelowMin.POLL if now >= due else BelowMin.HOLD

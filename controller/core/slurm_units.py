@@ -105,23 +105,31 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
 def note_blocked_below_min(t: Step, view: ClusterView, now: float) -> None:
     """Live mode, below min_replicas: whether this view shows anything on its way to bring
     the job back (an idle node it could take with no other job waiting for it, or a unit
-    of its that Slurm started and whose launcher has not registered yet). Nothing on its
-    way since `blocked_below_min_since`: the job gives its nodes back after
-    `below_min_blocked_release_s` (`leaving.release_below_min`)."""
+    of its whose Slurm job started, or is not known yet, and whose launcher has not
+    registered). Nothing on its way on every view since `blocked_below_min_since`:
+    the job gives its nodes back after `below_min_blocked_release_s`
+    (`leaving.release_below_min`)."""
     state = t.state
     if not state.live or t.job.state is not JobState.DEGRADED or state.released_below_min:
-        state.blocked_below_min_since = None
+        state.blocked_below_min_since = state.blocked_below_min_seen_at = None
         return
     spec = t.job.spec
+    # When the view was taken, on the monotonic clock.
+    seen = now - max(0.0, t.now.wall - view.observed_at)
     idle = unit_rules.idle_nodes_for(spec, view.nodes, frozenset(state.excluded_nodes(now)))
     usable = frozenset(n.name for n in view.nodes if spec.partition in n.partitions or not spec.partition)
-    starting = any(u.state is UnitState.SUBMITTED and (found := view.job(u.slurm_job_id)) is not None
-                   and found.state is SlurmJobState.RUNNING for u in alive_units(state))
+    # (A unit whose sbatch has not answered, or that this view does not show yet, counts.)
+    starting = any(u.state is UnitState.SUBMITTED and (
+        not u.slurm_job_id or (found := view.job(u.slurm_job_id)) is None
+        or (found.state is not SlurmJobState.PENDING and not found.state.is_finished))
+        for u in alive_units(state))
     on_its_way = starting or (bool(idle) and not unit_rules.others_waiting_for(view, t.job.job_id, usable))
     if on_its_way:
-        state.blocked_below_min_since = None
-    elif state.blocked_below_min_since is None:
-        state.blocked_below_min_since = now
+        state.blocked_below_min_since = state.blocked_below_min_seen_at = None
+        return
+    if state.blocked_below_min_since is None:
+        state.blocked_below_min_since = seen
+    state.blocked_below_min_seen_at = seen
 
 
 def poll_after_units_ended(t: Step, before: State) -> None:

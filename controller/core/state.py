@@ -371,9 +371,11 @@ class State:
     released_below_min: bool = False
     # Live mode with Slurm units, DEGRADED: since when (monotonic) every Slurm view showed
     # nothing on its way to bring the job back to min_replicas (no idle node it could take,
-    # none of its units started and not registered); None otherwise. Not persisted: a
-    # restarted controller learns it from its next view.
+    # none of its units started and not registered), and when the latest of those views was
+    # taken; None otherwise, and None again when the job's state changes. Not persisted: a
+    # restarted controller learns it from its next views.
     blocked_below_min_since: float | None = None
+    blocked_below_min_seen_at: float | None = None
     # Live mode: the workers one replica of the model spans, as the newest report of a
     # formed world said (0: none yet; `replicas.world_nodes`); kept in SQLite's pending
     # table, so that a restarted controller decides worlds as the last one did.

@@ -137,10 +137,20 @@ class Step:
     def set_state(self, job_state: JobState, reason: str) -> None:
         if self.job.state is job_state:
             return
-        self.state.degraded_since = self.now.monotonic if job_state is JobState.DEGRADED else None
-        if job_state is JobState.RUNNING:
-            self.state.released_below_min = False
-        self.job.state = job_state
+        self.enter_state(job_state)
         self.emit(SaveJob(self.job))
         self.record(f"job_{job_state.value}", reason)
+
+    def enter_state(self, job_state: JobState) -> None:
+        """The job's state, and what follows from a change of it, with no event of its own
+        (a new generation's `world_formed` says the job runs): since when it is DEGRADED,
+        what Slurm's views said while it was, and, running again, the end of a release
+        below min_replicas."""
+        state = self.state
+        if self.job.state is not job_state:
+            state.degraded_since = self.now.monotonic if job_state is JobState.DEGRADED else None
+            state.blocked_below_min_since = state.blocked_below_min_seen_at = None
+        if job_state is JobState.RUNNING:
+            state.released_below_min = False
+        self.job.state = job_state
 

@@ -863,22 +863,82 @@ def released(effects: list[core.Effect]) -> list[core.Record]:
     return [e for e in effects if isinstance(e, core.Record) and e.kind == "below_min_released"]
 
 
+def blocked_view(driver: Driver) -> list[core.Effect]:
+    """A view with every node taken (u1's and an urgent job's) and nothing of the job's
+    starting: the replacements it asks for are queued in Slurm (pending)."""
+    urgent = dataclasses.replace(slurm_job(900, SlurmJobState.RUNNING), name="urgent")
+    pending = tuple(slurm_job(u.slurm_job_id, SlurmJobState.PENDING) for u in driver.state.units.values()
+                    if u.state is UnitState.SUBMITTED and u.slurm_job_id)
+    effects = driver.feed(core.SlurmObserved(view(driver, (busy("n1"), busy("n2")),
+                                                  (slurm_job(501, SlurmJobState.RUNNING), urgent, *pending))))
+    for number, submit in enumerate(e for e in effects if isinstance(e, core.Submit)):
+        driver.feed(core.UnitSubmitted(submit.unit_id, 700 + len(driver.state.units) + number))
+    return effects
+
+
 def test_below_min_with_nothing_on_its_way_the_job_gives_its_nodes_back_after_the_blocked_wait() -> None:
     # Seen in bench.goodput: an urgent job of 3 nodes took every node but one; the last
     # unit held its node idle for the whole 30 s below_min_release_s, though no Slurm view
     # showed anything that could bring the job back to min before another job ended.
     driver = degraded_with_slurm_units()
-    urgent = dataclasses.replace(slurm_job(900, SlurmJobState.RUNNING), name="urgent")
-    blocked = view(driver, (busy("n1"), busy("n2")), (slurm_job(501, SlurmJobState.RUNNING), urgent))
-    driver.feed(core.SlurmObserved(blocked))
+    blocked_view(driver)
     assert driver.state.blocked_below_min_since == driver.clock
     assert released(driver.tick(CONFIG.below_min_blocked_release_s - 0.5)) == []
+    # The wait is over, but the only view is as old as it: a fresh one first.
     effects = driver.tick(0.5)
+    assert released(effects) == [] and polls_asked(effects), effects
+    blocked_view(driver)
+    effects = driver.tick()
     (record,) = released(effects)
     assert "below_min_blocked_release_s" in record.reason and (record.fields or {})["units"] == "u1"
     (leave,) = [e.message.generation for e in effects
                 if isinstance(e, core.Send) and e.unit_id == "u1" and generations.said(e.message) == "leave"]
     assert leave.save_state, "u1 holds the only copy of the state: it saves it as it leaves"
+
+
+def test_below_min_a_unit_that_slurm_started_after_the_blocked_view_keeps_the_job_holding() -> None:
+    # A review's scenario: blocked at T; another job ends, and Slurm starts the queued
+    # replacement, whose launcher takes longer than the blocked wait to register.
+    driver = degraded_with_slurm_units()
+    effects = driver.feed(core.SlurmObserved(view(driver, (busy("n1"), busy("n2")),
+                                                  (slurm_job(501, SlurmJobState.RUNNING),))))
+    (replacement,) = [e for e in effects if isinstance(e, core.Submit)]
+    driver.feed(core.UnitSubmitted(replacement.unit_id, 503))
+    blocked_view(driver)
+    assert driver.state.blocked_below_min_since == driver.clock
+    driver.tick(CONFIG.below_min_blocked_release_s)
+    started = (slurm_job(501, SlurmJobState.RUNNING), slurm_job(503, SlurmJobState.RUNNING))
+    driver.feed(core.SlurmObserved(view(driver, (busy("n1"), busy("n2")), started)))
+    assert driver.state.blocked_below_min_since is None
+    assert released(driver.tick(1.0)) == [], "its launcher is on its way"
+    assert driver.state.units[replacement.unit_id].state is UnitState.SUBMITTED, "not cancelled"
+
+
+def test_a_job_resumed_after_a_release_queues_units_again() -> None:
+    """The release below min holds back replacements and queued units until a world forms
+    again; a world formed directly (not through a state change's event) ended it too."""
+    config = dataclasses.replace(CONFIG, queued_units=1)
+    driver = degraded_with_slurm_units(config)
+    blocked_view(driver)
+    driver.tick(config.below_min_blocked_release_s)
+    blocked_view(driver)
+    assert released(driver.tick())
+    driver.report("u1", 1, launcher_pb2.GENERATION_PHASE_LEFT, step=40)
+    assert driver.state.released_below_min
+    effects = driver.feed(core.SlurmObserved(view(driver, (node("n3"), node("n4")))))
+    units = [e.unit_id for e in effects if isinstance(e, core.Submit)]
+    assert len(units) == 2, effects
+    for number, unit in enumerate(units):
+        driver.feed(core.UnitSubmitted(unit, 600 + number))
+        driver.connect(unit)
+    driver.tick()
+    assert driver.state.job.state is JobState.RUNNING
+    assert not driver.state.released_below_min and driver.state.degraded_since is None
+    effects = driver.feed(core.SlurmObserved(view(driver, (busy("n3"), busy("n4")),
+                                                  (slurm_job(600, SlurmJobState.RUNNING),
+                                                   slurm_job(601, SlurmJobState.RUNNING)))))
+    assert [e for e in effects if isinstance(e, core.Submit)], "one unit queued ahead, as before the release"
+
 
 
 def test_below_min_an_idle_node_or_a_starting_unit_keeps_the_full_release_wait() -> None:
