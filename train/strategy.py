@@ -124,6 +124,11 @@ class Strategy(abc.ABC):
             total = total.full_tensor()
         return total
 
+    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
+        """`gradient_norm` and `clip_to_norm` at once (as before they were split), for a
+        caller with no commit vote between them; returns the norm before clipping."""
+        return self.clip_to_norm(params, max_norm, self.gradient_norm(params))
+
     @staticmethod
     @torch.no_grad()
     def clip_to_norm(params: list[torch.nn.Parameter], max_norm: float, total: torch.Tensor | None) -> float:
