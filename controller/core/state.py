@@ -438,7 +438,10 @@ def restore(job: JobRecord, units: list[UnitRecord], generation: GenerationRecor
     short finishes with whoever comes back."""
     state = State(job=job, units={u.unit_id: u for u in units}, generation=generation, config=config,
                   slurm_units=slurm_units, generation_started_at=now.monotonic,
-                  reconnect_deadline=now.monotonic + config.reconnect_grace_s)
+                  reconnect_deadline=now.monotonic + config.reconnect_grace_s,
+                  # Below min: the release waits are counted again from the start (how long
+                  # the job was below min before it is not kept); without it, never.
+                  degraded_since=now.monotonic if job.state is JobState.DEGRADED else None)
     # A finishing world's members: as SQLite says, else the newest generation's.
     finishing_members = {m.unit_id: m.world_share for m in generation.members} if generation is not None else {}
     offset = now.wall - now.monotonic

@@ -968,3 +968,18 @@ def test_the_blocked_release_is_off_when_the_release_is_off_or_its_own_wait_is_z
         driver.feed(core.SlurmObserved(view(driver, (busy("n1"), busy("n2")),
                                             (slurm_job(501, SlurmJobState.RUNNING),))))
         assert released(driver.tick(10.0)) == [], settings
+
+
+def test_a_restarted_controller_counts_a_degraded_jobs_release_wait_from_its_start() -> None:
+    # A review found that it never released: the wait ran from `degraded_since`, which a
+    # restarted controller did not know, so every tick counted it from that tick.
+    driver = degraded_with_slurm_units()
+    driver.tick(10.0)
+    driver.state = core.restore(dataclasses.replace(driver.state.job), list(driver.state.units.values()),
+                                driver.state.generation, generation_stopped=True, pending={}, config=CONFIG,
+                                now=driver.now, slurm_units=True)
+    driver.connect("u1", last_generation=1)
+    assert driver.state.job.state is JobState.DEGRADED
+    assert released(driver.tick(CONFIG.below_min_release_s - 1)) == [], "counted from the restart"
+    (record,) = released(driver.tick(1.0))
+    assert (record.fields or {})["units"] == "u1"
