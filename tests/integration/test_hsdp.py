@@ -39,7 +39,7 @@ CHARACTERS = 20_000
 REFERENCE_MICRO_BATCH = GLOBAL_BATCH // 2
 
 
-# The gradients' norm is clipped at 0.5, which about half of these steps exceed: under hsdp
+# The gradients' norm is clipped at 0.5, which some of these steps exceed: under hsdp
 # the norm is a collective of the unit's shard group, taken before the step's commit vote.
 MAX_GRAD_NORM = 0.5
 
