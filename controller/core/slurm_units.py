@@ -3,6 +3,8 @@ preempted), growth onto idle nodes, submissions and their answers, node cool-dow
 
 from __future__ import annotations
 
+import dataclasses
+
 from tidal.controller import units as unit_rules
 from tidal.controller.core import leaving, replicas, sharing
 from tidal.controller.core.queries import (
@@ -18,6 +20,7 @@ from tidal.controller.core.state import (
 from tidal.controller.core.step import Step
 from tidal.controller.model import JobState, UnitRecord, UnitState
 from tidal.slurm.models import JobState as SlurmJobState
+from tidal.slurm.models import NodeFlag, NodeState
 from tidal.slurm.snapshot import ClusterView
 
 
@@ -27,6 +30,9 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
     then submit what the job needs. A stale view (Slurm did not answer) decides
     nothing."""
     state = t.state
+    if view.stale:
+        # Slurm did not answer: what its views said below min no longer holds.
+        state.blocked_below_min_since = state.blocked_below_min_seen_at = None
     if not state.slurm_units or t.job.state.is_final or view.stale:
         return
     for unit in list(state.units.values()):
@@ -116,7 +122,10 @@ def note_blocked_below_min(t: Step, view: ClusterView, now: float) -> None:
     spec = t.job.spec
     # When the view was taken, on the monotonic clock.
     seen = now - max(0.0, t.now.wall - view.observed_at)
-    idle = unit_rules.idle_nodes_for(spec, view.nodes, frozenset(state.excluded_nodes(now)))
+    # A node whose last job is completing (IDLE+COMPLETING) is idle in a moment.
+    freeing = [dataclasses.replace(n, flags=n.flags - {NodeFlag.COMPLETING}) for n in view.nodes
+               if n.state is NodeState.IDLE and NodeFlag.COMPLETING in n.flags]
+    idle = unit_rules.idle_nodes_for(spec, [*view.nodes, *freeing], frozenset(state.excluded_nodes(now)))
     usable = frozenset(n.name for n in view.nodes if spec.partition in n.partitions or not spec.partition)
     # (A unit whose sbatch has not answered, or that this view does not show yet, counts.)
     starting = any(u.state is UnitState.SUBMITTED and (

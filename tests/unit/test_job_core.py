@@ -16,7 +16,7 @@ from tidal.controller.spec import normalized_spec
 from tidal.proto import admin_pb2, common_pb2, launcher_pb2
 from tidal.slurm.models import Job as SlurmJob
 from tidal.slurm.models import JobState as SlurmJobState
-from tidal.slurm.models import Node, NodeState
+from tidal.slurm.models import Node, NodeFlag, NodeState
 from tidal.slurm.snapshot import ClusterView
 
 CONFIG = ControllerConfig(join_settle_s=0.0, scale_up_snooze_s=0.0, heartbeat_timeout_s=3.0,
@@ -983,3 +983,19 @@ def test_a_restarted_controller_counts_a_degraded_jobs_release_wait_from_its_sta
     assert released(driver.tick(CONFIG.below_min_release_s - 1)) == [], "counted from the restart"
     (record,) = released(driver.tick(1.0))
     assert (record.fields or {})["units"] == "u1"
+
+
+def test_below_min_a_node_whose_last_job_is_completing_is_on_its_way_and_a_stale_view_proves_nothing() -> None:
+    driver = degraded_with_slurm_units()
+    blocked_view(driver)
+    assert driver.state.blocked_below_min_since == driver.clock
+    completing = dataclasses.replace(node("n3"), flags=frozenset({NodeFlag.COMPLETING}))
+    driver.feed(core.SlurmObserved(view(driver, (busy("n1"), busy("n2"), completing),
+                                        (slurm_job(501, SlurmJobState.RUNNING),))))
+    assert driver.state.blocked_below_min_since is None, "n3 is idle in a moment"
+    blocked_view(driver)
+    assert driver.state.blocked_below_min_since == driver.clock
+    driver.feed(core.SlurmObserved(dataclasses.replace(view(driver, ()), stale=True)))
+    assert driver.state.blocked_below_min_since is None, "Slurm did not answer: nothing is known"
+    driver.tick(CONFIG.below_min_blocked_release_s + 1)
+    assert released(driver.effects) == []
