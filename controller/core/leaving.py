@@ -76,8 +76,8 @@ def leave(t: Step, unit_id: str, cause: str, detail: str) -> None:
 def release_below_min(t: Step, now: float) -> None:
     """Live mode with Slurm units: below min_replicas for `below_min_release_s` since the
     last registration (or `below_min_blocked_release_s` while Slurm's views show nothing
-    on its way: `slurm_units.note_blocked_below_min`), the units that are left (they train nothing) give their nodes
-    back; the last holder of the training state saves it as it leaves (`leave`), the
+    on its way: `slurm_units.note_blocked_below_min`), the units that are left (they
+    train nothing) give their nodes back; the last holder of the training state saves it as it leaves (`leave`), the
     replacements queued in Slurm are cancelled (they would take the nodes given back),
     and the job submits units again only once min_replicas nodes are idle, resuming
     from the saved state."""
@@ -98,12 +98,12 @@ def release_below_min(t: Step, now: float) -> None:
         t.emit(PollSlurmSoon("below min_replicas with nothing on its way: a fresh view before giving the nodes "
                              "back"))
         return
-    if decision is not planning.BelowMin.RELEASE:
+    if decision not in (planning.BelowMin.RELEASE, planning.BelowMin.RELEASE_BLOCKED):
         return
     spec = t.job.spec
     queued = sorted(u for u, unit in state.units.items() if unit.state is UnitState.SUBMITTED)
     state.released_below_min = True
-    if now - since >= t.config.below_min_release_s:
+    if decision is planning.BelowMin.RELEASE:
         why = f"below min_replicas {spec.min_replicas} for {t.config.below_min_release_s:g} s (below_min_release_s)"
     else:
         why = (f"below min_replicas {spec.min_replicas} with nothing on its way for "

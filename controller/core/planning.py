@@ -171,7 +171,10 @@ class BelowMin(enum.Enum):
     """What a live job below min_replicas does with the units it still holds."""
 
     HOLD = "hold"
+    # Below min for the whole release wait.
     RELEASE = "release"
+    # Sooner: nothing on its way for the blocked wait.
+    RELEASE_BLOCKED = "release_blocked"
     # Released sooner only on a Slurm view taken after the blocked wait: ask for one.
     POLL = "poll"
 
@@ -195,5 +198,5 @@ def release_below_min(*, below_min_since: float | None, now: float, release_afte
         return BelowMin.HOLD
     due = max(blocked_since, below_min_since) + blocked_release_after_s
     if blocked_seen_at >= due:
-        return BelowMin.RELEASE
+        return BelowMin.RELEASE_BLOCKED
     return BelowMin.POLL if now >= due else BelowMin.HOLD

@@ -67,20 +67,20 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
             unit_lost(t, unit, f"Slurm job {unit.slurm_job_id} {what} before its launcher registered")
     for order in yields:
         leaving.leave(t, order.unit_id, "yielded", order.reason)
-    note_blocked_below_min(t, view, now)
-    if now < state.next_submit_at or state.stopping is not None or t.job.state is JobState.FINISHING:
-        return
     spec = t.job.spec
     alive = alive_units(state)
-    # Units Slurm has not placed yet will take idle nodes; running ones already hold theirs.
-    waiting = sum(1 for u in alive if u.state is UnitState.SUBMITTED
-                  and ((found := view.job(u.slurm_job_id)) is None or found.state is SlurmJobState.PENDING))
     excluded = state.excluded_nodes(now)
-    idle = unit_rules.idle_nodes_for(spec, view.nodes, frozenset(excluded))
     # Idle nodes are for others first: grow only while no other Slurm job waits for
     # nodes this job could take.
     usable = frozenset(n.name for n in view.nodes if spec.partition in n.partitions or not spec.partition)
     others_waiting = unit_rules.others_waiting_for(view, t.job.job_id, usable)
+    note_blocked_below_min(t, view, now, alive, frozenset(excluded), bool(others_waiting))
+    if now < state.next_submit_at or state.stopping is not None or t.job.state is JobState.FINISHING:
+        return
+    # Units Slurm has not placed yet will take idle nodes; running ones already hold theirs.
+    waiting = sum(1 for u in alive if u.state is UnitState.SUBMITTED
+                  and ((found := view.job(u.slurm_job_id)) is None or found.state is SlurmJobState.PENDING))
+    idle = unit_rules.idle_nodes_for(spec, view.nodes, frozenset(excluded))
     # Replicas of several nodes: the nodes missing from replicas that lost one, less the
     # units submitted and not registered yet (each takes a hole first when it registers).
     # In nodes of Slurm's, whatever the world makes of them (`replicas.world_nodes`).
@@ -108,7 +108,8 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
         submit_unit(t, demand.reason, excluded)
 
 
-def note_blocked_below_min(t: Step, view: ClusterView, now: float) -> None:
+def note_blocked_below_min(t: Step, view: ClusterView, now: float, alive: list[UnitRecord],
+                           excluded: frozenset[str], others_waiting: bool) -> None:
     """Live mode, below min_replicas: whether this view shows anything on its way to bring
     the job back (an idle node it could take with no other job waiting for it, or a unit
     of its whose Slurm job started, or is not known yet, and whose launcher has not
@@ -119,20 +120,18 @@ def note_blocked_below_min(t: Step, view: ClusterView, now: float) -> None:
     if not state.live or t.job.state is not JobState.DEGRADED or state.released_below_min:
         state.blocked_below_min_since = state.blocked_below_min_seen_at = None
         return
-    spec = t.job.spec
     # When the view was taken, on the monotonic clock.
     seen = now - max(0.0, t.now.wall - view.observed_at)
     # A node whose last job is completing (IDLE+COMPLETING) is idle in a moment.
     freeing = [dataclasses.replace(n, flags=n.flags - {NodeFlag.COMPLETING}) for n in view.nodes
                if n.state is NodeState.IDLE and NodeFlag.COMPLETING in n.flags]
-    idle = unit_rules.idle_nodes_for(spec, [*view.nodes, *freeing], frozenset(state.excluded_nodes(now)))
-    usable = frozenset(n.name for n in view.nodes if spec.partition in n.partitions or not spec.partition)
+    idle = unit_rules.idle_nodes_for(t.job.spec, [*view.nodes, *freeing], excluded)
     # (A unit whose sbatch has not answered, or that this view does not show yet, counts.)
     starting = any(u.state is UnitState.SUBMITTED and (
         not u.slurm_job_id or (found := view.job(u.slurm_job_id)) is None
         or (found.state is not SlurmJobState.PENDING and not found.state.is_finished))
-        for u in alive_units(state))
-    on_its_way = starting or (bool(idle) and not unit_rules.others_waiting_for(view, t.job.job_id, usable))
+        for u in alive)
+    on_its_way = starting or (bool(idle) and not others_waiting)
     if on_its_way:
         state.blocked_below_min_since = state.blocked_below_min_seen_at = None
         return
