@@ -177,11 +177,22 @@ def on_requeued(t: Step, unit: UnitRecord, slurm_job_id: int) -> None:
         leaving.leave(t, unit.unit_id, "requeued", f"Slurm requeued job {slurm_job_id}")
 
 
-def cool_down(t: Step, unit: UnitRecord, now: float, why: str = "") -> None:
+def cool_down(t: Step, unit: UnitRecord, now: float, why: str = "", worker_only: bool = False) -> None:
     """No unit of this job on the failed unit's nodes for a while (doubling with each
-    failure there), so a bad node does not eat every replacement."""
+    failure there), so a bad node does not eat every replacement. A failure of a worker
+    alone (`worker_only`: it exited or was killed while its launcher stayed healthy, as
+    torchrun restarts in place) spares a node that has no failure on record: the node stays
+    in use, and another failure there within `node_cooldown_s` excludes it."""
     for node in unit.nodes:
-        failures = t.state.node_cooldown.get(node, (0, 0.0))[0] + 1
+        failures, until = t.state.node_cooldown.get(node, (0, 0.0))
+        if worker_only and failures == 0 and now >= until:
+            t.state.node_cooldown[node] = (0, now + t.config.node_cooldown_s)
+            t.save_pending()
+            t.record("node_suspect", f"unit {unit.unit_id}'s worker failed there while its launcher stayed healthy: "
+                     f"the node stays in use; another failure there within node_cooldown_s "
+                     f"({t.config.node_cooldown_s:g} s) excludes it", unit_id=unit.unit_id, fields={"node": node})
+            continue
+        failures += 1
         seconds = t.config.node_cooldown_s * min(8, 2 ** (failures - 1))
         t.state.node_cooldown[node] = (failures, now + seconds)
         t.save_pending()

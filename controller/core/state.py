@@ -360,7 +360,8 @@ class State:
     # sbatch refusals in a row, and no new submission before this.
     submit_failures: int = 0
     next_submit_at: float = 0.0
-    # Nodes where a unit failed: failures there, and no new unit there before (monotonic).
+    # Nodes where a unit failed: the failures that excluded it, and no new unit there
+    # before (monotonic); (0, t): a worker failed there, not excluded, remembered until t.
     node_cooldown: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
     growth_held_reason: str = ""
     # Since when the job is DEGRADED (below min_replicas), monotonic; None otherwise.
@@ -428,7 +429,11 @@ class State:
         return {u: unit.facts.deferred_leave for u, unit in self.units.items() if unit.facts.deferred_leave}
 
     def excluded_nodes(self, now: float) -> tuple[str, ...]:
-        return tuple(sorted(node for node, (_, until) in self.node_cooldown.items() if now < until))
+        """The nodes no unit of the job goes to now: each failure there excludes it for a
+        while (`slurm_units.cool_down`); a node's first worker failure is on record (0
+        failures) but does not."""
+        return tuple(sorted(node for node, (failures, until) in self.node_cooldown.items()
+                            if failures > 0 and now < until))
 
 
 def restore(job: JobRecord, units: list[UnitRecord], generation: GenerationRecord | None, *, generation_stopped: bool,

@@ -49,9 +49,10 @@ class Driver:
         self.effects.extend(effects)
         return effects
 
-    def connect(self, unit: str, port: int = 0, *, last_generation: int = 0, workers: tuple[int, ...] = ()) -> None:
+    def connect(self, unit: str, port: int = 0, *, last_generation: int = 0, workers: tuple[int, ...] = (),
+                node: str = "") -> None:
         self.feed(core.LauncherConnected(unit, launcher_pb2.Register(
-            job_id="j-1", unit_id=unit, nodes=[f"node-{unit}"], address="127.0.0.1",
+            job_id="j-1", unit_id=unit, nodes=[node or f"node-{unit}"], address="127.0.0.1",
             store_port=port or 1000 + ord(unit[-1]), last_generation=last_generation, worker_pids=list(workers))))
         self.links[unit] = core.Link(last_heartbeat_at=self.clock)
 
@@ -357,7 +358,10 @@ def view(driver: Driver, nodes: tuple[Node, ...], jobs: tuple[SlurmJob, ...] = (
     return ClusterView(nodes=nodes, jobs=jobs, observed_at=driver.now.wall, stale=False)
 
 
-def test_slurm_units_are_submitted_to_min_replicas_and_a_failed_units_node_is_avoided() -> None:
+def test_slurm_units_are_submitted_to_min_replicas_and_a_node_is_avoided_after_a_second_failure() -> None:
+    """A worker that fails while its launcher stays healthy does not exclude its node at
+    once (torchrun restarts in place): the replacement may go there. A second failure there
+    within node_cooldown_s excludes it, and the next replacement is submitted without it."""
     driver = Driver(min_replicas=2, max_replicas=2, slurm_units=True)
     effects = driver.feed(core.SlurmObserved(view(driver, (node("n1"), node("n2")))))
     submits = [e for e in effects if isinstance(e, core.Submit)]
@@ -370,13 +374,65 @@ def test_slurm_units_are_submitted_to_min_replicas_and_a_failed_units_node_is_av
     assert driver.state.job.state is JobState.RUNNING
     effects = driver.exit("u2", 1, code=1)
     assert core.CancelInSlurm("u2", 502) in effects
-    assert driver.state.excluded_nodes(driver.clock) == ("node-u2",)
+    assert driver.state.excluded_nodes(driver.clock) == ()
+    assert driver.event("node_suspect").fields["node"] == "node-u2"
     driver.report("u1", 1, launcher_pb2.GENERATION_PHASE_STOPPED)
     assert driver.state.job.state is JobState.DEGRADED
     effects = driver.feed(core.SlurmObserved(view(driver, (node("n1"), node("n2")),
                                                   (slurm_job(501, SlurmJobState.RUNNING),))))
     replacement = [e for e in effects if isinstance(e, core.Submit)]
-    assert [(s.unit_id, s.excluded) for s in replacement] == [("u3", ("node-u2",))]
+    assert [(s.unit_id, s.excluded) for s in replacement] == [("u3", ())]
+
+    # Slurm puts the replacement on the same node, and its worker is killed there too.
+    driver.feed(core.UnitSubmitted("u3", 503))
+    driver.tick(5.0)
+    driver.connect("u3", node="node-u2")
+    driver.tick(1.0)
+    generation = driver.state.generation
+    assert generation is not None and generation.member("u3") is not None
+    driver.feed(core.LauncherSaid("u3", launcher_pb2.LauncherMessage(worker_exited=launcher_pb2.WorkerExited(
+        generation=generation.number, local_rank=0, pid=4001, signal=9))))
+    assert driver.state.excluded_nodes(driver.clock) == ("node-u2",)
+    assert driver.event("node_excluded").fields == {"node": "node-u2", "failures": 1,
+                                                    "for_s": f"{CONFIG.node_cooldown_s:.0f}"}
+    report = driver.state.generation
+    assert report is not None
+    driver.report("u1", report.number, launcher_pb2.GENERATION_PHASE_STOPPED)
+    effects = driver.feed(core.SlurmObserved(view(driver, (node("n1"), node("n2")),
+                                                  (slurm_job(501, SlurmJobState.RUNNING),))))
+    assert [(s.unit_id, s.excluded) for s in effects if isinstance(s, core.Submit)] == [("u4", ("node-u2",))]
+
+
+def test_a_silent_worker_or_a_lost_node_excludes_its_node_at_once_and_a_first_failure_is_forgotten() -> None:
+    """A worker its launcher had to end (silent, hung) or a node lost from a unit excludes
+    the node at the first failure; a worker's first failure is forgiven again once
+    node_cooldown_s has passed since it."""
+    driver = Driver(min_replicas=1, max_replicas=3, slurm_units=True)
+    for unit in ("a", "b", "c"):
+        driver.connect(unit)
+    driver.tick()
+    generation = driver.state.generation
+    assert generation is not None and driver.state.job.state is JobState.RUNNING
+    driver.say("a", worker_exited=launcher_pb2.WorkerExited(generation=generation.number, pid=7, signal=9,
+                                                           detail="stopped beating for 3 s"))
+    assert driver.state.excluded_nodes(driver.clock) == ("node-a",)
+    driver.tick(1.0)
+    generation = driver.state.generation
+    assert generation is not None
+    driver.exit("b", generation.number, code=1)
+    assert driver.state.excluded_nodes(driver.clock) == ("node-a",)
+    assert driver.event("node_suspect").fields == {"node": "node-b"}
+    # Past node_cooldown_s the first failure there is forgotten: another is a first again.
+    driver.clock += CONFIG.node_cooldown_s + 1.0
+    driver.links["c"] = core.Link(last_heartbeat_at=driver.clock)
+    driver.connect("d", node="node-b")
+    driver.tick(1.0)
+    generation = driver.state.generation
+    assert generation is not None and generation.member("d") is not None, driver.events()
+    before = len(driver.effects)
+    driver.exit("d", generation.number, code=1)
+    assert driver.state.excluded_nodes(driver.clock) == ()
+    assert "node_suspect" in driver.events(driver.effects[before:])
 
 
 def polls_asked(effects: list[core.Effect]) -> list[str]:
