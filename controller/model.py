@@ -96,6 +96,10 @@ class UnitFacts:
     deferred_leave: tuple[str, str] | None = None
     # When sbatch accepted it (wall clock): an older Slurm view proves nothing of it.
     submitted_at: float = 0.0
+    # Before its launcher registers, as the latest Slurm view said: its Slurm job waits
+    # for a node (PENDING); when a view first showed it started (monotonic).
+    queued_in_slurm: bool = False
+    started_seen_at: float | None = None
     # Live mode: a step its workers are known to hold by their reports (a world they
     # reached with the state verified, a first step they committed), which heartbeats
     # may not say yet (they are up to an interval old).

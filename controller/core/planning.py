@@ -107,9 +107,13 @@ class WorldSnapshot:
     last_change_at: float | None
     join_settle_s: float
     scale_up_snooze_s: float
-    # Units submitted to Slurm that have not registered yet, or None when unknown
-    # (launchers started by hand): with none coming, there is nothing to settle for.
+    # Units submitted to Slurm that have not registered yet, less those Slurm holds queued
+    # for a node, or None when unknown (launchers started by hand): with none coming,
+    # there is nothing to settle for.
     expected: int | None = None
+    # Of those, the ones a Slurm view showed started, with when it was taken (monotonic):
+    # a world formed afresh waits `join_settle_s` from then for their launchers.
+    starting: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +153,10 @@ def decide_world(snapshot: WorldSnapshot, now: float) -> WorldAction:
     if not snapshot.running:
         if size is None:
             return Wait(f"{available} of min {snapshot.min_replicas} replicas ready")
+        # A unit Slurm started registers in a moment: forming without it would only grow
+        # onto it right after (a world change while the workers still start).
+        started_until = max(snapshot.starting.values(), default=float("-inf")) + snapshot.join_settle_s
+        settling_until = max(settling_until, started_until)
         if available < snapshot.max_replicas and now < settling_until:
             return Wait(f"{available} replicas ready; waiting {settling_until - now:.1f} s for more to register")
         taken = tuple(joiners[: max(0, size - len(snapshot.members))])

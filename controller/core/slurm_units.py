@@ -65,6 +65,8 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
             # (A view taken before the submission proves nothing.)
             what = found.state.value.lower() if found else "gone from squeue"
             unit_lost(t, unit, f"Slurm job {unit.slurm_job_id} {what} before its launcher registered")
+        elif found is not None and unit.state is UnitState.SUBMITTED:
+            note_submitted_unit(t, unit, found.state, now - max(0.0, t.now.wall - view.observed_at))
     for order in yields:
         leaving.leave(t, order.unit_id, "yielded", order.reason)
     spec = t.job.spec
@@ -158,6 +160,19 @@ def poll_after_units_ended(t: Step, before: State) -> None:
         t.emit(PollSlurmSoon(f"unit(s) {', '.join(ended)} ended"))
     elif before.stopping is not None and state.stopping is None:
         t.emit(PollSlurmSoon("the stop before the next generation finished"))
+
+
+def note_submitted_unit(t: Step, unit: UnitRecord, slurm_state: SlurmJobState, seen: float) -> None:
+    """What a view says of a unit whose launcher has not registered: queued in Slurm for a
+    node (not on its way soon: forming and growing do not settle for it), or started, and
+    since when (`seen`, monotonic: when the view was taken), so that forming a world waits
+    a little for its launcher (`planning.decide_world`)."""
+    queued = slurm_state is SlurmJobState.PENDING
+    started_seen_at = unit.facts.started_seen_at
+    if slurm_state is SlurmJobState.RUNNING and started_seen_at is None:
+        started_seen_at = seen
+    if queued != unit.facts.queued_in_slurm or started_seen_at != unit.facts.started_seen_at:
+        t.note(unit, queued_in_slurm=queued, started_seen_at=started_seen_at)
 
 
 def note_growth_held(t: Step, reason: str) -> None:

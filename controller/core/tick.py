@@ -121,8 +121,11 @@ def decide(t: Step, now: float, after: str = "") -> None:
         max_replicas=t.max_world, sizes=t.sizes(),
         last_change_at=state.last_change_at, join_settle_s=t.config.join_settle_s,
         scale_up_snooze_s=t.config.scale_up_snooze_s,
-        expected=(sum(1 for u in state.units.values() if u.state is UnitState.SUBMITTED)
-                  if state.slurm_units else None))
+        expected=(sum(1 for u in state.units.values()
+                      if u.state is UnitState.SUBMITTED and not u.facts.queued_in_slurm)
+                  if state.slurm_units else None),
+        starting={u.unit_id: u.facts.started_seen_at for u in state.units.values()
+                  if u.state is UnitState.SUBMITTED and u.facts.started_seen_at is not None})
     action = planning.decide_world(snapshot, now)
     if isinstance(action, (planning.Form, planning.Grow)):
         action = dataclasses.replace(action, joiners=tuple(u for key in action.joiners for u in expand[key]))

@@ -435,6 +435,39 @@ def test_a_silent_worker_or_a_lost_node_excludes_its_node_at_once_and_a_first_fa
     assert "node_suspect" in driver.events(driver.effects[before:])
 
 
+def test_the_first_world_waits_for_a_unit_slurm_started_and_forms_with_it_once_it_registers() -> None:
+    """Three units submitted at once; two launchers register, and a Slurm view shows the
+    third's job running: the world does not form without it at the end of join_settle_s
+    (it would grow onto it right after), but forms with all three once it registers. A
+    unit Slurm holds queued for a node is not waited for."""
+    config = dataclasses.replace(CONFIG, join_settle_s=1.0)
+    driver = Driver(min_replicas=2, max_replicas=4, slurm_units=True, config=config)
+    nodes = (node("n1"), node("n2"), node("n3"))
+    effects = driver.feed(core.SlurmObserved(view(driver, nodes)))
+    driver.clock += 0.5
+    effects += driver.feed(core.SlurmObserved(view(driver, nodes)))
+    submitted = [e.unit_id for e in effects if isinstance(e, core.Submit)]
+    assert submitted[:3] == ["u1", "u2", "u3"], submitted
+    for number, unit in enumerate(submitted, start=501):
+        driver.feed(core.UnitSubmitted(unit, number))
+    driver.clock += 1.0
+    driver.connect("u1")
+    driver.connect("u2")
+    driver.clock += 0.5
+    jobs = tuple(slurm_job(501 + i, SlurmJobState.RUNNING) for i in range(3))
+    pending = tuple(slurm_job(501 + i, SlurmJobState.PENDING) for i in range(3, len(submitted)))
+    busy = tuple(dataclasses.replace(n, state=NodeState.ALLOCATED) for n in nodes)
+    driver.feed(core.SlurmObserved(view(driver, busy, jobs + pending)))
+    assert driver.state.units["u3"].facts.started_seen_at == driver.clock
+    driver.tick(0.9)  # 1.4 s after the registrations: settled, but u3 is starting
+    assert driver.state.generation is None and driver.state.job.state is not JobState.RUNNING
+    driver.clock += 0.2
+    driver.connect("u3")
+    driver.tick()
+    generation = driver.state.generation
+    assert generation is not None and sorted(generation.unit_ids) == ["u1", "u2", "u3"], generation
+
+
 def polls_asked(effects: list[core.Effect]) -> list[str]:
     return [e.reason for e in effects if isinstance(e, core.PollSlurmSoon)]
 

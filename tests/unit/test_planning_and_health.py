@@ -188,3 +188,28 @@ def test_no_settling_when_every_submitted_unit_has_registered() -> None:
     assert isinstance(decide_world(snapshot(None), now=10.5), Wait)
     grow = decide_world(snapshot(0), now=10.5)
     assert isinstance(grow, Grow) and grow.joiners == ("c",)
+
+
+def test_forming_afresh_waits_for_a_unit_slurm_started_until_its_launcher_registers_or_the_settle_ends() -> None:
+    """Two launchers registered at 10.0; a third unit's Slurm job was seen running at
+    10.8: forming at 12.0 (the settle after the registrations) would only grow onto it
+    moments later, so the world waits until 12.8 for it; once it registers, it forms at
+    once with all three. A running world does not wait for started units (it grows)."""
+    def snapshot(joiners: dict[str, float], starting: dict[str, float], expected: int,
+                 running: bool = False) -> WorldSnapshot:
+        return WorldSnapshot(running=running, members=("a", "b") if running else (), joiners=joiners,
+                             min_replicas=2, max_replicas=4, sizes=(2, 3, 4), last_change_at=None,
+                             join_settle_s=2.0, scale_up_snooze_s=0.0, expected=expected, starting=starting)
+
+    two = {"a": 10.0, "b": 10.0}
+    assert isinstance(decide_world(snapshot(two, {}, expected=1), now=12.1), Form)
+    waiting = decide_world(snapshot(two, {"c": 10.8}, expected=1), now=12.1)
+    assert isinstance(waiting, Wait) and "0.7 s" in waiting.reason, waiting
+    formed = decide_world(snapshot(two, {"c": 10.8}, expected=1), now=12.8)
+    assert isinstance(formed, Form) and formed.replicas == 2
+    # It registered at 12.3: nothing else is on its way (a unit queued in Slurm for a node
+    # does not count as expected), so the world forms at once with all three.
+    three = decide_world(snapshot({**two, "c": 12.3}, {}, expected=0), now=12.3)
+    assert isinstance(three, Form) and three.replicas == 3 and three.joiners == ("a", "b", "c")
+    grow = decide_world(snapshot({"c": 5.0}, {"d": 10.8}, expected=0, running=True), now=11.0)
+    assert isinstance(grow, Grow) and grow.joiners == ("c",)
