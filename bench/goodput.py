@@ -80,7 +80,8 @@ QUICK_SIMULATION = Simulation(accelerator=ACCELERATORS["h100"], parameters=1e8, 
 GOAL = 0.95
 # The controller's settings for the trace (the rest are the defaults): a 1 s poll, a short
 # settle, a 30 s cool-down of a node whose unit failed (the trace's 4 nodes would otherwise
-# lose one for 5 minutes), and one unit kept queued in Slurm below max_replicas.
+# lose one for 5 minutes; the trace's one kill -9 of a worker spares its node, as a first
+# kill does: `node_suspect`), and one unit kept queued in Slurm below max_replicas.
 TIDAL_SETTINGS = {"slurm_poll_interval_s": "1", "join_settle_s": "1", "node_cooldown_s": "30", "queued_units": "1"}
 
 

@@ -96,8 +96,11 @@ class UnitFacts:
     deferred_leave: tuple[str, str] | None = None
     # When sbatch accepted it (wall clock): an older Slurm view proves nothing of it.
     submitted_at: float = 0.0
-    # Before its launcher registers, as the latest Slurm view said: its Slurm job waits
-    # for a node (PENDING); when a view first showed it started (monotonic).
+    # Submitted ahead of any free node (`queued_units`), to wait in Slurm's queue.
+    queued_ahead: bool = False
+    # Before its launcher registers, as the latest Slurm view said: queued ahead and still
+    # waiting for a node (PENDING); when Slurm started it (monotonic; its start time as a
+    # view showed it).
     queued_in_slurm: bool = False
     started_seen_at: float | None = None
     # Live mode: a step its workers are known to hold by their reports (a world they

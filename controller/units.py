@@ -28,6 +28,8 @@ UNIT_COMMENT_PREFIX = "tidal job="
 class UnitDemand:
     count: int
     reason: str
+    # Submitted ahead of any free node, to wait in Slurm's queue (`units_to_queue`).
+    queued_ahead: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,7 +289,7 @@ def units_to_queue(spec: admin_pb2.JobSpec, *, alive: int, pending: int, idle_no
            and alive + count + 1 in sizes):
         count += 1
     return UnitDemand(count, f"queued in Slurm for the next free node ({pending + count} of queued_units "
-                             f"{queued_units}; {alive} of max_replicas {spec.max_replicas})")
+                             f"{queued_units}; {alive} of max_replicas {spec.max_replicas})", queued_ahead=True)
 
 
 def unit_script(launcher: Sequence[str], *, controller: str, job_id: str, unit_id: str, nodes: int = 1) -> str:

@@ -25,7 +25,7 @@ from tidal.controller.model import JobState, UnitState, join_ids
 
 def fail(t: Step, unit_id: str, reason: str, cause: str, detected_at: float,
          failed_at: float | None = None, regroup: bool = True,
-         fields: Mapping[str, str] | None = None, own_error: bool = False) -> bool:
+         fields: Mapping[str, str] | None = None, own_error: bool = False, spare_node: bool = False) -> bool:
     """The one failure path: record, tell the failed unit to kill its workers, and move
     the others to the next generation (`regroup_survivors`; with `regroup` False the caller does,
     once for failures found together). `failed_at` (wall clock) is when the failure
@@ -33,7 +33,9 @@ def fail(t: Step, unit_id: str, reason: str, cause: str, detected_at: float,
     `fields` go into the failure's event besides its cause (a worker's exception).
     Whether the running world must re-form without the unit. A member's failure other
     than a worker's own error (`own_error`: a kill, a silence, a lost session or node)
-    ends any run of crashes (`count_crash`)."""
+    ends any run of crashes (`count_crash`). `spare_node`: a worker was killed while its
+    launcher stayed healthy, so the unit's nodes are spared unless they failed before
+    (`slurm_units.cool_down`)."""
     state = t.state
     unit = state.units.get(unit_id)
     if unit is None or unit.state.is_final:
@@ -55,7 +57,7 @@ def fail(t: Step, unit_id: str, reason: str, cause: str, detected_at: float,
     t.emit(SaveUnit(unit), Record("failure_detected", reason, unit_id=unit_id, generation=number,
                                   fields={"cause": cause, **(fields or {})}), FailureCounted(cause))
     if state.slurm_units:
-        slurm_units.cool_down(t, unit, detected_at, worker_only=cause == "worker_exit")
+        slurm_units.cool_down(t, unit, detected_at, worker_only=spare_node)
         # A failed unit never comes back: whatever is left of it (a hung launcher, a
         # node whose slurmd died) gives its allocation back.
         slurm_units.cancel_in_slurm(t, unit)

@@ -232,8 +232,12 @@ def on_worker_exited(t: Step, unit_id: str, exited: launcher_pb2.WorkerExited) -
     limit = t.config.crash_loop_generations
     ending = limit > 0 and crashes >= limit
     fields = worker_error_fields(exited)
+    # A worker killed (a signal, not its own error: crashes count towards a crash loop,
+    # and their node is excluded at once) while its launcher is healthy spares the node
+    # the first time, as torchrun restarts in place; a silent one does not.
     failure.fail(t, unit_id, reason, "silent" if exited.detail else "worker_exit", t.now.monotonic,
-                 failed_at=reported_at, fields=fields, regroup=not ending, own_error=own_error)
+                 failed_at=reported_at, fields=fields, regroup=not ending, own_error=own_error,
+                 spare_node=not own_error and not exited.detail)
     if ending:
         failure.end_crash_loop(t, crashes, f"unit {unit_id} {reason}", fields)
 

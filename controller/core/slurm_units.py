@@ -31,8 +31,12 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
     nothing."""
     state = t.state
     if view.stale:
-        # Slurm did not answer: what its views said below min no longer holds.
+        # Slurm did not answer: what its views said below min, or of units queued in it, no
+        # longer holds.
         state.blocked_below_min_since = state.blocked_below_min_seen_at = None
+        for unit in list(state.units.values()):
+            if unit.state is UnitState.SUBMITTED and unit.facts.queued_in_slurm:
+                t.note(unit, queued_in_slurm=False)
     if not state.slurm_units or t.job.state.is_final or view.stale:
         return
     for unit in list(state.units.values()):
@@ -66,7 +70,10 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
             what = found.state.value.lower() if found else "gone from squeue"
             unit_lost(t, unit, f"Slurm job {unit.slurm_job_id} {what} before its launcher registered")
         elif found is not None and unit.state is UnitState.SUBMITTED:
-            note_submitted_unit(t, unit, found.state, now - max(0.0, t.now.wall - view.observed_at))
+            seen = now - max(0.0, t.now.wall - view.observed_at)
+            started = (seen - max(0.0, view.observed_at - found.start_time.timestamp())
+                       if found.start_time is not None else seen)
+            note_submitted_unit(t, unit, found.state, started)
     for order in yields:
         leaving.leave(t, order.unit_id, "yielded", order.reason)
     spec = t.job.spec
@@ -107,7 +114,7 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
                                            queued_units=t.config.queued_units)
         count, demand = queued.count, queued
     for _ in range(count):
-        submit_unit(t, demand.reason, excluded)
+        submit_unit(t, demand.reason, excluded, queued_ahead=demand.queued_ahead)
 
 
 def note_blocked_below_min(t: Step, view: ClusterView, now: float, alive: list[UnitRecord],
@@ -162,15 +169,16 @@ def poll_after_units_ended(t: Step, before: State) -> None:
         t.emit(PollSlurmSoon("the stop before the next generation finished"))
 
 
-def note_submitted_unit(t: Step, unit: UnitRecord, slurm_state: SlurmJobState, seen: float) -> None:
-    """What a view says of a unit whose launcher has not registered: queued in Slurm for a
-    node (not on its way soon: forming and growing do not settle for it), or started, and
-    since when (`seen`, monotonic: when the view was taken), so that forming a world waits
-    a little for its launcher (`planning.decide_world`)."""
-    queued = slurm_state is SlurmJobState.PENDING
+def note_submitted_unit(t: Step, unit: UnitRecord, slurm_state: SlurmJobState, started: float) -> None:
+    """What a view says of a unit whose launcher has not registered: a unit queued ahead
+    (`queued_units`) still waiting in Slurm's queue for a node (not on its way soon:
+    forming and growing do not settle for it), or one Slurm started, and when (`started`,
+    monotonic: its Slurm start time, else when the view was taken), so that forming a
+    world waits a little for its launcher (`planning.decide_world`)."""
+    queued = unit.facts.queued_ahead and slurm_state is SlurmJobState.PENDING
     started_seen_at = unit.facts.started_seen_at
     if slurm_state is SlurmJobState.RUNNING and started_seen_at is None:
-        started_seen_at = seen
+        started_seen_at = started
     if queued != unit.facts.queued_in_slurm or started_seen_at != unit.facts.started_seen_at:
         t.note(unit, queued_in_slurm=queued, started_seen_at=started_seen_at)
 
@@ -203,8 +211,8 @@ def cool_down(t: Step, unit: UnitRecord, now: float, why: str = "", worker_only:
         if worker_only and failures == 0 and now >= until:
             t.state.node_cooldown[node] = (0, now + t.config.node_cooldown_s)
             t.save_pending()
-            t.record("node_suspect", f"unit {unit.unit_id}'s worker failed there while its launcher stayed healthy: "
-                     f"the node stays in use; another failure there within node_cooldown_s "
+            t.record("node_suspect", f"a worker of unit {unit.unit_id} was killed there while its launcher stayed "
+                     f"healthy: the node stays in use; another failure there within node_cooldown_s "
                      f"({t.config.node_cooldown_s:g} s) excludes it", unit_id=unit.unit_id, fields={"node": node})
             continue
         failures += 1
@@ -215,12 +223,13 @@ def cool_down(t: Step, unit: UnitRecord, now: float, why: str = "", worker_only:
                  fields={"node": node, "failures": failures, "for_s": f"{seconds:.0f}"})
 
 
-def submit_unit(t: Step, reason: str, excluded: tuple[str, ...]) -> None:
+def submit_unit(t: Step, reason: str, excluded: tuple[str, ...], queued_ahead: bool = False) -> None:
     state = t.state
     numbers = [int(u[1:]) for u in state.units if u.startswith("u") and u[1:].isdigit()]
     unit_id = f"u{max(numbers, default=0) + 1}"
     unit = UnitRecord(job_id=t.job.job_id, unit_id=unit_id, state=UnitState.SUBMITTED,
                       procs_per_node=t.job.spec.procs_per_node or 1)
+    unit.facts = dataclasses.replace(unit.facts, queued_ahead=queued_ahead)
     state.units[unit_id] = unit
     t.emit(SaveUnit(unit))
     t.record("unit_submitting", reason, unit_id=unit_id)

@@ -78,9 +78,9 @@ class Driver:
         return self.say(unit, generation_report=launcher_pb2.GenerationReport(
             generation=generation, phase=phase, step=step, replica_workers=replica_workers))
 
-    def exit(self, unit: str, generation: int, code: int, local_rank: int = 0) -> list[core.Effect]:
+    def exit(self, unit: str, generation: int, code: int, local_rank: int = 0, signal: int = 0) -> list[core.Effect]:
         return self.say(unit, worker_exited=launcher_pb2.WorkerExited(generation=generation, local_rank=local_rank,
-                                                                      pid=4000, exit_code=code))
+                                                                      pid=4000, exit_code=code, signal=signal))
 
     def events(self, since: list[core.Effect] | None = None) -> list[str]:
         return [e.kind for e in (self.effects if since is None else since) if isinstance(e, core.Record)]
@@ -359,8 +359,8 @@ def view(driver: Driver, nodes: tuple[Node, ...], jobs: tuple[SlurmJob, ...] = (
 
 
 def test_slurm_units_are_submitted_to_min_replicas_and_a_node_is_avoided_after_a_second_failure() -> None:
-    """A worker that fails while its launcher stays healthy does not exclude its node at
-    once (torchrun restarts in place): the replacement may go there. A second failure there
+    """A worker killed while its launcher stays healthy does not exclude its node at once
+    (torchrun restarts in place): the replacement may go there. A second failure there
     within node_cooldown_s excludes it, and the next replacement is submitted without it."""
     driver = Driver(min_replicas=2, max_replicas=2, slurm_units=True)
     effects = driver.feed(core.SlurmObserved(view(driver, (node("n1"), node("n2")))))
@@ -372,7 +372,7 @@ def test_slurm_units_are_submitted_to_min_replicas_and_a_node_is_avoided_after_a
         driver.connect(unit)
     driver.tick()
     assert driver.state.job.state is JobState.RUNNING
-    effects = driver.exit("u2", 1, code=1)
+    effects = driver.exit("u2", 1, code=0, signal=9)
     assert core.CancelInSlurm("u2", 502) in effects
     assert driver.state.excluded_nodes(driver.clock) == ()
     assert driver.event("node_suspect").fields["node"] == "node-u2"
@@ -403,9 +403,10 @@ def test_slurm_units_are_submitted_to_min_replicas_and_a_node_is_avoided_after_a
     assert [(s.unit_id, s.excluded) for s in effects if isinstance(s, core.Submit)] == [("u4", ("node-u2",))]
 
 
-def test_a_silent_worker_or_a_lost_node_excludes_its_node_at_once_and_a_first_failure_is_forgotten() -> None:
-    """A worker its launcher had to end (silent, hung) or a node lost from a unit excludes
-    the node at the first failure; a worker's first failure is forgiven again once
+def test_a_silent_worker_or_an_error_excludes_its_node_at_once_and_a_first_kill_is_forgotten() -> None:
+    """A worker its launcher had to end (silent, hung; a node lost from a unit is said the
+    same way) or one that exits with its own error (a crash loop counts those) excludes the
+    node at the first failure; a worker's first kill is forgiven again once
     node_cooldown_s has passed since it."""
     driver = Driver(min_replicas=1, max_replicas=3, slurm_units=True)
     for unit in ("a", "b", "c"):
@@ -419,18 +420,23 @@ def test_a_silent_worker_or_a_lost_node_excludes_its_node_at_once_and_a_first_fa
     driver.tick(1.0)
     generation = driver.state.generation
     assert generation is not None
-    driver.exit("b", generation.number, code=1)
+    driver.exit("b", generation.number, code=0, signal=9)
     assert driver.state.excluded_nodes(driver.clock) == ("node-a",)
     assert driver.event("node_suspect").fields == {"node": "node-b"}
+    driver.tick(1.0)
+    generation = driver.state.generation
+    assert generation is not None
+    driver.exit("c", generation.number, code=1)
+    assert driver.state.excluded_nodes(driver.clock) == ("node-a", "node-c")
     # Past node_cooldown_s the first failure there is forgotten: another is a first again.
     driver.clock += CONFIG.node_cooldown_s + 1.0
-    driver.links["c"] = core.Link(last_heartbeat_at=driver.clock)
     driver.connect("d", node="node-b")
+    driver.connect("e")
     driver.tick(1.0)
     generation = driver.state.generation
     assert generation is not None and generation.member("d") is not None, driver.events()
     before = len(driver.effects)
-    driver.exit("d", generation.number, code=1)
+    driver.exit("d", generation.number, code=0, signal=9)
     assert driver.state.excluded_nodes(driver.clock) == ()
     assert "node_suspect" in driver.events(driver.effects[before:])
 
@@ -440,7 +446,7 @@ def test_the_first_world_waits_for_a_unit_slurm_started_and_forms_with_it_once_i
     third's job running: the world does not form without it at the end of join_settle_s
     (it would grow onto it right after), but forms with all three once it registers. A
     unit Slurm holds queued for a node is not waited for."""
-    config = dataclasses.replace(CONFIG, join_settle_s=1.0)
+    config = dataclasses.replace(CONFIG, join_settle_s=1.0, queued_units=1)
     driver = Driver(min_replicas=2, max_replicas=4, slurm_units=True, config=config)
     nodes = (node("n1"), node("n2"), node("n3"))
     effects = driver.feed(core.SlurmObserved(view(driver, nodes)))
@@ -454,14 +460,27 @@ def test_the_first_world_waits_for_a_unit_slurm_started_and_forms_with_it_once_i
     driver.connect("u1")
     driver.connect("u2")
     driver.clock += 0.5
-    jobs = tuple(slurm_job(501 + i, SlurmJobState.RUNNING) for i in range(3))
-    pending = tuple(slurm_job(501 + i, SlurmJobState.PENDING) for i in range(3, len(submitted)))
+    # The view shows the three started, 0.3 s before it was taken.
+    started_at = datetime.fromtimestamp(driver.now.wall - 0.3, UTC)
+    jobs = tuple(dataclasses.replace(slurm_job(501 + i, SlurmJobState.RUNNING), start_time=started_at)
+                 for i in range(3))
     busy = tuple(dataclasses.replace(n, state=NodeState.ALLOCATED) for n in nodes)
-    driver.feed(core.SlurmObserved(view(driver, busy, jobs + pending)))
-    assert driver.state.units["u3"].facts.started_seen_at == driver.clock
-    driver.tick(0.9)  # 1.4 s after the registrations: settled, but u3 is starting
+    effects = driver.feed(core.SlurmObserved(view(driver, busy, jobs)))
+    assert abs(driver.state.units["u3"].facts.started_seen_at - (driver.clock - 0.3)) < 1e-6
+    # Nothing idle: one unit is queued ahead in Slurm for the next free node.
+    assert [(e.unit_id, driver.state.units[e.unit_id].facts.queued_ahead)
+            for e in effects if isinstance(e, core.Submit)] == [("u4", True)]
+    driver.feed(core.UnitSubmitted("u4", 504))
+    with_queued = view(driver, busy, (*jobs, slurm_job(504, SlurmJobState.PENDING)))
+    driver.feed(core.SlurmObserved(with_queued))
+    assert driver.state.units["u4"].facts.queued_in_slurm
+    # Slurm not answering: what the views said of it no longer holds (it counts as expected).
+    driver.feed(core.SlurmObserved(dataclasses.replace(with_queued, stale=True)))
+    assert not driver.state.units["u4"].facts.queued_in_slurm
+    driver.feed(core.SlurmObserved(with_queued))
+    driver.tick(0.6)  # 1.1 s after the registrations: settled, but u3 started 0.9 s ago
     assert driver.state.generation is None and driver.state.job.state is not JobState.RUNNING
-    driver.clock += 0.2
+    driver.clock += 0.05
     driver.connect("u3")
     driver.tick()
     generation = driver.state.generation
