@@ -107,11 +107,11 @@ class WorldSnapshot:
     last_change_at: float | None
     join_settle_s: float
     scale_up_snooze_s: float
-    # Units submitted to Slurm that have not registered yet, less those Slurm holds queued
-    # for a node, or None when unknown (launchers started by hand): with none coming,
-    # there is nothing to settle for.
+    # Units submitted to Slurm that have not registered yet, less those queued ahead
+    # (`queued_units`) that a Slurm view shows still waiting for a node, or None when
+    # unknown (launchers started by hand): with none coming, there is nothing to settle for.
     expected: int | None = None
-    # Of those, the ones a Slurm view showed started, with when it was taken (monotonic):
+    # Of those, the ones a Slurm view showed started, with their Slurm start time (monotonic):
     # a world formed afresh waits `join_settle_s` from then for their launchers.
     starting: Mapping[str, float] = dataclasses.field(default_factory=dict)
 

@@ -203,9 +203,10 @@ def on_requeued(t: Step, unit: UnitRecord, slurm_job_id: int) -> None:
 def cool_down(t: Step, unit: UnitRecord, now: float, why: str = "", worker_only: bool = False) -> None:
     """No unit of this job on the failed unit's nodes for a while (doubling with each
     failure there), so a bad node does not eat every replacement. A failure of a worker
-    alone (`worker_only`: it exited or was killed while its launcher stayed healthy, as
-    torchrun restarts in place) spares a node that has no failure on record: the node stays
-    in use, and another failure there within `node_cooldown_s` excludes it."""
+    alone (`worker_only`: it was killed while its launcher stayed healthy, as torchrun
+    restarts in place) spares a node with no failure on record (a spared kill is forgotten
+    after `node_cooldown_s`): the node stays in use, and another failure there within
+    `node_cooldown_s` excludes it."""
     for node in unit.nodes:
         failures, until = t.state.node_cooldown.get(node, (0, 0.0))
         if worker_only and failures == 0 and now >= until:

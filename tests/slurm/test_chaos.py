@@ -97,15 +97,18 @@ def test_a_live_job_left_below_min_by_an_urgent_job_gives_its_last_node_back_and
         slurm: CliJsonSlurmClient, mini_cluster: dict, urgent_reference: chaos.Reference, hog: list[int],
         tmp_path: Path) -> None:
     """min 2 on 4 nodes: an urgent job on 3 preempts 3 units, and the one left trains
-    nothing. After below_min_release_s (3 s here) it gives its node back, saving the
-    training state as it leaves; once the urgent job is gone the job resumes at that step
-    and completes once, every step with the fixed run's samples, parameters within 1e-9."""
-    faults = [chaos.PlannedFault(kind="urgent", gap_s=3.0, pick=0.0, duration_s=8.0, nodes=3)]
+    nothing. With the default release settings, Slurm's views show nothing on its way (no
+    idle node, no unit of its starting), so after below_min_blocked_release_s (5 s), not
+    below_min_release_s (30 s), it gives its node back, saving the training state as it
+    leaves; once the urgent job is gone the job resumes at that step and completes once,
+    every step with the fixed run's samples, parameters within 1e-9."""
+    faults = [chaos.PlannedFault(kind="urgent", gap_s=3.0, pick=0.0, duration_s=12.0, nodes=3)]
     result = chaos.run_seed(0, urgent_reference, tmp_path / "run", faults=faults, min_replicas=2, max_replicas=4,
-                            deadline_s=CHAOS_DEADLINE_S, controller_settings={"below_min_release_s": "3"})
+                            deadline_s=CHAOS_DEADLINE_S)
     assert result.passed, result.report()
     assert result.faults == ["urgent"], result.report()
     timeline = "\n".join(result.timeline)
-    assert " below_min_released " in timeline, timeline
+    released = [line for line in result.timeline if " below_min_released " in line]
+    assert released and "below_min_blocked_release_s" in released[0], timeline
     assert "left after saving the training state at step" in timeline, timeline
     assert "state_lost" not in timeline and "resumed_from_checkpoint" not in timeline, timeline

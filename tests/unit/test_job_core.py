@@ -372,7 +372,8 @@ def test_slurm_units_are_submitted_to_min_replicas_and_a_node_is_avoided_after_a
         driver.connect(unit)
     driver.tick()
     assert driver.state.job.state is JobState.RUNNING
-    effects = driver.exit("u2", 1, code=0, signal=9)
+    # (Exit 137: killed by SIGKILL under a wrapper, as its launcher reports it.)
+    effects = driver.exit("u2", 1, code=137)
     assert core.CancelInSlurm("u2", 502) in effects
     assert driver.state.excluded_nodes(driver.clock) == ()
     assert driver.event("node_suspect").fields["node"] == "node-u2"
@@ -445,7 +446,8 @@ def test_the_first_world_waits_for_a_unit_slurm_started_and_forms_with_it_once_i
     """Three units submitted at once; two launchers register, and a Slurm view shows the
     third's job running: the world does not form without it at the end of join_settle_s
     (it would grow onto it right after), but forms with all three once it registers. A
-    unit Slurm holds queued for a node is not waited for."""
+    unit queued ahead (queued_units) that Slurm holds pending for a node is not waited for;
+    a pending unit that was not queued ahead is."""
     config = dataclasses.replace(CONFIG, join_settle_s=1.0, queued_units=1)
     driver = Driver(min_replicas=2, max_replicas=4, slurm_units=True, config=config)
     nodes = (node("n1"), node("n2"), node("n3"))
@@ -485,6 +487,33 @@ def test_the_first_world_waits_for_a_unit_slurm_started_and_forms_with_it_once_i
     driver.tick()
     generation = driver.state.generation
     assert generation is not None and sorted(generation.unit_ids) == ["u1", "u2", "u3"], generation
+
+
+def test_a_unit_pending_in_slurm_that_was_not_queued_ahead_is_waited_for() -> None:
+    """A unit submitted onto an idle node that a view still shows PENDING (Slurm has not
+    scheduled it yet) is on its way: forming waits join_settle_s after the registrations
+    for it, as for any unit submitted and not registered."""
+    config = dataclasses.replace(CONFIG, join_settle_s=1.0)
+    driver = Driver(min_replicas=2, max_replicas=3, slurm_units=True, config=config)
+    nodes = (node("n1"), node("n2"), node("n3"))
+    effects = driver.feed(core.SlurmObserved(view(driver, nodes)))
+    driver.clock += 0.5
+    effects += driver.feed(core.SlurmObserved(view(driver, nodes)))
+    assert [e.unit_id for e in effects if isinstance(e, core.Submit)] == ["u1", "u2", "u3"]
+    for number, unit in enumerate(("u1", "u2", "u3"), start=501):
+        driver.feed(core.UnitSubmitted(unit, number))
+    driver.clock += 0.5
+    jobs = (slurm_job(501, SlurmJobState.RUNNING), slurm_job(502, SlurmJobState.RUNNING),
+            slurm_job(503, SlurmJobState.PENDING))
+    driver.feed(core.SlurmObserved(view(driver, nodes, jobs)))
+    assert not driver.state.units["u3"].facts.queued_in_slurm
+    driver.connect("u1")
+    driver.connect("u2")
+    driver.tick(0.5)
+    assert driver.state.generation is None
+    driver.tick(0.6)
+    generation = driver.state.generation
+    assert generation is not None and sorted(generation.unit_ids) == ["u1", "u2"]
 
 
 def polls_asked(effects: list[core.Effect]) -> list[str]:

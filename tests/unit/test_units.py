@@ -333,7 +333,7 @@ def test_node_cool_downs_survive_a_controller_restart(tmp_path: Path) -> None:
         await settle(lambda: actor.job.state is JobState.RUNNING)
         actor.put(Said(session, launcher_pb2.LauncherMessage(worker_exited=launcher_pb2.WorkerExited(
             generation=1, local_rank=0, pid=5, signal=9, detail="stopped beating for 3 s"))))
-        # (A silent worker excludes its node at once; a worker's first crash would not.)
+        # (A silent worker excludes its node at once; a worker's first kill would not.)
         await settle(lambda: any(e.kind == "node_excluded" for e in actor.store.events("lm-1")))
         task.cancel()
 
