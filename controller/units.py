@@ -211,8 +211,10 @@ def units_to_submit(spec: admin_pb2.JobSpec, *, alive: int, idle_nodes: int, now
     waiting for a place (submitted, joining, active); `idle_nodes` the idle nodes that fit.
 
     - below min_replicas: submit the difference (replacements), whatever is idle: Slurm
-      queues them; but a job that gave its nodes back below min (`released`) waits until
-      enough nodes to reach min_replicas are idle, then grows as below;
+      queues them; or more, where growth as below takes more (a new job starts on every
+      idle node it may take, not at min to grow onto them a poll later); but a job that
+      gave its nodes back below min (`released`) waits until enough nodes to reach
+      min_replicas are idle, then grows as below;
     - otherwise grow onto idle nodes, up to max_replicas, one unit per node
       (`nodes_per_replica` nodes each), unless a world change was recent (snooze) or other
       Slurm jobs wait for nodes (`others_waiting`): an elastic job takes what nobody else
@@ -244,14 +246,30 @@ def units_to_submit(spec: admin_pb2.JobSpec, *, alive: int, idle_nodes: int, now
                                  scale_up_snooze_s=scale_up_snooze_s, others_waiting=others_waiting,
                                  released=released)
         return UnitDemand(demand.count, f"{demand.reason} (in nodes: replicas of {nodes})")
-    room = spec.max_replicas - alive
     fits = idle_nodes // max(1, spec.nodes_per_replica)
+    growth = growth_onto_idle_nodes(spec, alive=alive, fits=fits, idle_nodes=idle_nodes, now=now,
+                                    last_change_at=last_change_at, scale_up_snooze_s=scale_up_snooze_s,
+                                    others_waiting=others_waiting)
     if alive < spec.min_replicas:
+        needed = spec.min_replicas - alive
         if not released:
-            return UnitDemand(spec.min_replicas - alive, f"{alive} of min {spec.min_replicas} replicas")
-        if fits < spec.min_replicas - alive:
+            # The difference whatever is idle; more at once where idle nodes take them (a
+            # job starts at the size the cluster allows, rather than growing onto them later).
+            if growth.count > needed:
+                return UnitDemand(growth.count, f"{alive} of min {spec.min_replicas} replicas; {growth.reason}")
+            return UnitDemand(needed, f"{alive} of min {spec.min_replicas} replicas")
+        if fits < needed:
             return UnitDemand(0, f"nodes given back below min_replicas {spec.min_replicas}: waiting for "
-                                 f"{spec.min_replicas - alive} idle node(s) ({fits} fit)")
+                                 f"{needed} idle node(s) ({fits} fit)")
+    return growth
+
+
+def growth_onto_idle_nodes(spec: admin_pb2.JobSpec, *, alive: int, fits: int, idle_nodes: int, now: float,
+                           last_change_at: float | None, scale_up_snooze_s: float,
+                           others_waiting: int) -> UnitDemand:
+    """Units onto idle nodes (`fits` replicas' worth) up to max_replicas, to a size the
+    job allows; none while other Slurm jobs wait for nodes or within the snooze."""
+    room = spec.max_replicas - alive
     if room <= 0:
         return UnitDemand(0, f"at max_replicas {spec.max_replicas}")
     if fits <= 0:

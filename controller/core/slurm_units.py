@@ -102,10 +102,11 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
                                         others_waiting=len(others_waiting),
                                         released=state.released_below_min, holes=holes)
     count = demand.count
-    if (grow_allowance is not None and not holes and len(alive) >= spec.min_replicas * nodes
-            and count > grow_allowance):
-        # Other elastic jobs share these idle nodes by weight.
-        count = grow_allowance
+    # Below min the difference goes out whatever is idle; beyond it (or at min and above)
+    # other elastic jobs share the idle nodes by weight.
+    below = max(0, spec.min_replicas * nodes - len(alive))
+    if grow_allowance is not None and not holes and count > max(below, grow_allowance):
+        count = max(below, grow_allowance)
         note_growth_held(t, f"{demand.count - count} of {demand.count} idle node(s) go to other elastic "
                          f"jobs by weight (this job's weight {spec.weight or 1})")
     if count == 0 and not holes:

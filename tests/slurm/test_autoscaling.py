@@ -272,8 +272,12 @@ def test_a_controller_restart_while_the_job_grows_stops_no_training_and_tidal_ag
     ledger = tmp_path / "ledger"
     try:
         with controller.admin() as admin:
-            job_id = admin.submit(live_job("restart", 4, tmp_path, ledger)).job.job_id
+            job_id = admin.submit(live_job("restart", 1, tmp_path, ledger)).job.job_id
             wait_for("the first steps", lambda: len(commits(read_ledger(ledger))) >= 20, timeout_s=120)
+            # (A job submitted at max 4 would start on the 4 idle nodes at once: grown by a resize.)
+            admin.resize(job_id, max_replicas=4)
+            wait_for("the growth's units in Slurm", lambda: sum(
+                1 for e in admin.events(job_id) if e.kind == "unit_submitted") >= 2, timeout_s=30, interval_s=0.1)
         # Mid-growth: the first unit trains, the others are submitted or joining.
         controller.kill()
         down_at = time.time()
