@@ -206,9 +206,12 @@ def unit_nodes(spec: admin_pb2.JobSpec) -> int:
 
 def units_to_submit(spec: admin_pb2.JobSpec, *, alive: int, idle_nodes: int, now: float,
                     last_change_at: float | None, scale_up_snooze_s: float, others_waiting: int = 0,
-                    released: bool = False, holes: int = 0) -> UnitDemand:
+                    released: bool = False, holes: int = 0, allowance: int | None = None) -> UnitDemand:
     """How many units to submit now, and why. `alive` counts units that hold or are
-    waiting for a place (submitted, joining, active); `idle_nodes` the idle nodes that fit.
+    waiting for a place (submitted, joining, active); `idle_nodes` the idle nodes that fit;
+    `allowance` (None: no bound) the idle nodes the job may grow onto when other elastic
+    jobs share them by weight (`sharing.share_idle_nodes`): growth stops at the largest
+    allowed size within it, never below min_replicas.
 
     - below min_replicas: submit the difference (replacements), whatever is idle: Slurm
       queues them; or more, where growth as below takes more (a new job starts on every
@@ -244,12 +247,12 @@ def units_to_submit(spec: admin_pb2.JobSpec, *, alive: int, idle_nodes: int, now
         in_nodes.nodes_per_replica = 1
         demand = units_to_submit(in_nodes, alive=alive, idle_nodes=idle_nodes, now=now, last_change_at=last_change_at,
                                  scale_up_snooze_s=scale_up_snooze_s, others_waiting=others_waiting,
-                                 released=released)
+                                 released=released, allowance=allowance)
         return UnitDemand(demand.count, f"{demand.reason} (in nodes: replicas of {nodes})")
     fits = idle_nodes // max(1, spec.nodes_per_replica)
     growth = growth_onto_idle_nodes(spec, alive=alive, fits=fits, idle_nodes=idle_nodes, now=now,
                                     last_change_at=last_change_at, scale_up_snooze_s=scale_up_snooze_s,
-                                    others_waiting=others_waiting)
+                                    others_waiting=others_waiting, allowance=allowance)
     if alive < spec.min_replicas:
         needed = spec.min_replicas - alive
         if not released:
@@ -266,9 +269,10 @@ def units_to_submit(spec: admin_pb2.JobSpec, *, alive: int, idle_nodes: int, now
 
 def growth_onto_idle_nodes(spec: admin_pb2.JobSpec, *, alive: int, fits: int, idle_nodes: int, now: float,
                            last_change_at: float | None, scale_up_snooze_s: float,
-                           others_waiting: int) -> UnitDemand:
-    """Units onto idle nodes (`fits` replicas' worth) up to max_replicas, to a size the
-    job allows; none while other Slurm jobs wait for nodes or within the snooze."""
+                           others_waiting: int, allowance: int | None = None) -> UnitDemand:
+    """Units onto idle nodes (`fits` replicas' worth, at most `allowance` when shared)
+    up to max_replicas, to a size the job allows; none while other Slurm jobs wait for
+    nodes or within the snooze."""
     room = spec.max_replicas - alive
     if room <= 0:
         return UnitDemand(0, f"at max_replicas {spec.max_replicas}")
@@ -281,7 +285,8 @@ def growth_onto_idle_nodes(spec: admin_pb2.JobSpec, *, alive: int, fits: int, id
     # Grow only to a world size the job allows (replica_step, allowed_replicas): a unit that
     # could not join would hold a node for nothing.
     sizes = allowed_sizes(spec.min_replicas, spec.max_replicas, spec.replica_step, spec.allowed_replicas)
-    reachable = [n for n in sizes if alive < n <= alive + min(room, fits)]
+    bound = min(room, fits) if allowance is None else min(room, fits, allowance)
+    reachable = [n for n in sizes if alive < n <= alive + bound]
     if not reachable:
         following = next((n for n in sizes if n > alive), None)
         return UnitDemand(0, f"{idle_nodes} idle node(s) fit, too few for the next allowed size {following}"

@@ -96,19 +96,23 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
     nodes = replicas.nodes_per_replica(spec)
     holes = max(0, sum(nodes - len(units) for units in replicas.incomplete_replicas(state.units, nodes).values())
                 - sum(1 for u in alive if u.state is UnitState.SUBMITTED))
-    demand = unit_rules.units_to_submit(spec, alive=len(alive), idle_nodes=max(0, len(idle) - waiting), now=now,
-                                        last_change_at=state.last_change_at,
-                                        scale_up_snooze_s=t.config.scale_up_snooze_s,
-                                        others_waiting=len(others_waiting),
-                                        released=state.released_below_min, holes=holes)
+
+    def demand_within(allowance: int | None) -> unit_rules.UnitDemand:
+        return unit_rules.units_to_submit(spec, alive=len(alive), idle_nodes=max(0, len(idle) - waiting), now=now,
+                                          last_change_at=state.last_change_at,
+                                          scale_up_snooze_s=t.config.scale_up_snooze_s,
+                                          others_waiting=len(others_waiting),
+                                          released=state.released_below_min, holes=holes, allowance=allowance)
+    demand = demand_within(None)
+    if grow_allowance is not None and not holes:
+        # Other elastic jobs share the idle nodes by weight: growth (beyond min_replicas)
+        # stops at the largest size the job allows within its share.
+        shared = demand_within(grow_allowance)
+        if shared.count < demand.count:
+            note_growth_held(t, f"{demand.count - shared.count} of {demand.count} idle node(s) go to other "
+                             f"elastic jobs by weight (this job's weight {spec.weight or 1})")
+        demand = shared
     count = demand.count
-    # Below min the difference goes out whatever is idle; beyond it (or at min and above)
-    # other elastic jobs share the idle nodes by weight.
-    below = max(0, spec.min_replicas * nodes - len(alive))
-    if grow_allowance is not None and not holes and count > max(below, grow_allowance):
-        count = max(below, grow_allowance)
-        note_growth_held(t, f"{demand.count - count} of {demand.count} idle node(s) go to other elastic "
-                         f"jobs by weight (this job's weight {spec.weight or 1})")
     if count == 0 and not holes:
         queued = unit_rules.units_to_queue(spec, alive=len(alive), pending=waiting, idle_nodes=len(idle),
                                            others_waiting=len(others_waiting), released=state.released_below_min,

@@ -1,5 +1,5 @@
 """Units as Slurm jobs on the real mini cluster: the controller submits a live job's
-units with sbatch and grows it onto the idle nodes."""
+units with sbatch onto the idle nodes (all at once, or growing onto them later)."""
 
 from __future__ import annotations
 

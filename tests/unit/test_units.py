@@ -97,6 +97,26 @@ def test_growth_takes_idle_nodes_up_to_max_and_respects_the_snooze() -> None:
     assert units_to_submit(two_node, alive=1, idle_nodes=5, now=0, last_change_at=None, scale_up_snooze_s=0).count == 2
 
 
+def test_a_shared_allowance_bounds_growth_to_a_size_the_job_allows_never_below_min() -> None:
+    """Other elastic jobs share the idle nodes by weight (`allowance`, in nodes): growth
+    stops at the largest allowed size within it, whole replicas of K nodes, and a job
+    below min still gets the difference."""
+    stepped = admin_pb2.JobSpec(min_replicas=2, max_replicas=8, replica_step=2, nodes_per_replica=1)
+    assert units_to_submit(stepped, alive=0, idle_nodes=4, now=0, last_change_at=None, scale_up_snooze_s=0,
+                           allowance=3).count == 2
+    assert units_to_submit(stepped, alive=2, idle_nodes=4, now=0, last_change_at=None, scale_up_snooze_s=0,
+                           allowance=3).count == 2
+    assert units_to_submit(stepped, alive=2, idle_nodes=4, now=0, last_change_at=None, scale_up_snooze_s=0,
+                           allowance=1).count == 0
+    assert units_to_submit(stepped, alive=0, idle_nodes=4, now=0, last_change_at=None, scale_up_snooze_s=0,
+                           allowance=0).count == 2
+    two_node = admin_pb2.JobSpec(min_replicas=1, max_replicas=4, nodes_per_replica=2, mode=common_pb2.JOB_MODE_LIVE)
+    assert units_to_submit(two_node, alive=0, idle_nodes=5, now=0, last_change_at=None, scale_up_snooze_s=0,
+                           allowance=3).count == 2
+    assert units_to_submit(two_node, alive=0, idle_nodes=5, now=0, last_change_at=None,
+                           scale_up_snooze_s=0).count == 4
+
+
 def test_only_idle_usable_nodes_of_the_jobs_partition_count() -> None:
     nodes = [node("n1"), node("n2", NodeState.ALLOCATED), node("n3", flags=frozenset({NodeFlag.DRAIN})),
              node("n4", partitions=("urgent",)), node("n5", partitions=("train", "urgent"))]
