@@ -857,15 +857,15 @@ class Tidal(Cluster):
                     if settled_at > now:
                         self.at(settled_at - now, "settled")
         alive = len(self.members) + len(self.joiners) + len(self.starting)
+        # (As the controller's on_slurm: the weighted share bounds growth, here of one job.)
+        growing = sharing.GrowingJob(self.JOB, 1, alive, self.spec.max_replicas,
+                                     frozenset(self.names[n] for n in self.idle))
         demand = unit_rules.units_to_submit(self.spec, alive=alive, idle_nodes=len(self.idle), now=now,
                                             last_change_at=self.last_change_at,
                                             scale_up_snooze_s=self.config.scale_up_snooze_s,
-                                            others_waiting=len(self.queue))
+                                            others_waiting=len(self.queue),
+                                            allowance=sharing.share_idle_nodes([growing])[self.JOB])
         count = demand.count
-        if count and alive >= self.spec.min_replicas:
-            growing = sharing.GrowingJob(self.JOB, 1, alive, self.spec.max_replicas,
-                                         frozenset(self.names[n] for n in self.idle))
-            count = min(count, sharing.share_idle_nodes([growing])[self.JOB])
         if count:
             submitted = self.take_idle(count)
             self.starting.update(submitted)
