@@ -84,7 +84,7 @@ from typing import Any
 import grpc
 import torch
 
-from bench.common import MLP_EXAMPLE, REPO, Row, parser, workspace, write_result
+from bench.common import MLP_EXAMPLE, REPO, Row, parser, stop_on_sigterm, workspace, write_result
 from tests.integration.conftest import ControllerProcess, alive
 from tidal.proto import admin_pb2, common_pb2
 from tidal.slurm import CliJsonSlurmClient, JobState, SlurmError, UnitSubmission
@@ -1612,11 +1612,6 @@ class ChaosRun:
 
 def run_seed(seed: int, reference: Reference, folder: Path, **options: Any) -> SeedResult:
     return ChaosRun(seed, reference, folder, **options).run()
-
-
-def stop_on_sigterm(signum: int, frame: object) -> None:
-    """SIGTERM (timeout, a CI runner) unwinds like SIGINT: every `finally` stops what it started."""
-    raise SystemExit(128 + signum)
 
 
 def main() -> None:

@@ -240,3 +240,9 @@ def steady_rate(times: Sequence[float], skip: int) -> float:
     if len(kept) < 2:
         return float("nan")
     return (len(kept) - 1) / (kept[-1] - kept[0])
+
+
+def stop_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM (timeout, a CI runner, a kill by PID) unwinds like SIGINT: every `finally`
+    stops what it started (controllers, lighthouses, the trace's Slurm jobs)."""
+    raise SystemExit(128 + signum)

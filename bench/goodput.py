@@ -62,6 +62,7 @@ from bench.common import (
     median,
     parser,
     read_jsonl,
+    stop_on_sigterm,
     workspace,
     write_result,
 )
@@ -384,6 +385,7 @@ def main() -> None:
                            help="which systems play the trace (comma-separated); with fewer than all three the "
                                 "plays are printed and no result is written")
     args = arguments.parse_args()
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
     systems = {name.strip() for name in args.systems.split(",") if name.strip()}
     if not systems or systems - {"tidal", "static", "torchft"}:
         raise SystemExit(f"goodput: --systems takes tidal, static and torchft, got {args.systems!r}")
