@@ -57,7 +57,7 @@ def fail(t: Step, unit_id: str, reason: str, cause: str, detected_at: float,
     t.emit(SaveUnit(unit), Record("failure_detected", reason, unit_id=unit_id, generation=number,
                                   fields={"cause": cause, **(fields or {})}), FailureCounted(cause))
     if state.slurm_units:
-        slurm_units.cool_down(t, unit, detected_at, worker_only=spare_node)
+        slurm_units.cool_down(t, unit, detected_at, spare_node=spare_node)
         # A failed unit never comes back: whatever is left of it (a hung launcher, a
         # node whose slurmd died) gives its allocation back.
         slurm_units.cancel_in_slurm(t, unit)

@@ -77,10 +77,10 @@ def release_below_min(t: Step, now: float) -> None:
     """Live mode with Slurm units: below min_replicas for `below_min_release_s` since the
     last registration (or `below_min_blocked_release_s` while Slurm's views show nothing
     on its way: `slurm_units.note_blocked_below_min`), the units that are left (they
-    train nothing) give their nodes back; the last holder of the training state saves it as it leaves (`leave`), the
-    replacements queued in Slurm are cancelled (they would take the nodes given back),
-    and the job submits units again only once min_replicas nodes are idle, resuming
-    from the saved state."""
+    train nothing) give their nodes back; the last holder of the training state saves it
+    as it leaves (`leave`), the replacements queued in Slurm are cancelled (they would
+    take the nodes given back), and the job submits units again only once min_replicas
+    nodes are idle, resuming from the saved state."""
     state = t.state
     holding = sorted(u for u, unit in state.units.items()
                      if unit.state in (UnitState.ACTIVE, UnitState.JOINING) and t.connected(u))

@@ -39,6 +39,8 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
                 t.note(unit, queued_in_slurm=False)
     if not state.slurm_units or t.job.state.is_final or view.stale:
         return
+    # When the view was taken, on the monotonic clock.
+    seen = now - max(0.0, t.now.wall - view.observed_at)
     for unit in list(state.units.values()):
         if not unit.slurm_job_id or unit.state.is_final:
             continue
@@ -70,7 +72,6 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
             what = found.state.value.lower() if found else "gone from squeue"
             unit_lost(t, unit, f"Slurm job {unit.slurm_job_id} {what} before its launcher registered")
         elif found is not None and unit.state is UnitState.SUBMITTED:
-            seen = now - max(0.0, t.now.wall - view.observed_at)
             started = (seen - max(0.0, view.observed_at - found.start_time.timestamp())
                        if found.start_time is not None else seen)
             note_submitted_unit(t, unit, found.state, started)
@@ -83,7 +84,7 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
     # nodes this job could take.
     usable = frozenset(n.name for n in view.nodes if spec.partition in n.partitions or not spec.partition)
     others_waiting = unit_rules.others_waiting_for(view, t.job.job_id, usable)
-    note_blocked_below_min(t, view, now, alive, frozenset(excluded), bool(others_waiting))
+    note_blocked_below_min(t, view, seen, alive, frozenset(excluded), bool(others_waiting))
     if now < state.next_submit_at or state.stopping is not None or t.job.state is JobState.FINISHING:
         return
     # Units Slurm has not placed yet will take idle nodes; running ones already hold theirs.
@@ -122,20 +123,19 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
         submit_unit(t, demand.reason, excluded, queued_ahead=demand.queued_ahead)
 
 
-def note_blocked_below_min(t: Step, view: ClusterView, now: float, alive: list[UnitRecord],
+def note_blocked_below_min(t: Step, view: ClusterView, seen: float, alive: list[UnitRecord],
                            excluded: frozenset[str], others_waiting: bool) -> None:
     """Live mode, below min_replicas: whether this view shows anything on its way to bring
     the job back (an idle node it could take with no other job waiting for it, or a unit
     of its whose Slurm job started, or is not known yet, and whose launcher has not
     registered). Nothing on its way on every view since `blocked_below_min_since`:
     the job gives its nodes back after `below_min_blocked_release_s`
-    (`leaving.release_below_min`)."""
+    (`leaving.release_below_min`). `seen`: when the view was taken, on the monotonic
+    clock."""
     state = t.state
     if not state.live or t.job.state is not JobState.DEGRADED or state.released_below_min:
         state.blocked_below_min_since = state.blocked_below_min_seen_at = None
         return
-    # When the view was taken, on the monotonic clock.
-    seen = now - max(0.0, t.now.wall - view.observed_at)
     # A node whose last job is completing (IDLE+COMPLETING) is idle in a moment.
     freeing = [dataclasses.replace(n, flags=n.flags - {NodeFlag.COMPLETING}) for n in view.nodes
                if n.state is NodeState.IDLE and NodeFlag.COMPLETING in n.flags]
@@ -205,16 +205,16 @@ def on_requeued(t: Step, unit: UnitRecord, slurm_job_id: int) -> None:
         leaving.leave(t, unit.unit_id, "requeued", f"Slurm requeued job {slurm_job_id}")
 
 
-def cool_down(t: Step, unit: UnitRecord, now: float, why: str = "", worker_only: bool = False) -> None:
+def cool_down(t: Step, unit: UnitRecord, now: float, why: str = "", spare_node: bool = False) -> None:
     """No unit of this job on the failed unit's nodes for a while (doubling with each
     failure there), so a bad node does not eat every replacement. A failure of a worker
-    alone (`worker_only`: it was killed while its launcher stayed healthy, as torchrun
+    alone (`spare_node`: it was killed while its launcher stayed healthy, as torchrun
     restarts in place) spares a node with no failure on record (a spared kill is forgotten
     after `node_cooldown_s`): the node stays in use, and another failure there within
     `node_cooldown_s` excludes it."""
     for node in unit.nodes:
         failures, until = t.state.node_cooldown.get(node, (0, 0.0))
-        if worker_only and failures == 0 and now >= until:
+        if spare_node and failures == 0 and now >= until:
             t.state.node_cooldown[node] = (0, now + t.config.node_cooldown_s)
             t.save_pending()
             t.record("node_suspect", f"a worker of unit {unit.unit_id} was killed there while its launcher stayed "

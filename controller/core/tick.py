@@ -115,17 +115,16 @@ def decide(t: Step, now: float, after: str = "") -> None:
         expand = {f"replica-{r}": tuple(units) for r, units in whole.items()}
         joiners = {key: max(joiners[u] for u in units) for key, units in expand.items()}
         member_keys = tuple(f"replica-{r}" for r in replicas.complete(state.units, members, nodes))
+    # Units submitted to Slurm whose launcher has not registered.
+    submitted = [u for u in state.units.values() if u.state is UnitState.SUBMITTED]
     snapshot = planning.WorldSnapshot(
         running=running, members=member_keys, joiners=joiners,
         min_replicas=t.min_world,
         max_replicas=t.max_world, sizes=t.sizes(),
         last_change_at=state.last_change_at, join_settle_s=t.config.join_settle_s,
         scale_up_snooze_s=t.config.scale_up_snooze_s,
-        expected=(sum(1 for u in state.units.values()
-                      if u.state is UnitState.SUBMITTED and not u.facts.queued_in_slurm)
-                  if state.slurm_units else None),
-        starting={u.unit_id: u.facts.started_seen_at for u in state.units.values()
-                  if u.state is UnitState.SUBMITTED and u.facts.started_seen_at is not None})
+        expected=sum(1 for u in submitted if not u.facts.queued_in_slurm) if state.slurm_units else None,
+        starting={u.unit_id: u.facts.started_seen_at for u in submitted if u.facts.started_seen_at is not None})
     action = planning.decide_world(snapshot, now)
     if isinstance(action, (planning.Form, planning.Grow)):
         action = dataclasses.replace(action, joiners=tuple(u for key in action.joiners for u in expand[key]))
