@@ -158,15 +158,30 @@ def form_timeout_s(timeout_s: float, world_size: int) -> float:
     return min(timeout_s, FORM_TIMEOUT_S + FORM_TIMEOUT_PER_RANK_S * world_size)
 
 
+@dataclasses.dataclass(frozen=True)
+class StrayWait:
+    """An arrival given up (a stop, a newer world) while its wait at the store still runs
+    on `thread`, blocked in the store's C++ call until `all_arrived` is set or its deadline.
+    A wait the store's host breaks during the interpreter's shutdown throws in a daemon
+    thread, and the worker dies by SIGABRT (after a completed job, say): `end_stray_wait`
+    ends it before the process exits."""
+
+    thread: threading.Thread
+    generation: int
+    address: tuple[str, int]
+
+
 def await_peers(prefix: Any, world: World, *, deadline: float, timeout_s: float,
-                check_interrupted: Callable[[], None], look_s: float = ARRIVAL_LOOK_S) -> None:
+                check_interrupted: Callable[[], None], look_s: float = ARRIVAL_LOOK_S,
+                on_given_up: Callable[[threading.Thread], None] = lambda thread: None) -> None:
     """Count this rank in at the generation's store (`prefix`: the generation's prefix)
     and return once all `world.world_size` ranks are: the last to arrive sets `all_arrived`,
     the others wait for it on a thread (`tidal-peers`) while this one calls
-    `check_interrupted` (it raises WorldBroken to give up) every `look_s`;
-    WorldBroken past `deadline` (monotonic). A rank's store operations: one add and one
-    wait. Given up, the waiting thread ends with its wait (at the deadline at the latest);
-    the store client it waits on must not be used again (the next generation connects anew)."""
+    `check_interrupted` (it raises WorldBroken to give up) every `look_s`; WorldBroken past
+    `deadline` (monotonic). A rank's store operations: one add and one wait. Given up while
+    the wait runs, its thread goes to `on_given_up`: the wait ends at the deadline, when the
+    store's host goes away, or by `end_stray_wait`; the store client it waits on must not be
+    used again (the next generation connects anew)."""
     if prefix.add("arrived", 1) >= world.world_size:
         prefix.set("all_arrived", "1")
         return
@@ -180,13 +195,39 @@ def await_peers(prefix: Any, world: World, *, deadline: float, timeout_s: float,
 
     waiter = threading.Thread(target=wait, name="tidal-peers", daemon=True)
     waiter.start()
-    while waiter.is_alive():
-        check_interrupted()
-        waiter.join(look_s)
+    try:
+        while waiter.is_alive():
+            check_interrupted()
+            waiter.join(look_s)
+    except BaseException:
+        if waiter.is_alive():
+            on_given_up(waiter)
+        raise
     if failed:
         if isinstance(failed[0], dist.DistStoreError) and time.monotonic() >= deadline:
             raise WorldBroken(f"peers of generation {world.generation} did not arrive within {timeout_s:g} s")
         raise failed[0]
+
+
+def end_stray_wait(stray: StrayWait, join_s: float = 1.0) -> str | None:
+    """End a given-up arrival's wait: set `all_arrived` of its generation at its store
+    (through a client connected for it) and join its thread. Only for a generation that is
+    over: this rank formed a later one since, whose ranks all left this one, and the rest
+    were told to stop or leave. Returns why the wait could not
+    be ended, or None; a wait that already ended (its store's host went away, its
+    deadline passed) needs nothing."""
+    if not stray.thread.is_alive():
+        return None
+    host, port = stray.address
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=join_s),
+                              wait_for_workers=False)
+        dist.PrefixStore(f"gen/{stray.generation}", store).set("all_arrived", "1")
+    except RuntimeError as error:
+        stray.thread.join(join_s)
+        return None if not stray.thread.is_alive() else str(error)
+    stray.thread.join(join_s)
+    return None if not stray.thread.is_alive() else f"its wait did not end within {join_s:g} s"
 
 
 def check_kept_store(store: Any, timeout_s: float) -> None:
@@ -287,6 +328,10 @@ class Membership:
         self._store: Any = None
         self._store_address: tuple[str, int] | None = None
         self._store_settled = False
+        # Arrivals this rank gave up while their waits still run (ended at close:
+        # `end_stray_wait`), and the newest generation it formed.
+        self._strays: list[StrayWait] = []
+        self._formed_generation = -1
         self.log = log.bind(pid=os.getpid())
 
     @property
@@ -358,7 +403,9 @@ class Membership:
             # One store serves the launcher's life; each generation meets under its own prefix.
             prefix = dist.PrefixStore(f"gen/{world.generation}", store)
             await_peers(prefix, world, deadline=started + self.timeout_s, timeout_s=self.timeout_s,
-                        check_interrupted=lambda: self._check_interrupted(world, "waiting for the peers"))
+                        check_interrupted=lambda: self._check_interrupted(world, "waiting for the peers"),
+                        on_given_up=lambda thread: self._strays.append(
+                            StrayWait(thread, world.generation, (world.master_addr, world.master_port))))
             # Formed, the groups' collectives (the state's transfer first) get the full
             # timeout, the backstop.
             connect = datetime.timedelta(seconds=form_timeout_s(self.timeout_s, world.world_size))
@@ -376,6 +423,7 @@ class Membership:
                 raise
             raise WorldBroken(f"forming generation {world.generation} failed: {error}") from error
         self.phase = Phase.FORMED
+        self._formed_generation = world.generation
         seconds = time.monotonic() - started
         step = self.counters.step
         self.channel.send(Formed(generation=world.generation, step=step, digest=state_digest,
@@ -385,6 +433,19 @@ class Membership:
         self.log.info("world_formed", generation=world.generation, rank=world.rank, world_size=world.world_size,
                       step=step, state_source=source, seconds=round(seconds, 4),
                       store="kept" if kept is not None else "connected")
+
+    def _end_stray_waits(self) -> None:
+        """End the waits of arrivals given up in generations older than one this rank
+        formed since; a younger one is left to its deadline (another rank may still be on
+        its way out of it, and would take `all_arrived` for its peers' arrival)."""
+        strays, self._strays = self._strays, []
+        for stray in strays:
+            if stray.generation >= self._formed_generation:
+                self.log.info("stray_wait_left", generation=stray.generation, reason="no later generation formed")
+                continue
+            problem = end_stray_wait(stray)
+            if problem is not None:
+                self.log.warning("stray_wait_left", generation=stray.generation, reason=problem)
 
     def _check_interrupted(self, world: World, doing: str) -> None:
         assert self.channel is not None
@@ -661,6 +722,7 @@ class Membership:
         return announced is not None and announced.leaves
 
     def close(self) -> None:
+        self._end_stray_waits()
         self.close_groups()
         if self.channel is not None:
             self.channel.close()

@@ -291,3 +291,117 @@ def test_a_survivor_keeps_its_store_connection_across_world_changes_only_when_it
                                 timeout=datetime.timedelta(seconds=5))
     membership.form(at(5, port))
     assert membership._store is not kept and replacement.get("gen/5/all_arrived") == b"1"
+
+
+def test_an_arrival_given_up_is_ended_at_close_once_a_later_generation_formed() -> None:
+    # Generation 1 of two ranks: the other never arrives, and the launcher stops the
+    # generation while this rank waits. Its wait at the store is left running on a thread.
+    import datetime
+
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=5))
+
+    def at(generation: int, world_size: int) -> World:
+        return World(generation=generation, rank=0, world_size=world_size, master_addr="127.0.0.1",
+                     master_port=server.port)
+
+    def stray_after_stop(membership: Membership, channel: QueuedChannel, generation: int) -> threading.Thread:
+        threading.Timer(0.3, lambda: setattr(channel, "stopped_generation", generation)).start()
+        with pytest.raises(WorldBroken, match=f"stopped while waiting for the peers of generation {generation}"):
+            membership.form(at(generation, 2))
+        thread = membership._strays[-1].thread
+        assert thread.is_alive()
+        return thread
+
+    channel = QueuedChannel()
+    membership = _forming_membership(channel)
+    membership.channel = channel
+    first = stray_after_stop(membership, channel, 1)
+    membership.form(at(2, 1))
+    # Given up after the newest world it formed: another rank may still be on its way out of
+    # generation 3, and would take `all_arrived` for its peers' arrival. It is left.
+    third = stray_after_stop(membership, channel, 3)
+    membership.close()
+    assert not first.is_alive() and server.get("gen/1/all_arrived") == b"1"
+    assert third.is_alive() and not server.check(["gen/3/all_arrived"])
+    assert membership._strays == []
+
+
+CHILD = """
+import atexit, datetime, os, signal, sys, threading, time
+import torch.distributed as dist
+from tidal.proto.control import World
+from tidal.train.errors import WorldBroken
+from tidal.train.ledger import Ledger
+from tidal.train.state import Counters
+from tidal.train.channel import WorkerChannel
+from tidal.train.world import Membership
+
+
+class Channel(WorkerChannel):
+    def __init__(self):
+        self._changed = threading.Condition()
+        self.worlds, self.stopped_generation, self.closed = {}, 0, False
+
+    def send(self, message):
+        pass
+
+    def close(self):
+        pass
+
+
+port, server_pid = int(sys.argv[1]), int(sys.argv[2])
+channel = Channel()
+membership = Membership(backend="gloo", shard_size=1, shard_rank=0, timeout_s=60.0, counters=Counters(step=3),
+                        ledger=Ledger(None), agree=lambda groups, world: (0, ""), before_leaving=lambda save: "")
+membership.channel = channel
+threading.Timer(0.3, lambda: setattr(channel, "stopped_generation", 1)).start()
+try:
+    membership.form(World(generation=1, rank=0, world_size=2, master_addr="127.0.0.1", master_port=port))
+except WorldBroken as broken:
+    print(broken, flush=True)
+membership.form(World(generation=2, rank=0, world_size=1, master_addr="127.0.0.1", master_port=port))
+membership.close()
+
+
+def host_gone():
+    # The store's host ends while this process shuts down, holding the interpreter's lock.
+    os.kill(server_pid, signal.SIGKILL)
+    started = time.monotonic()
+    while time.monotonic() - started < 0.01:
+        pass
+
+
+atexit.register(host_gone)
+"""
+
+SERVER = """
+import datetime, time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+print(store.port, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_worker_that_gave_up_an_arrival_exits_cleanly_when_its_stores_host_ends_at_its_exit() -> None:
+    # The worker gave up generation 1's arrival and trained in generation 2. Before, the
+    # given-up wait stayed blocked in the store's C++ call; the host ending as the worker
+    # shut down made it throw in a daemon thread, and the worker died by SIGABRT (exit -6)
+    # after a completed job.
+    import subprocess
+    import sys
+
+    server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        port = server.stdout.readline().strip()
+        child = subprocess.run([sys.executable, "-c", CHILD, port, str(server.pid)],
+                               capture_output=True, text=True, timeout=60)
+    finally:
+        server.kill()
+        server.wait()
+    assert "stopped while waiting for the peers of generation 1" in child.stdout, child.stderr
+    assert child.returncode == 0, child.stderr[-2000:]
