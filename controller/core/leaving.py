@@ -6,6 +6,7 @@ from __future__ import annotations
 from tidal.controller.core import failure, finishing, forming, messages, planning, replicas, slurm_units
 from tidal.controller.core.state import (
     PollSlurmSoon,
+    SavePending,
     SaveUnit,
 )
 from tidal.controller.core.step import Step
@@ -103,6 +104,8 @@ def release_below_min(t: Step, now: float) -> None:
     spec = t.job.spec
     queued = sorted(u for u, unit in state.units.items() if unit.state is UnitState.SUBMITTED)
     state.released_below_min = True
+    # A restarted controller keeps waiting for min_replicas idle nodes rather than queueing.
+    t.emit(SavePending("released_below_min", True))
     if decision is planning.BelowMin.RELEASE:
         why = f"below min_replicas {spec.min_replicas} for {t.config.below_min_release_s:g} s (below_min_release_s)"
     else:

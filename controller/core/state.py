@@ -368,7 +368,7 @@ class State:
     degraded_since: float | None = None
     # Live mode with Slurm units: the job gave its nodes back below min_replicas
     # (below_min_release_s); until a world forms again it submits units only once
-    # min_replicas nodes are idle, rather than queueing replacements.
+    # min_replicas nodes are idle, rather than queueing replacements. Persisted.
     released_below_min: bool = False
     # Live mode with Slurm units, DEGRADED: since when (monotonic) every Slurm view showed
     # nothing on its way to bring the job back to min_replicas (no idle node it could take,
@@ -457,6 +457,8 @@ def restore(job: JobRecord, units: list[UnitRecord], generation: GenerationRecor
     finishing = pending.get("finishing_members")
     if isinstance(finishing, Mapping):
         finishing_members = {str(u): int(n) for u, n in finishing.items() if u in state.units}
+    # A release below min_replicas goes on until a world forms again.
+    state.released_below_min = pending.get("released_below_min") is True and job.state is JobState.DEGRADED
     replica_workers = pending.get("replica_workers")
     if isinstance(replica_workers, int) and replica_workers > 0:
         state.replica_workers = replica_workers

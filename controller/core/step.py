@@ -150,7 +150,8 @@ class Step:
         if self.job.state is not job_state:
             state.degraded_since = self.now.monotonic if job_state is JobState.DEGRADED else None
             state.blocked_below_min_since = state.blocked_below_min_seen_at = None
-        if job_state is JobState.RUNNING:
+        if job_state is JobState.RUNNING and state.released_below_min:
             state.released_below_min = False
+            self.emit(SavePending("released_below_min", False))
         self.job.state = job_state
 

@@ -1051,6 +1051,40 @@ def test_below_min_a_unit_that_slurm_started_after_the_blocked_view_keeps_the_jo
     assert driver.state.units[replacement.unit_id].state is UnitState.SUBMITTED, "not cancelled"
 
 
+def test_a_restarted_controller_keeps_a_release_below_min_until_a_world_forms() -> None:
+    """The release is persisted: a controller restarted after it waits for min_replicas
+    idle nodes rather than queueing a replacement that would hold a node below min."""
+    config = dataclasses.replace(CONFIG, queued_units=1)
+    driver = degraded_with_slurm_units(config)
+    blocked_view(driver)
+    driver.tick(config.below_min_blocked_release_s)
+    blocked_view(driver)
+    effects = driver.tick()
+    assert released(effects)
+    pending = {e.key: e.value for e in effects if isinstance(e, core.SavePending)}
+    assert pending["released_below_min"] is True
+    effects = driver.report("u1", 1, launcher_pb2.GENERATION_PHASE_LEFT, step=40)
+    job, units = dataclasses.replace(driver.state.job), list(driver.state.units.values())
+    driver.state = core.restore(job, units, driver.state.generation, generation_stopped=False, pending=pending,
+                                config=config, now=driver.now, slurm_units=True)
+    assert driver.state.released_below_min
+    effects = driver.feed(core.SlurmObserved(view(driver, (busy("n1"), node("n3")))))
+    assert not [e for e in effects if isinstance(e, core.Submit)], "one idle node of 2: nothing queued"
+    effects = driver.feed(core.SlurmObserved(view(driver, (node("n3"), node("n4")))))
+    units_submitted = [e.unit_id for e in effects if isinstance(e, core.Submit)]
+    assert len(units_submitted) == 2, effects
+    for number, unit in enumerate(units_submitted):
+        driver.feed(core.UnitSubmitted(unit, 700 + number))
+        driver.connect(unit)
+    effects = driver.tick()
+    assert driver.state.job.state is JobState.RUNNING and not driver.state.released_below_min
+    assert [e.value for e in effects if isinstance(e, core.SavePending) and e.key == "released_below_min"] == [False]
+    # A job that is running again when the controller restarts is not released.
+    assert not core.restore(driver.state.job, list(driver.state.units.values()), driver.state.generation,
+                            generation_stopped=False, pending=pending, config=config, now=driver.now,
+                            slurm_units=True).released_below_min
+
+
 def test_a_job_resumed_after_a_release_queues_units_again() -> None:
     """The release below min holds back replacements and queued units until a world forms
     again; a world formed directly (not through a state change's event) ended it too."""
