@@ -25,7 +25,8 @@ from tidal.controller.model import JobState, UnitState, join_ids
 
 def fail(t: Step, unit_id: str, reason: str, cause: str, detected_at: float,
          failed_at: float | None = None, regroup: bool = True,
-         fields: Mapping[str, str] | None = None, own_error: bool = False, spare_node: bool = False) -> bool:
+         fields: Mapping[str, str] | None = None, own_error: bool = False, spare_node: bool = False,
+         error: tuple[int, float] | None = None) -> bool:
     """The one failure path: record, tell the failed unit to kill its workers, and move
     the others to the next generation (`regroup_survivors`; with `regroup` False the caller does,
     once for failures found together). `failed_at` (wall clock) is when the failure
@@ -35,7 +36,8 @@ def fail(t: Step, unit_id: str, reason: str, cause: str, detected_at: float,
     than a worker's own error (`own_error`: a kill, a silence, a lost session or node)
     ends any run of crashes (`count_crash`). `spare_node`: a worker was killed while its
     launcher stayed healthy, so the unit's nodes are spared unless they failed before
-    (`slurm_units.cool_down`)."""
+    (`slurm_units.cool_down`). `error`: the generation and time (wall clock) of the
+    worker's own error, with which its nodes' exclusion can be lifted."""
     state = t.state
     unit = state.units.get(unit_id)
     if unit is None or unit.state.is_final:
@@ -57,7 +59,7 @@ def fail(t: Step, unit_id: str, reason: str, cause: str, detected_at: float,
     t.emit(SaveUnit(unit), Record("failure_detected", reason, unit_id=unit_id, generation=number,
                                   fields={"cause": cause, **(fields or {})}), FailureCounted(cause))
     if state.slurm_units:
-        slurm_units.cool_down(t, unit, detected_at, spare_node=spare_node)
+        slurm_units.cool_down(t, unit, detected_at, spare_node=spare_node, error=error)
         # A failed unit never comes back: whatever is left of it (a hung launcher, a
         # node whose slurmd died) gives its allocation back.
         slurm_units.cancel_in_slurm(t, unit)

@@ -211,8 +211,10 @@ def on_worker_exited(t: Step, unit_id: str, exited: launcher_pb2.WorkerExited) -
         if not own_error:
             # (A worker of a generation counted as a crash was in fact killed: the error
             # that came first was its peers' reaction, as a restart-mode rank raises when a
-            # peer dies.)
+            # peer dies. Nor is the erring worker's node at fault.)
             failure.uncount_crash(t, exited.generation, exited_at)
+            if exited.signal != 0 or exited.exit_code != 0:
+                slurm_units.lift_error_exclusions(t, exited.generation, exited_at, unit_id)
         t.emit(StaleMessageCounted(),
                Note("stale_message_ignored", {"unit": unit_id, "kind": "worker_exited",
                                               "message_generation": exited.generation}))
@@ -237,7 +239,8 @@ def on_worker_exited(t: Step, unit_id: str, exited: launcher_pb2.WorkerExited) -
     # the first time, as torchrun restarts in place; a silent one does not.
     failure.fail(t, unit_id, reason, "silent" if exited.detail else "worker_exit", t.now.monotonic,
                  failed_at=reported_at, fields=fields, regroup=not ending, own_error=own_error,
-                 spare_node=not own_error and not exited.detail)
+                 spare_node=not own_error and not exited.detail,
+                 error=(exited.generation, exited_at) if own_error else None)
     if ending:
         failure.end_crash_loop(t, crashes, f"unit {unit_id} {reason}", fields)
 

@@ -12,6 +12,7 @@ from tidal.controller.core.queries import (
 )
 from tidal.controller.core.state import (
     CancelInSlurm,
+    ErrorExclusion,
     PollSlurmSoon,
     SaveUnit,
     State,
@@ -205,15 +206,19 @@ def on_requeued(t: Step, unit: UnitRecord, slurm_job_id: int) -> None:
         leaving.leave(t, unit.unit_id, "requeued", f"Slurm requeued job {slurm_job_id}")
 
 
-def cool_down(t: Step, unit: UnitRecord, now: float, why: str = "", spare_node: bool = False) -> None:
+def cool_down(t: Step, unit: UnitRecord, now: float, why: str = "", spare_node: bool = False,
+              error: tuple[int, float] | None = None) -> None:
     """No unit of this job on the failed unit's nodes for a while (doubling with each
     failure there), so a bad node does not eat every replacement. A failure of a worker
     alone (`spare_node`: it was killed while its launcher stayed healthy, as torchrun
     restarts in place) spares a node with no failure on record (a spared kill is forgotten
     after `node_cooldown_s`): the node stays in use, and another failure there within
-    `node_cooldown_s` excludes it."""
+    `node_cooldown_s` excludes it. `error`: the failure was a worker's own error, in that
+    generation at that time (wall clock); kept so that the exclusion can be lifted
+    (`lift_error_exclusions`)."""
     for node in unit.nodes:
-        failures, until = t.state.node_cooldown.get(node, (0, 0.0))
+        before = t.state.node_cooldown.get(node)
+        failures, until = before or (0, 0.0)
         if spare_node and failures == 0 and now >= until:
             t.state.node_cooldown[node] = (0, now + t.config.node_cooldown_s)
             t.save_pending()
@@ -224,9 +229,33 @@ def cool_down(t: Step, unit: UnitRecord, now: float, why: str = "", spare_node: 
         failures += 1
         seconds = t.config.node_cooldown_s * min(8, 2 ** (failures - 1))
         t.state.node_cooldown[node] = (failures, now + seconds)
+        if error is not None:
+            t.state.error_exclusions[node] = ErrorExclusion(error[0], error[1], before)
+        else:
+            t.state.error_exclusions.pop(node, None)
         t.save_pending()
         t.record("node_excluded", f"unit {unit.unit_id} {why or 'failed there'}", unit_id=unit.unit_id,
                  fields={"node": node, "failures": failures, "for_s": f"{seconds:.0f}"})
+
+
+def lift_error_exclusions(t: Step, generation: int, killed_at: float, killed: str) -> None:
+    """A worker of `generation` turns out to have been killed at `killed_at` (wall clock;
+    its report came after its peers'): nodes excluded for a worker's own error in that
+    generation at or after it get their cool-down back as it was. A restart-mode rank
+    raises when a peer dies, and its error may reach the controller first; its node is
+    not at fault (`failure.uncount_crash` does the same for the crash count)."""
+    for node, exclusion in sorted(t.state.error_exclusions.items()):
+        if exclusion.generation != generation or exclusion.exited_at < killed_at:
+            continue
+        del t.state.error_exclusions[node]
+        if exclusion.before is None:
+            t.state.node_cooldown.pop(node, None)
+        else:
+            t.state.node_cooldown[node] = exclusion.before
+        t.save_pending()
+        t.record("node_exclusion_lifted", f"its worker's error in generation {generation} came after a worker of "
+                 f"unit {killed} was killed: a reaction to the lost peer, not the node's fault",
+                 unit_id=killed, fields={"node": node})
 
 
 def submit_unit(t: Step, reason: str, excluded: tuple[str, ...], queued_ahead: bool = False) -> None:

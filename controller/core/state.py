@@ -327,6 +327,18 @@ class CrashLoop:
     exited_at: float
 
 
+@dataclasses.dataclass(frozen=True)
+class ErrorExclusion:
+    """A node excluded because a worker there exited with its own error: the error's
+    generation and when it happened (wall clock), and the node's cool-down before it (None:
+    none), restored if a worker of that generation turns out to have been killed before
+    (`slurm_units.lift_error_exclusions`)."""
+
+    generation: int
+    exited_at: float
+    before: tuple[int, float] | None
+
+
 @dataclasses.dataclass
 class State:
     """Everything the controller knows of one job (monotonic times unless said)."""
@@ -363,6 +375,9 @@ class State:
     # Nodes where a unit failed: the failures that excluded it, and no new unit there
     # before (monotonic); (0, t): a worker failed there, not excluded, remembered until t.
     node_cooldown: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
+    # Nodes node_cooldown excludes for a worker's own error (not persisted: the killed
+    # peer's report that lifts one comes within moments).
+    error_exclusions: dict[str, ErrorExclusion] = dataclasses.field(default_factory=dict)
     growth_held_reason: str = ""
     # Since when the job is DEGRADED (below min_replicas), monotonic; None otherwise.
     degraded_since: float | None = None
@@ -490,6 +505,6 @@ def working_copy(state: State) -> State:
         in_flight=(dataclasses.replace(flight, joiners_waiting=set(flight.joiners_waiting),
                                        waiting_for=set(flight.waiting_for)) if flight is not None else None),
         first_step_generations=set(state.first_step_generations),
-        node_cooldown=dict(state.node_cooldown))
+        node_cooldown=dict(state.node_cooldown), error_exclusions=dict(state.error_exclusions))
 
 

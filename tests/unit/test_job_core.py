@@ -442,6 +442,52 @@ def test_a_silent_worker_or_an_error_excludes_its_node_at_once_and_a_first_kill_
     assert "node_suspect" in driver.events(driver.effects[before:])
 
 
+def test_a_restart_mode_error_that_a_killed_peer_caused_gives_its_node_back() -> None:
+    """Restart mode: a rank raises when a peer is killed, and its error may reach the
+    controller before the kill. Its node is excluded at once (an error of its own), and
+    given back when the killed worker's report, stale by then, says it died first: the
+    replacement is submitted without the exclusion. An error after a kill that came later
+    keeps its node excluded."""
+    driver = Driver(mode=common_pb2.JOB_MODE_RESTART, min_replicas=2, max_replicas=2, slurm_units=True)
+    driver.feed(core.SlurmObserved(view(driver, (node("n1"), node("n2")))))
+    for number, unit in enumerate(("u1", "u2")):
+        driver.feed(core.UnitSubmitted(unit, 501 + number))
+        driver.connect(unit)
+    driver.tick()
+    generation = driver.state.generation
+    assert generation is not None and driver.state.job.state is JobState.RUNNING
+    error_at = driver.now.wall
+    erred = launcher_pb2.WorkerExited(generation=generation.number, local_rank=0, pid=4000, exit_code=1)
+    erred.exited_at.FromNanoseconds(int(error_at * 1e9))
+    driver.say("u1", worker_exited=erred)
+    assert driver.state.excluded_nodes(driver.clock) == ("node-u1",)
+    killed = launcher_pb2.WorkerExited(generation=generation.number, local_rank=0, pid=4001, signal=9)
+    killed.exited_at.FromNanoseconds(int((error_at - 0.05) * 1e9))
+    effects = driver.say("u2", worker_exited=killed)
+    assert driver.state.excluded_nodes(driver.clock) == ()
+    lifted = [e for e in effects if isinstance(e, core.Record) and e.kind == "node_exclusion_lifted"]
+    assert [(e.unit_id, e.fields) for e in lifted] == [("u2", {"node": "node-u1"})]
+    assert driver.state.node_cooldown == {}
+    driver.report("u2", generation.number, launcher_pb2.GENERATION_PHASE_STOPPED)
+    effects = driver.feed(core.SlurmObserved(view(driver, (node("n1"), node("n2")),
+                                                  (slurm_job(502, SlurmJobState.RUNNING),))))
+    assert [(s.unit_id, s.excluded) for s in effects if isinstance(s, core.Submit)] == [("u3", ())]
+
+    # The same error with the kill after it: the node stays excluded.
+    driver = Driver(mode=common_pb2.JOB_MODE_RESTART, min_replicas=2, max_replicas=2, slurm_units=True)
+    for unit in ("a", "b"):
+        driver.connect(unit)
+    driver.tick()
+    generation = driver.state.generation
+    assert generation is not None
+    driver.say("a", worker_exited=erred)
+    later = launcher_pb2.WorkerExited(generation=generation.number, local_rank=0, pid=4001, signal=9)
+    later.exited_at.FromNanoseconds(int((error_at + 0.5) * 1e9))
+    driver.say("b", worker_exited=later)
+    assert driver.state.excluded_nodes(driver.clock) == ("node-a",)
+    assert "node_exclusion_lifted" not in driver.events()
+
+
 def test_the_first_world_waits_for_a_unit_slurm_started_and_forms_with_it_once_it_registers() -> None:
     """Three units submitted at once; two launchers register, and a Slurm view shows the
     third's job running: the world does not form without it at the end of join_settle_s
