@@ -301,9 +301,13 @@ class Elastic:
                 group["lr"] = base * factor
 
     def _close(self) -> None:
-        self.state.wait()
-        self.membership.close()
-        self.ledger.close()
+        try:
+            self.state.wait()
+        finally:
+            try:
+                self.membership.close()
+            finally:
+                self.ledger.close()
 
     # One step.
 

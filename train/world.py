@@ -31,6 +31,7 @@ callback's (`tidal.train.sync`); the step itself is `tidal.train.elastic`'s."""
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import enum
@@ -209,19 +210,21 @@ def await_peers(prefix: Any, world: World, *, deadline: float, timeout_s: float,
         raise failed[0]
 
 
-def end_stray_wait(stray: StrayWait, join_s: float = 1.0) -> str | None:
-    """End a given-up arrival's wait: set `all_arrived` of its generation at its store
-    (through a client connected for it) and join its thread. Only for a generation that is
-    over: this rank formed a later one since, whose ranks all left this one, and the rest
-    were told to stop or leave. Returns why the wait could not
-    be ended, or None; a wait that already ended (its store's host went away, its
+def end_stray_wait(stray: StrayWait, store: Any | None, join_s: float = 1.0) -> str | None:
+    """End a given-up arrival's wait: set `all_arrived` of its generation through `store`
+    (a client of its store's server with no operation in flight; None: the server did not
+    answer) and join its thread. Only for a generation that is over: this rank formed a
+    later one since, whose ranks all left this one, and the rest were told to stop or
+    leave (one that never heard so would take the key for its peers' arrival, fail to
+    connect its groups within `form_timeout_s` and recover). Returns why the wait could
+    not be ended, or None; a wait that already ended (its store's host went away, its
     deadline passed) needs nothing."""
     if not stray.thread.is_alive():
         return None
-    host, port = stray.address
     try:
-        store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=join_s),
-                              wait_for_workers=False)
+        if store is None:
+            raise RuntimeError(f"the store at {stray.address[0]}:{stray.address[1]} does not answer")
+        store.set_timeout(datetime.timedelta(seconds=join_s))
         dist.PrefixStore(f"gen/{stray.generation}", store).set("all_arrived", "1")
     except RuntimeError as error:
         stray.thread.join(join_s)
@@ -331,6 +334,7 @@ class Membership:
         # Arrivals this rank gave up while their waits still run (ended at close:
         # `end_stray_wait`), and the newest generation it formed.
         self._strays: list[StrayWait] = []
+        self._strays_end_at_exit = False
         self._formed_generation = -1
         self.log = log.bind(pid=os.getpid())
 
@@ -404,8 +408,7 @@ class Membership:
             prefix = dist.PrefixStore(f"gen/{world.generation}", store)
             await_peers(prefix, world, deadline=started + self.timeout_s, timeout_s=self.timeout_s,
                         check_interrupted=lambda: self._check_interrupted(world, "waiting for the peers"),
-                        on_given_up=lambda thread: self._strays.append(
-                            StrayWait(thread, world.generation, (world.master_addr, world.master_port))))
+                        on_given_up=lambda thread: self._stray_wait(thread, world))
             # Formed, the groups' collectives (the state's transfer first) get the full
             # timeout, the backstop.
             connect = datetime.timedelta(seconds=form_timeout_s(self.timeout_s, world.world_size))
@@ -434,16 +437,40 @@ class Membership:
                       step=step, state_source=source, seconds=round(seconds, 4),
                       store="kept" if kept is not None else "connected")
 
+    def _stray_wait(self, thread: threading.Thread, world: World) -> None:
+        self._strays.append(StrayWait(thread, world.generation, (world.master_addr, world.master_port)))
+        if not self._strays_end_at_exit:
+            # Also at the interpreter's exit, before its shutdown: a worker whose close()
+            # is not reached (its script raised inside train()'s loop and the traceback
+            # keeps the generator alive).
+            atexit.register(self._end_stray_waits)
+            self._strays_end_at_exit = True
+
     def _end_stray_waits(self) -> None:
         """End the waits of arrivals given up in generations older than one this rank
-        formed since; a younger one is left to its deadline (another rank may still be on
-        its way out of it, and would take `all_arrived` for its peers' arrival)."""
+        formed since, through this rank's store client where it is a client of the same
+        server (the host kept: the usual case), else through one connected for each
+        server; a younger one is left to its deadline (another rank may still be on its
+        way out of it, and would take `all_arrived` for its peers' arrival)."""
         strays, self._strays = self._strays, []
+        # (Only a client no operation is left waiting on: a given-up wait's own client is
+        # never settled, and a second operation on it would take the wait's reply.)
+        clients: dict[tuple[str, int], Any] = {}
+        if self._store is not None and self._store_address is not None and self._store_settled:
+            clients[self._store_address] = self._store
         for stray in strays:
             if stray.generation >= self._formed_generation:
                 self.log.info("stray_wait_left", generation=stray.generation, reason="no later generation formed")
                 continue
-            problem = end_stray_wait(stray)
+            if stray.thread.is_alive() and stray.address not in clients:
+                host, port = stray.address
+                try:
+                    clients[stray.address] = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                                           timeout=datetime.timedelta(seconds=1))
+                except RuntimeError as error:
+                    clients[stray.address] = None
+                    self.log.info("stray_wait_store_gone", generation=stray.generation, error=str(error))
+            problem = end_stray_wait(stray, clients.get(stray.address))
             if problem is not None:
                 self.log.warning("stray_wait_left", generation=stray.generation, reason=problem)
 
@@ -722,7 +749,9 @@ class Membership:
         return announced is not None and announced.leaves
 
     def close(self) -> None:
-        self._end_stray_waits()
-        self.close_groups()
-        if self.channel is not None:
-            self.channel.close()
+        try:
+            self._end_stray_waits()
+        finally:
+            self.close_groups()
+            if self.channel is not None:
+                self.channel.close()
