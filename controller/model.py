@@ -103,6 +103,8 @@ class UnitFacts:
     # view showed it).
     queued_in_slurm: bool = False
     started_seen_at: float | None = None
+    # The nodes its sbatch excluded (node_cooldown's, as they were at its submission).
+    excluded: tuple[str, ...] = ()
     # Live mode: a step its workers are known to hold by their reports (a world they
     # reached with the state verified, a first step they committed), which heartbeats
     # may not say yet (they are up to an interval old).

@@ -13,6 +13,7 @@ from tidal.controller.core.state import (
     FailureCounted,
     GenerationStopped,
     InFlight,
+    PollSlurmSoon,
     Record,
     Recovery,
     SaveJob,
@@ -117,6 +118,30 @@ def uncount_crash(t: Step, generation: int, exited_at: float) -> None:
     loop = t.state.crash_loop
     if loop is not None and loop.last_generation == generation and exited_at <= loop.exited_at:
         t.state.crash_loop = None
+
+
+def killed_before_the_errors(t: Step, unit_id: str, generation: int, killed_at: float, silent: bool) -> None:
+    """A worker of `unit_id` in `generation` turns out to have been killed (a signal) or
+    ended by its launcher at `killed_at` (wall clock), its report coming after that
+    generation ended: errors of its peers in it after that time were their reaction to
+    the lost peer (a restart-mode rank raises when a peer dies; `uncount_crash` takes them
+    out of the crash count). The nodes they excluded are given back
+    (`slurm_units.lift_error_exclusions`): a unit still waiting in Slurm's queue with one
+    of them excluded is cancelled, so that the next poll submits it without, and the
+    killed worker's nodes are judged as a kill reported first would have been."""
+    if not t.state.slurm_units:
+        return
+    lifted = slurm_units.lift_error_exclusions(t, generation, killed_at, unit_id)
+    if not lifted:
+        return
+    for unit in slurm_units.submitted_excluding(t.state, lifted):
+        slurm_units.cancel_in_slurm(t, unit)
+        leaving.mark_left(t, unit.unit_id, f"cancelled while queued: submitted without node(s) "
+                          f"{', '.join(sorted(set(unit.facts.excluded) & set(lifted)))}, given back since")
+    t.emit(PollSlurmSoon(f"node(s) {', '.join(lifted)} given back"))
+    killed = t.state.units.get(unit_id)
+    if killed is not None:
+        slurm_units.cool_down(t, killed, t.now.monotonic, spare_node=not silent)
 
 
 def end_crash_loop(t: Step, generations: int, last: str, fields: Mapping[str, str]) -> None:

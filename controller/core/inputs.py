@@ -214,7 +214,7 @@ def on_worker_exited(t: Step, unit_id: str, exited: launcher_pb2.WorkerExited) -
             # peer dies. Nor is the erring worker's node at fault.)
             failure.uncount_crash(t, exited.generation, exited_at)
             if exited.signal != 0 or exited.exit_code != 0:
-                slurm_units.lift_error_exclusions(t, exited.generation, exited_at, unit_id)
+                failure.killed_before_the_errors(t, unit_id, exited.generation, exited_at, bool(exited.detail))
         t.emit(StaleMessageCounted(),
                Note("stale_message_ignored", {"unit": unit_id, "kind": "worker_exited",
                                               "message_generation": exited.generation}))

@@ -4,6 +4,7 @@ preempted), growth onto idle nodes, submissions and their answers, node cool-dow
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from tidal.controller import units as unit_rules
 from tidal.controller.core import leaving, replicas, sharing
@@ -238,12 +239,14 @@ def cool_down(t: Step, unit: UnitRecord, now: float, why: str = "", spare_node: 
                  fields={"node": node, "failures": failures, "for_s": f"{seconds:.0f}"})
 
 
-def lift_error_exclusions(t: Step, generation: int, killed_at: float, killed: str) -> None:
+def lift_error_exclusions(t: Step, generation: int, killed_at: float, killed: str) -> list[str]:
     """A worker of `generation` turns out to have been killed at `killed_at` (wall clock;
     its report came after its peers'): nodes excluded for a worker's own error in that
     generation at or after it get their cool-down back as it was. A restart-mode rank
     raises when a peer dies, and its error may reach the controller first; its node is
-    not at fault (`failure.uncount_crash` does the same for the crash count)."""
+    not at fault (`failure.uncount_crash` does the same for the crash count). Returns the
+    nodes given back."""
+    lifted = []
     for node, exclusion in sorted(t.state.error_exclusions.items()):
         if exclusion.generation != generation or exclusion.exited_at < killed_at:
             continue
@@ -252,10 +255,21 @@ def lift_error_exclusions(t: Step, generation: int, killed_at: float, killed: st
             t.state.node_cooldown.pop(node, None)
         else:
             t.state.node_cooldown[node] = exclusion.before
-        t.save_pending()
+        lifted.append(node)
         t.record("node_exclusion_lifted", f"its worker's error in generation {generation} came after a worker of "
                  f"unit {killed} was killed: a reaction to the lost peer, not the node's fault",
                  unit_id=killed, fields={"node": node})
+    if lifted:
+        t.save_pending()
+    return lifted
+
+
+def submitted_excluding(state: State, nodes: Sequence[str]) -> list[UnitRecord]:
+    """Units waiting in Slurm's queue (submitted, not started as far as Slurm's views
+    said, no launcher yet) whose sbatch excluded any of `nodes`."""
+    return [unit for unit in state.units.values()
+            if unit.state is UnitState.SUBMITTED and not unit.facts.connected and unit.facts.started_seen_at is None
+            and set(unit.facts.excluded) & set(nodes)]
 
 
 def submit_unit(t: Step, reason: str, excluded: tuple[str, ...], queued_ahead: bool = False) -> None:
@@ -264,7 +278,7 @@ def submit_unit(t: Step, reason: str, excluded: tuple[str, ...], queued_ahead: b
     unit_id = f"u{max(numbers, default=0) + 1}"
     unit = UnitRecord(job_id=t.job.job_id, unit_id=unit_id, state=UnitState.SUBMITTED,
                       procs_per_node=t.job.spec.procs_per_node or 1)
-    unit.facts = dataclasses.replace(unit.facts, queued_ahead=queued_ahead)
+    unit.facts = dataclasses.replace(unit.facts, queued_ahead=queued_ahead, excluded=tuple(excluded))
     state.units[unit_id] = unit
     t.emit(SaveUnit(unit))
     t.record("unit_submitting", reason, unit_id=unit_id)

@@ -467,7 +467,8 @@ def test_a_restart_mode_error_that_a_killed_peer_caused_gives_its_node_back() ->
     assert driver.state.excluded_nodes(driver.clock) == ()
     lifted = [e for e in effects if isinstance(e, core.Record) and e.kind == "node_exclusion_lifted"]
     assert [(e.unit_id, e.fields) for e in lifted] == [("u2", {"node": "node-u1"})]
-    assert driver.state.node_cooldown == {}
+    # u1's node is back as it was; u2's, where the kill was, is suspect (not excluded).
+    assert {node: failures for node, (failures, _) in driver.state.node_cooldown.items()} == {"node-u2": 0}
     driver.report("u2", generation.number, launcher_pb2.GENERATION_PHASE_STOPPED)
     effects = driver.feed(core.SlurmObserved(view(driver, (node("n1"), node("n2")),
                                                   (slurm_job(502, SlurmJobState.RUNNING),))))
@@ -486,6 +487,47 @@ def test_a_restart_mode_error_that_a_killed_peer_caused_gives_its_node_back() ->
     driver.say("b", worker_exited=later)
     assert driver.state.excluded_nodes(driver.clock) == ("node-a",)
     assert "node_exclusion_lifted" not in driver.events()
+
+
+def test_a_replacement_queued_without_a_node_given_back_later_is_submitted_again_with_it() -> None:
+    """The killed worker's report comes after its peer's error, after the survivors formed
+    the next world and a Slurm view got the replacement submitted with the erring unit's
+    node excluded: that replacement, still waiting in Slurm's queue, is cancelled, and the
+    next poll submits one that may go there. The killed worker's node is judged as a kill
+    reported first is (node_suspect)."""
+    driver = Driver(mode=common_pb2.JOB_MODE_RESTART, min_replicas=1, max_replicas=3, slurm_units=True)
+    driver.feed(core.SlurmObserved(view(driver, (node("n1"), node("n2"), node("n3")))))
+    for number, unit in enumerate(("u1", "u2", "u3")):
+        driver.feed(core.UnitSubmitted(unit, 501 + number))
+        driver.connect(unit)
+    driver.tick()
+    generation = driver.state.generation
+    assert generation is not None and len(generation.members) == 3
+    error_at = driver.now.wall
+    erred = launcher_pb2.WorkerExited(generation=generation.number, local_rank=0, pid=4000, exit_code=1)
+    erred.exited_at.FromNanoseconds(int(error_at * 1e9))
+    driver.say("u1", worker_exited=erred)
+    assert driver.state.excluded_nodes(driver.clock) == ("node-u1",)
+    for unit in ("u2", "u3"):
+        driver.report(unit, generation.number, launcher_pb2.GENERATION_PHASE_STOPPED)
+    effects = driver.feed(core.SlurmObserved(view(driver, (busy("n2"), busy("n3"), node("n4")),
+                                                  (slurm_job(502, SlurmJobState.RUNNING),
+                                                   slurm_job(503, SlurmJobState.RUNNING)))))
+    [queued] = [e for e in effects if isinstance(e, core.Submit)]
+    assert queued.excluded == ("node-u1",)
+    driver.feed(core.UnitSubmitted(queued.unit_id, 600))
+    killed = launcher_pb2.WorkerExited(generation=generation.number, local_rank=0, pid=4001, signal=9)
+    killed.exited_at.FromNanoseconds(int((error_at - 0.05) * 1e9))
+    effects = driver.say("u2", worker_exited=killed)
+    assert driver.state.excluded_nodes(driver.clock) == ()
+    assert core.CancelInSlurm(queued.unit_id, 600) in effects
+    assert driver.state.units[queued.unit_id].state is UnitState.LEFT
+    assert any(isinstance(e, core.PollSlurmSoon) for e in effects)
+    assert [e.fields for e in effects if isinstance(e, core.Record) and e.kind == "node_suspect"] == [{"node": "node-u2"}]
+    effects = driver.feed(core.SlurmObserved(view(driver, (busy("n2"), busy("n3"), node("n4")),
+                                                  (slurm_job(502, SlurmJobState.RUNNING),
+                                                   slurm_job(503, SlurmJobState.RUNNING)))))
+    assert [(e.unit_id, e.excluded) for e in effects if isinstance(e, core.Submit)] == [("u5", ())]
 
 
 def test_the_first_world_waits_for_a_unit_slurm_started_and_forms_with_it_once_it_registers() -> None:
