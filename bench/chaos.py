@@ -1092,7 +1092,9 @@ class ChaosRun:
                     left = [f"{f.kind}@{f.aim}" for f in self.plan[slot:]]
                     said = (f"fault(s) {', '.join(left)} never landed: the job reached its last steps before them "
                             f"({'; '.join(reasons)})")
-                    (self.notes if self.landed else self.problems).append(said)
+                    completed = self.last_job is not None and self.last_job.state == admin_pb2.JOB_STATE_COMPLETED
+                    reached_end = why_not == "job ending" or completed
+                    (self.notes if self.landed and reached_end else self.problems).append(said)
                     return
                 fault = redraw(self.seed, slot, attempt + 1)
             else:
