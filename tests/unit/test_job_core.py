@@ -523,7 +523,8 @@ def test_a_replacement_queued_without_a_node_given_back_later_is_submitted_again
     assert core.CancelInSlurm(queued.unit_id, 600) in effects
     assert driver.state.units[queued.unit_id].state is UnitState.LEFT
     assert any(isinstance(e, core.PollSlurmSoon) for e in effects)
-    assert [e.fields for e in effects if isinstance(e, core.Record) and e.kind == "node_suspect"] == [{"node": "node-u2"}]
+    suspects = [e.fields for e in effects if isinstance(e, core.Record) and e.kind == "node_suspect"]
+    assert suspects == [{"node": "node-u2"}]
     effects = driver.feed(core.SlurmObserved(view(driver, (busy("n2"), busy("n3"), node("n4")),
                                                   (slurm_job(502, SlurmJobState.RUNNING),
                                                    slurm_job(503, SlurmJobState.RUNNING)))))
