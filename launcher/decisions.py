@@ -255,3 +255,31 @@ def on_tick(view: NodeView, verdicts: tuple[Verdict, ...], now: float) -> tuple[
         elif verdict.watched is Watched.WORKER and verdict.silence is Silence.SLOW:
             actions.append(NoteSlowWorker(verdict.key, verdict.reason, verdict.silent_s))
     return tuple(actions)
+
+
+# A store server held while the unit's workers start (`launcher.store`) imports torch at
+# the latest this long after the launcher opened.
+STORE_HOLD_MAX_S = 30.0
+
+
+def store_server_release(*, live_mode: bool | None, prestart: bool, trained: bool, named_host: bool,
+                         held_s: float, max_hold_s: float = STORE_HOLD_MAX_S) -> str | None:
+    """Why a held store server (one-node unit; `launcher.store`) should import torch now,
+    or None to keep holding it: its stores are needed (this unit named the host of a
+    generation's rendezvous), or the start it would slow is over (the unit's workers
+    committed a step in a world: past their start, a joiner's state transfer and its
+    world's forming), or nothing is gained by holding (restart mode, whose workers start
+    with a generation that may meet at this unit's store; live mode without workers
+    started ahead), or it was held `max_hold_s` already. `live_mode` None: not registered
+    yet."""
+    if named_host:
+        return "this unit hosts a generation's rendezvous"
+    if live_mode is False:
+        return "restart mode: the workers start with their generation"
+    if live_mode and not prestart:
+        return "no workers started ahead"
+    if trained:
+        return "the workers trained"
+    if held_s >= max_hold_s:
+        return f"held {max_hold_s:g} s"
+    return None

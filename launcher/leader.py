@@ -48,7 +48,7 @@ from tidal.launcher.nodes import (
     UnitNodes,
     node_placement,
 )
-from tidal.launcher.store import ServedStore, stop_store_server
+from tidal.launcher.store import ServedStore, release_store_server, stop_store_server
 from tidal.proto import common_pb2, launcher_pb2
 
 log = structlog.get_logger("tidal.launcher")
@@ -136,6 +136,8 @@ class Agent(NodeAgent[LauncherOptions]):
         self.link = ControllerLink(options.controller, register=self._register_message, post=self.events.put_nowait,
                                    tls_ca=options.tls_ca)
         self.link_task: asyncio.Task[None] | None = None
+        # Since when the store server waits to import torch (None: not held, or released).
+        self.store_held_since: float | None = None
         # A multi-node unit's followers (the leader registers once all of them joined), and
         # what each last reported of its workers, by node index.
         layout = options.unit_nodes
@@ -148,7 +150,7 @@ class Agent(NodeAgent[LauncherOptions]):
 
     # Setup and teardown.
 
-    def _new_store(self) -> None:
+    def _new_store(self, held: bool = False) -> None:
         """A fresh rendezvous store for the next generation hosted here, listening on this
         unit's address only (`ServedStore`: the port at once, the server once the store
         server process has imported torch, which holds up neither the registration nor
@@ -163,7 +165,7 @@ class Agent(NodeAgent[LauncherOptions]):
         previous, self.store = self.store, None
         if previous is not None and previous is not self.serving_store:
             previous.close()
-        self.store = ServedStore(self.options.address)
+        self.store = ServedStore(self.options.address, held=held)
 
     @property
     def store_port(self) -> int:
@@ -182,7 +184,10 @@ class Agent(NodeAgent[LauncherOptions]):
 
     async def _open(self) -> bool:
         try:
-            self._new_store()
+            # A one-node unit holds its store server's torch import while its workers start
+            # (`decisions.store_server_release`).
+            self.store_held_since = time.monotonic() if self.hub is None and self.options.prestart_workers else None
+            self._new_store(held=self.store_held_since is not None)
         except OSError as error:
             self.log.error("store_not_served", address=self.options.address, error=str(error))
             print(f"tidal-launcher: cannot serve the rendezvous store on {self.options.address}: {error} "
@@ -286,7 +291,24 @@ class Agent(NodeAgent[LauncherOptions]):
 
     def _on_command(self, message: launcher_pb2.ControllerMessage) -> None:
         if message.WhichOneof("body") == "generation":
+            self._maybe_release_store(named_host=message.generation.rendezvous.host_unit_id == self.options.unit_id)
             self.apply(worlds.on_generation(self.leader_view(), message.generation, self.options.unit_id))
+
+    def _maybe_release_store(self, named_host: bool = False) -> None:
+        """Let the held store server import torch once `decisions.store_server_release`
+        says so."""
+        if self.store_held_since is None:
+            return
+        trained = any(phase == launcher_pb2.GENERATION_PHASE_FIRST_STEP for _, phase in self.live.workers.reported)
+        reason = decisions.store_server_release(
+            live_mode=None if self.registered is None else self.live_mode, prestart=self.options.prestart_workers,
+            trained=trained, named_host=named_host, held_s=time.monotonic() - self.store_held_since)
+        if reason is None:
+            return
+        held_s = time.monotonic() - self.store_held_since
+        self.store_held_since = None
+        if release_store_server():
+            self.log.info("store_server_released", reason=reason, held_s=round(held_s, 3))
 
     # Workers.
 
@@ -435,6 +457,7 @@ class Agent(NodeAgent[LauncherOptions]):
         super()._on_tick(now)
         if self.state.is_final:
             return
+        self._maybe_release_store()
         interval = (self.registered.heartbeat_interval.ToNanoseconds() / 1e9 if self.registered is not None else 1.0)
         if (self.link.connected
                 and now.monotonic - self.last_heartbeat_at >= max(0.05, interval) - TICK_INTERVAL_S / 2):

@@ -13,6 +13,14 @@ process per launcher, `store_server`, which imports torch once and makes a serve
 each socket it is given. A client that connects before its server is made waits in the
 socket's backlog, within its own connect timeout.
 
+Held (`ServedStore(held=True)` for the first store): the child starts at once but imports
+torch only once the launcher says so (`release_store_server`). A live unit's launcher
+holds it while its own workers start, import torch too, join their world and take their
+state, until they commit a step or the unit is named the host of a generation's store
+(`decisions.store_server_release`): on a node whose cores that start saturates (several
+units starting at once, a host shared by simulated nodes), the store server's import
+(about 1.8 CPU-s) would only slow it, and most units never host a generation's store.
+
 The child is started through `deathsig`, so it dies with the launcher, and it exits when
 its control socket reaches EOF. It is started by the thread that makes the first store
 (PR_SET_PDEATHSIG fires when that thread ends: the launcher's loop thread, which lives as
@@ -44,7 +52,7 @@ class ServedStore:
     `address` is not one of this node's. The server is made in the store server process
     (see the module); `close` drops it there."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, held: bool = False) -> None:
         family, kind, protocol, _, where = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)[0]
         listener = socket.socket(family, kind, protocol)
         try:
@@ -60,7 +68,7 @@ class ServedStore:
         self._answered = threading.Event()
         self._host: _StoreServer | None = None
         try:
-            self._host = _store_server()
+            self._host = _store_server(held)
         except OSError as error:
             listener.close()
             self._fail(f"cannot start the store server: {error}")
@@ -109,11 +117,12 @@ class ServedStore:
 class _StoreServer:
     """The child process serving this process's stores, and the reader of its answers."""
 
-    def __init__(self) -> None:
+    def __init__(self, held: bool = False) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             command = [sys.executable, "-m", "tidal.launcher.deathsig", str(os.getpid()),
-                       sys.executable, "-m", "tidal.launcher.store_server", str(theirs.fileno())]
+                       sys.executable, "-m", "tidal.launcher.store_server", str(theirs.fileno()),
+                       *(["--held"] if held else [])]
             # A session of its own, as the workers have: a terminal's ^C goes to the launcher only.
             self.process = subprocess.Popen(command, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                                             start_new_session=True)
@@ -131,6 +140,8 @@ class _StoreServer:
         # Stores that are served or waiting to be, not closed: they fail if the child exits.
         self._open: set[ServedStore] = set()
         self._stopping = False
+        # Started held: torch is imported (and the stores made) once `go` is sent.
+        self.held = held
         self.exit_error: str | None = None
         self._reader = threading.Thread(target=self._read, name=f"store-server-{self.pid}", daemon=True)
         self._reader.start()
@@ -153,6 +164,17 @@ class _StoreServer:
                     store._fail(f"cannot reach the store server: {error}")
         finally:
             listener.close()
+
+    def go(self) -> bool:
+        """Let a held server import torch and make its stores; whether this call did."""
+        with self._lock:
+            if not self.held:
+                return False
+            self.held = False
+            if self.exit_error is None:
+                with contextlib.suppress(OSError):
+                    self._socket.sendall(b"go\n")
+            return True
 
     def close(self, store: ServedStore) -> None:
         with self._lock:
@@ -238,12 +260,20 @@ _server: _StoreServer | None = None
 _server_lock = threading.Lock()
 
 
-def _store_server() -> _StoreServer:
+def _store_server(held: bool = False) -> _StoreServer:
     global _server
     with _server_lock:
         if _server is None:
-            _server = _StoreServer()
+            _server = _StoreServer(held)
         return _server
+
+
+def release_store_server() -> bool:
+    """Let this process's store server, started held, import torch and make its stores;
+    whether it was held."""
+    with _server_lock:
+        server = _server
+    return server is not None and server.go()
 
 
 def stop_store_server(timeout_s: float = 5.0) -> None:

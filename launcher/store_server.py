@@ -1,14 +1,16 @@
-"""The launcher's store server: `python -m tidal.launcher.store_server CONTROL_FD`.
+"""The launcher's store server: `python -m tidal.launcher.store_server CONTROL_FD [--held]`.
 
 One per launcher, started (through `deathsig`) on the first rendezvous store it needs; it
-imports torch once, at its start, and serves every store of the launcher as a torch
-TCPStore on a listening socket the launcher bound and hands over (`launcher/store.py` says
-why torch stays out of the launcher). It reads commands, one line each, from the control
-socket CONTROL_FD (one end of a Unix socket pair; the other is the launcher's):
+imports torch once, at its start (with `--held`, once the launcher says `go`), and serves
+every store of the launcher as a torch TCPStore on a listening socket the launcher bound
+and hands over (`launcher/store.py` says why torch stays out of the launcher). It reads
+commands, one line each, from the control socket CONTROL_FD (one end of a Unix socket
+pair; the other is the launcher's):
 
 - `serve <port> <address>`, with the listening socket's fd passed alongside
   (SCM_RIGHTS): make the server on it; answers `served <port>` or `failed <port> <error>`.
 - `close <port>`: drop that server (it stops listening); no answer.
+- `go`: import torch now (held only; commands before it wait for it, in order).
 
 It exits when the control socket reaches EOF (the launcher closed it, or died).
 
@@ -33,11 +35,49 @@ def _one_line(error: BaseException) -> str:
     return " ".join(f"{type(error).__name__}: {error}".split())
 
 
+def _receive(control: socket.socket, fds: collections.deque[int]) -> bytes:
+    """The next bytes from the launcher (b"": it closed the socket or is gone); the fds
+    that came with them go to the end of `fds`."""
+    while True:
+        try:
+            data, received, _, _ = socket.recv_fds(control, 65536, 16)
+        except InterruptedError:
+            continue
+        except OSError:
+            return b""
+        fds.extend(received)
+        return data
+
+
+def _until_go(control: socket.socket, fds: collections.deque[int]) -> bytes | None:
+    """Held: read until the launcher says `go`; the commands before it (and their fds)
+    are kept, in order, for when the stores can be made. None: the launcher went first."""
+    pending = b""
+    while True:
+        lines = pending.split(b"\n")
+        if b"go" in lines[:-1]:
+            at = lines.index(b"go")
+            return b"".join(line + b"\n" for line in lines[:at]) + b"\n".join(lines[at + 1:])
+        data = _receive(control, fds)
+        if not data:
+            return None
+        pending += data
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 1 or not argv[0].isdigit():
-        print("usage: python -m tidal.launcher.store_server CONTROL_FD", file=sys.stderr)
+    if not 1 <= len(argv) <= 2 or not argv[0].isdigit() or argv[1:] not in ([], ["--held"]):
+        print("usage: python -m tidal.launcher.store_server CONTROL_FD [--held]", file=sys.stderr)
         return 2
     control = socket.socket(fileno=int(argv[0]))
+    # The fds received, oldest first: each arrives with the bytes of the `serve` line it
+    # was sent with, so a whole line's fd has always arrived by the time the line has.
+    fds: collections.deque[int] = collections.deque()
+    pending = b""
+    if argv[1:] == ["--held"]:
+        before_go = _until_go(control, fds)
+        if before_go is None:
+            return 0
+        pending = before_go
     hold = os.environ.get(HOLD_ENV)
     while hold and not os.path.exists(hold):
         time.sleep(0.05)
@@ -52,21 +92,7 @@ def main(argv: list[str]) -> int:
     failing = os.environ.get(FAIL_ENV)
 
     stores: dict[int, Any] = {}
-    # The fds received, oldest first: each arrives with the bytes of the `serve` line it
-    # was sent with, so a whole line's fd has always arrived by the time the line has.
-    fds: collections.deque[int] = collections.deque()
-    pending = b""
     while True:
-        try:
-            data, received, _, _ = socket.recv_fds(control, 65536, 16)
-        except InterruptedError:
-            continue
-        except OSError:
-            break
-        fds.extend(received)
-        if not data:
-            break
-        pending += data
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
             command = line.decode(errors="replace").split()
@@ -91,8 +117,12 @@ def main(argv: list[str]) -> int:
                     _answer(control, f"served {port}")
             elif len(command) == 2 and command[0] == "close" and command[1].isdigit():
                 stores.pop(int(command[1]), None)
-            else:
+            elif command != ["go"]:
                 print(f"store_server: unknown command {line!r}", file=sys.stderr)
+        data = _receive(control, fds)
+        if not data:
+            break
+        pending += data
     stores.clear()
     return 0
 

@@ -169,3 +169,21 @@ def test_worker_verdicts_kill_the_frozen_note_the_slow_and_a_held_up_loop_forget
     assert note == NoteSlowWorker(0, slow.reason, 3.0)
     held_up = Verdict(Watched.SELF, 0, False, "held up")
     assert on_tick(LIVE, (held_up,), 100.0) == (ForgetBeatSamples(),)
+
+
+def test_a_held_store_server_is_released_when_its_stores_are_needed_or_the_workers_are_up() -> None:
+    from tidal.launcher.decisions import STORE_HOLD_MAX_S, store_server_release
+
+    def release(**facts: object) -> str | None:
+        given: dict[str, object] = {"live_mode": True, "prestart": True, "trained": False,
+                                    "named_host": False, "held_s": 1.0, **facts}
+        return store_server_release(**given)  # type: ignore[arg-type]
+
+    # Live mode, workers starting: held, even before registering.
+    assert release() is None and release(live_mode=None) is None
+    assert release(trained=True) == "the workers trained"
+    assert release(named_host=True) == "this unit hosts a generation's rendezvous"
+    assert release(live_mode=None, named_host=True) == "this unit hosts a generation's rendezvous"
+    assert release(held_s=STORE_HOLD_MAX_S) == f"held {STORE_HOLD_MAX_S:g} s"
+    assert release(live_mode=False) == "restart mode: the workers start with their generation"
+    assert release(prestart=False) == "no workers started ahead"

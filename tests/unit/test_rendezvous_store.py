@@ -207,3 +207,43 @@ def test_the_launcher_registers_without_importing_torch() -> None:
                             "print('torch' in sys.modules)"], capture_output=True, text=True, timeout=120)
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.strip() == "False"
+
+
+def _has_torch(pid: int) -> bool:
+    """Whether process `pid` has torch's library mapped (it imported torch)."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_a_held_store_server_imports_torch_and_serves_only_once_released() -> None:
+    """A live unit's launcher holds its store server's torch import while its workers start
+    (launcher/store.py): the ports are handed out at once, the stores asked for meanwhile
+    (and one closed meanwhile) are made in order once it is released."""
+    from tidal.launcher.store import release_store_server
+
+    store = ServedStore("127.0.0.1", held=True)
+    closed = ServedStore("127.0.0.1")
+    closed.close()
+    later = ServedStore("127.0.0.1")
+    assert store.server_pid is not None
+    with pytest.raises(TimeoutError):
+        store.wait(2.0)
+    assert not _has_torch(store.server_pid)
+    assert release_store_server()
+    assert not release_store_server(), "released once"
+    assert store.wait(60) and later.wait(60)
+    assert _has_torch(store.server_pid)
+    served = [port for _, port in listening_addresses(store.server_pid)]
+    assert store.port in served and later.port in served and closed.port not in served
+    code, out, err = _finish(_client("127.0.0.1", later.port, "s.set('k', 'v'); print(s.get('k').decode())"))
+    assert code == 0, err
+    assert out.strip() == "v"
+
+
+def test_a_held_store_server_ends_with_its_launcher_before_it_was_released() -> None:
+    store = ServedStore("127.0.0.1", held=True)
+    pid = store.server_pid
+    assert pid is not None
+    stop_store_server(5.0)
+    assert _gone(pid, 10)
+    with pytest.raises(StoreNotServed):
+        store.wait(10)
