@@ -300,12 +300,12 @@ class Agent(NodeAgent[LauncherOptions]):
         if self.store_held_since is None:
             return
         trained = any(phase == launcher_pb2.GENERATION_PHASE_FIRST_STEP for _, phase in self.live.workers.reported)
+        held_s = time.monotonic() - self.store_held_since
         reason = decisions.store_server_release(
             live_mode=None if self.registered is None else self.live_mode, prestart=self.options.prestart_workers,
-            trained=trained, named_host=named_host, held_s=time.monotonic() - self.store_held_since)
+            trained=trained, named_host=named_host, held_s=held_s)
         if reason is None:
             return
-        held_s = time.monotonic() - self.store_held_since
         self.store_held_since = None
         if release_store_server():
             self.log.info("store_server_released", reason=reason, held_s=round(held_s, 3))

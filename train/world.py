@@ -221,16 +221,16 @@ def end_stray_wait(stray: StrayWait, store: Any | None, join_s: float = 1.0) -> 
     deadline passed) needs nothing."""
     if not stray.thread.is_alive():
         return None
-    try:
-        if store is None:
-            raise RuntimeError(f"the store at {stray.address[0]}:{stray.address[1]} does not answer")
-        store.set_timeout(datetime.timedelta(seconds=join_s))
-        dist.PrefixStore(f"gen/{stray.generation}", store).set("all_arrived", "1")
-    except RuntimeError as error:
-        stray.thread.join(join_s)
-        return None if not stray.thread.is_alive() else str(error)
+    problem = f"the store at {stray.address[0]}:{stray.address[1]} does not answer"
+    if store is not None:
+        try:
+            store.set_timeout(datetime.timedelta(seconds=join_s))
+            dist.PrefixStore(f"gen/{stray.generation}", store).set("all_arrived", "1")
+            problem = f"its wait did not end within {join_s:g} s"
+        except RuntimeError as error:
+            problem = str(error)
     stray.thread.join(join_s)
-    return None if not stray.thread.is_alive() else f"its wait did not end within {join_s:g} s"
+    return None if not stray.thread.is_alive() else problem
 
 
 def check_kept_store(store: Any, timeout_s: float) -> None:

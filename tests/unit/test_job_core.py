@@ -1140,15 +1140,32 @@ def test_below_min_a_unit_that_slurm_started_after_the_blocked_view_keeps_the_jo
     assert driver.state.units[replacement.unit_id].state is UnitState.SUBMITTED, "not cancelled"
 
 
+def release_after_blocked_wait(driver: Driver, config: ControllerConfig) -> list[core.Effect]:
+    """Blocked views across below_min_blocked_release_s: the tick after the last releases."""
+    blocked_view(driver)
+    driver.tick(config.below_min_blocked_release_s)
+    blocked_view(driver)
+    return driver.tick()
+
+
+def resume_on_two_idle_nodes(driver: Driver) -> list[core.Effect]:
+    """After a release: n3 and n4 idle; the two units submitted onto them register, and
+    the tick after (a world formed) is returned."""
+    effects = driver.feed(core.SlurmObserved(view(driver, (node("n3"), node("n4")))))
+    units = [e.unit_id for e in effects if isinstance(e, core.Submit)]
+    assert len(units) == 2, effects
+    for number, unit in enumerate(units):
+        driver.feed(core.UnitSubmitted(unit, 600 + number))
+        driver.connect(unit)
+    return driver.tick()
+
+
 def test_a_restarted_controller_keeps_a_release_below_min_until_a_world_forms() -> None:
     """The release is persisted: a controller restarted after it waits for min_replicas
     idle nodes rather than queueing a replacement that would hold a node below min."""
     config = dataclasses.replace(CONFIG, queued_units=1)
     driver = degraded_with_slurm_units(config)
-    blocked_view(driver)
-    driver.tick(config.below_min_blocked_release_s)
-    blocked_view(driver)
-    effects = driver.tick()
+    effects = release_after_blocked_wait(driver, config)
     assert released(effects)
     pending = {e.key: e.value for e in effects if isinstance(e, core.SavePending)}
     assert pending["released_below_min"] is True
@@ -1159,13 +1176,7 @@ def test_a_restarted_controller_keeps_a_release_below_min_until_a_world_forms() 
     assert driver.state.released_below_min
     effects = driver.feed(core.SlurmObserved(view(driver, (busy("n1"), node("n3")))))
     assert not [e for e in effects if isinstance(e, core.Submit)], "one idle node of 2: nothing queued"
-    effects = driver.feed(core.SlurmObserved(view(driver, (node("n3"), node("n4")))))
-    units_submitted = [e.unit_id for e in effects if isinstance(e, core.Submit)]
-    assert len(units_submitted) == 2, effects
-    for number, unit in enumerate(units_submitted):
-        driver.feed(core.UnitSubmitted(unit, 700 + number))
-        driver.connect(unit)
-    effects = driver.tick()
+    effects = resume_on_two_idle_nodes(driver)
     assert driver.state.job.state is JobState.RUNNING and not driver.state.released_below_min
     assert [e.value for e in effects if isinstance(e, core.SavePending) and e.key == "released_below_min"] == [False]
     # A job that is running again when the controller restarts is not released.
@@ -1179,19 +1190,10 @@ def test_a_job_resumed_after_a_release_queues_units_again() -> None:
     again; a world formed directly (not through a state change's event) ended it too."""
     config = dataclasses.replace(CONFIG, queued_units=1)
     driver = degraded_with_slurm_units(config)
-    blocked_view(driver)
-    driver.tick(config.below_min_blocked_release_s)
-    blocked_view(driver)
-    assert released(driver.tick())
+    assert released(release_after_blocked_wait(driver, config))
     driver.report("u1", 1, launcher_pb2.GENERATION_PHASE_LEFT, step=40)
     assert driver.state.released_below_min
-    effects = driver.feed(core.SlurmObserved(view(driver, (node("n3"), node("n4")))))
-    units = [e.unit_id for e in effects if isinstance(e, core.Submit)]
-    assert len(units) == 2, effects
-    for number, unit in enumerate(units):
-        driver.feed(core.UnitSubmitted(unit, 600 + number))
-        driver.connect(unit)
-    driver.tick()
+    resume_on_two_idle_nodes(driver)
     assert driver.state.job.state is JobState.RUNNING
     assert not driver.state.released_below_min and driver.state.degraded_since is None
     effects = driver.feed(core.SlurmObserved(view(driver, (busy("n3"), busy("n4")),
