@@ -98,9 +98,10 @@ class UnitFacts:
     submitted_at: float = 0.0
     # Submitted ahead of any free node (`queued_units`), to wait in Slurm's queue.
     queued_ahead: bool = False
-    # Before its launcher registers, as the latest Slurm view said: queued ahead and still
-    # waiting for a node (PENDING); when Slurm started it (monotonic; its start time as a
-    # view showed it).
+    # Before its launcher registers: queued ahead and still waiting for a node (from its
+    # submission until a Slurm view says otherwise: PENDING keeps it, a start or a view
+    # that Slurm did not answer ends it); when Slurm started it (monotonic; its start time
+    # as a view showed it).
     queued_in_slurm: bool = False
     started_seen_at: float | None = None
     # The nodes its sbatch excluded (node_cooldown's, as they were at its submission).

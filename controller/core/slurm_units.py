@@ -278,7 +278,11 @@ def submit_unit(t: Step, reason: str, excluded: tuple[str, ...], queued_ahead: b
     unit_id = f"u{max(numbers, default=0) + 1}"
     unit = UnitRecord(job_id=t.job.job_id, unit_id=unit_id, state=UnitState.SUBMITTED,
                       procs_per_node=t.job.spec.procs_per_node or 1)
-    unit.facts = dataclasses.replace(unit.facts, queued_ahead=queued_ahead, excluded=tuple(excluded))
+    # A unit queued ahead waits in Slurm's queue from its submission (no node was idle for
+    # it): forming and growing do not settle for it before a view shows it, which could come
+    # a poll later; a view that shows Slurm started it makes it one on its way.
+    unit.facts = dataclasses.replace(unit.facts, queued_ahead=queued_ahead, queued_in_slurm=queued_ahead,
+                                     excluded=tuple(excluded))
     state.units[unit_id] = unit
     t.emit(SaveUnit(unit))
     t.record("unit_submitting", reason, unit_id=unit_id)

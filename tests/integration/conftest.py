@@ -40,22 +40,24 @@ def listening_port() -> int:
     is killed, become the local end of any outgoing connection on this machine, and even of
     a client's reconnect to that very port (a loopback socket connected to itself), so that
     the restarted server cannot bind it: seen once in a fresh-clone make test. Ports below the
-    ephemeral range are taken only by an explicit bind."""
+    ephemeral range are taken only by an explicit bind; these lie below the mini cluster's
+    (`scripts/minicluster --port-base`, 17000 by default) and a multi-node unit's
+    (`tidal.launcher.nodes`, from 20000)."""
     try:
         ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         ephemeral_low = 32768
-    low = min(10000, ephemeral_low // 2)
+    low, high = (10000, 17000) if ephemeral_low > 17000 else (ephemeral_low // 2, ephemeral_low)
     chooser = random.Random()
     for _ in range(200):
-        port = chooser.randrange(low, ephemeral_low)
+        port = chooser.randrange(low, high)
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise RuntimeError(f"no free loopback port in [{low}, {ephemeral_low})")
+    raise RuntimeError(f"no free loopback port in [{low}, {high})")
 
 
 def alive(pid: int) -> bool:

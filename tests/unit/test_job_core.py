@@ -562,6 +562,8 @@ def test_the_first_world_waits_for_a_unit_slurm_started_and_forms_with_it_once_i
     assert [(e.unit_id, driver.state.units[e.unit_id].facts.queued_ahead)
             for e in effects if isinstance(e, core.Submit)] == [("u4", True)]
     driver.feed(core.UnitSubmitted("u4", 504))
+    # Queued ahead from its submission, before any view shows it.
+    assert driver.state.units["u4"].facts.queued_in_slurm
     with_queued = view(driver, busy, (*jobs, slurm_job(504, SlurmJobState.PENDING)))
     driver.feed(core.SlurmObserved(with_queued))
     assert driver.state.units["u4"].facts.queued_in_slurm
@@ -571,6 +573,37 @@ def test_the_first_world_waits_for_a_unit_slurm_started_and_forms_with_it_once_i
     driver.feed(core.SlurmObserved(with_queued))
     driver.tick(0.6)  # 1.1 s after the registrations: settled, but u3 started 0.9 s ago
     assert driver.state.generation is None and driver.state.job.state is not JobState.RUNNING
+    driver.clock += 0.05
+    driver.connect("u3")
+    driver.tick()
+    generation = driver.state.generation
+    assert generation is not None and sorted(generation.unit_ids) == ["u1", "u2", "u3"], generation
+
+
+def test_a_unit_queued_ahead_is_not_waited_for_before_a_view_shows_it() -> None:
+    """Seen in bench.goodput: the poll that saw the first units running queued one ahead
+    before the last launcher registered, and the world formed join_settle_s later, when
+    the next view showed the queued unit pending (3 nodes idle 1.15 s). A unit queued ahead
+    waits in Slurm's queue from its submission: the world forms as the last member
+    registers."""
+    config = dataclasses.replace(CONFIG, join_settle_s=1.0, queued_units=1)
+    driver = Driver(min_replicas=2, max_replicas=4, slurm_units=True, config=config)
+    nodes = (node("n1"), node("n2"), node("n3"))
+    effects = driver.feed(core.SlurmObserved(view(driver, nodes)))
+    driver.clock += 0.5
+    effects += driver.feed(core.SlurmObserved(view(driver, nodes)))
+    assert [e.unit_id for e in effects if isinstance(e, core.Submit)] == ["u1", "u2", "u3"]
+    for number, unit in enumerate(("u1", "u2", "u3"), start=501):
+        driver.feed(core.UnitSubmitted(unit, number))
+    driver.clock += 0.5
+    driver.connect("u1")
+    driver.connect("u2")
+    busy = tuple(dataclasses.replace(n, state=NodeState.ALLOCATED) for n in nodes)
+    jobs = tuple(slurm_job(501 + i, SlurmJobState.RUNNING) for i in range(3))
+    effects = driver.feed(core.SlurmObserved(view(driver, busy, jobs)))
+    assert [(e.unit_id, driver.state.units[e.unit_id].facts.queued_ahead)
+            for e in effects if isinstance(e, core.Submit)] == [("u4", True)]
+    driver.feed(core.UnitSubmitted("u4", 504))
     driver.clock += 0.05
     driver.connect("u3")
     driver.tick()
