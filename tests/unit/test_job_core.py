@@ -531,6 +531,19 @@ def test_a_replacement_queued_without_a_node_given_back_later_is_submitted_again
     assert [(e.unit_id, e.excluded) for e in effects if isinstance(e, core.Submit)] == [("u5", ())]
 
 
+def three_units_submitted(driver: Driver) -> tuple[Node, ...]:
+    """Three idle nodes in two views: u1, u2 and u3 are submitted (Slurm jobs 501-503);
+    returns the nodes."""
+    nodes = (node("n1"), node("n2"), node("n3"))
+    effects = driver.feed(core.SlurmObserved(view(driver, nodes)))
+    driver.clock += 0.5
+    effects += driver.feed(core.SlurmObserved(view(driver, nodes)))
+    assert [e.unit_id for e in effects if isinstance(e, core.Submit)] == ["u1", "u2", "u3"]
+    for number, unit in enumerate(("u1", "u2", "u3"), start=501):
+        driver.feed(core.UnitSubmitted(unit, number))
+    return nodes
+
+
 def test_the_first_world_waits_for_a_unit_slurm_started_and_forms_with_it_once_it_registers() -> None:
     """Three units submitted at once; two launchers register, and a Slurm view shows the
     third's job running: the world does not form without it at the end of join_settle_s
@@ -539,14 +552,7 @@ def test_the_first_world_waits_for_a_unit_slurm_started_and_forms_with_it_once_i
     a pending unit that was not queued ahead is."""
     config = dataclasses.replace(CONFIG, join_settle_s=1.0, queued_units=1)
     driver = Driver(min_replicas=2, max_replicas=4, slurm_units=True, config=config)
-    nodes = (node("n1"), node("n2"), node("n3"))
-    effects = driver.feed(core.SlurmObserved(view(driver, nodes)))
-    driver.clock += 0.5
-    effects += driver.feed(core.SlurmObserved(view(driver, nodes)))
-    submitted = [e.unit_id for e in effects if isinstance(e, core.Submit)]
-    assert submitted[:3] == ["u1", "u2", "u3"], submitted
-    for number, unit in enumerate(submitted, start=501):
-        driver.feed(core.UnitSubmitted(unit, number))
+    nodes = three_units_submitted(driver)
     driver.clock += 1.0
     driver.connect("u1")
     driver.connect("u2")
@@ -588,13 +594,7 @@ def test_a_unit_queued_ahead_is_not_waited_for_before_a_view_shows_it() -> None:
     registers."""
     config = dataclasses.replace(CONFIG, join_settle_s=1.0, queued_units=1)
     driver = Driver(min_replicas=2, max_replicas=4, slurm_units=True, config=config)
-    nodes = (node("n1"), node("n2"), node("n3"))
-    effects = driver.feed(core.SlurmObserved(view(driver, nodes)))
-    driver.clock += 0.5
-    effects += driver.feed(core.SlurmObserved(view(driver, nodes)))
-    assert [e.unit_id for e in effects if isinstance(e, core.Submit)] == ["u1", "u2", "u3"]
-    for number, unit in enumerate(("u1", "u2", "u3"), start=501):
-        driver.feed(core.UnitSubmitted(unit, number))
+    nodes = three_units_submitted(driver)
     driver.clock += 0.5
     driver.connect("u1")
     driver.connect("u2")
@@ -617,13 +617,7 @@ def test_a_unit_pending_in_slurm_that_was_not_queued_ahead_is_waited_for() -> No
     for it, as for any unit submitted and not registered."""
     config = dataclasses.replace(CONFIG, join_settle_s=1.0)
     driver = Driver(min_replicas=2, max_replicas=3, slurm_units=True, config=config)
-    nodes = (node("n1"), node("n2"), node("n3"))
-    effects = driver.feed(core.SlurmObserved(view(driver, nodes)))
-    driver.clock += 0.5
-    effects += driver.feed(core.SlurmObserved(view(driver, nodes)))
-    assert [e.unit_id for e in effects if isinstance(e, core.Submit)] == ["u1", "u2", "u3"]
-    for number, unit in enumerate(("u1", "u2", "u3"), start=501):
-        driver.feed(core.UnitSubmitted(unit, number))
+    nodes = three_units_submitted(driver)
     driver.clock += 0.5
     jobs = (slurm_job(501, SlurmJobState.RUNNING), slurm_job(502, SlurmJobState.RUNNING),
             slurm_job(503, SlurmJobState.PENDING))
