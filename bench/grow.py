@@ -9,9 +9,11 @@ stepping every few milliseconds: 3 ranks and their launchers on this machine's 2
 so the joiner's start (Python, torch) competes with them for CPU, which a real cluster's
 separate node never does. In the other two each micro-batch is 0.1 s of device time spent
 sleeping, as on an accelerator, so the host's cores are mostly free, as a GPU node's are:
-one with a unit kept queued in Slurm (`queued_units = 1`: Slurm starts it the moment the
-node frees), one without (the baseline: the next poll sees the node idle and submits a
-unit), their repetitions interleaved.
+one with a unit kept queued in Slurm (`queued_units = 1`, the default: Slurm starts it the
+moment the node frees), one without (`queued_units = 0`, the opt-out and the baseline: the
+next poll sees the node idle and submits a unit; the poll is every second here, every
+30 s by default), their repetitions interleaved. The goals are the default's; the opt-out's
+figures are reported beside them.
 
 Where the seconds go, each stage from the end of the one before, from the controller's
 events (the unit's `unit_submitted`, `unit_registered` with the launcher's process start
@@ -63,11 +65,13 @@ class Series:
 
 
 SERIES = (Series("busy", "node freed (scancel of its job) → first step with its replica, training ranks busy on the "
-                         "host's cores, a unit queued in Slurm", 0.01, 1),
+                         "host's cores, a unit queued in Slurm (the default)", 0.01, 1),
           Series("idle_host", "node freed (scancel of its job) → first step with its replica, training ranks on "
-                              "simulated devices (host cores mostly free), a unit queued in Slurm", 0.1, 1),
+                              "simulated devices (host cores mostly free), a unit queued in Slurm (the default)",
+                 0.1, 1),
           Series("idle_host_poll", "node freed (scancel of its job) → first step with its replica, training ranks on "
-                                   "simulated devices, no unit queued (the poll submits one)", 0.1, 0))
+                                   "simulated devices, no unit queued (opt-out queued_units 0: a poll every 1 s "
+                                   "submits one)", 0.1, 0))
 
 
 def bare_start_s() -> float:
@@ -149,11 +153,18 @@ def main() -> None:
                 f"workers' start beyond the bare process, forming) {median(tidal_share):.2f} s "
                 f"[{min(tidal_share):.2f}–{max(tidal_share):.2f}], goal ≤ {TIDAL_GOAL_S:g} s")
         simulated = series.step_time >= 0.1
+        # The goals are the default's (a unit queued); the opt-out's figures are reported.
+        opt_out = series.queued_units == 0
         polled = baseline[0] if baseline is not None and simulated and series.queued_units else None
-        row = Row(
-            benchmark="grow", metric=series.metric, unit="s", tidal=median(totals),
-            goal=f"≤ {TOTAL_GOAL_S:g} s on simulated devices" if simulated else "reported (host cores busy)",
-            met=median(totals) <= TOTAL_GOAL_S if simulated else True, tidal_samples=totals, note=note)
+        if opt_out:
+            goal, met = (f"reported (the opt-out; {TOTAL_GOAL_S:g} s "
+                         f"{'met' if median(totals) <= TOTAL_GOAL_S else 'not met'} by it)"), True
+        elif simulated:
+            goal, met = f"≤ {TOTAL_GOAL_S:g} s on simulated devices", median(totals) <= TOTAL_GOAL_S
+        else:
+            goal, met = "reported (host cores busy)", True
+        row = Row(benchmark="grow", metric=series.metric, unit="s", tidal=median(totals), goal=goal, met=met,
+                  tidal_samples=totals, note=note)
         if polled is not None:
             row = dataclasses.replace(row, baseline=median(polled), baseline_samples=polled,
                                       baseline_name="no unit queued: the poll submits one (queued_units 0)",
@@ -162,8 +173,11 @@ def main() -> None:
         rows.append(Row(
             benchmark="grow", metric=f"Tidal's share of it ({series.name}): poll, sbatch, launcher start and "
                                      "register, workers' start beyond a bare torch process, forming",
-            unit="s", tidal=median(tidal_share), goal=f"≤ {TIDAL_GOAL_S:g} s",
-            met=median(tidal_share) <= TIDAL_GOAL_S, tidal_samples=tidal_share,
+            unit="s", tidal=median(tidal_share),
+            goal=(f"reported (the opt-out; {TIDAL_GOAL_S:g} s "
+                  f"{'met' if median(tidal_share) <= TIDAL_GOAL_S else 'not met'} by it)") if opt_out
+            else f"≤ {TIDAL_GOAL_S:g} s",
+            met=True if opt_out else median(tidal_share) <= TIDAL_GOAL_S, tidal_samples=tidal_share,
             note=f"bare process (Python, torch, the model) {median(stages[STAGES[3]]):.2f} s; Slurm's start "
                  f"{median(stages[STAGES[1]]):.2f} s; the first step {median(stages[STAGES[6]]):.2f} s"))
     write_result("grow", rows, quick=args.quick, settings={

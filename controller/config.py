@@ -102,10 +102,11 @@ class ControllerConfig:
     # Slurm (pending) while the job runs at or above min_replicas and below max_replicas
     # with no idle node to grow onto, so Slurm starts one the moment a node frees instead
     # of the next poll submitting it (as torchft's requeued replica groups wait). Not while
-    # other Slurm jobs wait for nodes the job could take. A queued unit competes in Slurm's
-    # queue by Slurm's priority, not by the weights elastic jobs share idle nodes by. 0: grow
-    # only onto nodes a poll saw idle.
-    queued_units: int = 0
+    # other Slurm jobs wait for nodes the job could take, and, of elastic jobs sharing
+    # nodes, only the one next in line by weight (`sharing.next_in_line`). Which queued
+    # unit Slurm starts is Slurm's (priority). 0: grow only onto nodes a poll saw idle,
+    # at most `slurm_poll_interval_s` (30 s) after they free.
+    queued_units: int = 1
     # Live mode, replicas of several nodes: a replica that lost a node waits this long for
     # a node to take its place; then its other nodes are given back (the job keeps its
     # other replicas). 0: wait as long as it takes. 30 minutes: on a busy cluster a

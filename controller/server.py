@@ -125,13 +125,17 @@ class Controller:
         actors = [a for a in self.actors.values() if not a.job.state.is_final]
         allowances: dict[str, int] = {}
         yields: dict[str, list[sharing.YieldOrder]] = {}
+        in_line: frozenset[str] | None = None
         if not view.stale and self.slurm_units is not None:
             growing = [g for a in actors if (g := a.growing_job(view, now)) is not None]
             allowances = sharing.share_idle_nodes(growing)
+            in_line = sharing.next_in_line(growing)
             for order in self._plan_yields(view, actors):
                 yields.setdefault(order.job_id, []).append(order)
         for actor in actors:
-            actor.put(SlurmObserved(view, allowances.get(actor.job.job_id), tuple(yields.get(actor.job.job_id, ()))))
+            job_id = actor.job.job_id
+            actor.put(SlurmObserved(view, allowances.get(job_id), tuple(yields.get(job_id, ())),
+                                    next_in_line=in_line is None or job_id in in_line))
 
     def _plan_yields(self, view: ClusterView, actors: list[JobActor]) -> list[sharing.YieldOrder]:
         waiting = {j.job_id: j for j in units.waiting_for_nodes(view)}

@@ -159,6 +159,11 @@ def idle_nodes_for(spec: admin_pb2.JobSpec, nodes: Sequence[Node], excluded: fro
                   and (not spec.partition or spec.partition in n.partitions) and needs.fits(n))
 
 
+def partition_nodes(spec: admin_pb2.JobSpec, nodes: Sequence[Node]) -> frozenset[str]:
+    """Every node of the job's partition (any partition when it names none), idle or not."""
+    return frozenset(n.name for n in nodes if not spec.partition or spec.partition in n.partitions)
+
+
 def is_tidal_unit(job: Job, job_id: str | None = None) -> bool:
     """Whether a Slurm job is a Tidal unit (of `job_id`, when given): by the comment Tidal
     sets, or the name where the comment is not shown."""
@@ -296,16 +301,19 @@ def growth_onto_idle_nodes(spec: admin_pb2.JobSpec, *, alive: int, fits: int, id
 
 
 def units_to_queue(spec: admin_pb2.JobSpec, *, alive: int, pending: int, idle_nodes: int, others_waiting: int,
-                   released: bool, queued_units: int) -> UnitDemand:
+                   released: bool, queued_units: int, next_in_line: bool = True) -> UnitDemand:
     """How many units to queue in Slurm ahead of a free node (`queued_units`), and why:
     live mode with one-node replicas, at or above min_replicas (below it replacements are
     queued anyway) and below max_replicas, no idle node to grow onto, no other Slurm job
-    waiting for the job's nodes, `pending` (units Slurm has not started) short of
+    waiting for the job's nodes, no other elastic job next in line for them by weight
+    (`sharing.next_in_line`), `pending` (units Slurm has not started) short of
     `queued_units`, and a world one unit larger allowed."""
     if queued_units <= 0 or spec.mode != common_pb2.JOB_MODE_LIVE or max(1, spec.nodes_per_replica) > 1:
         return UnitDemand(0, "no units queued ahead (queued_units 0, or not live mode with one-node replicas)")
     if released or alive < spec.min_replicas or alive >= spec.max_replicas or idle_nodes > 0 or others_waiting:
         return UnitDemand(0, "no unit to queue ahead now")
+    if not next_in_line:
+        return UnitDemand(0, "another elastic job is next in line for a node by weight")
     sizes = allowed_sizes(spec.min_replicas, spec.max_replicas, spec.replica_step, spec.allowed_replicas)
     count = 0
     while (count < queued_units - pending and alive + count < spec.max_replicas

@@ -52,8 +52,8 @@ def handle(t: Step, event: Input) -> None:
                 leaving.leave(t, unit_id, "drained", f"drained by uid {uid}")
         case ResizeRequested(min_replicas, max_replicas, uid):
             on_resize(t, min_replicas, max_replicas, uid)
-        case SlurmObserved(view, grow_allowance, yields):
-            slurm_units.on_slurm(t, view, t.now.monotonic, grow_allowance, yields)
+        case SlurmObserved(view, grow_allowance, yields, next_in_line):
+            slurm_units.on_slurm(t, view, t.now.monotonic, grow_allowance, yields, next_in_line)
         case UnitSubmitted(unit_id, slurm_job_id, error):
             slurm_units.on_unit_submitted(t, unit_id, slurm_job_id, error)
 

@@ -56,7 +56,8 @@ def growing_job(state: State, view: ClusterView, now: float) -> sharing.GrowingJ
     # (Counted in units: a replica of K one-node units in live mode is K of them.)
     return sharing.GrowingJob(job_id=job.job_id, weight=job.spec.weight or 1, replicas=len(alive_units(state)),
                               max_replicas=job.spec.max_replicas * replicas.nodes_per_replica(job.spec),
-                              fits=frozenset(unit_rules.idle_nodes_for(job.spec, view.nodes, excluded)))
+                              fits=frozenset(unit_rules.idle_nodes_for(job.spec, view.nodes, excluded)),
+                              usable=unit_rules.partition_nodes(job.spec, view.nodes))
 
 
 def yielding_job(state: State, view: ClusterView) -> sharing.YieldingJob | None:

@@ -24,6 +24,9 @@ class GrowingJob:
     max_replicas: int
     # Idle nodes this job's units could start on (partition, cool-down).
     fits: frozenset[str]
+    # Every node of the job's partition, idle or not (no cool-down): jobs whose sets meet
+    # compete for the next node that frees (`next_in_line`). Empty: competes with all.
+    usable: frozenset[str] = frozenset()
 
 
 def share_idle_nodes(jobs: Sequence[GrowingJob]) -> dict[str, int]:
@@ -44,6 +47,25 @@ def share_idle_nodes(jobs: Sequence[GrowingJob]) -> dict[str, int]:
         job = min(open_jobs, key=lambda j: ((j.replicas + granted[j.job_id]) / max(1, j.weight), j.job_id))
         taken.add(min(job.fits - taken))
         granted[job.job_id] += 1
+
+
+def next_in_line(jobs: Sequence[GrowingJob]) -> frozenset[str]:
+    """The jobs that may keep a unit queued in Slurm ahead of the next node that frees
+    (`queued_units`): of the jobs below max_replicas whose partitions share a node, the one
+    `share_idle_nodes` would give that node to (the fewest replicas per unit of weight, a
+    unit already queued counted; ties to the job id). So the queued units follow the
+    weights as idle nodes do, one job's unit at a time, and a job alone on its nodes
+    always may. Which queued unit Slurm starts first is Slurm's (priority), not this."""
+    open_jobs = [job for job in jobs if job.replicas < job.max_replicas]
+
+    def competes(a: GrowingJob, b: GrowingJob) -> bool:
+        return not a.usable or not b.usable or bool(a.usable & b.usable)
+
+    def order(job: GrowingJob) -> tuple[float, str]:
+        return job.replicas / max(1, job.weight), job.job_id
+
+    return frozenset(job.job_id for job in open_jobs
+                     if min((j for j in open_jobs if competes(job, j)), key=order) is job)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,7 @@ from tidal.slurm.snapshot import ClusterView
 
 
 def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
-             yields: tuple[sharing.YieldOrder, ...]) -> None:
+             yields: tuple[sharing.YieldOrder, ...], next_in_line: bool = True) -> None:
     """Reconcile units with what Slurm shows, yield what the cluster-wide plan asks,
     then submit what the job needs. A stale view (Slurm did not answer) decides
     nothing."""
@@ -84,7 +84,7 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
     excluded = state.excluded_nodes(now)
     # Idle nodes are for others first: grow only while no other Slurm job waits for
     # nodes this job could take.
-    usable = frozenset(n.name for n in view.nodes if spec.partition in n.partitions or not spec.partition)
+    usable = unit_rules.partition_nodes(spec, view.nodes)
     others_waiting = unit_rules.others_waiting_for(view, t.job.job_id, usable)
     note_blocked_below_min(t, view, seen, alive, frozenset(excluded), bool(others_waiting))
     if now < state.next_submit_at or state.stopping is not None or t.job.state is JobState.FINISHING:
@@ -119,7 +119,7 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
     if count == 0 and not holes:
         queued = unit_rules.units_to_queue(spec, alive=len(alive), pending=waiting, idle_nodes=len(idle),
                                            others_waiting=len(others_waiting), released=state.released_below_min,
-                                           queued_units=t.config.queued_units)
+                                           queued_units=t.config.queued_units, next_in_line=next_in_line)
         count, demand = queued.count, queued
     for _ in range(count):
         submit_unit(t, demand.reason, excluded, queued_ahead=demand.queued_ahead)

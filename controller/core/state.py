@@ -109,12 +109,14 @@ class ResizeRequested:
 @dataclasses.dataclass(frozen=True)
 class SlurmObserved:
     """One cluster-wide view of Slurm, with the cluster-wide decisions taken on it: how
-    many idle nodes this job may grow onto (None: no cap) and which of its units yield to
-    a waiting higher-priority Slurm job."""
+    many idle nodes this job may grow onto (None: no cap), which of its units yield to
+    a waiting higher-priority Slurm job, and whether it is next in line by weight for a
+    node that frees (`sharing.next_in_line`: it may keep a unit queued in Slurm)."""
 
     view: ClusterView
     grow_allowance: int | None = None
     yields: tuple[sharing.YieldOrder, ...] = ()
+    next_in_line: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,7 @@ from tidal.controller.core.sharing import (
     WaitingJob,
     YieldableUnit,
     YieldingJob,
+    next_in_line,
     plan_yields,
     share_idle_nodes,
 )
@@ -36,6 +37,24 @@ def test_a_job_at_max_or_without_a_fitting_node_leaves_the_nodes_to_others() -> 
     only_b = share_idle_nodes([GrowingJob("a", 9, 0, 8, frozenset({"n1"})),
                                GrowingJob("b", 1, 0, 8, frozenset({"n1", "n2"}))])
     assert only_b == {"a": 1, "b": 1}
+
+
+def test_one_job_at_a_time_queues_a_unit_for_the_next_free_node_in_the_order_of_the_weights() -> None:
+    # No idle node. Weights 3 and 1: a (3 replicas, its queued unit counted) is at 1 per
+    # unit of weight, b (0) at 0: b is next; once b's unit is queued (1), a (1.0) and b
+    # (1.0) tie, to the job id.
+    def line(a: int, b: int) -> frozenset[str]:
+        return next_in_line([GrowingJob("a", 3, a, 8, frozenset(), NODES),
+                             GrowingJob("b", 1, b, 8, frozenset(), NODES)])
+    assert line(3, 0) == {"b"}
+    assert line(3, 1) == {"a"}
+    assert line(4, 1) == {"b"}
+    # A job at max_replicas is out of line; a job alone on its nodes is always in line.
+    assert next_in_line([GrowingJob("a", 1, 8, 8, frozenset(), NODES), GrowingJob("b", 1, 5, 8, frozenset(), NODES)]) \
+        == {"b"}
+    apart = next_in_line([GrowingJob("a", 1, 0, 8, frozenset(), frozenset({"n1"})),
+                          GrowingJob("b", 1, 5, 8, frozenset(), frozenset({"n2"}))])
+    assert apart == {"a", "b"}
 
 
 def units(*nodes: str, rank: tuple[int, int] = (1, 100)) -> tuple[YieldableUnit, ...]:
