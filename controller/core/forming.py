@@ -260,8 +260,8 @@ def on_reconfigure_report(t: Step, unit_id: str, report: launcher_pb2.Generation
                  fields={"cause": pending.cause, "at_step": report.step,
                          "world_size": state.generation.world_size if state.generation else 0,
                          "decision_to_reconfigured_s": f"{now - pending.decided_at:.3f}"})
-        for leave_unit, (cause, detail) in t.take_deferred_leaves().items():
-            leaving.leave(t, leave_unit, cause, detail)
+        leaving.leave_all(t, [(unit_id, cause, detail)
+                              for unit_id, (cause, detail) in t.take_deferred_leaves().items()])
 
 
 def on_first_step(t: Step, unit_id: str, report: launcher_pb2.GenerationReport) -> None:

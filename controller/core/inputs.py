@@ -282,5 +282,6 @@ def on_resize(t: Step, min_replicas: int, max_replicas: int, uid: int) -> None:
     if state.generation is not None and t.job.state is JobState.RUNNING:
         # In units: a replica of K nodes is K members.
         surplus = len(state.generation.members) - spec.max_replicas * replicas.nodes_per_replica(spec)
-        for member in sorted(state.generation.members, key=lambda m: -m.group_rank)[:max(0, surplus)]:
-            leaving.leave(t, member.unit_id, "resized", f"max_replicas is now {spec.max_replicas}")
+        leaving.leave_all(t, [(member.unit_id, "resized", f"max_replicas is now {spec.max_replicas}")
+                              for member in sorted(state.generation.members,
+                                                   key=lambda m: -m.group_rank)[:max(0, surplus)]])

@@ -3,6 +3,8 @@ deferred behind a change in flight, saving the last copy of the state, overdue l
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tidal.controller.core import failure, finishing, forming, messages, planning, replicas, slurm_units
 from tidal.controller.core.state import (
     PollSlurmSoon,
@@ -13,7 +15,55 @@ from tidal.controller.core.step import Step
 from tidal.controller.model import JobState, UnitState, join_ids
 
 
+def leave_all(t: Step, leavers: Sequence[tuple[str, str, str]]) -> None:
+    """Units that leave in one decision, each as (unit, cause, detail): Slurm preempting
+    several at once, a resize, the leaves deferred behind a change. In live mode one world
+    change removes all of them, or, when the world left would fall below min_replicas,
+    one stop; not a change each, one after the other, which kept the nodes from the job
+    Slurm preempted them for a second or more per unit. Elsewhere each leaves as `leave`."""
+    state = t.state
+    generation = state.generation
+    unique: dict[str, tuple[str, str]] = {}
+    for unit_id, cause, detail in leavers:
+        unique.setdefault(unit_id, (cause, detail))
+    ids = tuple(unique)
+    remaining = [u for u in generation.unit_ids if u not in unique] if generation is not None else []
+    together = (len(ids) > 1 and state.live and t.replica_nodes == 1 and generation is not None
+                and t.job.state is JobState.RUNNING and state.changing is None and state.stopping is None
+                and all((unit := state.units.get(u)) is not None and unit.state is UnitState.ACTIVE
+                        and t.connected(u) and u in generation.unit_ids for u in ids)
+                # The world left holds the state; else one at a time, the last saving it.
+                and bool(remaining) and (bool(forming.holders(t, tuple(remaining))) or t.job.step == 0))
+    if not together or generation is None:
+        for unit_id, (cause, detail) in unique.items():
+            leave(t, unit_id, cause, detail)
+        return
+    why = f"units {join_ids(list(ids))} leave ({', '.join(dict.fromkeys(c for c, _ in unique.values()))})"
+    for unit_id, (cause, detail) in unique.items():
+        _mark_leaving(t, unit_id, cause, detail)
+    if len(remaining) >= t.min_world and all(t.connected(u) for u in remaining):
+        forming.reconfigure(t, (), ids, "leave", why, t.now.monotonic)
+        return
+    # The world left is below min_replicas (or not all of it in touch): one stop, each
+    # leaver told to leave first (the stop waits for it too), as `leave` does for one.
+    for unit_id in ids:
+        t.send(unit_id, messages.leave(generation.number, unit_id, state.units[unit_id].reason, save_state=False))
+    failure.begin_stop(t, "leave", why, t.now.monotonic)
+
+
+def _mark_leaving(t: Step, unit_id: str, cause: str, detail: str) -> None:
+    state = t.state
+    unit = t.note(state.units[unit_id], leaving_since=t.now.monotonic)
+    unit.state = UnitState.LEAVING
+    unit.reason = f"{cause}: {detail}" if detail != cause else cause
+    number = state.generation.number if state.generation is not None else 0
+    t.emit(SaveUnit(unit))
+    t.record("unit_leaving", unit.reason, unit_id=unit_id, generation=number, fields={"cause": cause})
+
+
 def leave(t: Step, unit_id: str, cause: str, detail: str) -> None:
+    """One unit leaves: in a live world that keeps min_replicas without it, by a world
+    change at a step boundary; else its world stops (`leave_all`: several at once)."""
     state = t.state
     unit = state.units.get(unit_id)
     if unit is None or unit.state.is_final or unit.state is UnitState.LEAVING:
@@ -33,12 +83,9 @@ def leave(t: Step, unit_id: str, cause: str, detail: str) -> None:
             t.note(unit, deferred_leave=(cause, detail))
         t.save_pending()
         return
-    unit = t.note(unit, leaving_since=t.now.monotonic)
-    unit.state = UnitState.LEAVING
-    unit.reason = f"{cause}: {detail}" if detail != cause else cause
+    _mark_leaving(t, unit_id, cause, detail)
+    unit = state.units[unit_id]
     number = state.generation.number if state.generation is not None else 0
-    t.emit(SaveUnit(unit))
-    t.record("unit_leaving", unit.reason, unit_id=unit_id, generation=number, fields={"cause": cause})
     if running and state.live and connected:
         assert state.generation is not None
         # A replica of several nodes leaves the world whole: its other nodes stand aside,

@@ -43,6 +43,9 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
         return
     # When the view was taken, on the monotonic clock.
     seen = now - max(0.0, t.now.wall - view.observed_at)
+    # Units that leave on this view: those Slurm preempts, then those yielding; together
+    # (`leaving.leave_all`: one world change, or one stop, for all of them).
+    leavers: list[tuple[str, str, str]] = []
     for unit in list(state.units.values()):
         if not unit.slurm_job_id or unit.state.is_final:
             continue
@@ -67,7 +70,7 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
             # Slurm chose the unit for preemption: it has until its end time (GraceTime),
             # and SIGTERM reaches the launcher only at the end of it. Leave now.
             if found is not None and found.is_being_preempted:
-                leaving.leave(t, unit.unit_id, "preempted", f"Slurm preempts job {unit.slurm_job_id}")
+                leavers.append((unit.unit_id, "preempted", f"Slurm preempts job {unit.slurm_job_id}"))
         elif view.observed_at >= unit.facts.submitted_at + 1.0 and (
                 found is None or found.state.is_finished):
             # (A view taken before the submission proves nothing.)
@@ -77,8 +80,8 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
             started = (seen - max(0.0, view.observed_at - found.start_time.timestamp())
                        if found.start_time is not None else seen)
             note_submitted_unit(t, unit, found.state, started)
-    for order in yields:
-        leaving.leave(t, order.unit_id, "yielded", order.reason)
+    leavers.extend((order.unit_id, "yielded", order.reason) for order in yields)
+    leaving.leave_all(t, leavers)
     spec = t.job.spec
     alive = alive_units(state)
     excluded = state.excluded_nodes(now)

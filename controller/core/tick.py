@@ -81,8 +81,8 @@ def on_tick(t: Step, now: float) -> None:
             and (now > state.reconnect_deadline or all(t.connected(u) for u in state.generation.unit_ids))):
         # Deferred behind a world change that a controller restart cut short: once the
         # world's launchers are back, so that the leave is a change, not a failure.
-        for leave_unit, (cause, detail) in t.take_deferred_leaves().items():
-            leaving.leave(t, leave_unit, cause, detail)
+        leaving.leave_all(t, [(unit_id, cause, detail)
+                              for unit_id, (cause, detail) in t.take_deferred_leaves().items()])
         return
     decide(t, now)
 

@@ -367,6 +367,42 @@ def test_the_last_replica_preempted_saves_the_state_and_the_next_world_resumes_a
     assert_parameters_match_a_fixed_run(tmp_path, steps)
 
 
+def test_two_units_leaving_at_once_leave_in_one_world_change_and_the_run_matches_a_fixed_one(
+        tidal_run: TidalRun, tmp_path: Path) -> None:
+    """A resize from 3 replicas to 1 (as Slurm preempting two units in one view): both
+    leave at one step boundary, in one world change, the survivor training on in-process;
+    nothing stops, nothing is redone, and the job ends with a fixed run's parameters."""
+    ledger = tmp_path / "ledger"
+    steps = 160
+    tidal_run.submit(min_replicas=1, max_replicas=3, mode=common_pb2.JOB_MODE_LIVE,
+                     command=example_command(tmp_path / "elastic.pt", ledger, steps))
+    controller = tidal_run.controller
+    for unit in "abc":
+        tidal_run.start_launcher(unit)
+    wait_until(lambda: len(commits(read_ledger(ledger), 3)) >= 3 * 10, 90, "10 steps at world size 3")
+    pids = {unit: worker_pid(tidal_run, unit) for unit in "abc"}
+    with controller.admin() as admin:
+        admin.resize(tidal_run.job_id, max_replicas=1)
+    left = controller.wait_event(tidal_run.job_id, "world_reconfigured", timeout=60,
+                                 where=lambda e: e.fields["cause"] == "leave")
+    assert left.fields["world_size"] == "1"
+    changing = [e for e in controller.events(tidal_run.job_id) if e.kind == "world_reconfiguring"
+                and e.fields["cause"] == "leave"]
+    assert len(changing) == 1 and len(changing[0].fields["leaving"].split(",")) == 2, changing
+    (survivor,) = changing[0].fields["members"].split(",")
+    controller.wait_event(tidal_run.job_id, "job_completed", timeout=180)
+    kinds = [e.kind for e in controller.events(tidal_run.job_id)]
+    assert "generation_stopping" not in kinds and "failure_detected" not in kinds, kinds
+    records = read_ledger(ledger)
+    by_step: dict[int, int] = defaultdict(int)
+    for record in commits(records):
+        if record["rank"] == 0:
+            by_step[record["step"]] += 1
+    assert sorted(by_step) == list(range(steps)) and set(by_step.values()) == {1}
+    assert {r["pid"] for r in commits(records) if r["world_size"] == 1} == {pids[survivor]}, "no restart"
+    assert_parameters_match_a_fixed_run(tmp_path, steps)
+
+
 def test_units_of_two_workers_reform_in_process_and_a_failed_unit_takes_both_along(tidal_run: TidalRun,
                                                                                     tmp_path: Path) -> None:
     ledger = tmp_path / "ledger"

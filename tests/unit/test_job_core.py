@@ -818,6 +818,47 @@ def test_a_unit_slurm_preempts_leaves_and_a_stale_view_decides_nothing() -> None
     assert driver.state.units["u1"].reason.startswith("preempted")
 
 
+def four_slurm_units_training(min_replicas: int) -> Driver:
+    driver = Driver(min_replicas=min_replicas, max_replicas=4, slurm_units=True)
+    effects = driver.feed(core.SlurmObserved(view(driver, tuple(node(f"n{i}") for i in range(1, 5)))))
+    assert [e.unit_id for e in effects if isinstance(e, core.Submit)] == ["u1", "u2", "u3", "u4"]
+    for index, unit in enumerate(("u1", "u2", "u3", "u4")):
+        driver.feed(core.UnitSubmitted(unit, 601 + index))
+        driver.connect(unit)
+    driver.tick()
+    assert driver.state.generation is not None and driver.state.generation.unit_ids == ("u1", "u2", "u3", "u4")
+    return driver
+
+
+def preempting(driver: Driver, *preempted: int) -> ClusterView:
+    return view(driver, (), tuple(slurm_job(job, SlurmJobState.RUNNING, preempted=job in preempted)
+                                  for job in range(601, 605)))
+
+
+def test_units_slurm_preempts_together_leave_in_one_world_change_or_one_stop() -> None:
+    # bench.goodput: Slurm preempted 3 units at once for an urgent job, and they left one
+    # world change after another (0.8-1.5 s each): the urgent job waited for the last.
+    driver = four_slurm_units_training(min_replicas=2)
+    effects = driver.feed(core.SlurmObserved(preempting(driver, 603, 604)))
+    assert driver.events(effects).count("unit_leaving") == 2
+    assert driver.events(effects).count("world_reconfiguring") == 1
+    assert driver.event("world_reconfiguring").fields["leaving"] == "u3,u4"
+    assert driver.state.generation is not None and driver.state.generation.unit_ids == ("u1", "u2")
+    # Every old member moves at one step boundary: the leavers out, the rest on.
+    assert {unit: sent(effects, unit) for unit in ("u1", "u2", "u3", "u4")} == dict.fromkeys(
+        ("u1", "u2", "u3", "u4"), ["reconfigure:2"])
+    # Three of four with min 2: the one left cannot train; one stop, each leaver told to leave.
+    driver = four_slurm_units_training(min_replicas=2)
+    effects = driver.feed(core.SlurmObserved(preempting(driver, 602, 603, 604)))
+    assert driver.events(effects).count("world_reconfiguring") == 0
+    assert driver.events(effects).count("generation_stopping") == 1
+    for unit in ("u2", "u3", "u4"):
+        assert driver.state.units[unit].state is UnitState.LEAVING
+        assert sent(effects, unit) == ["leave"], unit
+    assert sent(effects, "u1") == ["stop:1"]
+    assert driver.state.stopping is not None and driver.state.stopping.waiting_for == {"u1", "u2", "u3", "u4"}
+
+
 def test_a_register_that_claims_a_generation_the_job_never_had_is_refused() -> None:
     driver = Driver()
     formed(driver, "a", "b")
