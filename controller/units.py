@@ -191,12 +191,18 @@ def others_waiting_for(view: ClusterView, job_id: str, nodes: frozenset[str]) ->
 
 def releasing(view: ClusterView, yielded: Mapping[int, Iterable[int]]) -> dict[int, int]:
     """For each waiting Slurm job, how many of the units that yielded to it still hold
-    their node. A unit's node counts until it is idle: its Slurm job may have ended while
-    the node still shows COMPLETING, neither idle nor released (counting it as gone then
-    made one unit too many yield)."""
-    completing = {n.name for n in view.nodes if NodeFlag.COMPLETING in n.flags}
-    return {waiting: sum(1 for slurm_job_id in held if (j := view.job(slurm_job_id)) is not None
-                         and (not j.state.is_finished or completing & set(j.nodes)))
+    their node. A unit's node counts until it is idle or another job runs on it: its Slurm
+    job may have ended while the node still shows COMPLETING, or still shows allocated (a
+    poll's sinfo taken before its squeue), neither idle nor released; counting it as gone
+    then made one unit too many yield."""
+    settled = {n.name for n in view.nodes if n.is_idle_and_usable and NodeFlag.COMPLETING not in n.flags}
+    taken = {node for j in view.jobs if j.state is JobState.RUNNING for node in j.nodes}
+
+    def holds(job: Job) -> bool:
+        nodes = set(job.nodes)
+        return not job.state.is_finished or bool(nodes - settled - taken)
+
+    return {waiting: sum(1 for slurm_job_id in held if (j := view.job(slurm_job_id)) is not None and holds(j))
             for waiting, held in yielded.items()}
 
 

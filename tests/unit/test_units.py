@@ -341,6 +341,16 @@ def test_a_yielded_units_node_counts_as_being_released_until_it_is_idle() -> Non
     assert releasing(poll.poll(), {99: {running, ended, gone}}) == {99: 2}
     fake.set_node(ended_node, NodeState.IDLE)
     assert releasing(poll.poll(), {99: {running, ended, gone}}) == {99: 1}
+    # A view whose sinfo still shows the ended job's node allocated (taken before its
+    # squeue): still on its way. Seen in CI, where it made a third unit yield for 2 nodes.
+    fake.set_node(ended_node, NodeState.ALLOCATED)
+    assert releasing(poll.poll(), {99: {running, ended, gone}}) == {99: 2}
+    # Once another job runs there, the node is that job's, not on its way.
+    other = fake.submit(unit_submission(SPEC, job_id="lm", unit_id="u4", launcher=("l",), controller="c",
+                                        secret_path=Path("/s"), output_dir=Path("/o")))
+    assert fake.get_job(other).nodes == fake.get_job(gone).nodes, "u4 starts where u3 was"
+    fake.set_node(fake.get_job(gone).nodes[0], NodeState.ALLOCATED)
+    assert releasing(poll.poll(), {99: {running, ended, gone}}) == {99: 2}
 
 
 def test_node_cool_downs_survive_a_controller_restart(tmp_path: Path) -> None:
