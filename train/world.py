@@ -52,6 +52,7 @@ from tidal.train.channel import ChannelClosed, WorkerChannel
 from tidal.train.errors import AccountingError, StateLost, StateMismatch, WorldBroken
 from tidal.train.groups import Collectives, Groups, fixed_world_store, form_groups
 from tidal.train.ledger import Ledger
+from tidal.train.quick_exit import end_after_exit_handlers
 from tidal.train.shard_group import ShardGroup
 from tidal.train.state import Counters
 
@@ -717,6 +718,9 @@ class Membership:
         self.log.info("leaving", generation=world.generation, step=self.counters.step, saved_to=saved_to or None)
         self.ledger.write("left", generation=world.generation, step=self.counters.step, saved_to=saved_to)
         self.channel.send(Left(generation=world.generation, step=self.counters.step, saved_to=saved_to))
+        # The script's loop unwinds and its exit handlers run; the interpreter's teardown
+        # (1.5-1.9 s with torch) does not keep the node allocated (`quick_exit`).
+        end_after_exit_handlers(0)
         raise SystemExit(0)
 
     # Slurm's SIGTERM.
