@@ -18,6 +18,7 @@ from tidal.controller.core.state import (
     LauncherConnected,
     LauncherSaid,
     Note,
+    PollSlurmSoon,
     ResizeRequested,
     SaveJob,
     SavePending,
@@ -90,6 +91,11 @@ def on_connected(t: Step, unit_id: str, register: launcher_pb2.Register, slot: S
         t.record("unit_registered", "launcher registered", unit_id=unit_id, fields=fields)
         if t.job.state is JobState.FINISHING:
             leaving.leave(t, unit_id, "finished", "training finished before this unit joined")
+        elif unit.facts.queued_ahead and state.slurm_units:
+            # Slurm started it from its queue: a node freed, perhaps with others (a job of
+            # several nodes ended). A grow waits for the view that shows them
+            # (`planning.decide_world`); ask for it now.
+            t.emit(PollSlurmSoon(f"unit {unit_id}, queued in Slurm, started: nodes may have freed"))
         return
     unit.address = register.address or unit.address
     if t.job.state is JobState.FINISHING:

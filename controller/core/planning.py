@@ -114,6 +114,15 @@ class WorldSnapshot:
     # Of those, the ones a Slurm view showed started, with their Slurm start time (monotonic):
     # a world formed afresh waits `join_settle_s` from then for their launchers.
     starting: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    # When the newest of those expected units was submitted (monotonic), or None: it is
+    # waited for `join_settle_s` from then at most, as a registration is.
+    expected_submitted_at: float | None = None
+    # When a unit queued ahead in Slurm (`queued_units`) registered, if no Slurm view was
+    # taken since (monotonic), else None. Slurm started it because a node freed; others may
+    # have freed with it (a job of several nodes ended), which only the next view shows: a
+    # grow waits for that view, `join_settle_s` at most, so that their units join in the
+    # same world change rather than in a second one.
+    unseen_start_at: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,15 +157,15 @@ def decide_world(snapshot: WorldSnapshot, now: float) -> WorldAction:
     joiners = sorted(snapshot.joiners, key=lambda u: (snapshot.joiners[u], u))
     available = len(snapshot.members) + len(joiners)
     size = choose_world_size(min(available, snapshot.max_replicas), snapshot.sizes)
+    # While units are on their way, each registration, submission and start Slurm showed
+    # is waited for join_settle_s from then (a world that formed or grew without them would
+    # only change again when they register).
     settle_s = 0.0 if snapshot.expected == 0 else snapshot.join_settle_s
-    settling_until = max(snapshot.joiners.values(), default=float("-inf")) + settle_s
+    settling_until = max([*snapshot.joiners.values(), *snapshot.starting.values(),
+                          snapshot.expected_submitted_at or float("-inf")]) + settle_s
     if not snapshot.running:
         if size is None:
             return Wait(f"{available} of min {snapshot.min_replicas} replicas ready")
-        # A unit Slurm started registers in a moment: forming without it would only grow
-        # onto it right after (a world change while the workers still start).
-        started_until = max(snapshot.starting.values(), default=float("-inf")) + snapshot.join_settle_s
-        settling_until = max(settling_until, started_until)
         if available < snapshot.max_replicas and now < settling_until:
             return Wait(f"{available} replicas ready; waiting {settling_until - now:.1f} s for more to register")
         taken = tuple(joiners[: max(0, size - len(snapshot.members))])
@@ -167,6 +176,9 @@ def decide_world(snapshot: WorldSnapshot, now: float) -> WorldAction:
         return Wait("no joiner" if not joiners else f"at max_replicas {snapshot.max_replicas}")
     if size is None or size <= current:
         return Wait(f"{len(joiners)} joiner(s) do not reach the next allowed size above {current}")
+    if snapshot.unseen_start_at is not None and now < snapshot.unseen_start_at + snapshot.join_settle_s:
+        return Wait("a unit queued in Slurm started: waiting for a Slurm view of other nodes freed with its "
+                    f"node ({snapshot.unseen_start_at + snapshot.join_settle_s - now:.1f} s at most)")
     if now < settling_until:
         return Wait(f"waiting {settling_until - now:.1f} s for more joiners to register")
     if snapshot.last_change_at is not None and now < snapshot.last_change_at + snapshot.scale_up_snooze_s:

@@ -43,6 +43,7 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
         return
     # When the view was taken, on the monotonic clock.
     seen = now - max(0.0, t.now.wall - view.observed_at)
+    state.slurm_seen_at = seen
     # Units that leave on this view: those Slurm preempts, then those yielding; together
     # (`leaving.leave_all`: one world change, or one stop, for all of them).
     leavers: list[tuple[str, str, str]] = []

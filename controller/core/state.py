@@ -394,6 +394,9 @@ class State:
     # restarted controller learns it from its next views.
     blocked_below_min_since: float | None = None
     blocked_below_min_seen_at: float | None = None
+    # With Slurm units: when the newest Slurm view that Slurm answered was taken
+    # (monotonic); None before the first. Not persisted.
+    slurm_seen_at: float | None = None
     # Live mode: the workers one replica of the model spans, as the newest report of a
     # formed world said (0: none yet; `replicas.world_nodes`); kept in SQLite's pending
     # table, so that a restarted controller decides worlds as the last one did.

@@ -117,14 +117,22 @@ def decide(t: Step, now: float, after: str = "") -> None:
         member_keys = tuple(f"replica-{r}" for r in replicas.complete(state.units, members, nodes))
     # Units submitted to Slurm whose launcher has not registered.
     submitted = [u for u in state.units.values() if u.state is UnitState.SUBMITTED]
+    expected = [u for u in submitted if not u.facts.queued_in_slurm]
+    # Joiners Slurm started from its queue (`queued_units`) since the newest Slurm view.
+    unseen_starts = [u.facts.joined_at for u in state.units.values()
+                     if u.state is UnitState.JOINING and u.facts.queued_ahead and u.facts.joined_at is not None
+                     and (state.slurm_seen_at is None or state.slurm_seen_at < u.facts.joined_at)]
     snapshot = planning.WorldSnapshot(
         running=running, members=member_keys, joiners=joiners,
         min_replicas=t.min_world,
         max_replicas=t.max_world, sizes=t.sizes(),
         last_change_at=state.last_change_at, join_settle_s=t.config.join_settle_s,
         scale_up_snooze_s=t.config.scale_up_snooze_s,
-        expected=sum(1 for u in submitted if not u.facts.queued_in_slurm) if state.slurm_units else None,
-        starting={u.unit_id: u.facts.started_seen_at for u in submitted if u.facts.started_seen_at is not None})
+        expected=len(expected) if state.slurm_units else None,
+        starting={u.unit_id: u.facts.started_seen_at for u in submitted if u.facts.started_seen_at is not None},
+        expected_submitted_at=max((now - max(0.0, t.now.wall - u.facts.submitted_at) for u in expected
+                                   if u.facts.submitted_at), default=None),
+        unseen_start_at=max(unseen_starts, default=None) if state.slurm_units else None)
     action = planning.decide_world(snapshot, now)
     if isinstance(action, (planning.Form, planning.Grow)):
         action = dataclasses.replace(action, joiners=tuple(u for key in action.joiners for u in expand[key]))

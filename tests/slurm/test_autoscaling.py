@@ -3,6 +3,7 @@ units with sbatch onto the idle nodes (all at once, or growing onto them later).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -127,6 +128,42 @@ def test_an_urgent_job_preempts_two_replicas_the_job_shrinks_without_losing_a_st
             admin.cancel(job_id)
         wait_for_units_to_end(slurm, job_id)
     finally:
+        controller.stop()
+
+
+def test_two_nodes_that_free_together_join_the_world_in_one_change(
+        slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path) -> None:
+    """An urgent job holds 2 of the 4 nodes; the live job trains on the other 2 and keeps a
+    unit queued in Slurm. When the urgent job ends, Slurm starts the queued unit on one of
+    its nodes at once, before any view of the controller (a 10 s poll) shows the other idle.
+    Its registration asks for a view, and the grow waits for it and for the unit it submits
+    for the other node: one world change 2 -> 4, not 2 -> 3 then 3 -> 4 a poll later."""
+    require_four_idle_nodes(slurm)
+    urgent = slurm.submit(UnitSubmission(name="urgent", script="#!/bin/sh\nsleep 600\n", partition="urgent",
+                                         nodes=2, exclusive=True, requeue=False,
+                                         output=str(tmp_path / "urgent-%j.out")))
+    controller = ControllerProcess(tmp_path, {"slurm_units": "true", "slurm_poll_interval_s": "10",
+                                              "reconnect_grace_s": "10"})
+    controller.start()
+    ledger = tmp_path / "ledger"
+    try:
+        wait_for("the urgent job to run", lambda: slurm.get_job(urgent).state is JobState.RUNNING, timeout_s=30)
+        with controller.admin() as admin:
+            job_id = admin.submit(live_job("together", 4, tmp_path, ledger)).job.job_id
+            wait_for("world size 2", running_at(admin, job_id, 2), timeout_s=120, interval_s=0.5)
+            wait_for("a unit queued in Slurm", lambda: [j for j in slurm.list_jobs() if j.name.startswith(
+                f"tidal-{job_id}-") and j.state is JobState.PENDING], timeout_s=30, interval_s=0.5)
+            last = max(e.sequence for e in admin.events(job_id))
+            slurm.cancel(urgent)
+            wait_for("world size 4", running_at(admin, job_id, 4), timeout_s=60, interval_s=0.2)
+            changes = [e for e in admin.events(job_id) if e.kind == "world_reconfiguring" and e.sequence > last]
+            assert len(changes) == 1 and changes[0].reason.startswith("grow 2 -> 4"), [e.reason for e in changes]
+            assert not [r for r in read_ledger(ledger) if r["kind"] == "abandoned"], "a step was lost"
+            admin.cancel(job_id)
+        wait_for_units_to_end(slurm, job_id)
+    finally:
+        with contextlib.suppress(Exception):
+            slurm.cancel(urgent)
         controller.stop()
 
 

@@ -1111,6 +1111,44 @@ def test_a_job_below_max_keeps_one_unit_queued_in_slurm_by_default_and_none_when
     assert len(busy_cluster_submits(CONFIG)) == 1
 
 
+def test_nodes_that_free_together_join_in_one_world_change_though_slurm_starts_the_queued_unit_first() -> None:
+    """bench.goodput: a 2-node urgent job ended; Slurm started the unit queued ahead on one of
+    its nodes, which registered before any view showed the other idle. The world grew onto
+    it alone, the next view submitted a unit for the other node, and a second world change
+    followed. The registration now asks for a view and the grow waits for it (join_settle_s
+    at most), then for the unit that view submits: one change, both joiners."""
+    driver = Driver(min_replicas=1, max_replicas=3, slurm_units=True,
+                    config=dataclasses.replace(CONFIG, join_settle_s=1.0))
+    driver.feed(core.SlurmObserved(view(driver, (node("n1"), busy("n2"), busy("n3")))))
+    driver.feed(core.UnitSubmitted("u1", 801))
+    driver.connect("u1")
+    driver.tick()
+    assert driver.state.job.state is JobState.RUNNING
+    running = (slurm_job(801, SlurmJobState.RUNNING),)
+    effects = driver.feed(core.SlurmObserved(view(driver, (busy("n1"), busy("n2"), busy("n3")), running)))
+    assert [e.unit_id for e in effects if isinstance(e, core.Submit)] == ["u2"]
+    driver.feed(core.UnitSubmitted("u2", 802))
+    driver.tick(0.5)
+    # The other job's two nodes free; Slurm starts u2 at once and its launcher registers.
+    driver.connect("u2")
+    asked = [e for e in driver.effects[-10:] if isinstance(e, core.PollSlurmSoon)]
+    assert asked and "u2" in asked[0].reason
+    assert not reconfigurings(driver.tick(0.3)), "no grow before a view shows what else freed"
+    # The view: n3 idle. A unit is submitted for it, and the grow waits for it.
+    started = (*running, slurm_job(802, SlurmJobState.RUNNING))
+    effects = driver.feed(core.SlurmObserved(view(driver, (busy("n1"), busy("n2"), node("n3")), started)))
+    assert [e.unit_id for e in effects if isinstance(e, core.Submit)] == ["u3"]
+    driver.feed(core.UnitSubmitted("u3", 803))
+    assert not reconfigurings(driver.tick(0.8)), "u3 is waited for join_settle_s from its submission"
+    driver.connect("u3")
+    (grow,) = reconfigurings(driver.tick(0.1))
+    assert grow.fields["joiners"] == "u2,u3" and grow.fields["world_size"] == 3, grow
+
+
+def reconfigurings(effects: list[core.Effect]) -> list[core.Record]:
+    return [e for e in effects if isinstance(e, core.Record) and e.kind == "world_reconfiguring"]
+
+
 def test_a_member_leaving_with_the_last_copy_of_the_state_saves_it_rather_than_leave_a_world_without_it() -> None:
     """bench.goodput --quick: a worker was killed while a joiner's workers were still
     starting; the world re-formed with the joiner, and the only holder of the state was

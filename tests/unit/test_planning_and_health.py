@@ -194,7 +194,7 @@ def test_forming_afresh_waits_for_a_unit_slurm_started_until_its_launcher_regist
     """Two launchers registered at 10.0; a third unit's Slurm job was seen running at
     10.8: forming at 12.0 (the settle after the registrations) would only grow onto it
     moments later, so the world waits until 12.8 for it; once it registers, it forms at
-    once with all three. A running world does not wait for started units (it grows)."""
+    once with all three. A running world waits for it too before it grows."""
     def snapshot(joiners: dict[str, float], starting: dict[str, float], expected: int,
                  running: bool = False) -> WorldSnapshot:
         return WorldSnapshot(running=running, members=("a", "b") if running else (), joiners=joiners,
@@ -211,5 +211,36 @@ def test_forming_afresh_waits_for_a_unit_slurm_started_until_its_launcher_regist
     # does not count as expected), so the world forms at once with all three.
     three = decide_world(snapshot({**two, "c": 12.3}, {}, expected=0), now=12.3)
     assert isinstance(three, Form) and three.replicas == 3 and three.joiners == ("a", "b", "c")
-    grow = decide_world(snapshot({"c": 5.0}, {"d": 10.8}, expected=0, running=True), now=11.0)
+    assert isinstance(decide_world(snapshot({"c": 5.0}, {"d": 10.8}, expected=1, running=True), now=11.0), Wait)
+    grow = decide_world(snapshot({"c": 5.0}, {"d": 10.8}, expected=1, running=True), now=12.8)
     assert isinstance(grow, Grow) and grow.joiners == ("c",)
+
+
+def test_a_grow_onto_a_unit_slurm_started_from_its_queue_waits_for_the_view_of_nodes_freed_with_it() -> None:
+    """Two nodes free at 20.0 (a 2-node job ended). Slurm starts the unit queued ahead on
+    one; it registers at 20.7, before any view shows the other node idle. Growing at once
+    would take it alone, and the unit the next view submits for the other node would make a
+    second world change. So the grow waits for a view taken after 20.7 (join_settle_s at
+    most); that view's unit, submitted at 21.1, is waited for join_settle_s from its
+    submission (it registers at 21.9, later than the settle after the first registration);
+    then both join in one grow."""
+    def snapshot(joiners: dict[str, float], *, unseen_start_at: float | None = None, expected: int = 0,
+                 expected_submitted_at: float | None = None) -> WorldSnapshot:
+        return WorldSnapshot(running=True, members=("a", "b"), joiners=joiners, min_replicas=2, max_replicas=4,
+                             sizes=(2, 3, 4), last_change_at=None, join_settle_s=1.0, scale_up_snooze_s=0.0,
+                             expected=expected, expected_submitted_at=expected_submitted_at,
+                             unseen_start_at=unseen_start_at)
+
+    waiting = decide_world(snapshot({"c": 20.7}, unseen_start_at=20.7), now=20.8)
+    assert isinstance(waiting, Wait) and "Slurm view" in waiting.reason, waiting
+    # No view within join_settle_s: it grows alone.
+    alone = decide_world(snapshot({"c": 20.7}, unseen_start_at=20.7), now=21.7)
+    assert isinstance(alone, Grow) and alone.joiners == ("c",)
+    # The view came (21.1) and submitted a unit for the other node: wait for it from its
+    # submission, past the settle after c's registration (21.7).
+    settling = decide_world(snapshot({"c": 20.7}, expected=1, expected_submitted_at=21.1), now=21.8)
+    assert isinstance(settling, Wait) and "0.3 s" in settling.reason, settling
+    both = decide_world(snapshot({"c": 20.7, "d": 21.9}), now=21.9)
+    assert both == Grow(4, ("c", "d"), "grow 2 -> 4 replicas: c, d joined")
+    # The view showed no other node: nothing expected, it grows at once.
+    assert decide_world(snapshot({"c": 20.7}), now=21.0) == Grow(3, ("c",), "grow 2 -> 3 replicas: c joined")
