@@ -157,15 +157,15 @@ def decide_world(snapshot: WorldSnapshot, now: float) -> WorldAction:
     joiners = sorted(snapshot.joiners, key=lambda u: (snapshot.joiners[u], u))
     available = len(snapshot.members) + len(joiners)
     size = choose_world_size(min(available, snapshot.max_replicas), snapshot.sizes)
-    # While units are on their way, each registration, submission and start Slurm showed
-    # is waited for join_settle_s from then (a world that formed or grew without them would
-    # only change again when they register).
     settle_s = 0.0 if snapshot.expected == 0 else snapshot.join_settle_s
-    settling_until = max([*snapshot.joiners.values(), *snapshot.starting.values(),
-                          snapshot.expected_submitted_at or float("-inf")]) + settle_s
+    settling_until = max(snapshot.joiners.values(), default=float("-inf")) + settle_s
+    # A unit Slurm started registers in a moment: forming or growing without it would only
+    # grow onto it right after (a world change while the workers still start).
+    started_until = max(snapshot.starting.values(), default=float("-inf")) + snapshot.join_settle_s
     if not snapshot.running:
         if size is None:
             return Wait(f"{available} of min {snapshot.min_replicas} replicas ready")
+        settling_until = max(settling_until, started_until)
         if available < snapshot.max_replicas and now < settling_until:
             return Wait(f"{available} replicas ready; waiting {settling_until - now:.1f} s for more to register")
         taken = tuple(joiners[: max(0, size - len(snapshot.members))])
@@ -179,6 +179,11 @@ def decide_world(snapshot: WorldSnapshot, now: float) -> WorldAction:
     if snapshot.unseen_start_at is not None and now < snapshot.unseen_start_at + snapshot.join_settle_s:
         return Wait("a unit queued in Slurm started: waiting for a Slurm view of other nodes freed with its "
                     f"node ({snapshot.unseen_start_at + snapshot.join_settle_s - now:.1f} s at most)")
+    # A grow also waits join_settle_s from the submission of a unit on its way (a view
+    # just submitted it for a node that freed with a joiner's). (Forming does not: the
+    # survivors of a failure re-form at once, while their replacement is submitted.)
+    submitted_until = (snapshot.expected_submitted_at or float("-inf")) + settle_s
+    settling_until = max(settling_until, started_until, submitted_until)
     if now < settling_until:
         return Wait(f"waiting {settling_until - now:.1f} s for more joiners to register")
     if snapshot.last_change_at is not None and now < snapshot.last_change_at + snapshot.scale_up_snooze_s:

@@ -244,3 +244,8 @@ def test_a_grow_onto_a_unit_slurm_started_from_its_queue_waits_for_the_view_of_n
     assert both == Grow(4, ("c", "d"), "grow 2 -> 4 replicas: c, d joined")
     # The view showed no other node: nothing expected, it grows at once.
     assert decide_world(snapshot({"c": 20.7}), now=21.0) == Grow(3, ("c",), "grow 2 -> 3 replicas: c joined")
+    # Survivors of a failure re-form at once, though their replacement was just submitted.
+    survivors = WorldSnapshot(running=False, members=("a", "b"), joiners={}, min_replicas=2, max_replicas=4,
+                              sizes=(2, 3, 4), last_change_at=None, join_settle_s=1.0, scale_up_snooze_s=0.0,
+                              expected=1, expected_submitted_at=30.0)
+    assert decide_world(survivors, now=30.0) == Form(2, (), "2 replicas ready (min 2, max 4)")
