@@ -3,9 +3,9 @@
 A worker that leaves the job (a preemption, a resize, a drain) raises SystemExit(0) through
 the script's loop: its `finally` blocks and context managers run, then Python's shutdown
 joins the script's threads and runs its `atexit` handlers. What comes after that,
-finalizing every module, takes 1.5-1.9 s of CPU in a process that imported torch (measured
-on this machine: a garbage collection over torch's modules and objects, `gdb` showing
-`finalize_modules`), and the unit's node stays allocated until the process is gone: an
+finalizing every module, took 1.8 s in a process that imported torch (measured on this
+machine from the worker's `left` record to its exit; `gdb` showed a garbage collection in
+`finalize_modules` over torch's modules and objects), and the unit's node stays allocated until the process is gone: an
 urgent job that preempted it waits that long for its node.
 
 `end_after_exit_handlers(code)` arms the process to skip that part: a handler registered

@@ -114,8 +114,9 @@ class WorldSnapshot:
     # Of those, the ones a Slurm view showed started, with their Slurm start time (monotonic):
     # a world formed afresh waits `join_settle_s` from then for their launchers.
     starting: Mapping[str, float] = dataclasses.field(default_factory=dict)
-    # When the newest of those expected units was submitted (monotonic), or None: it is
-    # waited for `join_settle_s` from then at most, as a registration is.
+    # When the newest of those expected units was submitted (monotonic), or None: a grow
+    # waits for it `join_settle_s` from then at most, as for a registration (forming does
+    # not: survivors re-form at once while their replacement is submitted).
     expected_submitted_at: float | None = None
     # When a unit queued ahead in Slurm (`queued_units`) registered, if no Slurm view was
     # taken since (monotonic), else None. Slurm started it because a node freed; others may
