@@ -52,12 +52,17 @@ class Strategy(abc.ABC):
     # Whether every rank runs the same number of micro-batches (FSDP's collectives within the
     # unit need it): a rank short of samples runs one with weight zero.
     uniform_micro_batches: ClassVar[bool]
-    # Whether the step's control all-reduce (its commit vote) must wait until this rank's
-    # gradient reduction has completed. Under HybridSharded each shard reduces with its own
-    # peers in the other replicas: when a node dies, one shard's reduction can complete while
+    # Whether the step's control all-reduce (its commit vote) waits until this rank's
+    # gradient reduction has completed, or starts before the last backward pass (overlapped
+    # with it). Under HybridSharded it must wait: each shard reduces with its own peers in
+    # the other replicas; when a node dies, one shard's reduction can complete while
     # another's fails, and a vote taken earlier would let the first shard's ranks commit the
-    # step the others abandon (a replica's shards at two steps). Voting after the reduction,
-    # a rank commits only if every rank's reduction completed.
+    # step the others abandon (a replica's shards at two steps). Both strategies vote late
+    # for a second reason: the vote carries whether a rank has heard of the next world
+    # (`Membership.change_announced`), and the world changes after the step that says so.
+    # Read at the end of the step, a change the launcher announced during that step takes
+    # effect after it; read before the last backward pass (with one micro-batch a rank, at
+    # the step's start), it waited for the next step, and a ready joiner idled a step more.
     vote_after_reduction: ClassVar[bool]
 
     # How the strategy waits on its collectives' works: `Elastic` gives it its
@@ -163,7 +168,7 @@ class DataParallel(Strategy):
     work in C++). `finish` points every parameter's `grad` at its place."""
 
     stops_within_step = True
-    vote_after_reduction = False
+    vote_after_reduction = True
     uniform_micro_batches = False
 
     def __init__(self, bucket_mb: float = 25.0, overlap: bool = True) -> None:

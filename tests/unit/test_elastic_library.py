@@ -357,3 +357,40 @@ def test_a_rank_counts_its_own_compute_per_generation_leaving_out_the_first_step
     beat = job._beat()
     assert (beat.compute_generation, beat.compute_seconds, beat.compute_samples, beat.compute_steps) == (
         generation, seconds, samples, steps)
+
+
+@pytest.mark.parametrize("micro_batch", [12, 4])
+def test_a_world_announced_during_a_steps_last_backward_pass_is_moved_to_after_that_step(micro_batch: int) -> None:
+    """The step's vote says whether a rank has heard of the next world, and the ranks move
+    after the step that says so. The vote is read after the gradient reduction: a world the
+    launcher announces during the step's last backward pass (after its last forward) is
+    moved to after that step, not the next one (with one micro-batch a rank, a vote read
+    before that backward pass was read at the step's start, and a ready joiner idled a
+    step more)."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loss_fn(model: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(model(batch[0]), batch[1], reduction="sum")
+
+    job = Elastic(model, optimizer, _dataset(), loss_fn=loss_fn, global_batch=12, micro_batch=micro_batch, seed=5)
+    announced = threading.Event()
+    moved_after: list[int] = []
+    backward_passes = {"step 1": 0}
+
+    def heard_in_step_1(grad: torch.Tensor) -> torch.Tensor:
+        if job.step == 1:
+            backward_passes["step 1"] += 1
+            if backward_passes["step 1"] == 12 // micro_batch:
+                announced.set()  # the launcher's word arrives during the last backward pass
+        return grad
+
+    model[0].weight.register_hook(heard_in_step_1)
+    job.membership.change_announced = announced.is_set  # type: ignore[method-assign]
+    job.membership.move_on = lambda: moved_after.append(job.step)  # type: ignore[method-assign]
+    for _ in job.train(4):
+        pass
+    # Steps are counted from 0: step 1's commit makes job.step 2. Heard during step 1, the
+    # move follows step 1 (and, the word standing, each later one but the last).
+    assert moved_after[0] == 2, moved_after
