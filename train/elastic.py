@@ -350,7 +350,7 @@ class Elastic:
                 strategy.finish()
                 # The norm's collective (sharded gradients) before the vote: nothing after it.
                 norm = strategy.gradient_norm(self.params) if self.max_grad_norm is not None else None
-                # The vote comes only now where the strategy votes late (`Strategy.vote_after_reduction`).
+                # Under HybridSharded the vote comes only now (`Strategy.vote_after_reduction`).
                 control, control_work = started_control or self._start_control(samples, loss_sum)
                 if control_work is not None:
                     self.collectives.wait_work(control_work)
@@ -400,7 +400,7 @@ class Elastic:
                 loss = self.loss_fn(self.parts.model, self.collate_fn([self.dataset[samples.step_indices[0]]])) * 0.0
             loss_sum += loss.item()
             strategy.before_backward(last)
-            if last and strategy.stops_within_step and not strategy.vote_after_reduction:
+            if last and strategy.stops_within_step:
                 # The control all-reduce goes first on every rank, then the gradient buckets,
                 # in the same order everywhere (they share the world's group).
                 control = self._start_control(samples, loss_sum)
