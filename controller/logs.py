@@ -1,7 +1,10 @@
 """structlog configuration, called once by each entry point and never at import time.
 
 JSON lines when stderr is not a terminal (systemd's journal, Slurm's output files), a
-readable console format when it is."""
+readable console format when it is.
+
+Imported first by the launcher's entry point (`tidal.launcher.agent`): structlog is imported
+here with `rich` hidden (below)."""
 
 from __future__ import annotations
 
@@ -10,7 +13,19 @@ import os
 import sys
 from typing import Any, TextIO
 
-import structlog
+# structlog's console renderer imports rich (and pygments) when they are installed, for its
+# tracebacks: about 0.1 CPU-second that every launcher start pays before it registers, on a
+# grow's critical path. Tidal's processes do not use them (console tracebacks are then
+# structlog's plain ones), so rich is hidden while structlog is imported, unless the
+# process imported either already. rich stays importable afterwards.
+_HIDE_RICH = "rich" not in sys.modules and "structlog" not in sys.modules
+if _HIDE_RICH:
+    sys.modules["rich"] = None  # type: ignore[assignment]  # `import rich` raises ImportError
+try:
+    import structlog
+finally:
+    if _HIDE_RICH:
+        del sys.modules["rich"]
 
 
 def configure_logging(*, level: str | None = None, json: bool | None = None,

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import structlog
 
 from tidal.controller import cli
@@ -53,3 +54,17 @@ def test_daemons_refuse_bad_configuration_with_exit_2(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "tidal.launcher.agent", "--controller", "127.0.0.1:1",
                              "--job", "j"], capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode == 2 and "no job secret" in result.stderr
+
+
+def test_a_launcher_starts_without_importing_rich_and_rich_stays_importable() -> None:
+    # structlog imports rich (and pygments) for its console tracebacks when installed: a
+    # tenth of a CPU-second on every launcher start, before it registers.
+    if subprocess.run([sys.executable, "-c", "import rich"], capture_output=True, timeout=60).returncode != 0:
+        pytest.skip("rich is not installed here: nothing to hide")
+    probe = ("import sys, tidal.launcher.agent, structlog; "
+             "print(sorted(m for m in ('rich', 'pygments') if m in sys.modules)); "
+             "import rich.console; print('rich.console' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                            cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:2] == ["[]", "True"]
