@@ -15,10 +15,6 @@ from tidal.slurm import CliJsonSlurmClient
 
 pytestmark = pytest.mark.slurm
 
-# Runs long enough for a seed's 4-6 faults, some waiting for a hard moment, to land before
-# the last steps (a fault the job ends before fails the seed); each ends well within the
-# seeds' 420 s timeout when Tidal works.
-CHAOS_STEPS = 1600
 CHAOS_DEADLINE_S = 300.0
 # Long enough for all four faults of the churn scenario to land before the end.
 CHURN_STEPS = 1000
@@ -30,6 +26,12 @@ URGENT_STEPS = 400
 # `make test` plays seed 1 (seed 2 left it for time: `python -m bench.chaos --seeds 20` plays
 # twenty, bench/RESULTS.md); TIDAL_CHAOS_SEEDS=1,2,3 plays others here.
 SEEDS = [int(seed) for seed in os.environ.get("TIDAL_CHAOS_SEEDS", "1").split(",") if seed.strip()]
+# Runs long enough for a seed's 4-6 faults, some waiting for a hard moment, to land before
+# the last steps (a fault the job ends before fails the seed); each ends well within the
+# seeds' 420 s timeout when Tidal works. Seed 1 alone (make test) needs fewer: its kill,
+# grow and stop land by about step 200 (at 30 steps/s on 2 cores), and its drain waits for
+# the last 5 % of the steps, which at 1,600 left the job training untouched for 40 s.
+CHAOS_STEPS = 1000 if SEEDS == [1] else 1600
 
 
 @pytest.fixture(scope="module")
@@ -72,24 +74,6 @@ def test_issue_12s_churn_grow_drain_resize_kill_resize_preempt_then_finish(
     result = chaos.run_seed(0, reference, tmp_path / "run", faults=faults, deadline_s=CHURN_DEADLINE_S)
     assert result.passed, result.report()
     assert result.faults == ["drain", "shrink", "kill_worker", "urgent"], result.report()
-
-
-@pytest.mark.timeout(360)
-def test_an_urgent_job_on_every_node_preempts_every_unit_and_the_job_resumes_from_the_saved_state(
-        slurm: CliJsonSlurmClient, mini_cluster: dict, urgent_reference: chaos.Reference, hog: list[int],
-        tmp_path: Path) -> None:
-    """Slurm preempts every unit of a live job (no checkpoint of the script's own): the last
-    unit to hold the training state writes it to the job's state folder as it leaves, and
-    once the urgent job is gone the job resumes at that step and completes once, every step
-    with the fixed run's samples, parameters within 1e-9."""
-    faults = [chaos.PlannedFault(kind="urgent", gap_s=3.0, pick=0.0, duration_s=6.0, nodes=4)]
-    result = chaos.run_seed(0, urgent_reference, tmp_path / "run", faults=faults, max_replicas=2,
-                            deadline_s=CHAOS_DEADLINE_S)
-    assert result.passed, result.report()
-    assert result.faults == ["urgent"], result.report()
-    timeline = "\n".join(result.timeline)
-    assert " state_saving " in timeline and "left after saving the training state at step" in timeline, timeline
-    assert "state_lost" not in timeline and "resumed_from_checkpoint" not in timeline, timeline
 
 
 @pytest.mark.timeout(360)

@@ -239,23 +239,27 @@ def test_a_replica_sharded_over_two_gloo_workers_trains_in_single_and_mixed_prec
               "--set", f"train.dtype={dtype}"]
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    process = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "tidal.recipes.run",
-                                *common], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # The one-process run goes beside torchrun's two workers (3 processes on the 2 cores).
+    processes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                 for command in ([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "tidal.recipes.run",
+                                  *common], [sys.executable, "-m", "tidal.recipes.run", *common])]
+    outputs: list[subprocess.CompletedProcess[str]] = []
     try:
-        stdout, stderr = process.communicate(timeout=120)
+        for process in processes:
+            stdout, stderr = process.communicate(timeout=180)
+            outputs.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
     except subprocess.TimeoutExpired:
         # torchrun stops its workers on SIGTERM (they run in sessions of their own: a
         # SIGKILL of torchrun would leave them).
-        process.terminate()
-        try:
-            process.communicate(timeout=60)
-        finally:
-            process.kill()
-        pytest.fail("torchrun's two workers did not finish 4 steps in 120 s")
-    sharded = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+        for process in processes:
+            process.terminate()
+            try:
+                process.communicate(timeout=60)
+            finally:
+                process.kill()
+        pytest.fail("the runs did not finish 4 steps in 180 s")
+    sharded, alone = outputs
     assert sharded.returncode == 0, sharded.stderr[-3000:]
-    alone = subprocess.run([sys.executable, "-m", "tidal.recipes.run", *common], capture_output=True, text=True,
-                           timeout=300, env=env)
     assert alone.returncode == 0, alone.stderr[-3000:]
 
     def losses(output: str) -> list[float]:
