@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -41,8 +40,7 @@ pytestmark = pytest.mark.slurm
 # Every change is done by about step 150 (HSDP, 2.7 steps/s on two cores whatever the world
 # size; step 128 in a fresh-clone run on a slower host) and step 430 (DataParallel, about 23
 # steps/s at world 4; 473 there): the rest is the tail, at world 4 (the urgent job keeps
-# replica 1's nodes to the end, so the job does not grow back), with the one-process
-# reference running beside it.
+# replica 1's nodes to the end, so the job does not grow back).
 STEPS = 220
 DP_STEPS = 680
 
@@ -99,11 +97,11 @@ def submit_and_grow_to_two_replicas(admin: AdminClient, tmp_path: Path,
 
 
 def preempt_replica_1_and_finish(admin: AdminClient, slurm: CliJsonSlurmClient, job_id: str, lost: admin_pb2.Unit,
-                                 tmp_path: Path, reference: OneProcessRun) -> int:
+                                 tmp_path: Path) -> int:
     """An urgent job takes the two nodes of replica 1 (replica 2's are excluded): they leave
     at a step boundary, no failure but `lost`'s; then the job runs to its end on replica 2
-    (the urgent job holds its nodes until then), COMPLETED once, while `reference` runs.
-    Returns the generation before the urgent job."""
+    (the urgent job holds its nodes until then), COMPLETED once. Returns the generation
+    before the urgent job."""
     replica_2_nodes = tuple(n for u in admin.job(job_id).units if u.state == admin_pb2.UNIT_STATE_ACTIVE
                             and slot_of(admin, job_id, u.unit_id)[0] == 2 for n in u.nodes)
     before_urgent = admin.job(job_id).generation
@@ -113,7 +111,6 @@ def preempt_replica_1_and_finish(admin: AdminClient, slurm: CliJsonSlurmClient, 
     try:
         wait_for("the urgent job to run", lambda: slurm.get_job(urgent).state is JobState.RUNNING, timeout_s=90)
         assert not [e for e in events(admin, job_id, "failure_detected") if e.unit_id != lost.unit_id]
-        reference.start()
         wait_for("the job's end", lambda: admin.job(job_id).state == admin_pb2.JOB_STATE_COMPLETED,
                  timeout_s=600, interval_s=1.0)
     finally:
@@ -130,62 +127,31 @@ def kill_node(job_id: str, unit: admin_pb2.Unit) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-class OneProcessRun:
-    """The language model trained alone in one process (tmp_path/fixed.pt, its ledger in
-    tmp_path/fixed-ledger): the reference an elastic run must equal. `start` runs it in the
-    background, beside the elastic job's last steps (the two cores would otherwise idle
-    through the job's tail and then run it alone); `wait` starts it if not yet, and waits."""
-
-    def __init__(self, tmp_path: Path, steps: int) -> None:
-        self.tmp_path = tmp_path
-        self.steps = steps
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        if self.process is not None:
-            return
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("TIDAL_", "RANK", "WORLD_SIZE", "MASTER_",
-                                                                        "LOCAL_", "SLURM_"))}
-        self.process = subprocess.Popen(lm_command(self.tmp_path / "fixed.pt", self.tmp_path / "fixed-ledger", "dp",
-                                                   steps=self.steps, micro_batch=REFERENCE_MICRO_BATCH),
-                                        env=env, stdout=subprocess.DEVNULL)
-
-    def wait(self) -> None:
-        self.start()
-        assert self.process is not None
-        assert self.process.wait(timeout=600) == 0, "the one-process reference run failed"
-
-    def stop(self) -> None:
-        """Nothing left running when a test fails before `wait`."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-
-
-def assert_every_step_once_and_one_process_parameters(tmp_path: Path, records: list[dict],
-                                                      reference: OneProcessRun) -> None:
-    """Against the language model trained alone in one process (`reference`): every step
-    committed with its samples and none done twice (`bench.chaos.step_verdict`: a generation
-    may break at a step some of its ranks committed and others abandoned — a gloo wait given
-    up when the launcher said the world broke, as an NCCL abort does — and the next world
-    starts after it), and the full parameters (tmp_path/elastic.pt) to 1e-9 of each tensor's
-    scale."""
-    reference.wait()
+def assert_every_step_once_and_one_process_parameters(tmp_path: Path, records: list[dict], steps: int) -> None:
+    """Against the language model trained alone in one process: every step committed with
+    its samples and none done twice (`bench.chaos.step_verdict`: a generation may break at
+    a step some of its ranks committed and others abandoned — a gloo wait given up when the
+    launcher said the world broke, as an NCCL abort does — and the next world starts after
+    it), and the full parameters (tmp_path/elastic.pt) to 1e-9 of each tensor's scale."""
+    fixed_out = tmp_path / "fixed.pt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIDAL_", "RANK", "WORLD_SIZE", "MASTER_",
+                                                                    "LOCAL_", "SLURM_"))}
+    subprocess.run(lm_command(fixed_out, tmp_path / "fixed-ledger", "dp", steps=steps,
+                              micro_batch=REFERENCE_MICRO_BATCH), check=True, env=env,
+                   timeout=600, stdout=subprocess.DEVNULL)
     samples = {r["step"]: sorted(r["indices"]) for r in read_ledger(tmp_path / "fixed-ledger")
                if r["kind"] == "attempt"}
-    verdict = chaos.step_verdict(records, [samples[step] for step in range(reference.steps)])
+    verdict = chaos.step_verdict(records, [samples[step] for step in range(steps)])
     assert not verdict.problems, verdict.problems
     elastic = torch.load(tmp_path / "elastic.pt", weights_only=True)["model"]
-    for name, expected in torch.load(tmp_path / "fixed.pt", weights_only=True)["model"].items():
-        scale = float(expected.abs().max())
-        torch.testing.assert_close(elastic[name], expected, rtol=1e-9, atol=1e-9 * scale, msg=name)
+    for name, reference in torch.load(fixed_out, weights_only=True)["model"].items():
+        scale = float(reference.abs().max())
+        torch.testing.assert_close(elastic[name], reference, rtol=1e-9, atol=1e-9 * scale, msg=name)
 
 
 @pytest.mark.timeout(900)
 def test_hsdp_replicas_of_two_nodes_lose_a_node_patch_it_with_one_node_and_finish_equal_to_one_process(
-        slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path,
-        one_process_run: Callable[[int], OneProcessRun]) -> None:
-    reference = one_process_run(STEPS)
+        slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path) -> None:
     controller = slurm_controller(slurm, tmp_path)
     ledger = tmp_path / "ledger"
     lost_node = ""
@@ -231,7 +197,7 @@ def test_hsdp_replicas_of_two_nodes_lose_a_node_patch_it_with_one_node_and_finis
                 None), timeout_s=120)
 
             # An urgent job takes replica 1's two nodes: that replica leaves at a step boundary.
-            before_urgent = preempt_replica_1_and_finish(admin, slurm, job_id, lost, tmp_path, reference)
+            before_urgent = preempt_replica_1_and_finish(admin, slurm, job_id, lost, tmp_path)
             assert all(worker_pids(job_id, u) in (set(), pids) for u in replica_1
                        for pids in [replica_1_pids[u.unit_id]]), "replica 1 never restarted"
         wait_for_units_to_end(slurm, job_id)
@@ -251,14 +217,12 @@ def test_hsdp_replicas_of_two_nodes_lose_a_node_patch_it_with_one_node_and_finis
     assert all(r["sources"] == [0] for r in received), "each shard from replica 1 (the only other one)"
     abandoned = [r for r in records if r["kind"] == "abandoned" and r["generation"] >= before_urgent]
     assert not abandoned, f"a step was lost when replica 1 left: {abandoned[:2]}"
-    assert_every_step_once_and_one_process_parameters(tmp_path, records, reference)
+    assert_every_step_once_and_one_process_parameters(tmp_path, records, STEPS)
 
 
 @pytest.mark.timeout(900)
 def test_data_parallel_replicas_of_two_nodes_lose_a_node_that_costs_only_its_own_workers(
-        slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path,
-        one_process_run: Callable[[int], OneProcessRun]) -> None:
-    reference = one_process_run(DP_STEPS)
+        slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path) -> None:
     """The same scenario under DataParallel (every worker holds the whole model): the workers
     say so when their world forms, and the controller then keeps a node whose replica lost
     its other node in the world: a lost node costs its own two workers, no more."""
@@ -310,7 +274,7 @@ def test_data_parallel_replicas_of_two_nodes_lose_a_node_that_costs_only_its_own
 
             # An urgent job takes two nodes (not the kept node's, not the patch's): they leave
             # at a step boundary, the two others go on.
-            before_urgent = preempt_replica_1_and_finish(admin, slurm, job_id, lost, tmp_path, reference)
+            before_urgent = preempt_replica_1_and_finish(admin, slurm, job_id, lost, tmp_path)
             assert worker_pids(job_id, kept) in (set(), survivor_pids[kept.unit_id]), "the kept node never restarted"
         wait_for_units_to_end(slurm, job_id)
     finally:
@@ -326,4 +290,4 @@ def test_data_parallel_replicas_of_two_nodes_lose_a_node_that_costs_only_its_own
     assert grown.generation < recovered.generation < rejoined.generation
     abandoned = [r for r in records if r["kind"] == "abandoned" and r["generation"] >= before_urgent]
     assert not abandoned, f"a step was lost when two nodes left: {abandoned[:2]}"
-    assert_every_step_once_and_one_process_parameters(tmp_path, records, reference)
+    assert_every_step_once_and_one_process_parameters(tmp_path, records, DP_STEPS)

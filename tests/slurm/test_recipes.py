@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -158,23 +157,28 @@ def test_both_tiny_recipes_grow_lose_a_worker_and_leave_and_match_their_single_p
     controller = ControllerProcess(tmp_path / "controller", {
         "slurm_units": "true", "slurm_poll_interval_s": "1", "join_settle_s": "1", "reconnect_grace_s": "10",
         "node_cooldown_s": "5"})
+    controller.start()
     jobs: list[RecipeJob] = []
-    # The references: each recipe alone in one process (both at once), started once the
-    # phases are done, beside the jobs' last steps.
-    alone: list[subprocess.Popen[bytes]] = []
     try:
-        controller.start()
-        try:
-            jobs += [RecipeJob(name, tokens, tmp_path / name, controller.socket) for name in ("llama3", "gpt-oss")]
-            run_the_phases(jobs, controller, lambda: alone.extend(start_alone(jobs, tmp_path)))
-        finally:
-            with AdminClient(unix_socket=controller.socket, timeout_s=10.0) as admin:
-                for job in jobs:
-                    if admin.job(job.job_id).state == admin_pb2.JOB_STATE_RUNNING:
-                        admin.cancel(job.job_id)
+        jobs += [RecipeJob(name, tokens, tmp_path / name, controller.socket) for name in ("llama3", "gpt-oss")]
+        run_the_phases(jobs, controller)
+    finally:
+        with AdminClient(unix_socket=controller.socket, timeout_s=10.0) as admin:
             for job in jobs:
-                wait_for_units_to_end(slurm, job.job_id)
-            controller.stop()
+                if admin.job(job.job_id).state == admin_pb2.JOB_STATE_RUNNING:
+                    admin.cancel(job.job_id)
+        for job in jobs:
+            wait_for_units_to_end(slurm, job.job_id)
+        controller.stop()
+
+    # The references: each recipe alone in one process (both at once).
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIDAL_", "RANK", "WORLD_SIZE", "MASTER_",
+                                                                    "LOCAL_", "SLURM_"))}
+    env["OMP_NUM_THREADS"] = "1"
+    alone = [subprocess.Popen([sys.executable, "-m", "tidal.recipes.run", "--recipe", job.name,
+                               *recipe_settings(job.name, job.tokens, tmp_path / f"{job.name}-fixed")],
+                              env=env, stdout=subprocess.DEVNULL) for job in jobs]
+    try:
         assert [process.wait(timeout=600) for process in alone] == [0, 0]
     finally:
         for process in alone:
@@ -183,16 +187,6 @@ def test_both_tiny_recipes_grow_lose_a_worker_and_leave_and_match_their_single_p
                 process.wait()
     for job in jobs:
         check_against_one_process(job, tmp_path)
-
-
-def start_alone(jobs: list[RecipeJob], tmp_path: Path) -> list[subprocess.Popen[bytes]]:
-    """Each job's recipe alone in one process (tmp_path/<recipe>-fixed), started now."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIDAL_", "RANK", "WORLD_SIZE", "MASTER_",
-                                                                    "LOCAL_", "SLURM_"))}
-    env["OMP_NUM_THREADS"] = "1"
-    return [subprocess.Popen([sys.executable, "-m", "tidal.recipes.run", "--recipe", job.name,
-                              *recipe_settings(job.name, job.tokens, tmp_path / f"{job.name}-fixed")],
-                             env=env, stdout=subprocess.DEVNULL) for job in jobs]
 
 
 def check_against_one_process(job: RecipeJob, tmp_path: Path) -> None:
@@ -253,10 +247,10 @@ def check_against_one_process(job: RecipeJob, tmp_path: Path) -> None:
     assert summaries[0]["final_loss"] == pytest.approx(summaries[1]["final_loss"], rel=TOLERANCE[job.name])
 
 
-def run_the_phases(jobs: list[RecipeJob], controller: ControllerProcess, phases_done: Callable[[], None]) -> None:
+def run_the_phases(jobs: list[RecipeJob], controller: ControllerProcess) -> None:
     """Both jobs at once: trained at one unit, grown to two, a joined worker killed (back to
     one, then grown again by a replacement unit), the replacement drained (and --max 1, so
-    that no unit takes its place), `phases_done` called, then to the end."""
+    that no unit takes its place), then to the end."""
     with AdminClient(unix_socket=controller.socket, timeout_s=10.0) as admin:
         for job in jobs:
             spec = admin.job(job.job_id).spec
@@ -315,7 +309,6 @@ def run_the_phases(jobs: list[RecipeJob], controller: ControllerProcess, phases_
                 for e in job.events(admin, "world_reconfigured")), timeout_s=60)
             # No unit in place of the drained one: the job ends on its first unit.
             tidal(controller.socket, "resize", job.job_id, "--max", "1")
-        phases_done()
         for job in jobs:
             wait_for(f"{job.name} to complete", lambda job=job: admin.job(job.job_id).state in (
                 admin_pb2.JOB_STATE_COMPLETED, admin_pb2.JOB_STATE_FAILED), timeout_s=400)
