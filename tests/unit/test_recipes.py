@@ -252,11 +252,12 @@ def test_a_replica_sharded_over_two_gloo_workers_trains_in_single_and_mixed_prec
         # torchrun stops its workers on SIGTERM (they run in sessions of their own: a
         # SIGKILL of torchrun would leave them).
         for process in processes:
-            process.terminate()
-            try:
-                process.communicate(timeout=60)
-            finally:
-                process.kill()
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.communicate(timeout=60)
+                finally:
+                    process.kill()
         pytest.fail("the runs did not finish 4 steps in 180 s")
     sharded, alone = outputs
     assert sharded.returncode == 0, sharded.stderr[-3000:]
