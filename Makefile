@@ -42,10 +42,11 @@ typecheck: install
 	@mkdir -p build/mypy/tidal && for p in controller launcher proto recipes slurm train; do ln -sfn ../../../$$p build/mypy/tidal/$$p; done
 	set -o pipefail; $(VENV)/bin/mypy | sed 's#^build/mypy/tidal/##'
 
-# Every tier: unit, then the mini Slurm cluster's tests (brought up and stopped here). The
+# Every tier, with the mini Slurm cluster brought up and stopped here: the Slurm tier and,
+# beside it, the type check then the unit and integration tiers (scripts/test-streams). The
 # bench extra (torchft) too: the quick benchmarks run it beside Tidal.
-test: install-bench proto-check lint typecheck
-	TIDAL_TEST_REQUIRE_SLURM=1 scripts/with-cluster $(PYTEST) tests
+test: install-bench proto-check lint
+	TIDAL_TEST_REQUIRE_SLURM=1 PYTEST="$(PYTEST)" TYPECHECK="$(MAKE) -s typecheck" scripts/with-cluster scripts/test-streams
 
 test-unit: install
 	$(PYTEST) tests -m "not slurm and not integration and not gpu"
