@@ -93,7 +93,7 @@ bench: install-bench
 	scripts/with-cluster bash -c 'failed=""; for b in $(BENCHMARKS); do $(PYTHON) -m bench.$$b || failed="$$failed $$b"; done; \
 	  $(PYTHON) -m bench.report; if [ -n "$$failed" ]; then echo "bench: failed:$$failed"; exit 1; fi'
 
-# One quick run of each (what tests/slurm/test_bench_quick.py does in `make test`).
+# One quick run of each (what tests/integration/ and tests/slurm/test_bench_quick.py do in `make test`).
 bench-quick: install-bench
 	scripts/with-cluster bash -c 'set -e; for b in $(BENCHMARKS); do $(PYTHON) -m bench.$$b --quick; done'
 

@@ -64,8 +64,9 @@ def tidal_live(folder: Path, repeat: int) -> list[float]:
             recovered = event_time(job.event_after("recovered", at))
             times.append(recovered - at)
             print(f"recovery: live {index + 1}: {times[-1]:.3f} s", flush=True)
-            job.add_unit()
-            job.wait_world(REPLICAS)
+            if index + 1 < repeat:
+                job.add_unit()
+                job.wait_world(REPLICAS)
     return times
 
 
@@ -89,7 +90,8 @@ def tidal_restart(folder: Path, repeat: int) -> list[float]:
                                interval=0.05)
             times.append(first[0]["time"] - at)
             print(f"recovery: restart mode {index + 1}: {times[-1]:.3f} s", flush=True)
-            job.add_unit()
+            if index + 1 < repeat:
+                job.add_unit()
     finally:
         job.__exit__()
     return times

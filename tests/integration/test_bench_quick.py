@@ -1,0 +1,22 @@
+"""The quick runs of the benchmarks that need no cluster (controllers, launchers, torchrun
+and torchft on loopback; tests/bench_quick.py). They run beside the Slurm tier in
+`make test`; those that need the mini cluster are in tests/slurm/test_bench_quick.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.bench_quick import run_quick_benchmark
+
+pytestmark = pytest.mark.integration
+
+# bench.world_scale's --quick: about 10 s on 2 cores.
+BENCHMARKS = ["detection", "recovery", "overhead", "reduction", "transfer", "controller_scale", "world_scale"]
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+@pytest.mark.timeout(600)
+def test_the_quick_benchmark_runs_and_writes_its_rows(name: str, tmp_path: Path) -> None:
+    run_quick_benchmark(name, tmp_path)
