@@ -1,5 +1,6 @@
-"""The quick runs of the benchmarks that need the mini cluster (tests/bench_quick.py; those
-that run on loopback alone are in tests/integration/test_bench_quick.py)."""
+"""The quick runs of the benchmarks that need the mini cluster, and of bench.reduction
+(tests/bench_quick.py; the other benchmarks that run on loopback alone are in
+tests/integration/test_bench_quick.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ pytestmark = pytest.mark.slurm
 # bench.scaling and bench.cluster_sim are left out: the first is sleep-bound by design
 # (tests/unit/test_simulated.py covers its model), the second needs no cluster
 # (tests/unit/test_cluster_sim.py runs it); bench.chaos is tests/slurm/test_chaos.py's.
-BENCHMARKS = ["grow", "preemption", "goodput"]
+# bench.reduction needs no cluster either: it runs here so that the two streams of `make
+# test` (scripts/test-streams) take about as long as each other.
+BENCHMARKS = ["reduction", "grow", "preemption", "goodput"]
 
 
 @pytest.mark.parametrize("name", BENCHMARKS)

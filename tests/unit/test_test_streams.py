@@ -1,6 +1,7 @@
 """`make test` runs tests/slurm as one stream and every other folder beside it
-(scripts/test-streams): a test that needs the mini cluster must live in tests/slurm, or it
-would share the cluster with the Slurm tier's test of the moment."""
+(scripts/test-streams), then the Slurm tests marked `alone`: a test that needs the mini
+cluster must live in tests/slurm, or it would share the cluster with the Slurm tier's test
+of the moment."""
 
 from __future__ import annotations
 
@@ -21,3 +22,11 @@ def test_slurm_tests_live_in_tests_slurm_and_every_file_there_is_marked() -> Non
                 if not re.search(r"^pytestmark = pytest\.mark\.slurm$", path.read_text(), re.MULTILINE)]
     assert unmarked == []
     assert sorted((tests / "slurm").glob("test_*.py")), "no Slurm tier found"
+
+
+def test_the_tests_that_run_alone_are_slurm_tests() -> None:
+    """`alone` (run after both streams, on a machine left to them) is read in tests/slurm
+    only: a test marked so elsewhere would still run beside the Slurm tier."""
+    tests = REPO_ROOT / "tests"
+    alone = [path for path in tests.rglob("test_*.py") if re.search(r"pytest\.mark\.alone\b", path.read_text())]
+    assert alone and all(path.parent == tests / "slurm" for path in alone), alone
