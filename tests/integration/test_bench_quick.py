@@ -13,8 +13,9 @@ from tests.bench_quick import run_quick_benchmark
 pytestmark = pytest.mark.integration
 
 # bench.world_scale's --quick: about 10 s on 2 cores.
-# (bench.reduction, which needs no cluster either, runs in the Slurm tier to even the streams.)
-BENCHMARKS = ["detection", "recovery", "overhead", "transfer", "controller_scale", "world_scale"]
+# (bench.recovery, bench.overhead and bench.reduction, which need no cluster either, run in
+# the Slurm tier: tests/slurm/test_bench_quick.py says why.)
+BENCHMARKS = ["detection", "transfer", "controller_scale", "world_scale"]
 
 
 @pytest.mark.parametrize("name", BENCHMARKS)

@@ -1,4 +1,4 @@
-"""The quick runs of the benchmarks that need the mini cluster, and of bench.reduction
+"""The quick runs of the benchmarks that need the mini cluster, and of three that do not
 (tests/bench_quick.py; the other benchmarks that run on loopback alone are in
 tests/integration/test_bench_quick.py)."""
 
@@ -16,9 +16,10 @@ pytestmark = pytest.mark.slurm
 # bench.scaling and bench.cluster_sim are left out: the first is sleep-bound by design
 # (tests/unit/test_simulated.py covers its model), the second needs no cluster
 # (tests/unit/test_cluster_sim.py runs it); bench.chaos is tests/slurm/test_chaos.py's.
-# bench.reduction needs no cluster either: it runs here so that the two streams of `make
-# test` (scripts/test-streams) take about as long as each other.
-BENCHMARKS = ["reduction", "grow", "preemption", "goodput"]
+# bench.recovery, bench.overhead and bench.reduction need no cluster either: they run here,
+# not beside this tier, so that the other stream of `make test` (scripts/test-streams) is in
+# its lighter unit tier while this one's heaviest tests run.
+BENCHMARKS = ["recovery", "overhead", "reduction", "grow", "preemption", "goodput"]
 
 
 @pytest.mark.parametrize("name", BENCHMARKS)

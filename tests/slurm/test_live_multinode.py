@@ -41,7 +41,7 @@ pytestmark = pytest.mark.slurm
 # size; step 128 in a fresh-clone run on a slower host) and step 430 (DataParallel, about 23
 # steps/s at world 4; 473 there): the rest is the tail, at world 4 (the urgent job keeps
 # replica 1's nodes to the end, so the job does not grow back).
-STEPS = 220
+STEPS = 260
 DP_STEPS = 680
 
 
