@@ -1,4 +1,4 @@
-"""`make test` runs tests/slurm as one stream and every other folder beside it
+"""`make test-streams` runs tests/slurm as one stream and every other folder beside it
 (scripts/test-streams), then the Slurm tests marked `alone`: a test that needs the mini
 cluster must live in tests/slurm, or it would share the cluster with the Slurm tier's test
 of the moment."""
