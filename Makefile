@@ -6,7 +6,7 @@ PYTEST := $(PYTHON) -m pytest
 CONSTRAINTS := ci/constraints.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: install install-bench proto proto-check lint typecheck test test-streams test-unit test-slurm test-gpu cluster-up cluster-down cluster-status demo bench bench-quick clean
+.PHONY: install install-bench proto proto-check lint typecheck test test-unit test-slurm test-gpu cluster-up cluster-down cluster-status demo bench bench-quick clean
 
 install: $(STAMP)
 
@@ -53,18 +53,13 @@ typecheck: install
 	@mkdir -p build/mypy/tidal && for p in controller launcher proto recipes slurm train; do ln -sfn ../../../$$p build/mypy/tidal/$$p; done
 	set -o pipefail; $(VENV)/bin/mypy | sed 's#^build/mypy/tidal/##'
 
-# Every tier, one test after another (the unit tier first, with mypy beside it:
-# scripts/test-tiers), with the mini Slurm cluster brought up and stopped here. The bench
-# extra (torchft) too: the quick benchmarks run it beside Tidal.
+# Every tier with the mini Slurm cluster brought up and stopped here (scripts/test-tiers):
+# first the unit and integration tiers and mypy in two streams, then the Slurm tier, the
+# GPU tier and the tests marked `alone`, one after another. The bench extra (torchft) too:
+# the quick benchmarks run it beside Tidal.
 test: install-bench proto-check lint
 	$(PYTHON) -m compileall -q -j 0 $(SOURCES) > /dev/null
 	TIDAL_TEST_REQUIRE_SLURM=1 PYTEST="$(PYTEST)" TYPECHECK="make -s VENV=$(VENV) typecheck" scripts/with-cluster scripts/test-tiers
-
-# The same tests in two streams at once (scripts/test-streams): about 31-33 min instead of
-# 38 on a 2-core machine, but not yet what CI runs: in three of four runs a test whose
-# timing assumed a steadier machine failed under the extra load (docs/development.md).
-test-streams: install-bench proto-check lint
-	TIDAL_TEST_REQUIRE_SLURM=1 PYTEST="$(PYTEST)" TYPECHECK="make -s VENV=$(VENV) typecheck" scripts/with-cluster scripts/test-streams
 
 test-unit: install
 	$(PYTEST) tests -m "not slurm and not integration and not gpu"

@@ -81,6 +81,10 @@ def on_connected(t: Step, unit_id: str, register: launcher_pb2.Register, slot: S
         unit.procs_per_node = t.job.spec.procs_per_node or 1
         # The id Tidal submitted stays known when a launcher does not report one.
         unit.slurm_job_id = register.slurm_job_id or unit.slurm_job_id
+        if unit.slurm_job_id:
+            # Named here too: a controller stopped between sbatch's answer and its
+            # unit_submitted record learns the id from the launcher alone.
+            fields["slurm_job_id"] = str(unit.slurm_job_id)
         unit.registered_at = t.now.wall
         if slot is not None:
             # Its place in a replica of several nodes, as its Registered said: for life.

@@ -1,6 +1,7 @@
 """The quick runs of the benchmarks that need no cluster (controllers, launchers, torchrun
-and torchft on loopback; tests/bench_quick.py). They run beside the Slurm tier in
-`make test-streams`; those that need the mini cluster are in tests/slurm/test_bench_quick.py."""
+and torchft on loopback; tests/bench_quick.py). `make test` runs them in the stream beside
+the unit and integration tiers; those that need the mini cluster are in
+tests/slurm/test_bench_quick.py."""
 
 from __future__ import annotations
 

@@ -14,6 +14,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.integration.conftest import REPO, TidalRun, wait_until
 from tidal.controller.client import AdminClient
 
+pytestmark = pytest.mark.integration
+
 
 def make_certificate(directory: Path) -> tuple[Path, Path]:
     cert, key = directory / "controller.pem", directory / "controller.key"
@@ -24,7 +26,6 @@ def make_certificate(directory: Path) -> tuple[Path, Path]:
     return cert, key
 
 
-@pytest.mark.integration
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
 def test_launcher_and_admin_over_tls(tidal_run: TidalRun) -> None:
     cert, key = make_certificate(tidal_run.directory)
@@ -47,7 +48,6 @@ def test_launcher_and_admin_over_tls(tidal_run: TidalRun) -> None:
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-@pytest.mark.integration
 def test_health_is_not_serving_while_a_required_slurm_does_not_answer(tidal_run: TidalRun, tmp_path: Path) -> None:
     controller = tidal_run.controller
     controller.stop()

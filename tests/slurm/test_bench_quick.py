@@ -17,8 +17,7 @@ pytestmark = pytest.mark.slurm
 # (tests/unit/test_simulated.py covers its model), the second needs no cluster
 # (tests/unit/test_cluster_sim.py runs it); bench.chaos is tests/slurm/test_chaos.py's.
 # bench.recovery, bench.overhead and bench.reduction need no cluster either: they run here,
-# not beside this tier, so that the other stream of `make test-streams` is in
-# its lighter unit tier while this one's heaviest tests run.
+# in `make test`'s second part, not in its two streams, which are loaded enough.
 BENCHMARKS = ["recovery", "overhead", "reduction", "grow", "preemption", "goodput"]
 
 

@@ -39,8 +39,8 @@ from tidal.slurm import CliJsonSlurmClient
 pytestmark = pytest.mark.slurm
 
 # It compares the job's pace before the slowing with its pace after the replacement: a
-# load that changes in between (the other tiers, run beside the Slurm tier by `make test-streams`)
-# would move the ratio, so `make test-streams` runs it after every other test (`alone`).
+# load that changes in between (another test run beside it) would move the ratio, so it is
+# marked `alone` (`make test` runs the Slurm tier after its two streams, scripts/test-tiers).
 
 # Every phase below is done by about step 1,300 at 36 steps/s (the replacement in the world
 # by step 890, then 1 s settling and 10 s measured); at 28 steps/s, by step 800. A job that

@@ -404,6 +404,24 @@ def test_slurm_units_are_submitted_to_min_replicas_and_a_node_is_avoided_after_a
     assert [(s.unit_id, s.excluded) for s in effects if isinstance(s, core.Submit)] == [("u4", ("node-u2",))]
 
 
+def test_a_unit_whose_sbatch_answer_was_never_recorded_is_named_by_its_slurm_job_when_it_registers() -> None:
+    """The controller stopped between sbatch's answer and its unit_submitted record (a
+    restart mid-grow): the launcher's registration says the Slurm job it runs in, and the
+    timeline names it there, as `tidal events` readers match units to squeue."""
+    driver = Driver(min_replicas=2, max_replicas=2, slurm_units=True)
+    effects = driver.feed(core.SlurmObserved(view(driver, (node("n1"), node("n2")))))
+    assert [e.unit_id for e in effects if isinstance(e, core.Submit)] == ["u1", "u2"]
+    driver.feed(core.UnitSubmitted("u1", 501))
+    # No UnitSubmitted for u2: its launcher alone says where it runs.
+    driver.connect("u1")
+    assert driver.event("unit_registered").fields["slurm_job_id"] == "501"
+    driver.feed(core.LauncherConnected("u2", launcher_pb2.Register(
+        job_id="j-1", unit_id="u2", nodes=["n2"], address="127.0.0.1", store_port=1002, slurm_job_id=502)))
+    registered = driver.event("unit_registered")
+    assert registered.unit_id == "u2" and registered.fields["slurm_job_id"] == "502"
+    assert driver.state.units["u2"].slurm_job_id == 502
+
+
 def test_a_silent_worker_or_an_error_excludes_its_node_at_once_and_a_first_kill_is_forgotten() -> None:
     """A worker its launcher had to end (silent, hung; a node lost from a unit is said the
     same way) or one that exits with its own error (a crash loop counts those) excludes the
