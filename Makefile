@@ -10,23 +10,21 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
-# pip byte-compiles what it installs one file at a time (about 40 s of the install on 2
-# cores); compileall does it on every core. It exits 1 on the few files that are not
-# Python 3.11 (torch ships a Python 3.12 test helper), which pip's own compile skips too.
-COMPILE_SITE_PACKAGES = $(PYTHON) -m compileall -q -j 0 \
-	$$($(PYTHON) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') > /dev/null || true
 # The repository's own modules (the editable install imports them from here), compiled
 # before the tests: where PYTHONDONTWRITEBYTECODE is set, every process the tests start
 # (controllers, launchers, workers, benchmarks) would otherwise compile them again.
 SOURCES := bench controller examples launcher proto recipes scripts slurm tests train
 
 # Editable install into a venv; torch pinned to the CPU build that lies on disk.
+# pip byte-compiles one file at a time (about 40 s of this install on 2 cores), so it is
+# told not to and compileall uses every core. compileall exits 1 on the few files that are
+# not Python 3.11 (torch ships a Python 3.12 test helper), which pip's own compile skips too.
 $(STAMP): setup.cfg pyproject.toml $(CONSTRAINTS)
 	test -x $(PYTHON) || python3 -m venv $(VENV)
 	$(PYTHON) -m pip install -q --upgrade pip
 	$(PYTHON) -m pip install -q --no-compile -c $(CONSTRAINTS) torch==2.13.0
 	$(PYTHON) -m pip install -q --no-compile -c $(CONSTRAINTS) -e '.[test,plot,recipes]'
-	$(COMPILE_SITE_PACKAGES)
+	$(PYTHON) -m compileall -q -j 0 $$($(PYTHON) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') > /dev/null || true
 	touch $(STAMP)
 
 proto: install

@@ -127,8 +127,8 @@ QUICK_LAST_CALL_S = 2
 def torchrun(folder: Path, repeat: int, last_call_s: int | None = None) -> tuple[list[float], list[int]]:
     """torchrun's elastic agents, one per "node", on the same DDP script (`last_call_s`:
     its rendezvous' last_call_timeout, with a 2-s keep-alive, when not its defaults)."""
-    quick_conf = f"last_call_timeout={last_call_s},keep_alive_interval=1,keep_alive_max_attempt=2"
-    rendezvous_conf = ["--rdzv-conf", quick_conf] if last_call_s is not None else []
+    rendezvous_conf = [] if last_call_s is None else [
+        "--rdzv-conf", f"last_call_timeout={last_call_s},keep_alive_interval=1,keep_alive_max_attempt=2"]
     times, redone = [], []
     for index in range(repeat):
         run = folder / f"torchrun-{index}"
