@@ -3,8 +3,8 @@
 JSON lines when stderr is not a terminal (systemd's journal, Slurm's output files), a
 readable console format when it is.
 
-Imported first by the launcher's entry point (`tidal.launcher.agent`): structlog is imported
-here with `rich` hidden (below)."""
+Imported first by the launcher's entry point (`tidal.launcher.agent`) and by the worker
+library (`tidal.train`): structlog is imported here with `rich` hidden (below)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ import sys
 from typing import Any, TextIO
 
 # structlog's console renderer imports rich (and pygments) when they are installed, for its
-# tracebacks: about 0.1 CPU-second that every launcher start pays before it registers, on a
-# grow's critical path. Tidal's processes do not use them (console tracebacks are then
-# structlog's plain ones), so rich is hidden while structlog is imported, unless the
-# process imported either already. rich stays importable afterwards.
+# tracebacks: about 0.1 CPU-second that every launcher start pays before it registers, and
+# 0.15 s of every worker's start after torch's (a joiner's, on a grow's critical path). Tidal
+# does not use them (console tracebacks are then structlog's plain ones), so rich is hidden
+# while structlog is imported, unless the process imported either already (a training
+# script that imports rich or structlog before tidal.train keeps rich's tracebacks). rich
+# stays importable afterwards.
 _HIDE_RICH = "rich" not in sys.modules and "structlog" not in sys.modules
 if _HIDE_RICH:
     sys.modules["rich"] = None  # type: ignore[assignment]  # `import rich` raises ImportError
