@@ -36,16 +36,21 @@ class SlurmJob:
         if len(idle) < self.max_replicas:
             raise SystemExit(f"the mini cluster has {len(idle)} idle nodes; this benchmark needs "
                              f"{self.max_replicas} (scripts/minicluster up, nothing else running)")
-        for _ in range(self.blocked_nodes):
-            self.block_a_node()
-        self.controller.start()
-        spec = admin_pb2.JobSpec(
-            name="bench", min_replicas=1, max_replicas=self.max_replicas, partition="train",
-            mode=common_pb2.JOB_MODE_LIVE, working_dir=str(self.folder), environment={"OMP_NUM_THREADS": "1"},
-            command=[sys.executable, str(MLP_EXAMPLE), "--steps", "1000000", "--global-batch", "24",
-                     "--micro-batch", "4", "--step-time", str(self.step_time), "--ledger-dir", str(self.ledger)])
-        with self.controller.admin() as admin:
-            self.job_id = admin.submit(spec).job.job_id
+        try:
+            for _ in range(self.blocked_nodes):
+                self.block_a_node()
+            self.controller.start()
+            spec = admin_pb2.JobSpec(
+                name="bench", min_replicas=1, max_replicas=self.max_replicas, partition="train",
+                mode=common_pb2.JOB_MODE_LIVE, working_dir=str(self.folder), environment={"OMP_NUM_THREADS": "1"},
+                command=[sys.executable, str(MLP_EXAMPLE), "--steps", "1000000", "--global-batch", "24",
+                         "--micro-batch", "4", "--step-time", str(self.step_time), "--ledger-dir", str(self.ledger)])
+            with self.controller.admin() as admin:
+                self.job_id = admin.submit(spec).job.job_id
+        except BaseException:
+            # Stopped (a SIGTERM's SystemExit) or failed on the way in: nothing is left behind.
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
