@@ -90,7 +90,14 @@ def one_grow(job: SlurmJob) -> tuple[float, dict[str, float]]:
     at = time.time()
     job.slurm.cancel(job.blockers.pop())
     first = wait_until(lambda: job.commits_after(at, 4), 120, "a step at world size 4", interval=0.2)[0]["time"]
-    events = job.events()
+    kinds = ("unit_registered", "joiners_ready", "world_reconfigured")
+
+    def all_recorded() -> list[admin_pb2.Event] | None:
+        # (The ranks' report of the new world may reach the controller after their first step.)
+        events = job.events()
+        return events if all(any(e.kind == k and event_time(e) >= at for e in events) for k in kinds) else None
+
+    events = wait_until(all_recorded, 30, "the grow's events", interval=0.2)
 
     def after(kind: str) -> admin_pb2.Event:
         return next(e for e in events if e.kind == kind and event_time(e) >= at)
