@@ -45,7 +45,6 @@ from bench.common import REPO, Row, median, parser, workspace, write_result
 from bench.live import event_time
 from bench.slurm_job import SlurmJob
 from tests.integration.conftest import wait_until
-from tidal.proto import admin_pb2
 
 POLL_S = 1.0
 TOTAL_GOAL_S = 4.0
@@ -85,28 +84,18 @@ def bare_start_s() -> float:
 
 def one_grow(job: SlurmJob) -> tuple[float, dict[str, float]]:
     """One grow, watched from the workers' ledger files alone until its first step at 4 (a
-    file read every 0.2 s); the controller's events are read once, after it. Asking the
-    controller for them while the joiner starts took CPU from it on this host's 2 cores."""
+    file read every 0.2 s); the controller's events are asked for only after it. Asking for
+    them while the joiner starts took CPU from it on this host's 2 cores."""
     at = time.time()
     job.slurm.cancel(job.blockers.pop())
     first = wait_until(lambda: job.commits_after(at, 4), 120, "a step at world size 4", interval=0.2)[0]["time"]
-    kinds = ("unit_registered", "joiners_ready", "world_reconfigured")
-
-    def all_recorded() -> list[admin_pb2.Event] | None:
-        # (The ranks' report of the new world may reach the controller after their first step.)
-        events = job.events()
-        return events if all(any(e.kind == k and event_time(e) >= at for e in events) for k in kinds) else None
-
-    events = wait_until(all_recorded, 30, "the grow's events", interval=0.2)
-
-    def after(kind: str) -> admin_pb2.Event:
-        return next(e for e in events if e.kind == kind and event_time(e) >= at)
-
-    registered = after("unit_registered")
-    submitted = next(e for e in events if e.kind == "unit_submitted" and e.unit_id == registered.unit_id)
+    # (`event_after` waits for an event the controller has not recorded yet: the ranks'
+    # report of the new world may reach it after their first step.)
+    registered = job.event_after("unit_registered", at)
+    submitted = next(e for e in job.events() if e.kind == "unit_submitted" and e.unit_id == registered.unit_id)
     launcher_started = float(registered.fields["launcher_started_at"])
-    ready = event_time(after("joiners_ready"))
-    formed = event_time(after("world_reconfigured"))
+    ready = event_time(job.event_after("joiners_ready", at))
+    formed = event_time(job.event_after("world_reconfigured", at))
     bare = bare_start_s()
     sbatch_end = max(at, event_time(submitted))
     workers = ready - event_time(registered)
