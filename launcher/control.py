@@ -13,7 +13,7 @@ from pathlib import Path
 
 import structlog
 
-from tidal.proto.control import MAX_LINE, Hello, LauncherToWorker, Stop, WorkerToLauncher, World, decode, encode
+from tidal.proto.control import MAX_LINE, Coming, Hello, LauncherToWorker, Stop, WorkerToLauncher, World, decode, encode
 
 log = structlog.get_logger("tidal.launcher.control")
 
@@ -60,7 +60,7 @@ class LauncherChannel:
         try:
             while line := await reader.readline():
                 message = decode(line)
-                if message is None or isinstance(message, (World, Stop)):
+                if message is None or isinstance(message, (World, Stop, Coming)):
                     continue
                 if isinstance(message, Hello):
                     local_rank = message.local_rank

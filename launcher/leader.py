@@ -290,9 +290,12 @@ class Agent(NodeAgent[LauncherOptions]):
         self._start(placeholder, joining=True, standby=True)
 
     def _on_command(self, message: launcher_pb2.ControllerMessage) -> None:
-        if message.WhichOneof("body") == "generation":
+        kind = message.WhichOneof("body")
+        if kind == "generation":
             self._maybe_release_store(named_host=message.generation.rendezvous.host_unit_id == self.options.unit_id)
             self.apply(worlds.on_generation(self.leader_view(), message.generation, self.options.unit_id))
+        elif kind == "change_coming" and self.live_mode:
+            self.live.tell_coming(message.change_coming.generation)
 
     def _maybe_release_store(self, named_host: bool = False) -> None:
         """Let the held store server import torch once `decisions.store_server_release`

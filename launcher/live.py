@@ -29,6 +29,7 @@ from tidal.launcher.workers import Worker
 from tidal.proto import common_pb2, launcher_pb2
 from tidal.proto.control import (
     Beat,
+    Coming,
     Finished,
     FirstStep,
     Formed,
@@ -150,6 +151,16 @@ class LiveMode:
             agent.state = LauncherState.LEAVING
             self.workers.stop_deadline = time.monotonic() + agent.options.leave_timeout_s
         agent.log.info("world_sent", generation=generation, in_world=mine is not None, world_size=table.world_size)
+
+    def tell_coming(self, generation: int) -> None:
+        """A change to `generation` is decided and its world follows (`ChangeComing`): the
+        workers also vote at each step's end until it arrives. Workers not started, or not
+        said hello yet, hear nothing or get it on hello: either is harmless."""
+        group = self.agent.workers
+        if group is None or generation <= self.agent.generation:
+            return
+        for worker in group.workers:
+            self.channel.send(worker.local_rank, Coming(generation=generation))
 
     def leave_saving_state(self) -> None:
         """This unit holds the job's last copy of the training state: its workers write it

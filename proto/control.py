@@ -22,6 +22,10 @@ launcher -> worker:
       rank holds it, each loads its newest checkpoint, or they refuse to train.
   {"op": "stop", "generation": G}
       abandon the step in flight, leave generation G's process group, wait for the next world.
+  {"op": "coming", "generation": G}
+      a change to generation G is decided and its world follows (once its joiners are up):
+      until a world of G or later arrives, the ranks also vote at the end of each step, so
+      that the change takes effect after the step in which its world arrives.
 
 worker -> launcher:
   {"op": "hello", "local_rank": l, "pid": p}
@@ -94,6 +98,13 @@ class World:
 @dataclasses.dataclass(frozen=True)
 class Stop:
     """Abandon the step in flight, leave that generation's group, wait for the next."""
+
+    generation: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Coming:
+    """A change to `generation` is decided; its world follows once its joiners are up."""
 
     generation: int
 
@@ -181,12 +192,12 @@ class Beat:
     compute_steps: int = 0
 
 
-LauncherToWorker = World | Stop
+LauncherToWorker = World | Stop | Coming
 WorkerToLauncher = Hello | Formed | FirstStep | Stopped | Left | Finished | Resumed | StateLost | Beat
 Message = LauncherToWorker | WorkerToLauncher
 
 # The one codec: each message type and its "op" on the wire.
-_OPS: dict[str, type[Any]] = {"world": World, "stop": Stop, "hello": Hello, "formed": Formed,
+_OPS: dict[str, type[Any]] = {"world": World, "stop": Stop, "coming": Coming, "hello": Hello, "formed": Formed,
                               "first_step": FirstStep, "stopped": Stopped, "left": Left, "finished": Finished,
                               "resumed": Resumed, "state_lost": StateLost, "beat": Beat}
 _OP_OF = {kind: op for op, kind in _OPS.items()}

@@ -169,12 +169,14 @@ class GenerationReport(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., phase: _Optional[_Union[GenerationPhase, str]] = ..., step: _Optional[int] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., detail: _Optional[str] = ..., store_port: _Optional[int] = ..., replica_workers: _Optional[int] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
-    __slots__ = ("registered", "generation")
+    __slots__ = ("registered", "generation", "change_coming")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CHANGE_COMING_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
     generation: Generation
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., generation: _Optional[_Union[Generation, _Mapping]] = ...) -> None: ...
+    change_coming: ChangeComing
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., generation: _Optional[_Union[Generation, _Mapping]] = ..., change_coming: _Optional[_Union[ChangeComing, _Mapping]] = ...) -> None: ...
 
 class Registered(_message.Message):
     __slots__ = ("current_generation", "heartbeat_interval", "heartbeat_timeout", "mode", "progress_timeout", "command", "environment", "working_dir", "procs_per_node", "job_name", "worker_silence_timeout", "replica", "node_index", "nodes_per_replica")
@@ -240,6 +242,12 @@ class Generation(_message.Message):
     save_state: bool
     at_step_boundary: bool
     def __init__(self, generation: _Optional[int] = ..., from_generation: _Optional[int] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., rendezvous: _Optional[_Union[_common_pb2.Rendezvous, _Mapping]] = ..., target_step: _Optional[int] = ..., stop_grace: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., reason: _Optional[str] = ..., failed_unit_id: _Optional[str] = ..., leaving: _Optional[_Iterable[str]] = ..., save_state: _Optional[bool] = ..., at_step_boundary: _Optional[bool] = ...) -> None: ...
+
+class ChangeComing(_message.Message):
+    __slots__ = ("generation",)
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    def __init__(self, generation: _Optional[int] = ...) -> None: ...
 
 class FollowerMessage(_message.Message):
     __slots__ = ("hello", "proof", "report", "worker_exited", "stopped")

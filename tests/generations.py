@@ -20,10 +20,12 @@ def change_kind(generation: launcher_pb2.Generation) -> str:
 
 
 def said(message: object) -> str:
-    """A sent message as 'start:G', 'reconfigure:G:members', 'stop:G', 'leave', or its
-    oneof's name (or 'close') for anything else."""
+    """A sent message as 'start:G', 'reconfigure:G:members', 'stop:G', 'leave', 'coming:G',
+    or its oneof's name (or 'close') for anything else."""
     if not isinstance(message, launcher_pb2.ControllerMessage):
         return "close"
+    if message.HasField("change_coming"):
+        return f"coming:{message.change_coming.generation}"
     if not message.HasField("generation"):
         return message.WhichOneof("body") or ""
     generation = message.generation

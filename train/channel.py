@@ -13,6 +13,7 @@ import structlog
 from tidal.proto.control import (
     BEAT_INTERVAL_S,
     Beat,
+    Coming,
     Hello,
     LauncherToWorker,
     Stop,
@@ -27,6 +28,10 @@ log = structlog.get_logger("tidal.train.channel")
 # Called on the reader thread with each world or stop the launcher sent, once recorded
 # (None: the channel closed). It must not block for long: it holds up the next message.
 OnWord = Callable[[LauncherToWorker | None], None]
+
+# How long a launcher's word that a change is coming (`Coming`) holds: past it, the ranks
+# stop voting at each step's end (its world never came: the change was given up).
+COMING_HOLDS_S = 300.0
 
 
 class ChannelClosed(Exception):
@@ -45,6 +50,9 @@ class WorkerChannel:
         self._changed = threading.Condition()
         self.worlds: dict[int, World] = {}
         self.stopped_generation = 0
+        # The newest generation the launcher said is coming (`Coming`), and when (monotonic).
+        self.coming_generation = 0
+        self.coming_at = 0.0
         self.closed = False
         self.send(Hello(local_rank=local_rank, pid=pid))
         self._reader = threading.Thread(target=self._read, name="tidal-control", daemon=True)
@@ -68,6 +76,11 @@ class WorkerChannel:
                         self.worlds[message.generation] = message
                     elif isinstance(message, Stop):
                         self.stopped_generation = max(self.stopped_generation, message.generation)
+                    elif isinstance(message, Coming):
+                        # Read by the training thread at its step's vote; nothing to wake.
+                        if message.generation > self.coming_generation:
+                            self.coming_generation, self.coming_at = message.generation, time.monotonic()
+                        continue
                     else:
                         continue
                     self._changed.notify_all()
@@ -99,6 +112,13 @@ class WorkerChannel:
     def _next_world(self, after_generation: int) -> World | None:
         generations = [g for g in self.worlds if g > after_generation and g > self.stopped_generation]
         return self.worlds[max(generations)] if generations else None
+
+    def change_coming(self, after_generation: int) -> bool:
+        """The launcher said, within COMING_HOLDS_S, that a generation after `after_generation`
+        is coming, and it has not been stopped."""
+        with self._changed:
+            return (self.coming_generation > max(after_generation, self.stopped_generation)
+                    and time.monotonic() - self.coming_at < COMING_HOLDS_S)
 
     def wait_world(self, after_generation: int, timeout_s: float) -> World:
         """Block until the launcher names a world after `after_generation`."""

@@ -247,12 +247,25 @@ class Elastic:
                 if isinstance(broken, str):
                     membership.recover(broken)
                     continue
-                result, change_pending = broken
+                result, change_pending, change_coming = broken
+                # A change on its way (a rank said so in the step's vote): the ranks vote again
+                # now that the step is committed, so that a world announced during the step
+                # is taken after it. Every rank read the same sum: all vote, or none.
+                broke_after: str | None = None
+                if change_coming and not change_pending and self.counters.step < steps:
+                    voted = guarded(self._vote_at_step_end)
+                    if isinstance(voted, str):
+                        broke_after = voted
+                    else:
+                        change_pending = voted
                 if self.counters.step >= steps and membership.live:
                     membership.finish(result.generation)
                     self.state.remove_state_folder(self.rank)
                 yield result
-                if change_pending and self.counters.step < steps:
+                if broke_after is not None:
+                    # The step stands (every rank's vote on it returned); the world broke after it.
+                    membership.recover(broke_after)
+                elif change_pending and self.counters.step < steps:
                     membership.move_on()
         except StateLost as lost:
             log.bind(pid=os.getpid()).error("state_lost", reason=str(lost))
@@ -318,7 +331,7 @@ class Elastic:
         if not all(module.training for module in self._modules):
             self.parts.model.train()
 
-    def _attempt_step(self) -> tuple[StepResult, bool]:
+    def _attempt_step(self) -> tuple[StepResult, bool, bool]:
         world = self.membership.world
         assert world is not None
         started = time.monotonic()
@@ -374,7 +387,7 @@ class Elastic:
         result = StepResult(step=self.counters.step, loss=step_loss, global_batch=batch_size,
                             world_size=world.world_size, rank=world.rank, generation=world.generation,
                             indices=samples.indices, seconds=time.monotonic() - started, grad_norm=grad_norm)
-        return result, reduced[3] > 0
+        return result, reduced[3] > 0, reduced[5] > 0
 
     def _compute_gradients(self, samples: StepSamples, world: World) -> tuple[tuple[torch.Tensor, Any] | None, float]:
         """Forward and backward over this rank's micro-batches; the strategy starts reducing
@@ -418,17 +431,41 @@ class Elastic:
 
     def _start_control(self, samples: StepSamples, loss_sum: float) -> tuple[torch.Tensor, Any]:
         """The step's control vector (sample count, index checksums, whether a world change
-        is wanted, summed loss), its all-reduce started (None in a world of one)."""
+        is wanted, summed loss, whether one is on its way), its all-reduce started (None in
+        a world of one). A change on its way makes the ranks vote again at the step's end
+        (`_vote_at_step_end`), unless the strategy's vote already comes after its reduction."""
         self.membership.check_stop()
         change_wanted = self.membership.change_announced()
+        change_coming = (not change_wanted and not self.strategy.vote_after_reduction
+                         and self.membership.change_coming())
         index_sum, index_square_sum = _index_checksums(samples.indices)
-        control = torch.tensor([len(samples.indices), index_sum, index_square_sum, float(change_wanted), loss_sum],
-                               dtype=torch.float64, device=self.device)
+        control = torch.tensor([len(samples.indices), index_sum, index_square_sum, float(change_wanted), loss_sum,
+                                float(change_coming)], dtype=torch.float64, device=self.device)
         groups = self.membership.groups
         if groups is None:
             return control, None
         with self.collectives.waiting_in():
             return control, start_world_allreduce(groups, self.collectives, control)
+
+    def _vote_at_step_end(self) -> bool:
+        """After a committed step, while a change is on its way: whether a rank has heard of
+        the next world by now (the step's own vote came before its last backward pass, and
+        a world announced since would wait a whole step more). One more all-reduce, taken
+        only while a change is coming: each step's vote overlaps its backward pass, and
+        this one does not."""
+        self.membership.check_stop()
+        groups = self.membership.groups
+        if groups is None:
+            return self.membership.change_announced()
+        vote = torch.tensor([float(self.membership.change_announced())], dtype=torch.float64, device=self.device)
+        with self.collectives.waiting_in():
+            self.collectives.wait_work(start_world_allreduce(groups, self.collectives, vote))
+        changes = vote.item() > 0
+        world = self.membership.world
+        assert world is not None
+        self.ledger.write("end_vote", generation=world.generation, step=self.counters.step - 1, rank=world.rank,
+                          changes=changes)
+        return changes
 
     def _after_commit(self, world: World, loss: float) -> None:
         step = self.counters.step

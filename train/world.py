@@ -17,13 +17,15 @@ generation. `Membership` is the worker's side of that protocol, one state machin
 
 A world change is not waited for in a step: each rank that has heard of the next world
 says so in its step's control all-reduce (`change_announced`), and after that step every
-rank moves (`move_on`). A failure breaks the step where it is (`WorldBroken`, caught by
-`guarded`), and the rank waits for the next world (`recover`). Under NCCL the launcher's
-word that the generation broke (`breakage`: a stop, or the next world sent at once) also
-aborts its groups from the control channel's thread, since a collective blocked on a
-frozen peer would otherwise wait out its timeout (`tidal.train.backend`). Outside a
-launcher (alone, under torchrun, in restart mode) the world is fixed: formed once from
-the environment.
+rank moves (`move_on`). While a change is on its way but not announced (`change_coming`:
+its joiners are starting, or a SIGTERM came), the ranks vote a second time at the step's
+end, so that a world announced during the step takes effect after it rather than after the
+next. A failure breaks the step where it is (`WorldBroken`, caught by `guarded`), and the
+rank waits for the next world (`recover`). Under NCCL the launcher's word that the
+generation broke (`breakage`: a stop, or the next world sent at once) also aborts its
+groups from the control channel's thread, since a collective blocked on a frozen peer
+would otherwise wait out its timeout (`tidal.train.backend`). Outside a launcher (alone,
+under torchrun, in restart mode) the world is fixed: formed once from the environment.
 
 The decisions are pure (`decide`, `interruption`, `form_timeout_s`, `breakage`);
 `Membership` carries them out. What the ranks do with the training state once they meet is the `agree`
@@ -45,7 +47,18 @@ from typing import Any, TypeVar
 import structlog
 import torch.distributed as dist
 
-from tidal.proto.control import Beat, Finished, FirstStep, Formed, LauncherToWorker, Left, Stop, Stopped, World
+from tidal.proto.control import (
+    Beat,
+    Coming,
+    Finished,
+    FirstStep,
+    Formed,
+    LauncherToWorker,
+    Left,
+    Stop,
+    Stopped,
+    World,
+)
 from tidal.train.backend import abort_from_outside, aborts_from_outside
 from tidal.train.backend import close_groups as close_groups_of
 from tidal.train.channel import ChannelClosed, WorkerChannel
@@ -253,6 +266,8 @@ def breakage(message: LauncherToWorker | None) -> tuple[int, str] | None:
     old world finishes the step its ranks agree on."""
     if message is None:
         return EVERY_GENERATION, "the launcher closed the control channel"
+    if isinstance(message, Coming):
+        return None
     if isinstance(message, Stop):
         return message.generation, f"the launcher stopped generation {message.generation}"
     if not message.at_step_boundary:
@@ -337,6 +352,9 @@ class Membership:
         self._strays: list[StrayWait] = []
         self._strays_end_at_exit = False
         self._formed_generation = -1
+        # Slurm's SIGTERM reached this worker and is held (`_on_sigterm`): its unit's leave
+        # is on its way.
+        self._sigterm_held = False
         self.log = log.bind(pid=os.getpid())
 
     @property
@@ -615,6 +633,16 @@ class Membership:
         assert self.world is not None
         return self.channel is not None and self.channel.next_world(self.world.generation) is not None
 
+    def change_coming(self) -> bool:
+        """A world change is on its way but not announced yet: the launcher said so (its
+        joiners are starting), or Slurm's SIGTERM reached this worker (its unit's leave
+        follows). This rank says so in its step's vote, and the ranks then vote again at the
+        step's end (`tidal.train.elastic`), so that a world announced during the step takes
+        effect right after it."""
+        if self.channel is None or self.world is None:
+            return False
+        return self._sigterm_held or self.channel.change_coming(self.world.generation)
+
     def committed(self, step: int) -> None:
         """A step committed in this world: the first one is reported."""
         assert self.world is not None
@@ -730,6 +758,7 @@ class Membership:
         saving the state if it holds the last copy; if it does not within TERM_WAIT_S, end
         as SIGTERM would have. Any later SIGTERM ends the process at once."""
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        self._sigterm_held = True
         wait_s = float(os.environ.get("TIDAL_TERM_WAIT_S", TERM_WAIT_S))
         self.log.info("sigterm_held", wait_s=wait_s, step=self.counters.step)
 

@@ -221,6 +221,13 @@ def reconfigure(t: Step, joiners: tuple[str, ...], leaving: tuple[str, ...], cau
     if joiners:
         for unit_id in joiners:
             t.send(unit_id, message)
+        # The old members train on until the joiners are up; told that the change is on
+        # its way, their ranks vote at each step's end too, and move right after the step
+        # in which its world reaches them.
+        coming = messages.change_coming(plan.number)
+        for unit_id in old_members:
+            if not state.units[unit_id].state.is_final:
+                t.send(unit_id, coming)
     else:
         tell_old_members(t)
 

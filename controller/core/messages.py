@@ -54,6 +54,12 @@ def at_step_boundary(generation: GenerationRecord, from_generation: int, leaving
         reason=reason, at_step_boundary=True))
 
 
+def change_coming(generation: int) -> launcher_pb2.ControllerMessage:
+    """Live mode: to the old world's members while `generation`'s joiners start: its world
+    follows, and their workers vote at each step's end meanwhile (`ChangeComing`)."""
+    return launcher_pb2.ControllerMessage(change_coming=launcher_pb2.ChangeComing(generation=generation))
+
+
 def stop(generation: int, reason: str, grace_s: float, failed_unit_id: str = "") -> launcher_pb2.ControllerMessage:
     """An empty generation: the stop of `generation` (naming `failed_unit_id` to the unit the
     controller declared failed). It takes no number of its own."""

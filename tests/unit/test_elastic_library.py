@@ -17,6 +17,7 @@ from torch.utils.data import TensorDataset
 from tidal.launcher.control import LauncherChannel, WorkerSaid
 from tidal.proto.control import (
     Beat,
+    Coming,
     Finished,
     FirstStep,
     Formed,
@@ -31,7 +32,7 @@ from tidal.proto.control import (
     decode,
     encode,
 )
-from tidal.train.channel import ChannelClosed, WorkerChannel
+from tidal.train.channel import COMING_HOLDS_S, ChannelClosed, WorkerChannel
 from tidal.train.checkpoint import AsyncCheckpointer, checkpoint_path
 from tidal.train.data import GlobalOrder, micro_batches, share_bounds, step_samples
 from tidal.train.elastic import AccountingError, Elastic, FixedBatch, ScaledBatch, check_accounting
@@ -290,9 +291,17 @@ def test_control_channel_carries_worlds_and_stops_both_ways(tmp_path: Path) -> N
         server.writers[0].write(b"{not json\n")
         server.writers[0].write(b'{"op": "stop", "generation": "two"}\n')
         server.writers[0].write(b'{"op": "explode"}\n')
+        # A change to generation 3 is coming (its joiners start): not a world, nothing breaks.
+        assert not worker.change_coming(2)
+        server.send(0, Coming(generation=3))
+        await asyncio.to_thread(lambda: _wait(lambda: worker.change_coming(2)))
+        assert not worker.change_coming(3) and worker.next_world(2) is None
         server.send(0, Stop(generation=2))
         await asyncio.to_thread(lambda: _wait(lambda: worker.stop_requested(2)))
         assert worker.next_world(1) is None, "a stopped generation's world is not joined"
+        assert worker.change_coming(2), "the stop of 2 does not cancel 3"
+        worker.coming_at -= COMING_HOLDS_S
+        assert not worker.change_coming(2), "a word that a change is coming holds for COMING_HOLDS_S"
         with pytest.raises(TimeoutError):
             await asyncio.to_thread(worker.wait_world, 2, 0.2)
         worker.send(Stopped(generation=2, step=7))
@@ -317,7 +326,7 @@ def _wait(predicate: object, timeout: float = 5.0) -> None:
 
 @pytest.mark.parametrize("message", [
     World(generation=3, rank=-1, world_size=2, master_addr="h", master_port=1, joining=True, target_step=9),
-    Stop(generation=3), Hello(local_rank=1, pid=2), Formed(generation=3, step=4, digest="ab"),
+    Stop(generation=3), Coming(generation=4), Hello(local_rank=1, pid=2), Formed(generation=3, step=4, digest="ab"),
     FirstStep(generation=3, step=5), Stopped(generation=3, step=4), Left(generation=3, step=4),
     Finished(generation=3, step=600),
     Resumed(generation=3, step=40, target_step=57, detail="steps 40..56 are redone"),

@@ -80,7 +80,8 @@ def test_a_grow_tells_the_joiner_first_and_the_old_world_once_it_is_ready(harnes
     harness.connect("c", 1003)
     harness.tick()
     assert harness.outbox("c") == ["reconfigure:2:a,b,c"]
-    assert harness.outbox("a") == harness.outbox("b") == [], "the old world trains on while the joiner starts"
+    assert harness.outbox("a") == harness.outbox("b") == ["coming:2"], (
+        "the old world trains on while the joiner starts, told that the change is coming")
     assert harness.actor.job.state is JobState.RUNNING and harness.actor.job.generation == 2
 
     harness.report("c", 2, launcher_pb2.GENERATION_PHASE_STARTED)

@@ -21,14 +21,16 @@ def test_package_and_services() -> None:
 
 @pytest.mark.parametrize("message", [
     launcher_pb2.Generation, launcher_pb2.WorkerExited, launcher_pb2.LeaveRequest, launcher_pb2.GenerationReport,
+    launcher_pb2.ChangeComing,
 ])
 def test_world_messages_carry_the_generation(message: type) -> None:
     assert "generation" in message.DESCRIPTOR.fields_by_name
 
 
 def test_the_controller_changes_a_world_by_one_message() -> None:
+    # `change_coming` changes nothing: it says that a `generation` follows (an optimization).
     body = launcher_pb2.ControllerMessage.DESCRIPTOR.oneofs_by_name["body"]
-    assert [field.name for field in body.fields] == ["registered", "generation"]
+    assert [field.name for field in body.fields] == ["registered", "generation", "change_coming"]
 
 
 def test_round_trip_of_a_generation() -> None:

@@ -6,7 +6,9 @@ launcher's messages over a channel that keeps no socket."""
 
 from __future__ import annotations
 
+import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -156,6 +158,8 @@ class QueuedChannel(WorkerChannel):
         self._changed = threading.Condition()
         self.worlds = {world.generation: world for world in worlds}
         self.stopped_generation = 0
+        self.coming_generation = 0
+        self.coming_at = 0.0
         self.closed = False
         self.said: list[WorkerToLauncher] = []
 
@@ -197,6 +201,25 @@ def test_a_stop_of_the_current_generation_breaks_the_step_and_a_newer_world_is_a
     channel.stopped_generation = 2
     with pytest.raises(WorldBroken, match="the launcher stopped generation 2"):
         membership.check_stop()
+
+
+def test_a_change_is_coming_once_the_launcher_says_so_or_slurms_sigterm_came() -> None:
+    channel = QueuedChannel()
+    membership = _membership(channel, _world(2), Phase.TRAINING, [])
+    assert not membership.change_coming()
+    channel.coming_generation, channel.coming_at = 3, time.monotonic()
+    assert membership.change_coming() and not membership.change_announced()
+    membership.world = _world(3)
+    assert not membership.change_coming(), "in that world, nothing more is coming"
+    # Slurm's SIGTERM (held: the unit's leave follows). Its leave is already announced
+    # here, so the handler's thread, which ends the process unless one is, returns at once.
+    channel.worlds[4] = _world(4, rank=-1)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        membership._on_sigterm(signal.SIGTERM, None)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert membership.change_coming()
 
 
 def test_a_broken_world_waits_for_the_next_and_a_stop_while_forming_waits_again() -> None:
