@@ -531,6 +531,10 @@ class Agent(NodeAgent[LauncherOptions]):
         request = launcher_pb2.LeaveRequest(generation=self.generation, cause=launcher_pb2.LEAVE_CAUSE_PREEMPTED,
                                             detail="SIGTERM")
         self.link.send(launcher_pb2.LauncherMessage(leave_request=request))
+        if self.live_mode:
+            # The world this unit leaves for follows: its workers vote at each step's end
+            # meanwhile, so that they leave right after the step in which it arrives.
+            self.live.tell_coming(self.generation + 1)
 
     def _heartbeat(self) -> launcher_pb2.Heartbeat:
         self.heartbeat_sequence += 1

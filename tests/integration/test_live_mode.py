@@ -212,12 +212,14 @@ def test_live_grow_kill_leave_matches_a_fixed_run(tidal_run: TidalRun, tmp_path:
     assert {r["pid"] for r in joined} == set(pids.values())
 
     # While c started, the old world was told that the grow was coming (`ChangeComing`), and
-    # both of its ranks voted again at each step's end; in no other world (the kill and the
-    # leave came with no word before them), so the word ends with the world it announced.
+    # both of its ranks voted again at each step's end. The SIGTERM to c's launcher is word
+    # of a leave too, which its world may have overtaken; no other world took that vote
+    # (the kill came with no word before it): the word ends with the world it announced.
     end_votes = [r for r in records if r["kind"] == "end_vote"]
-    assert {r["generation"] for r in end_votes} == {formed.generation}
-    assert {r["pid"] for r in end_votes} == {pids[host], pids[other]}
-    assert len(end_votes) >= 2 * 3, "a vote at each step's end while the joiner starts"
+    assert formed.generation in {r["generation"] for r in end_votes} <= {formed.generation, reformed.generation}
+    before_grow = [r for r in end_votes if r["generation"] == formed.generation]
+    assert {r["pid"] for r in before_grow} == {pids[host], pids[other]}
+    assert len(before_grow) >= 2 * 3, "a vote at each step's end while the joiner starts"
 
     # Recovery time, recorded as an event.
     assert float(recovered.fields["failure_to_first_step_s"]) > 0
