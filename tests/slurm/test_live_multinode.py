@@ -125,6 +125,13 @@ def kill_node(job_id: str, unit: admin_pb2.Unit) -> None:
     doomed = [pid for pid, env in unit_processes(job_id) if env.get("SLURM_JOB_ID") == str(unit.slurm_job_id)]
     for pid in sorted(doomed, key=lambda p: p in worker_pids(job_id, unit)):
         os.kill(pid, signal.SIGKILL)
+    # DOWN at once, as slurmctld marks a node that stops answering (after SlurmdTimeout, 30 s
+    # here; the node comes back sooner in these tests). The controller cancels the unit's
+    # Slurm job when its stream breaks; when that came before Slurm heard of the batch
+    # script's death, the job stayed COMPLETING, holding the node, until slurmctld sent its
+    # TERMINATE_JOB again 61 s later, and the job had ended before the patch could join.
+    subprocess.run(["scontrol", "update", f"NodeName={unit.nodes[0]}", "State=DOWN", "Reason=tidal test: node failed"],
+                   check=True, timeout=30, capture_output=True)
 
 
 def assert_every_step_once_and_one_process_parameters(tmp_path: Path, records: list[dict], steps: int) -> None:
