@@ -13,10 +13,10 @@ from tests.bench_quick import run_quick_benchmark
 
 pytestmark = pytest.mark.integration
 
-# bench.world_scale's --quick: about 10 s on 2 cores.
-# (bench.recovery, bench.overhead and bench.reduction, which need no cluster either, run in
-# the Slurm tier: tests/slurm/test_bench_quick.py says why.)
-BENCHMARKS = ["detection", "transfer", "controller_scale", "world_scale"]
+# bench.world_scale's --quick: about 10 s on 2 cores; bench.reduction's about 22 s alone.
+# (bench.recovery and bench.overhead, which need no cluster either, run in the Slurm tier:
+# tests/slurm/test_bench_quick.py says why.)
+BENCHMARKS = ["detection", "transfer", "controller_scale", "world_scale", "reduction"]
 
 
 @pytest.mark.parametrize("name", BENCHMARKS)

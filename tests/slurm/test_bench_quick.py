@@ -16,9 +16,10 @@ pytestmark = pytest.mark.slurm
 # bench.scaling and bench.cluster_sim are left out: the first is sleep-bound by design
 # (tests/unit/test_simulated.py covers its model), the second needs no cluster
 # (tests/unit/test_cluster_sim.py runs it); bench.chaos is tests/slurm/test_chaos.py's.
-# bench.recovery, bench.overhead and bench.reduction need no cluster either: they run here,
-# in `make test`'s second part, not in its two streams, which are loaded enough.
-BENCHMARKS = ["recovery", "overhead", "reduction", "grow", "preemption", "goodput"]
+# bench.recovery and bench.overhead need no cluster either: they run here, in `make test`'s
+# second part, not in its two streams, which are loaded enough (the side stream, about as
+# long as the first, took bench.reduction's 22 s, tests/integration/test_bench_quick.py).
+BENCHMARKS = ["recovery", "overhead", "grow", "preemption", "goodput"]
 
 
 @pytest.mark.parametrize("name", BENCHMARKS)

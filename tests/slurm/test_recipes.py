@@ -159,10 +159,22 @@ def test_both_tiny_recipes_grow_lose_a_worker_and_leave_and_match_their_single_p
         "node_cooldown_s": "5"})
     controller.start()
     jobs: list[RecipeJob] = []
+    alone: list[subprocess.Popen] = []
     try:
         jobs += [RecipeJob(name, tokens, tmp_path / name, controller.socket) for name in ("llama3", "gpt-oss")]
         run_the_phases(jobs, controller)
+        # The references: each recipe alone in one process (both at once), started once the
+        # phases are done, beside the jobs' last steps (nothing there is timed: each job
+        # only has to end). About 50 s on 2 cores, which the test no longer waits for after
+        # the jobs.
+        alone += [start_alone(job, tmp_path) for job in jobs]
+        wait_for_the_ends(jobs, controller)
+        assert [process.wait(timeout=600) for process in alone] == [0, 0]
     finally:
+        for process in alone:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
         with AdminClient(unix_socket=controller.socket, timeout_s=10.0) as admin:
             for job in jobs:
                 if admin.job(job.job_id).state == admin_pb2.JOB_STATE_RUNNING:
@@ -170,23 +182,18 @@ def test_both_tiny_recipes_grow_lose_a_worker_and_leave_and_match_their_single_p
         for job in jobs:
             wait_for_units_to_end(slurm, job.job_id)
         controller.stop()
+    for job in jobs:
+        check_against_one_process(job, tmp_path)
 
-    # The references: each recipe alone in one process (both at once).
+
+def start_alone(job: RecipeJob, tmp_path: Path) -> subprocess.Popen:
+    """The job's recipe alone in one process, into tmp_path/<recipe>-fixed."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TIDAL_", "RANK", "WORLD_SIZE", "MASTER_",
                                                                     "LOCAL_", "SLURM_"))}
     env["OMP_NUM_THREADS"] = "1"
-    alone = [subprocess.Popen([sys.executable, "-m", "tidal.recipes.run", "--recipe", job.name,
-                               *recipe_settings(job.name, job.tokens, tmp_path / f"{job.name}-fixed")],
-                              env=env, stdout=subprocess.DEVNULL) for job in jobs]
-    try:
-        assert [process.wait(timeout=600) for process in alone] == [0, 0]
-    finally:
-        for process in alone:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    for job in jobs:
-        check_against_one_process(job, tmp_path)
+    return subprocess.Popen([sys.executable, "-m", "tidal.recipes.run", "--recipe", job.name,
+                             *recipe_settings(job.name, job.tokens, tmp_path / f"{job.name}-fixed")],
+                            env=env, stdout=subprocess.DEVNULL)
 
 
 def check_against_one_process(job: RecipeJob, tmp_path: Path) -> None:
@@ -250,7 +257,7 @@ def check_against_one_process(job: RecipeJob, tmp_path: Path) -> None:
 def run_the_phases(jobs: list[RecipeJob], controller: ControllerProcess) -> None:
     """Both jobs at once: trained at one unit, grown to two, a joined worker killed (back to
     one, then grown again by a replacement unit), the replacement drained (and --max 1, so
-    that no unit takes its place), then to the end."""
+    that no unit takes its place); wait_for_the_ends then waits for their last steps."""
     with AdminClient(unix_socket=controller.socket, timeout_s=10.0) as admin:
         for job in jobs:
             spec = admin.job(job.job_id).spec
@@ -313,6 +320,11 @@ def run_the_phases(jobs: list[RecipeJob], controller: ControllerProcess) -> None
             wait_for(f"{job.name} to shrink by a leave", lambda job=job: any(
                 e.fields["cause"] == "leave" and e.fields["world_size"] == "2"
                 for e in job.events(admin, "world_reconfigured")), timeout_s=60)
+
+
+def wait_for_the_ends(jobs: list[RecipeJob], controller: ControllerProcess) -> None:
+    """Each job run to its end, COMPLETED once."""
+    with AdminClient(unix_socket=controller.socket, timeout_s=10.0) as admin:
         for job in jobs:
             wait_for(f"{job.name} to complete", lambda job=job: admin.job(job.job_id).state in (
                 admin_pb2.JOB_STATE_COMPLETED, admin_pb2.JOB_STATE_FAILED), timeout_s=400)
