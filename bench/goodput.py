@@ -12,7 +12,7 @@ Every worker of the three trains the real (small) LM on a simulated H100
 time slept, a 1B-parameter model of 4096 tokens a sample; --quick: 0.1B), so a node's
 throughput does not depend on how many others share this machine's 2 cores.
 
-The trace, as fractions of the duration D (600 s, --duration; --quick: 25 s):
+The trace, as fractions of the duration D (600 s, --duration; --quick: 20 s):
   [0, 0.40)    background work holds 1 node (partition urgent: never preempted)
   [0.20, 0.35) an urgent job needs 1 node     (preempts when nothing is idle)
   [0.55, 0.70) an urgent job needs 2 nodes
@@ -380,7 +380,7 @@ def wait_for_idle_cluster(slurm: CliJsonSlurmClient) -> None:
 def main() -> None:
     arguments = parser(__doc__.split("\n\n")[0])
     arguments.add_argument("--duration", type=float, default=None,
-                           help="the trace's length D in seconds (default 600; --quick: 25)")
+                           help="the trace's length D in seconds (default 600; --quick: 20)")
     arguments.add_argument("--systems", default="tidal,static,torchft",
                            help="which systems play the trace (comma-separated); with fewer than all three the "
                                 "plays are printed and no result is written")
@@ -389,7 +389,7 @@ def main() -> None:
     systems = {name.strip() for name in args.systems.split(",") if name.strip()}
     if not systems or systems - {"tidal", "static", "torchft"}:
         raise SystemExit(f"goodput: --systems takes tidal, static and torchft, got {args.systems!r}")
-    duration = args.duration or (25.0 if args.quick else 600.0)
+    duration = args.duration or (20.0 if args.quick else 600.0)
     simulation = QUICK_SIMULATION if args.quick else SIMULATION
     # Three plays of each by default (--quick: one): each plays the whole trace.
     repeat = args.repeat or (1 if args.quick else 3)

@@ -167,8 +167,9 @@ class DataParallel(Strategy):
     # world the launcher announces during a step take effect after it (not after the next
     # one), but adds a serialized all-reduce to every step: tried in 43455a2, on simulated
     # H100s with 4 ranks on 2 cores a step took 0.579 s against 0.562 s (ideal 0.557), and
-    # the goodput trace lost more to it than the joiners' shorter wait gained. Voting late
-    # only while a change is on its way would get both; not built.
+    # the goodput trace lost more to it than the joiners' shorter wait gained. So the ranks
+    # vote late only while a change is on its way: a second vote at the step's end
+    # (`Elastic._vote_at_step_end`, since c682000).
     vote_after_reduction = False
     uniform_micro_batches = False
 
