@@ -28,7 +28,7 @@ from tests.integration.test_cli import tidal
 from tests.integration.test_hsdp import REFERENCE_MICRO_BATCH, lm_command
 from tests.integration.test_live_mode import read_ledger
 from tests.slurm.test_autoscaling import minicluster, require_four_idle_nodes, wait_for_units_to_end
-from tests.slurm.test_multinode import unit_processes
+from tests.slurm.test_multinode import mark_down, unit_processes
 from tests.waiting import wait_for
 from tidal.controller.client import AdminClient
 from tidal.proto import admin_pb2, common_pb2
@@ -125,13 +125,7 @@ def kill_node(job_id: str, unit: admin_pb2.Unit) -> None:
     doomed = [pid for pid, env in unit_processes(job_id) if env.get("SLURM_JOB_ID") == str(unit.slurm_job_id)]
     for pid in sorted(doomed, key=lambda p: p in worker_pids(job_id, unit)):
         os.kill(pid, signal.SIGKILL)
-    # DOWN at once, as slurmctld marks a node that stops answering (after SlurmdTimeout, 30 s
-    # here; the node comes back sooner in these tests). The controller cancels the unit's
-    # Slurm job when its stream breaks; when that came before Slurm heard of the batch
-    # script's death, the job stayed COMPLETING, holding the node, until slurmctld sent its
-    # TERMINATE_JOB again 61 s later, and the job had ended before the patch could join.
-    subprocess.run(["scontrol", "update", f"NodeName={unit.nodes[0]}", "State=DOWN", "Reason=tidal test: node failed"],
-                   check=True, timeout=30, capture_output=True)
+    mark_down(unit.nodes[0])
 
 
 def assert_every_step_once_and_one_process_parameters(tmp_path: Path, records: list[dict], steps: int) -> None:
