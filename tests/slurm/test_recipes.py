@@ -78,11 +78,13 @@ SEEDS = {"llama3": 5, "gpt-oss": 7}
 TOLERANCE = {"llama3": 1e-6, "gpt-oss": 1e-9}
 
 
-# The references' micro-batches (see above): the runs' own for gpt-oss, 16 for llama3.
-REFERENCE_MICRO_BATCH = {"llama3": 16, "gpt-oss": 4}
+# The runs' micro-batches, and the references' (see above): the runs' own for gpt-oss, 16
+# for llama3.
+MICRO_BATCH = 4
+REFERENCE_MICRO_BATCH = {"llama3": 16, "gpt-oss": MICRO_BATCH}
 
 
-def recipe_settings(name: str, tokens: Path, folder: Path, micro_batch: int = 4) -> list[str]:
+def recipe_settings(name: str, tokens: Path, folder: Path, micro_batch: int = MICRO_BATCH) -> list[str]:
     settings = {"data.tokens": tokens, "data.sequence_length": SEQUENCE_LENGTH, "train.steps": STEPS,
                 "train.global_batch_tokens": GLOBAL_BATCH_TOKENS, "train.micro_batch_sequences": micro_batch,
                 "train.dtype": "float64", "train.seed": SEEDS[name], "train.log_every": 20,
