@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="CA certificate to verify the controller's TLS ($TIDAL_TLS_CA)")
     parser.add_argument("--leave-timeout", type=float, default=20.0,
                         help="seconds after SIGTERM to wait for the controller before leaving alone")
+    parser.add_argument("--finish-report-timeout", type=float, default=60.0,
+                        help="when training finished while the controller is unreachable, seconds to wait for it "
+                        "to take this unit's last reports before exiting without them")
     parser.add_argument("--connect-timeout", type=float, default=600.0,
                         help="give up when not registered after this many seconds")
     parser.add_argument("--stop-grace", type=float, default=10.0, help="SIGTERM-to-SIGKILL grace for workers")
@@ -106,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         slurm_job_id=slurm_job_id, tls_ca=args.tls_ca, leave_timeout_s=args.leave_timeout,
         connect_timeout_s=args.connect_timeout, stop_grace_s=args.stop_grace,
         worker_silence_timeout_s=args.worker_silence_timeout, prestart_workers=not args.no_prestart,
-        unit_nodes=layout, node_timeout_s=args.node_timeout)
+        unit_nodes=layout, node_timeout_s=args.node_timeout, finish_report_timeout_s=args.finish_report_timeout)
     return asyncio.run(Agent(options).run())
 
 

@@ -101,6 +101,9 @@ class Finish:
     state: LauncherState
     exit_code: int
     reason: str
+    # The controller must hear this unit's last reports (its training finished): a
+    # controller away at the exit gets `finish_report_timeout_s` to come back for them.
+    await_controller: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +195,7 @@ def on_worker_exit(view: NodeView, generation: int, local_rank: int, returncode:
         # Training is over and every worker of this unit has exited: the unit is done,
         # whether or not the controller is there to say so.
         actions += [ReportLeft("training finished; every worker exited"),
-                    Finish(LauncherState.SUCCEEDED, EXIT_OK, "training finished")]
+                    Finish(LauncherState.SUCCEEDED, EXIT_OK, "training finished", await_controller=True)]
     return tuple(actions)
 
 

@@ -28,7 +28,7 @@ from google.protobuf import timestamp_pb2
 
 from tidal.launcher import decisions, worlds
 from tidal.launcher.control import LauncherChannel, WorkerSaid
-from tidal.launcher.events import WorkersStopped
+from tidal.launcher.events import SignalReceived, WorkersStopped
 from tidal.launcher.lifecycle import (
     EXIT_REFUSED,
     EXIT_UNIT_FAILED,
@@ -109,6 +109,11 @@ class LauncherOptions:
     unit_nodes: UnitNodes | None = None
     # A follower silent this long (or whose connection breaks) is lost, and the replica with it.
     node_timeout_s: float = 10.0
+    # Training finished while the controller is away (restarting): how long the launcher
+    # waits for it to come back and take the unit's last reports (the last step, the
+    # workers' exits) before exiting without them. Without those the controller would take
+    # the silent unit for failed, and a job whose training ended would not complete.
+    finish_report_timeout_s: float = 60.0
 
 
 class Agent(NodeAgent[LauncherOptions]):
@@ -209,14 +214,39 @@ class Agent(NodeAgent[LauncherOptions]):
         if self.hub is not None:
             await self.hub.close(self.exit_code, self.exit_reason)
         await self.live.channel.close()
-        self.link.close()
+        # Reports waiting for a controller that is away: only the end of training waits for it.
+        deliver_s = (self.options.finish_report_timeout_s
+                     if self.await_controller_on_exit and self.link.undelivered else 0.0)
+        if deliver_s > 0:
+            self.log.warning("awaiting_controller", reports=self.link.undelivered, timeout_s=deliver_s)
+        self.link.close(deliver_within_s=deliver_s)
+        if self.link_task is not None and deliver_s > 0:
+            # Until they are written to a new session, the link gives up, or a SIGTERM or
+            # SIGINT (scancel) comes; then the session's end, as below.
+            while not self.events.empty():
+                self.events.get_nowait()
+            waits = {asyncio.create_task(self._next_signal()), asyncio.create_task(self.link.flushed.wait())}
+            await asyncio.wait({self.link_task, *waits}, timeout=deliver_s + 2.0,
+                               return_when=asyncio.FIRST_COMPLETED)
+            for task in waits:
+                task.cancel()
+            if not self.link.flushed.is_set():
+                self.link_task.cancel()
         if self.link_task is not None:
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(self.link_task, timeout=2.0)
+        if self.link.undelivered:
+            self.log.warning("reports_undelivered", reports=self.link.undelivered,
+                             waited_s=deliver_s, reason=self.exit_reason)
         for store in (self.store, self.serving_store):
             if store is not None:
                 store.close()
         stop_store_server(STORE_SERVER_STOP_S)
+
+    async def _next_signal(self) -> None:
+        """Once the loop is over: return when a signal's event arrives."""
+        while not isinstance(await self.events.get(), SignalReceived):
+            pass
 
     def _open_link(self) -> None:
         if self.link_task is None:

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -75,8 +76,12 @@ class ControllerLink:
         self._backlog: list[launcher_pb2.LauncherMessage] = []
         self._queue: asyncio.Queue[tuple[launcher_pb2.LauncherMessage, bool] | None] | None = None
         self._closing = False
+        # While closing: reconnect until this monotonic time to deliver what is queued.
+        self._deliver_until = 0.0
         self._was_registered = False
         self.connected = False
+        # Set once a session closed by `close` has written everything queued.
+        self.flushed = asyncio.Event()
 
     def send(self, message: launcher_pb2.LauncherMessage, *, reliable: bool = True) -> None:
         """Queue a message; a reliable one waits for the next session if there is none."""
@@ -85,11 +90,22 @@ class ControllerLink:
         elif reliable:
             self._backlog.append(message)
 
-    def close(self) -> None:
-        """Stop reconnecting; end the current session after what is queued."""
+    @property
+    def undelivered(self) -> int:
+        """Reliable messages waiting for a session (the controller is away)."""
+        return len(self._backlog)
+
+    def close(self, deliver_within_s: float = 0.0) -> None:
+        """End the current session after what is queued. Without a session, stop
+        reconnecting, unless reliable messages wait and `deliver_within_s` allows: then keep
+        reconnecting that long, deliver them in the first session, and end it."""
         self._closing = True
+        self._deliver_until = time.monotonic() + deliver_within_s
         if self._queue is not None:
             self._queue.put_nowait(None)
+
+    def _reconnecting(self) -> bool:
+        return not self._closing or (bool(self._backlog) and time.monotonic() < self._deliver_until)
 
     def _channel(self) -> grpc.aio.Channel:
         options = [("grpc.max_receive_message_length", self._max_message_bytes),
@@ -103,9 +119,9 @@ class ControllerLink:
 
     async def run(self) -> None:
         attempt = 0
-        while not self._closing:
+        while self._reconnecting():
             error = await self._session()
-            if error is None or self._closing:
+            if error is None or not self._reconnecting():
                 return
             if isinstance(error, LinkRefused):
                 self._post(error)
@@ -175,6 +191,7 @@ class ControllerLink:
             if item is None:
                 with contextlib.suppress(Exception):
                     await call.done_writing()
+                self.flushed.set()
                 return
             message, reliable = item
             try:

@@ -81,6 +81,8 @@ class NodeAgent(Generic[OptionsT]):
         self.leave_requested_at: float | None = None
         self.run_dir = run_dir
         self.log = log
+        # Whether the exit waits for an unreachable controller to take the last reports.
+        self.await_controller_on_exit = False
 
     # The loop.
 
@@ -151,8 +153,9 @@ class NodeAgent(Generic[OptionsT]):
                     self.events.put_nowait(WorkersStopped(generation))
                 case decisions.NoteLeaveRequested(at):
                     self.leave_requested_at = at
-                case decisions.Finish(state, exit_code, reason):
+                case decisions.Finish(state, exit_code, reason, await_controller):
                     self.finish(state, exit_code, reason)
+                    self.await_controller_on_exit = await_controller
                 case _:
                     self._apply_own(action)
 

@@ -493,3 +493,43 @@ def test_a_joiner_still_starting_when_the_world_breaks_is_not_restarted(tidal_ru
     assert formed.fields["state_holders"] == "a"
     wait_until(lambda: len(commits(read_ledger(ledger), 2)) >= 2 * 10, 90, "10 steps at world size 2 with b")
     assert tidal_run.launchers["b"].worker_pids() == [pid_b], "b's worker was not restarted"
+
+
+def test_training_that_ends_while_the_controller_is_away_completes_once_it_is_back(tidal_run: TidalRun,
+                                                                                 tmp_path: Path) -> None:
+    """The job's last step is committed while the controller is down (found by chaos seed
+    38: a controller restart in the last steps). The launchers, whose workers have all
+    exited, wait for it to come back and hand over their last reports; the job then
+    completes once, with no unit taken for failed."""
+    ledger = tmp_path / "ledger"
+    steps = 120
+    controller = tidal_run.controller
+    tidal_run.submit(min_replicas=2, max_replicas=2, mode=common_pb2.JOB_MODE_LIVE,
+                     command=example_command(tmp_path / "elastic.pt", ledger, steps))
+    for unit in "ab":
+        tidal_run.start_launcher(unit)
+    controller.wait_event(tidal_run.job_id, "world_formed")
+    wait_until(lambda: highest_step(ledger) >= 10, 60, "10 steps")
+    pids = [worker_pid(tidal_run, unit) for unit in "ab"]
+    controller.kill()
+    assert highest_step(ledger) < steps - 1, "training ended before the controller was killed"
+
+    wait_until(lambda: not any(alive(pid) for pid in pids), 60, "both workers to finish and exit")
+    time.sleep(2.0)
+    for unit in "ab":
+        launcher = tidal_run.launchers[unit]
+        assert launcher.process is not None and launcher.process.poll() is None, \
+            f"launcher {unit} exited while the controller was away, its last reports unsent"
+        assert any(r.get("event") == "awaiting_controller" for r in launcher.log_records())
+    assert highest_step(ledger) == steps - 1
+
+    controller.start()
+    controller.wait_event(tidal_run.job_id, "job_completed", timeout=30)
+    for unit in "ab":
+        process = tidal_run.launchers[unit].process
+        assert process is not None and process.wait(15) == 0
+    events = controller.events(tidal_run.job_id)
+    assert [e.kind for e in events].count("job_completed") == 1
+    assert not any(e.kind in ("failure_detected", "unit_lost", "generation_stopping") for e in events)
+    assert tidal_run.job().state == admin_pb2.JOB_STATE_COMPLETED
+    assert_parameters_match_a_fixed_run(tmp_path, steps)

@@ -93,7 +93,8 @@ def test_once_training_finished_the_last_workers_exit_ends_the_unit() -> None:
     done = dataclasses.replace(LIVE, finished=frozenset({0, 1}), group_all_exited=True)
     actions = on_worker_exit(done, 3, 1, 0)
     assert kinds(actions) == [ReportWorkerExit, ReportLeft, Finish]
-    assert actions[-1] == Finish(LauncherState.SUCCEEDED, EXIT_OK, "training finished")
+    # The controller must hear it (a controller away at that moment gets time to come back).
+    assert actions[-1] == Finish(LauncherState.SUCCEEDED, EXIT_OK, "training finished", await_controller=True)
 
 
 # A signal.
