@@ -214,25 +214,26 @@ class Agent(NodeAgent[LauncherOptions]):
         if self.hub is not None:
             await self.hub.close(self.exit_code, self.exit_reason)
         await self.live.channel.close()
-        # Reports waiting for a controller that is away: only the end of training waits for
-        # it, and not once a SIGTERM or SIGINT (scancel) has come, before now or during the wait.
+        # The last reports: only the end of training waits for the controller to confirm
+        # them (reconnecting if it is away, or if the session breaks first), and not once a
+        # SIGTERM or SIGINT (scancel) has come, before now or during the wait.
         signalled_before = False
         while not self.events.empty():
             signalled_before = isinstance(self.events.get_nowait(), SignalReceived) or signalled_before
         deliver_s = (self.options.finish_report_timeout_s
-                     if self.await_controller_on_exit and self.link.undelivered and not signalled_before else 0.0)
-        if deliver_s > 0:
+                     if self.await_controller_on_exit and not signalled_before else 0.0)
+        if deliver_s > 0 and (self.link.undelivered or not self.link.connected):
             self.log.warning("awaiting_controller", reports=self.link.undelivered, timeout_s=deliver_s)
         self.link.close(deliver_within_s=deliver_s)
         if self.link_task is not None and deliver_s > 0:
-            # Until they are written to a new session, the link gives up, or a SIGTERM or
-            # SIGINT comes; then the session's end, as below.
-            waits = {asyncio.create_task(self._next_signal()), asyncio.create_task(self.link.flushed.wait())}
+            # Until a session's end confirms them, the link gives up, or a SIGTERM or SIGINT
+            # comes; then the session's end, as below.
+            waits = {asyncio.create_task(self._next_signal()), asyncio.create_task(self.link.delivered.wait())}
             await asyncio.wait({self.link_task, *waits}, timeout=deliver_s + 2.0,
                                return_when=asyncio.FIRST_COMPLETED)
             for task in waits:
                 task.cancel()
-            if not self.link.flushed.is_set():
+            if not self.link.delivered.is_set():
                 self.link_task.cancel()
         if self.link_task is not None:
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):

@@ -1,7 +1,10 @@
 """The launcher's session with the controller: one bidirectional stream, reopened with
 exponential backoff and jitter whenever it breaks. Messages that matter (a worker's exit,
 a generation's report, a leave request) wait while the controller is away and go out after
-the next registration; heartbeats sent while away are dropped."""
+the next registration; heartbeats sent while away are dropped. Once training has finished
+(`hold_written`), a report written to a session only counts as delivered when the
+controller ends that session after reading to its end: a session that breaks first (its
+controller died before reading it) hands its reports back to be sent again."""
 
 from __future__ import annotations
 
@@ -79,9 +82,13 @@ class ControllerLink:
         # While closing: reconnect until this monotonic time to deliver what is queued.
         self._deliver_until = 0.0
         self._was_registered = False
+        # Keep each reliable message written until the controller confirms the session (set
+        # once training has finished: `hold_written`).
+        self._holding = False
         self.connected = False
-        # Set once a session closed by `close` has written everything queued.
-        self.flushed = asyncio.Event()
+        # Set once the controller ended a session closed by `close` after reading all that
+        # was written to it.
+        self.delivered = asyncio.Event()
 
     def send(self, message: launcher_pb2.LauncherMessage, *, reliable: bool = True) -> None:
         """Queue a message; a reliable one waits for the next session if there is none."""
@@ -89,6 +96,13 @@ class ControllerLink:
             self._queue.put_nowait((message, reliable))
         elif reliable:
             self._backlog.append(message)
+
+    def hold_written(self) -> None:
+        """From now on a reliable message written to a session stays held until the
+        controller ends that session cleanly after the launcher's `close`; if the session
+        breaks first, every message it held is queued again, ahead of the rest. For the
+        end of training: the controller takes such reports more than once without harm."""
+        self._holding = True
 
     @property
     def undelivered(self) -> int:
@@ -98,7 +112,8 @@ class ControllerLink:
     def close(self, deliver_within_s: float = 0.0) -> None:
         """End the current session after what is queued. Without a session, stop
         reconnecting, unless reliable messages wait and `deliver_within_s` allows: then keep
-        reconnecting that long, deliver them in the first session, and end it."""
+        reconnecting that long, deliver them in the first session, and end it. (Held
+        messages of a session that breaks before its clean end wait so too.)"""
         self._closing = True
         self._deliver_until = time.monotonic() + deliver_within_s
         if self._queue is not None:
@@ -138,6 +153,9 @@ class ControllerLink:
         channel = self._channel()
         queue: asyncio.Queue[tuple[launcher_pb2.LauncherMessage, bool] | None] = asyncio.Queue()
         writer: asyncio.Task[None] | None = None
+        # Reliable messages written (or being written) while holding, in order.
+        held: list[launcher_pb2.LauncherMessage] = []
+        confirmed = False
         # A session lives as long as the launcher, so it has no deadline; liveness comes
         # from heartbeats and keepalive, the first reply has a timeout.
         call = launcher_pb2_grpc.LauncherServiceStub(channel).Session()
@@ -155,11 +173,16 @@ class ControllerLink:
             if self._closing:
                 queue.put_nowait(None)
             self._post(LinkUp(first.registered))
-            writer = asyncio.create_task(self._write(call, queue))
+            writer = asyncio.create_task(self._write(call, queue, held))
             while True:
                 message = await call.read()
                 if message is grpc.aio.EOF:
-                    return None if self._closing else "controller closed the session"
+                    if not self._closing:
+                        return "controller closed the session"
+                    # The controller reads to the end of the stream before it ends it.
+                    confirmed = True
+                    self.delivered.set()
+                    return None
                 self._post(ControllerSaid(message))
         except grpc.aio.AioRpcError as failure:
             if failure.code() in FATAL_CODES:
@@ -181,22 +204,30 @@ class ControllerLink:
                 writer.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await writer
+            if held and not confirmed:
+                # Perhaps never read (the controller died with them unread): sent again.
+                log.warning("reports_requeued", reports=len(held),
+                            reason="the session ended before the controller confirmed it")
+                self._backlog[:0] = held
             call.cancel()
             await channel.close(grace=None)
 
     async def _write(self, call: grpc.aio.StreamStreamCall, queue: asyncio.Queue[
-            tuple[launcher_pb2.LauncherMessage, bool] | None]) -> None:
+            tuple[launcher_pb2.LauncherMessage, bool] | None], held: list[launcher_pb2.LauncherMessage]) -> None:
         while True:
             item = await queue.get()
             if item is None:
                 with contextlib.suppress(Exception):
                     await call.done_writing()
-                self.flushed.set()
                 return
             message, reliable = item
+            holding = reliable and self._holding
+            if holding:
+                held.append(message)
             try:
                 await call.write(message)
-            except Exception:
-                if reliable:
+            except BaseException:
+                # (A write cancelled when the session is torn down as well.)
+                if reliable and not holding:
                     self._backlog.insert(0, message)
                 raise

@@ -232,6 +232,9 @@ class LiveMode:
                     live.saved[local_rank] = (saved_to, step)
             case Finished(generation=generation, step=step):
                 live.finished.add(local_rank)
+                # The end of training: what follows (this, the exits, "left") is held until
+                # the controller confirms it read it, and sent again after a break.
+                self.agent.link.hold_written()
                 self.report_once(generation, launcher_pb2.GENERATION_PHASE_FINISHED, step=step,
                                  detail="committed the last step")
                 self.check_stopped()

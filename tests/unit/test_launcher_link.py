@@ -1,6 +1,7 @@
 """The launcher's link to the controller, closed while the controller is away: what waits
 for a session goes out if the controller comes back in time, and the link gives up
-after the time it was given, not before and not never."""
+after the time it was given, not before and not never; and the end of training's reports,
+written to a session whose controller dies before reading them, go out again."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import asyncio
 import socket
 import time
 
+import grpc
+
 from tidal.launcher.link import Backoff, ControllerLink
-from tidal.proto import launcher_pb2
+from tidal.proto import launcher_pb2, launcher_pb2_grpc
 
 
 def unused_port() -> int:
@@ -48,3 +51,73 @@ def test_closed_with_time_to_deliver_the_link_keeps_trying_that_long_then_gives_
     elapsed = asyncio.run(run_then_close(link, 1.5))
     assert 1.4 <= elapsed < 4.0, elapsed
     assert link.undelivered == 1
+
+
+class ForgetfulController(launcher_pb2_grpc.LauncherServiceServicer):
+    """A controller on a real gRPC server whose first session dies before reading past
+    the registration (as one SIGKILLed with the launcher's last reports unread); later
+    sessions read to the launcher's end of stream, keeping what they read."""
+
+    def __init__(self) -> None:
+        self.sessions = 0
+        self.read: list[launcher_pb2.LauncherMessage] = []
+
+    async def Session(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
+        self.sessions += 1
+        await context.read()
+        await context.write(launcher_pb2.ControllerMessage(registered=launcher_pb2.Registered()))
+        if self.sessions == 1:
+            await asyncio.sleep(0.5)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "controller gone")
+        while (message := await context.read()) is not grpc.aio.EOF:
+            self.read.append(message)
+
+
+def finished_report(step: int) -> launcher_pb2.LauncherMessage:
+    return launcher_pb2.LauncherMessage(generation_report=launcher_pb2.GenerationReport(
+        generation=4, phase=launcher_pb2.GENERATION_PHASE_FINISHED, step=step))
+
+
+async def last_reports_to_a_controller_that_dies(hold: bool) -> tuple[ControllerLink, ForgetfulController]:
+    """Connect, write a report to the first session (hold_written first, if `hold`), close
+    with 5 s to deliver, and return once the link is done."""
+    controller = ForgetfulController()
+    server = grpc.aio.server()
+    launcher_pb2_grpc.add_LauncherServiceServicer_to_server(controller, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        link = ControllerLink(f"127.0.0.1:{port}", register=launcher_pb2.Register, post=lambda event: None,
+                              backoff=Backoff(initial_s=0.05, maximum_s=0.2))
+        task = asyncio.create_task(link.run())
+        for _ in range(100):
+            if link.connected:
+                break
+            await asyncio.sleep(0.05)
+        assert link.connected
+        if hold:
+            link.hold_written()
+        link.send(finished_report(99))
+        link.close(deliver_within_s=5.0)
+        await asyncio.wait_for(task, timeout=10.0)
+        return link, controller
+    finally:
+        await server.stop(grace=None)
+
+
+def test_the_last_reports_written_to_a_session_that_breaks_unread_are_sent_again() -> None:
+    link, controller = asyncio.run(last_reports_to_a_controller_that_dies(hold=True))
+    assert controller.sessions == 2
+    assert [m.generation_report.step for m in controller.read] == [99]
+    assert link.delivered.is_set()
+    assert link.undelivered == 0
+
+
+def test_without_holding_a_report_written_to_a_session_counts_as_sent() -> None:
+    # What every report before the end of training gets: no copy kept, so nothing is ever
+    # sent twice to a controller that is still there.
+    link, controller = asyncio.run(last_reports_to_a_controller_that_dies(hold=False))
+    assert controller.sessions == 1
+    assert controller.read == []
+    assert not link.delivered.is_set()
+    assert link.undelivered == 0
