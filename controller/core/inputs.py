@@ -125,11 +125,14 @@ def on_connected(t: Step, unit_id: str, register: launcher_pb2.Register, slot: S
     elif register.last_generation == generation.number and register.worker_pids:
         t.record("launcher_reattached", f"still running generation {generation.number}; workers untouched",
                  unit_id=unit_id, generation=generation.number, fields=fields)
-    elif state.live and register.last_generation and not register.worker_pids and t.job.state is JobState.RUNNING:
-        # A live member back with no workers lost them while the controller was away: its
-        # queued reports (the exit, or "finished") follow on this stream. No fresh worker
-        # goes into the running world; if those reports do not settle it within
-        # heartbeat_timeout_s, the unit has failed (`tick.on_tick`).
+    elif (register.last_generation and not register.worker_pids and t.job.state is JobState.RUNNING
+          and (state.live or register.last_generation == generation.number)):
+        # A member back with no workers lost them while the controller was away (live
+        # mode; restart mode: those of this very generation): its queued reports (the
+        # exits, or "finished") follow on this stream. No fresh worker goes into the running
+        # world (in restart mode the script would run again, a finished one too); if those
+        # reports do not settle it within heartbeat_timeout_s, the unit has failed
+        # (`tick.on_tick`).
         t.note(unit, back_without_workers_at=now)
         t.record("launcher_reconnected", "back with no workers; waiting for its reports", unit_id=unit_id,
                  generation=generation.number, fields=fields)

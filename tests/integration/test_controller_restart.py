@@ -65,3 +65,32 @@ def test_controller_sigkill_and_restart_leaves_training_untouched(tidal_run: Tid
     wait_until(lambda: len([e for e in tidal_run.controller.events(tidal_run.job_id)
                             if e.kind == "launcher_reattached"]) == 6, 10, "three more reattachments")
     assert tidal_run.all_worker_pids() == workers_before and all(alive(pid) for pid in workers_before)
+
+
+def test_a_restart_mode_job_that_finishes_while_the_controller_is_away_completes_without_running_again(
+        tidal_run: TidalRun) -> None:
+    """Every worker exits 0 while the controller is down. Each launcher, back with no
+    workers, has its exit reports queued behind its registration: the restarted controller
+    must wait for them and complete the job, not send the generation again (which ran the
+    script once more before the reports were read)."""
+    tidal_run.submit(min_replicas=2, max_replicas=2, steps=60, step_time=0.05)
+    for unit in ("u1", "u2"):
+        tidal_run.start_launcher(unit)
+    tidal_run.controller.wait_event(tidal_run.job_id, "world_formed", where=lambda e: e.generation == 1)
+    tidal_run.wait_steps(5, world_size=2)
+    workers = tidal_run.all_worker_pids()
+    assert len(workers) == 2
+
+    tidal_run.controller.kill()
+    assert any(alive(pid) for pid in workers), "training ended before the controller was killed"
+    wait_until(lambda: not any(alive(pid) for pid in workers), 60, "both workers to finish and exit")
+    tidal_run.controller.start()
+
+    tidal_run.controller.wait_event(tidal_run.job_id, "job_completed", timeout=30)
+    assert tidal_run.all_worker_pids() == workers, "a launcher started its script again"
+    events = tidal_run.controller.events(tidal_run.job_id)
+    assert not any(e.kind in ("generation_start_resent", "failure_detected", "generation_stopping") for e in events)
+    # The first back waits for its reports; its exit 0 finishes the job, so the second may
+    # be back after that.
+    assert any(e.kind == "launcher_reconnected" and "waiting for its reports" in e.reason for e in events)
+    assert tidal_run.job().state == admin_pb2.JOB_STATE_COMPLETED
