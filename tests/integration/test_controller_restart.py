@@ -1,15 +1,25 @@
 """The controller killed with SIGKILL mid-training and started again: training never
-stops, no worker restarts, state and events are intact, launchers are back in seconds."""
+stops, no worker restarts, state and events are intact, launchers are back in seconds.
+And a job whose training ends while the controller is away (restarting, or frozen and then
+killed with the launchers' last reports unread) completes once it is back."""
 
 from __future__ import annotations
 
 import itertools
+import signal
 import time
+from pathlib import Path
 
 import pytest
 
 from tests.integration.conftest import TidalRun, alive, wait_until
-from tidal.proto import admin_pb2
+from tests.integration.test_live_mode import (
+    assert_parameters_match_a_fixed_run,
+    example_command,
+    highest_step,
+    worker_pid,
+)
+from tidal.proto import admin_pb2, common_pb2
 
 pytestmark = pytest.mark.integration
 
@@ -94,3 +104,82 @@ def test_a_restart_mode_job_that_finishes_while_the_controller_is_away_completes
     # be back after that.
     assert any(e.kind == "launcher_reconnected" and "waiting for its reports" in e.reason for e in events)
     assert tidal_run.job().state == admin_pb2.JOB_STATE_COMPLETED
+
+
+def test_training_that_ends_while_the_controller_is_away_completes_once_it_is_back(tidal_run: TidalRun,
+                                                                                 tmp_path: Path) -> None:
+    """The job's last step is committed while the controller is down (found by chaos seed
+    38: a controller restart in the last steps). The launchers, whose workers have all
+    exited, wait for it to come back and hand over their last reports; the job then
+    completes once, with no unit taken for failed."""
+    steps = 120
+    ledger, pids = start_two_units(tidal_run, tmp_path, steps, freeze_at=10)
+    tidal_run.controller.kill()
+    assert highest_step(ledger) < steps - 1, "training ended before the controller was killed"
+    assert_launchers_wait_after_their_workers(tidal_run, pids, "while the controller was away, its last reports unsent")
+    for unit in "ab":
+        assert any(r.get("event") == "awaiting_controller" for r in tidal_run.launchers[unit].log_records())
+    assert highest_step(ledger) == steps - 1
+
+    tidal_run.controller.start()
+    assert_completed_once_with_no_failure(tidal_run, tmp_path, steps)
+
+
+def test_last_reports_written_to_a_controller_that_dies_unread_are_sent_again(tidal_run: TidalRun,
+                                                                              tmp_path: Path) -> None:
+    """The job's last step is committed while the controller is frozen (SIGSTOP): each
+    launcher writes its last reports into a session that still looks alive, and closes it.
+    The controller is then killed with them unread. The launchers must not count them as
+    delivered: they wait, reconnect to the restarted controller and send them again."""
+    steps = 120
+    # Frozen near the end: the last step must come before gRPC's keepalive (a ping every
+    # 10 s, 5 s for its answer) could break the session, at 5 s at the soonest.
+    ledger, pids = start_two_units(tidal_run, tmp_path, steps, freeze_at=steps - 40)
+    controller = tidal_run.controller
+    assert controller.process is not None
+    controller.process.send_signal(signal.SIGSTOP)
+    assert highest_step(ledger) < steps - 1, "training ended before the controller was frozen"
+    assert_launchers_wait_after_their_workers(tidal_run, pids, "though the controller never confirmed its last reports")
+    controller.kill()
+    # Written to the frozen controller's session (had keepalive broken it first, they
+    # would have waited for a session instead, and not been taken back).
+    wait_until(lambda: all(any(r.get("event") == "reports_requeued" for r in tidal_run.launchers[u].log_records())
+                           for u in "ab"), 30, "both launchers to take their reports back")
+    assert highest_step(ledger) == steps - 1
+
+    controller.start()
+    assert_completed_once_with_no_failure(tidal_run, tmp_path, steps)
+
+
+def start_two_units(tidal_run: TidalRun, tmp_path: Path, steps: int, freeze_at: int) -> tuple[Path, list[int]]:
+    """A live job of units a and b, `steps` steps: (its ledger, their workers' pids) once
+    it committed step `freeze_at`."""
+    ledger = tmp_path / "ledger"
+    tidal_run.submit(min_replicas=2, max_replicas=2, mode=common_pb2.JOB_MODE_LIVE,
+                     command=example_command(tmp_path / "elastic.pt", ledger, steps))
+    for unit in "ab":
+        tidal_run.start_launcher(unit)
+    tidal_run.controller.wait_event(tidal_run.job_id, "world_formed")
+    wait_until(lambda: highest_step(ledger) >= freeze_at, 60, f"{freeze_at} steps")
+    return ledger, [worker_pid(tidal_run, unit) for unit in "ab"]
+
+
+def assert_launchers_wait_after_their_workers(tidal_run: TidalRun, pids: list[int], otherwise: str) -> None:
+    wait_until(lambda: not any(alive(pid) for pid in pids), 60, "both workers to finish and exit")
+    time.sleep(2.0)
+    for unit in "ab":
+        launcher = tidal_run.launchers[unit]
+        assert launcher.process is not None and launcher.process.poll() is None, f"launcher {unit} exited {otherwise}"
+
+
+def assert_completed_once_with_no_failure(tidal_run: TidalRun, tmp_path: Path, steps: int) -> None:
+    controller = tidal_run.controller
+    controller.wait_event(tidal_run.job_id, "job_completed", timeout=30)
+    for unit in "ab":
+        process = tidal_run.launchers[unit].process
+        assert process is not None and process.wait(15) == 0
+    events = controller.events(tidal_run.job_id)
+    assert [e.kind for e in events].count("job_completed") == 1
+    assert not any(e.kind in ("failure_detected", "unit_lost", "generation_stopping") for e in events)
+    assert tidal_run.job().state == admin_pb2.JOB_STATE_COMPLETED
+    assert_parameters_match_a_fixed_run(tmp_path, steps)
