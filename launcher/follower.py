@@ -15,9 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
-import tempfile
 import time
-from pathlib import Path
 
 import structlog
 
@@ -26,6 +24,7 @@ from tidal.launcher.lifecycle import EXIT_OK, EXIT_REFUSED, EXIT_UNIT_FAILED, EX
 from tidal.launcher.liveness import Now, Observations, Watched
 from tidal.launcher.node import NodeAgent
 from tidal.launcher.nodes import LeaderRefused, UnitNodes, connect_to_leader, node_placement, read_frame
+from tidal.launcher.rundirs import make_run_dir
 from tidal.proto import launcher_pb2
 
 log = structlog.get_logger("tidal.launcher.follower")
@@ -64,7 +63,7 @@ class Follower(NodeAgent[FollowerOptions]):
 
     def __init__(self, options: FollowerOptions) -> None:
         super().__init__(
-            options, run_dir=Path(tempfile.mkdtemp(prefix=f"tidal-{options.unit_id}-node{options.layout.index}-")),
+            options, run_dir=make_run_dir(f"{options.unit_id}-node{options.layout.index}"),
             log=log.bind(job=options.job_id, unit=options.unit_id, node=options.layout.node,
                          node_index=options.layout.index))
         self.pending_start: launcher_pb2.NodeStart | None = None

@@ -19,7 +19,6 @@ import dataclasses
 import os
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -48,6 +47,7 @@ from tidal.launcher.nodes import (
     UnitNodes,
     node_placement,
 )
+from tidal.launcher.rundirs import make_run_dir
 from tidal.launcher.store import ServedStore, release_store_server, stop_store_server
 from tidal.proto import common_pb2, launcher_pb2
 
@@ -118,7 +118,7 @@ class LauncherOptions:
 
 class Agent(NodeAgent[LauncherOptions]):
     def __init__(self, options: LauncherOptions) -> None:
-        super().__init__(options, run_dir=Path(tempfile.mkdtemp(prefix=f"tidal-{options.unit_id}-")),
+        super().__init__(options, run_dir=make_run_dir(options.unit_id),
                          log=log.bind(job=options.job_id, unit=options.unit_id))
         self.registered: launcher_pb2.Registered | None = None
         self.started_at = time.monotonic()

@@ -24,6 +24,7 @@ from tidal.launcher import decisions
 from tidal.launcher.events import SignalReceived, Tick, WorkerExit, WorkersStopped
 from tidal.launcher.lifecycle import EXIT_OK, TICK_INTERVAL_S, LauncherState
 from tidal.launcher.liveness import Now, Observations, liveness_verdicts
+from tidal.launcher.rundirs import sweep_abandoned
 from tidal.launcher.workers import (
     Placement,
     WorkerGroup,
@@ -81,6 +82,11 @@ class NodeAgent(Generic[OptionsT]):
         self.leave_requested_at: float | None = None
         self.run_dir = run_dir
         self.log = log
+        # Folders of this user's launchers on this node that died without removing theirs.
+        abandoned = sweep_abandoned(run_dir.parent)
+        if abandoned:
+            log.info("run_folders_removed", count=len(abandoned), folders=[f.name for f in abandoned][:10],
+                     reason="their launchers are gone")
         # Whether the exit waits for an unreachable controller to take the last reports.
         self.await_controller_on_exit = False
 
