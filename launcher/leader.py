@@ -551,6 +551,10 @@ class Agent(NodeAgent[LauncherOptions]):
                 raise ValueError(f"not a leader's action: {action!r}")
 
     def _send_up(self, exited: launcher_pb2.WorkerExited) -> None:
+        if exited.exit_code == 0 and exited.signal == 0:
+            # A rank done training (restart mode's only sign of the end): this report and
+            # what follows are held until the controller confirms it read them (`link`).
+            self.link.hold_written()
         self.link.send(launcher_pb2.LauncherMessage(worker_exited=exited))
 
     def report(self, generation: int, phase: launcher_pb2.GenerationPhase, step: int = 0, store_port: int = 0,

@@ -18,7 +18,7 @@ from tidal.controller.core.state import (
     SaveUnit,
 )
 from tidal.controller.core.step import Step
-from tidal.controller.model import GenerationRecord, JobState, UnitState
+from tidal.controller.model import GenerationRecord, JobState, UnitRecord, UnitState
 from tidal.proto import launcher_pb2
 
 
@@ -78,14 +78,26 @@ def on_exit_after_finish(t: Step, unit_id: str, exited: launcher_pb2.WorkerExite
     maybe_complete(t)
 
 
+def finishing_member(unit: UnitRecord) -> FinishingMember | None:
+    """What the completion verdict reads of a unit of the finished world (None: not one)."""
+    if unit.facts.finishing_workers is None:
+        return None
+    return FinishingMember(unit_id=unit.unit_id, workers=unit.facts.finishing_workers,
+                           exited_ok=unit.facts.exited_ok, exited_failed=dict(unit.facts.exited_failed),
+                           gone=unit.state.is_final)
+
+
+def unit_done(unit: UnitRecord) -> bool:
+    """Whether nothing more of `unit` is waited for before the job completes."""
+    member = finishing_member(unit)
+    return member is None or member.done
+
+
 def maybe_complete(t: Step) -> None:
     state = t.state
     if t.job.state is not JobState.FINISHING:
         return
-    members = [FinishingMember(unit_id=unit_id, workers=unit.facts.finishing_workers,
-                               exited_ok=unit.facts.exited_ok, exited_failed=dict(unit.facts.exited_failed),
-                               gone=unit.state.is_final)
-               for unit_id, unit in state.units.items() if unit.facts.finishing_workers is not None]
+    members = [m for m in map(finishing_member, state.units.values()) if m is not None]
     verdict = completion_verdict(t.job.step, members)
     if verdict is not None:
         end(t, JobState.COMPLETED, "job_completed", verdict.reason)

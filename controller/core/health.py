@@ -135,18 +135,18 @@ def judge(state: State, now: float) -> Verdicts:
                           and now - unit.facts.leaving_since > overdue_s)
     if job_state.is_final:
         return Verdicts(leave_overdue=leave_overdue)
+    back = tuple(Failure(u, "came back after a controller restart with no workers left, and said nothing of them",
+                         "worker_exit")
+                 for u, unit in units.items()
+                 if unit.facts.back_without_workers_at is not None and not unit.state.is_final
+                 and now - unit.facts.back_without_workers_at > config.heartbeat_timeout_s)
     if job_state is JobState.FINISHING:
         gone = tuple(u for u, unit in units.items()
                      if not unit.state.is_final and not unit.facts.connected
                      and ((unit.facts.disconnected_at is not None
                            and now - unit.facts.disconnected_at > config.reconnect_grace_s)
                           or (unit.facts.disconnected_at is None and now > state.reconnect_deadline)))
-        return Verdicts(out_of_touch=gone, leave_overdue=leave_overdue)
-    back = tuple(Failure(u, "came back after a controller restart with no workers left, and said nothing of them",
-                         "worker_exit")
-                 for u, unit in units.items()
-                 if unit.facts.back_without_workers_at is not None
-                 and now - unit.facts.back_without_workers_at > config.heartbeat_timeout_s)
+        return Verdicts(out_of_touch=gone, leave_overdue=leave_overdue, back_without_workers=back)
     stop = state.stopping
     stop_overdue = (stop.generation, stop.deadline) if stop is not None and now > stop.deadline else None
     unconfirmed = tuple(Failure(u, f"did not confirm the stop of generation {stop.generation} in time", "stop")

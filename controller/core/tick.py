@@ -39,6 +39,14 @@ def on_tick(t: Step, now: float) -> None:
             # Whatever is left of it gives its allocation back.
             slurm_units.cancel_in_slurm(t, unit)
             leaving.mark_left(t, unit_id, "launcher out of touch after the last step")
+        for back in verdicts.back_without_workers:
+            # Back with no workers, and some of their exits never came (lost with a
+            # controller that died with them unread): nothing of this unit is left to wait
+            # for, so the job does not wait for ever.
+            unit = t.note(state.units[back.unit_id], back_without_workers_at=None)
+            if not finishing.unit_done(unit):
+                leaving.leave(t, back.unit_id, "finished", "came back with no workers after the last step; the "
+                              "exits of some of them never came")
         finishing.maybe_complete(t)
         return
     observe_progress(t, now)

@@ -378,6 +378,24 @@ def test_a_member_back_without_workers_because_training_finished_is_no_failure(h
     assert "failure_detected" not in harness.kinds()
 
 
+def test_a_member_back_without_workers_whose_exits_never_come_is_let_go_once_training_finished(
+        harness: Harness) -> None:
+    # b's exit went into the session of the controller that died: the job must not wait for
+    # it for ever once a's exit 0 has finished the training.
+    restart_controller(harness, heartbeat_interval_s=0.005, heartbeat_timeout_s=0.01)
+    harness.say("a", worker_exited=launcher_pb2.WorkerExited(generation=1, local_rank=0, pid=4242, exit_code=0))
+    assert harness.actor.job.state is JobState.FINISHING
+    harness.outbox("b")
+    time.sleep(0.02)
+    harness.tick()
+    assert harness.outbox("b") == ["leave"]
+    leaving = [e for e in harness.store.events("live-1") if e.kind == "unit_leaving" and e.unit_id == "b"]
+    assert len(leaving) == 1 and "never came" in leaving[0].reason
+    harness.report("b", 1, launcher_pb2.GENERATION_PHASE_LEFT)
+    assert harness.actor.job.state is JobState.COMPLETED
+    assert "failure_detected" not in harness.kinds()
+
+
 def test_a_planned_change_right_after_another_names_every_member_a_state_holder(harness: Harness) -> None:
     harness.connect("c", 1003)
     harness.tick()
