@@ -239,8 +239,12 @@ class Agent(NodeAgent[LauncherOptions]):
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(self.link_task, timeout=2.0)
         if self.link.undelivered:
-            self.log.warning("reports_undelivered", reports=self.link.undelivered,
-                             waited_s=deliver_s, reason=self.exit_reason)
+            # (Refused because the unit already left or the job is over, the controller had
+            # them before: `controller_refused` says so.)
+            refusal = self.link.refusal
+            self.log.warning("reports_undelivered", reports=self.link.undelivered, waited_s=deliver_s,
+                             reason=self.exit_reason,
+                             controller_refused=f"{refusal.code.name}: {refusal.details}" if refusal else None)
         for store in (self.store, self.serving_store):
             if store is not None:
                 store.close()

@@ -86,6 +86,8 @@ class ControllerLink:
         # once training has finished: `hold_written`).
         self._holding = False
         self.connected = False
+        # Why the controller refused the last registration, if it did (the link stopped).
+        self.refusal: LinkRefused | None = None
         # Set once the controller ended a session closed by `close` after reading all that
         # was written to it.
         self.delivered = asyncio.Event()
@@ -139,6 +141,7 @@ class ControllerLink:
             if error is None or not self._reconnecting():
                 return
             if isinstance(error, LinkRefused):
+                self.refusal = error
                 self._post(error)
                 return
             self._post(LinkDown(error))

@@ -58,13 +58,17 @@ class ForgetfulController(launcher_pb2_grpc.LauncherServiceServicer):
     the registration (as one SIGKILLed with the launcher's last reports unread); later
     sessions read to the launcher's end of stream, keeping what they read."""
 
-    def __init__(self) -> None:
+    def __init__(self, refuse_later: bool = False) -> None:
         self.sessions = 0
         self.read: list[launcher_pb2.LauncherMessage] = []
+        # Later sessions refused, as a restarted controller refuses a unit that already left.
+        self.refuse_later = refuse_later
 
     async def Session(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         self.sessions += 1
         await context.read()
+        if self.sessions > 1 and self.refuse_later:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "unit u1 has left")
         await context.write(launcher_pb2.ControllerMessage(registered=launcher_pb2.Registered()))
         if self.sessions == 1:
             await asyncio.sleep(0.5)
@@ -78,10 +82,11 @@ def finished_report(step: int) -> launcher_pb2.LauncherMessage:
         generation=4, phase=launcher_pb2.GENERATION_PHASE_FINISHED, step=step))
 
 
-async def last_reports_to_a_controller_that_dies(hold: bool) -> tuple[ControllerLink, ForgetfulController]:
+async def last_reports_to_a_controller_that_dies(hold: bool, refuse_later: bool = False) -> tuple[
+        ControllerLink, ForgetfulController]:
     """Connect, write a report to the first session (hold_written first, if `hold`), close
     with 5 s to deliver, and return once the link is done."""
-    controller = ForgetfulController()
+    controller = ForgetfulController(refuse_later)
     server = grpc.aio.server()
     launcher_pb2_grpc.add_LauncherServiceServicer_to_server(controller, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -121,3 +126,11 @@ def test_without_holding_a_report_written_to_a_session_counts_as_sent() -> None:
     assert controller.read == []
     assert not link.delivered.is_set()
     assert link.undelivered == 0
+
+
+def test_a_refusal_of_the_session_that_would_send_them_again_stops_the_link_and_says_why() -> None:
+    link, controller = asyncio.run(last_reports_to_a_controller_that_dies(hold=True, refuse_later=True))
+    assert controller.sessions == 2 and controller.read == []
+    assert link.undelivered == 1
+    assert link.refusal is not None and link.refusal.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert link.refusal.details == "unit u1 has left"
