@@ -391,6 +391,8 @@ class Agent(NodeAgent[LauncherOptions]):
             return
         self.generation = generation
         self.state = LauncherState.RUNNING
+        # An exit 0 before this (restart mode) was not the end of training.
+        self.link.release_hold()
         if not self.live_mode and start.rendezvous.host_unit_id == self.options.unit_id:
             # This generation's ranks meet at the store it named: keep it for them, and make
             # a fresh one for the next generation hosted here. The one the previous

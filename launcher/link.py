@@ -53,6 +53,31 @@ class ControllerSaid:
 LinkEvent = LinkUp | LinkDown | LinkRefused | ControllerSaid
 
 
+# What a session writes stays under the controller's default bound on a launcher's
+# messages (`launcher_messages_per_s` 50, `launcher_message_burst` 100; over it the
+# controller ends the session): a unit of many workers reporting all their exits at once,
+# or a backlog sent again after a break, is paced instead of refused over and over.
+WRITE_BURST = 80
+WRITES_PER_S = 40.0
+
+
+class WritePacer:
+    """At most `burst` writes at once and `rate` a second on average (a token bucket)."""
+
+    def __init__(self, burst: int = WRITE_BURST, rate: float = WRITES_PER_S) -> None:
+        self.burst = float(burst)
+        self.rate = rate
+        self.tokens = float(burst)
+        self.updated_at = time.monotonic()
+
+    def delay(self, now: float) -> float:
+        """Seconds to wait before the next write; takes its token."""
+        self.tokens = min(self.burst, self.tokens + (now - self.updated_at) * self.rate)
+        self.updated_at = now
+        self.tokens -= 1.0
+        return max(0.0, -self.tokens / self.rate)
+
+
 @dataclasses.dataclass(frozen=True)
 class Backoff:
     initial_s: float = 0.1
@@ -85,6 +110,8 @@ class ControllerLink:
         # Keep each reliable message written until the controller confirms the session (set
         # once training has finished: `hold_written`).
         self._holding = False
+        # What the current session holds (`_session`'s list).
+        self._held: list[launcher_pb2.LauncherMessage] = []
         self.connected = False
         # Why the controller refused the last registration, if it did (the link stopped).
         self.refusal: LinkRefused | None = None
@@ -105,6 +132,12 @@ class ControllerLink:
         breaks first, every message it held is queued again, ahead of the rest. For the
         end of training: the controller takes such reports more than once without harm."""
         self._holding = True
+
+    def release_hold(self) -> None:
+        """The exit that started holding was not the end of training after all (a new
+        generation's workers start): what was held counts as sent, and nothing more is."""
+        self._holding = False
+        self._held.clear()
 
     @property
     def undelivered(self) -> int:
@@ -158,6 +191,7 @@ class ControllerLink:
         writer: asyncio.Task[None] | None = None
         # Reliable messages written (or being written) while holding, in order.
         held: list[launcher_pb2.LauncherMessage] = []
+        self._held = held
         confirmed = False
         # A session lives as long as the launcher, so it has no deadline; liveness comes
         # from heartbeats and keepalive, the first reply has a timeout.
@@ -217,6 +251,7 @@ class ControllerLink:
 
     async def _write(self, call: grpc.aio.StreamStreamCall, queue: asyncio.Queue[
             tuple[launcher_pb2.LauncherMessage, bool] | None], held: list[launcher_pb2.LauncherMessage]) -> None:
+        pacer = WritePacer()
         while True:
             item = await queue.get()
             if item is None:
@@ -228,6 +263,8 @@ class ControllerLink:
             if holding:
                 held.append(message)
             try:
+                if (wait_s := pacer.delay(time.monotonic())) > 0:
+                    await asyncio.sleep(wait_s)
                 await call.write(message)
             except BaseException:
                 # (A write cancelled when the session is torn down as well.)

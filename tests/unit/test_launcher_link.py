@@ -11,7 +11,8 @@ import time
 
 import grpc
 
-from tidal.launcher.link import Backoff, ControllerLink
+from tidal.controller.ratelimit import TokenBucket
+from tidal.launcher.link import Backoff, ControllerLink, WritePacer
 from tidal.proto import launcher_pb2, launcher_pb2_grpc
 
 
@@ -82,11 +83,16 @@ def finished_report(step: int) -> launcher_pb2.LauncherMessage:
         generation=4, phase=launcher_pb2.GENERATION_PHASE_FINISHED, step=step))
 
 
-async def last_reports_to_a_controller_that_dies(hold: bool, refuse_later: bool = False) -> tuple[
-        ControllerLink, ForgetfulController]:
-    """Connect, write a report to the first session (hold_written first, if `hold`), close
-    with 5 s to deliver, and return once the link is done."""
-    controller = ForgetfulController(refuse_later)
+async def last_reports_to_a_controller_that_dies(hold: bool, refuse_later: bool = False, release: bool = False,
+                                                reports: int = 1) -> tuple[ControllerLink, ForgetfulController]:
+    """Connect, write `reports` reports to the first session (hold_written first, if
+    `hold`; release_hold after the writes, if `release`), close with 5 s to deliver, and
+    return once the link is done."""
+    return await with_link(ForgetfulController(refuse_later), hold, release, reports)
+
+
+async def with_link(controller: launcher_pb2_grpc.LauncherServiceServicer, hold: bool, release: bool,
+                    reports: int) -> tuple[ControllerLink, ForgetfulController]:
     server = grpc.aio.server()
     launcher_pb2_grpc.add_LauncherServiceServicer_to_server(controller, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -102,10 +108,14 @@ async def last_reports_to_a_controller_that_dies(hold: bool, refuse_later: bool 
         assert link.connected
         if hold:
             link.hold_written()
-        link.send(finished_report(99))
+        for step in range(reports):
+            link.send(finished_report(99 + step))
+        if release:
+            await asyncio.sleep(0.2)  # written
+            link.release_hold()
         link.close(deliver_within_s=5.0)
         await asyncio.wait_for(task, timeout=10.0)
-        return link, controller
+        return link, controller  # type: ignore[return-value]
     finally:
         await server.stop(grace=None)
 
@@ -134,3 +144,46 @@ def test_a_refusal_of_the_session_that_would_send_them_again_stops_the_link_and_
     assert link.undelivered == 1
     assert link.refusal is not None and link.refusal.code == grpc.StatusCode.FAILED_PRECONDITION
     assert link.refusal.details == "unit u1 has left"
+
+
+def test_a_released_hold_sends_nothing_again() -> None:
+    # The exit 0 that started holding was not the end (restart mode: a new generation).
+    _, controller = asyncio.run(last_reports_to_a_controller_that_dies(hold=True, release=True))
+    assert controller.sessions == 1 and controller.read == []
+
+
+class RateBoundController(launcher_pb2_grpc.LauncherServiceServicer):
+    """A controller with the real bound on a launcher's messages (50 a second, 100 at once;
+    over it, the session is refused), reading to the launcher's end of stream."""
+
+    def __init__(self) -> None:
+        self.sessions = 0
+        self.read: list[launcher_pb2.LauncherMessage] = []
+
+    async def Session(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
+        self.sessions += 1
+        await context.read()
+        await context.write(launcher_pb2.ControllerMessage(registered=launcher_pb2.Registered()))
+        bucket = TokenBucket(50.0, 100, time.monotonic())
+        while (message := await context.read()) is not grpc.aio.EOF:
+            if not bucket.allow(time.monotonic()):
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "more than 50 messages/s (burst 100)")
+            self.read.append(message)
+
+
+def test_many_reports_at_once_are_paced_under_the_controllers_bound_and_all_delivered() -> None:
+    # A unit of 13 nodes of 8 workers each: 104 exits at once, and more.
+    link, controller = asyncio.run(with_link(RateBoundController(), hold=True, release=False, reports=150))
+    assert controller.sessions == 1
+    assert [m.generation_report.step for m in controller.read] == list(range(99, 249))
+    assert link.delivered.is_set() and link.undelivered == 0
+
+
+def test_the_pacer_allows_a_burst_then_its_rate() -> None:
+    pacer = WritePacer(burst=3, rate=10.0)
+    now = pacer.updated_at
+    assert [pacer.delay(now) for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert abs(pacer.delay(now) - 0.1) < 1e-9
+    # After its wait, the next comes 0.1 s later again.
+    assert abs(pacer.delay(now + 0.1) - 0.1) < 1e-9
+    assert pacer.delay(now + 10.0) == 0.0
