@@ -28,6 +28,10 @@ def _run_ranks(world_size: int, shard_size: int, body: Any, *, two_levels: bool,
     store = dist.PrefixStore("gen/1", dist.HashStore())
     results: list[Any] = [None] * world_size
     errors: list[BaseException] = []
+    # Every rank formed before any runs the body: a rank whose body ends at once (one that
+    # stops mid-vote) closing its groups while a peer still connects would fail that
+    # peer's connect ("Connection closed by peer"; seen once in make test on 2 busy cores).
+    formed = threading.Barrier(world_size)
 
     def rank_main(rank: int) -> None:
         try:
@@ -39,6 +43,7 @@ def _run_ranks(world_size: int, shard_size: int, body: Any, *, two_levels: bool,
             if shard is not None:
                 shard.connect("gloo", dist.PrefixStore(f"shard/{replica}", store), generation=1,
                               connect_timeout=TIMEOUT, timeout=timeout)
+            formed.wait(TIMEOUT.total_seconds())
             results[rank] = body(groups, Collectives(), rank)
             if shard is not None:
                 shard.disconnect(broken=False)
