@@ -13,6 +13,7 @@ of CI has a GPU.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from tidal.slurm import CliJsonSlurmClient, SlurmError
+from tidal.train import quick_exit
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -167,3 +169,14 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
     line = config.stash.get(GPU_SUMMARY, None)
     if line is not None:
         terminalreporter.write_line(line)
+
+
+@pytest.fixture(autouse=True)
+def no_quick_exit_left_armed() -> Iterator[None]:
+    """A test that runs a worker's leave in this process arms `quick_exit`: the process would
+    end with exit code 0 right after its atexit handlers, so pytest's own exit status (its
+    failures) was lost and `make test` passed a failed run. Disarmed after each test."""
+    yield
+    if quick_exit._Armed.code is not None:
+        atexit.unregister(quick_exit._end)
+        quick_exit._Armed.code = None
