@@ -1,4 +1,5 @@
-"""A token bucket: how the launcher sessions cap the messages each launcher may send."""
+"""A token bucket: how the launcher sessions cap the messages each launcher may send, and how
+a launcher paces its writes to stay under that cap (`wait`)."""
 
 from __future__ import annotations
 
@@ -20,3 +21,9 @@ class TokenBucket:
             self.tokens -= 1.0
             return True
         return False
+
+    def wait(self, now: float) -> float:
+        """Take a token, owing it if none is left: the seconds to wait before using it."""
+        self.tokens = min(self.burst, self.tokens + (now - self.updated_at) * self.rate) - 1.0
+        self.updated_at = now
+        return max(0.0, -self.tokens / self.rate)

@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 import structlog
 
+from tidal.controller.ratelimit import TokenBucket
 from tidal.proto import launcher_pb2, launcher_pb2_grpc
 
 log = structlog.get_logger("tidal.launcher.link")
@@ -59,23 +60,6 @@ LinkEvent = LinkUp | LinkDown | LinkRefused | ControllerSaid
 # or a backlog sent again after a break, is paced instead of refused over and over.
 WRITE_BURST = 80
 WRITES_PER_S = 40.0
-
-
-class WritePacer:
-    """At most `burst` writes at once and `rate` a second on average (a token bucket)."""
-
-    def __init__(self, burst: int = WRITE_BURST, rate: float = WRITES_PER_S) -> None:
-        self.burst = float(burst)
-        self.rate = rate
-        self.tokens = float(burst)
-        self.updated_at = time.monotonic()
-
-    def delay(self, now: float) -> float:
-        """Seconds to wait before the next write; takes its token."""
-        self.tokens = min(self.burst, self.tokens + (now - self.updated_at) * self.rate)
-        self.updated_at = now
-        self.tokens -= 1.0
-        return max(0.0, -self.tokens / self.rate)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,8 +174,7 @@ class ControllerLink:
         queue: asyncio.Queue[tuple[launcher_pb2.LauncherMessage, bool] | None] = asyncio.Queue()
         writer: asyncio.Task[None] | None = None
         # Reliable messages written (or being written) while holding, in order.
-        held: list[launcher_pb2.LauncherMessage] = []
-        self._held = held
+        self._held = []
         confirmed = False
         # A session lives as long as the launcher, so it has no deadline; liveness comes
         # from heartbeats and keepalive, the first reply has a timeout.
@@ -210,7 +193,7 @@ class ControllerLink:
             if self._closing:
                 queue.put_nowait(None)
             self._post(LinkUp(first.registered))
-            writer = asyncio.create_task(self._write(call, queue, held))
+            writer = asyncio.create_task(self._write(call, queue))
             while True:
                 message = await call.read()
                 if message is grpc.aio.EOF:
@@ -241,17 +224,18 @@ class ControllerLink:
                 writer.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await writer
-            if held and not confirmed:
+            if self._held and not confirmed:
                 # Perhaps never read (the controller died with them unread): sent again.
-                log.warning("reports_requeued", reports=len(held),
+                log.warning("reports_requeued", reports=len(self._held),
                             reason="the session ended before the controller confirmed it")
-                self._backlog[:0] = held
+                self._backlog[:0] = self._held
+                self._held = []
             call.cancel()
             await channel.close(grace=None)
 
-    async def _write(self, call: grpc.aio.StreamStreamCall, queue: asyncio.Queue[
-            tuple[launcher_pb2.LauncherMessage, bool] | None], held: list[launcher_pb2.LauncherMessage]) -> None:
-        pacer = WritePacer()
+    async def _write(self, call: grpc.aio.StreamStreamCall,
+                     queue: asyncio.Queue[tuple[launcher_pb2.LauncherMessage, bool] | None]) -> None:
+        pacer = TokenBucket(WRITES_PER_S, WRITE_BURST, time.monotonic())
         while True:
             item = await queue.get()
             if item is None:
@@ -261,9 +245,9 @@ class ControllerLink:
             message, reliable = item
             holding = reliable and self._holding
             if holding:
-                held.append(message)
+                self._held.append(message)
             try:
-                if (wait_s := pacer.delay(time.monotonic())) > 0:
+                if (wait_s := pacer.wait(time.monotonic())) > 0:
                     await asyncio.sleep(wait_s)
                 await call.write(message)
             except BaseException:

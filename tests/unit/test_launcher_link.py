@@ -12,7 +12,7 @@ import time
 import grpc
 
 from tidal.controller.ratelimit import TokenBucket
-from tidal.launcher.link import Backoff, ControllerLink, WritePacer
+from tidal.launcher.link import Backoff, ControllerLink
 from tidal.proto import launcher_pb2, launcher_pb2_grpc
 
 
@@ -180,10 +180,10 @@ def test_many_reports_at_once_are_paced_under_the_controllers_bound_and_all_deli
 
 
 def test_the_pacer_allows_a_burst_then_its_rate() -> None:
-    pacer = WritePacer(burst=3, rate=10.0)
-    now = pacer.updated_at
-    assert [pacer.delay(now) for _ in range(3)] == [0.0, 0.0, 0.0]
-    assert abs(pacer.delay(now) - 0.1) < 1e-9
+    now = 100.0
+    pacer = TokenBucket(rate=10.0, burst=3, now=now)
+    assert [pacer.wait(now) for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert abs(pacer.wait(now) - 0.1) < 1e-9
     # After its wait, the next comes 0.1 s later again.
-    assert abs(pacer.delay(now + 0.1) - 0.1) < 1e-9
-    assert pacer.delay(now + 10.0) == 0.0
+    assert abs(pacer.wait(now + 0.1) - 0.1) < 1e-9
+    assert pacer.wait(now + 10.0) == 0.0
