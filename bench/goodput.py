@@ -32,7 +32,12 @@ min) is in the result's text. Goal: Tidal ≥ 95% and ahead of both.
 Held node-seconds leave out what a job never asked for, so a second row divides the same
 progress by the node-seconds the trace's other work left free (the cluster's nodes minus
 those the trace's jobs held, from the same squeue samples): the capacity an elastic job
-could have turned into training.
+could have turned into training. Those samples show what the trace's jobs got, not what they
+asked for: a system that holds a node an urgent job waits for gains it as free and trains
+on it. So two more rows, reported without a goal: the same measure against the trace's
+schedule (`SCHEDULE`: the node-seconds it leaves free, the same for every system, and the
+progress made on them, a step's share capped at the nodes the schedule left free then),
+and how long the urgent jobs waited for their nodes (Slurm's submit and start times).
 
 Not modelled: the time a 1B model's checkpoint write, load or state transfer would take
 (each is the small model's real time here), which flatters the static baseline most;
@@ -42,6 +47,7 @@ stays fixed): its node-seconds of progress are counted the same way."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import shlex
@@ -50,7 +56,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,12 +88,22 @@ GOAL = 0.95
 # The controller's settings for the trace (the rest are the defaults): a 1 s poll, a short
 # settle, a 30 s cool-down of a node whose unit failed (the trace's 4 nodes would otherwise
 # lose one for 5 minutes; the trace's one kill -9 of a worker spares its node, as a first
-# kill does: `node_suspect`), and one unit kept queued in Slurm below max_replicas.
-TIDAL_SETTINGS = {"slurm_poll_interval_s": "1", "join_settle_s": "1", "node_cooldown_s": "30", "queued_units": "1"}
+# kill does: `node_suspect`), and up to max - min units kept queued in Slurm below
+# max_replicas, so that Slurm starts one the moment a node frees, as it starts torchft's
+# requeued replica groups (all MAX of them wait in its queue).
+TIDAL_SETTINGS = {"slurm_poll_interval_s": "1", "join_settle_s": "1", "node_cooldown_s": "30",
+                  "queued_units": str(MAX - MIN)}
+# The trace's other work: (name, from, to, nodes), as fractions of the duration D from the
+# training job's start (the background job is submitted 2 s before it); one worker is
+# killed at HURT_AT.
+SCHEDULE = (("background", 0.0, 0.40, 1), ("urgent-1", 0.20, 0.35, 1), ("urgent-2", 0.55, 0.70, 2),
+            ("urgent-3", 0.85, 0.95, 3))
+HURT_AT = 0.80
 
 
 class Trace:
-    """Plays the other work of the trace; `hurt` kills one training worker at 0.8 D."""
+    """Plays the other work of the trace (`SCHEDULE`); `hurt` kills one training worker at
+    HURT_AT × D."""
 
     def __init__(self, slurm: CliJsonSlurmClient, folder: Path, duration: float, hurt: Callable[[], None]) -> None:
         self.slurm = slurm
@@ -95,24 +111,42 @@ class Trace:
         self.duration = duration
         self.hurt = hurt
         self.jobs: dict[str, int] = {}
+        self.started = 0.0
+        # Each urgent job's wait for its nodes: Slurm's start time - its submit time (1 s
+        # resolution), as the squeue samples show them; one that never started waited its
+        # whole window (from its submission to its end here).
+        self.waits: dict[str, float] = {}
+        self.submitted: dict[str, float] = {}
 
     def submit(self, name: str, nodes: int) -> None:
+        self.submitted[name] = time.time()
         self.jobs[name] = self.slurm.submit(UnitSubmission(
             name=f"trace-{name}", script="#!/bin/sh\nsleep 3600\n", partition="urgent", nodes=nodes,
             exclusive=True, requeue=False, output=str(self.folder / f"trace-{name}-%j.out")))
 
     def end(self, name: str) -> None:
+        if name.startswith("urgent") and name in self.submitted:
+            self.waits.setdefault(f"trace-{name}", time.time() - self.submitted[name])
         with contextlib.suppress(Exception):
             self.slurm.cancel(self.jobs.pop(name))
+
+    def scheduled_nodes(self, at: float) -> int:
+        """The nodes the trace's other work asks for at time `at` (from its schedule, not
+        from what Slurm gave it: an urgent job waiting for a node wants it all the same)."""
+        since = (at - self.started) / self.duration
+        return sum(nodes for _, begin, end, nodes in SCHEDULE if begin <= since < end)
 
     def play(self, started: float, is_training: Callable[[Job], bool]) -> list[tuple[float, int, int]]:
         """Plays the trace; returns one sample a second: (time, nodes the training job holds,
         nodes the trace's other work holds), from one squeue each."""
+        self.started = started
         samples: list[tuple[float, int, int]] = []
-        steps = [(0.20, lambda: self.submit("urgent-1", 1)), (0.35, lambda: self.end("urgent-1")),
-                 (0.40, lambda: self.end("background")), (0.55, lambda: self.submit("urgent-2", 2)),
-                 (0.70, lambda: self.end("urgent-2")), (0.80, self.hurt),
-                 (0.85, lambda: self.submit("urgent-3", 3)), (0.95, lambda: self.end("urgent-3"))]
+        steps: list[tuple[float, Callable[[], None]]] = [(HURT_AT, self.hurt)]
+        for name, begin, end, nodes in SCHEDULE:
+            if name != "background":  # submitted before the training job
+                steps.append((begin, functools.partial(self.submit, name, nodes)))
+            steps.append((end, functools.partial(self.end, name)))
+        steps.sort(key=lambda step: step[0])
         while True:
             now = time.time() - started
             if now >= self.duration:
@@ -123,6 +157,9 @@ class Trace:
                 running = [j for j in self.slurm.list_jobs() if j.state == JobState.RUNNING]
                 samples.append((time.time(), sum(len(j.nodes) for j in running if is_training(j)),
                                 sum(len(j.nodes) for j in running if j.name.startswith("trace-"))))
+                for job in running:
+                    if job.name.startswith("trace-urgent") and job.start_time and job.submit_time:
+                        self.waits.setdefault(job.name, (job.start_time - job.submit_time).total_seconds())
             time.sleep(1.0)
         for name in list(self.jobs):
             self.end(name)
@@ -161,6 +198,13 @@ class Outcome:
     # the first commits (step, time, world size, samples): what the figures come from.
     samples_taken: tuple[tuple[float, int, int], ...] = ()
     commits: tuple[tuple[int, float, int, int], ...] = ()
+    # The same against the trace's schedule (`Trace.scheduled_nodes`): the node-seconds it
+    # leaves free, a node an urgent job waits for not counted; the progress made on them
+    # (each step's share at most the nodes the schedule left free then, over its world);
+    # and the urgent jobs' waits for their nodes, in seconds.
+    scheduled_free: float = 0.0
+    scheduled_progress: float = 0.0
+    urgent_waits: tuple[float, ...] = ()
 
 
 def ideal_step_node_seconds(simulation: Simulation, samples: int, world: int, micro_batch: int) -> float:
@@ -182,17 +226,28 @@ def first_commits(records: list[Commit]) -> list[Commit]:
 
 
 def outcome(records: list[Commit], samples: list[tuple[float, int, int]], nodes: int, simulation: Simulation,
-            minimum: int) -> Outcome:
+            minimum: int, scheduled: Callable[[float], int] | None = None, waits: Sequence[float] = ()) -> Outcome:
+    """One play's figures; `scheduled` gives the nodes the trace's schedule asks for at a
+    time (without it, what the samples show the trace's jobs held)."""
     commits = first_commits(records)
     micro = int(MODEL[MODEL.index("--micro-batch") + 1])
-    progress = sum(ideal_step_node_seconds(simulation, c.samples, c.world, micro) for c in commits)
+    costs = [ideal_step_node_seconds(simulation, c.samples, c.world, micro) for c in commits]
+    progress = sum(costs)
     pairs = list(itertools.pairwise(samples))
+    free = sum((nodes - other) * (t1 - t0) for (t0, _, other), (t1, _, _) in pairs)
+    if scheduled is None:
+        scheduled_free, scheduled_progress = free, progress
+    else:
+        scheduled_free = sum((nodes - scheduled(t0)) * (t1 - t0) for (t0, _, _), (t1, _, _) in pairs)
+        scheduled_progress = sum(cost * min(c.world, max(0, nodes - scheduled(c.time))) / c.world
+                                 for c, cost in zip(commits, costs, strict=True))
     return Outcome(progress=progress, held=sum(held * (t1 - t0) for (t0, held, _), (t1, _, _) in pairs),
-                   free=sum((nodes - other) * (t1 - t0) for (t0, _, other), (t1, _, _) in pairs), steps=len(commits),
+                   free=free, steps=len(commits),
                    samples=sum(c.samples for c in commits),
                    parts=breakdown(commits, samples, progress, minimum, simulation, micro),
                    samples_taken=tuple(samples),
-                   commits=tuple((c.step, c.time, c.world, c.samples) for c in commits))
+                   commits=tuple((c.step, c.time, c.world, c.samples) for c in commits),
+                   scheduled_free=scheduled_free, scheduled_progress=scheduled_progress, urgent_waits=tuple(waits))
 
 
 def breakdown(commits: list[Commit], samples: list[tuple[float, int, int]], progress: float, minimum: int,
@@ -294,7 +349,8 @@ def run_tidal(folder: Path, slurm: CliJsonSlurmClient, duration: float, simulati
         controller.stop()
     commits = [Commit(r["step"], r["time"], r["world_size"], GLOBAL_BATCH)
                for r in read_jsonl(sorted(ledger.glob("ledger-*.jsonl"))) if r["kind"] == "commit" and r["rank"] == 0]
-    return outcome(commits, samples, len(slurm.list_nodes()), simulation, MIN)
+    return outcome(commits, samples, len(slurm.list_nodes()), simulation, MIN, trace.scheduled_nodes,
+                   list(trace.waits.values()))
 
 
 def run_baseline(folder: Path, slurm: CliJsonSlurmClient, duration: float, simulation: Simulation) -> Outcome:
@@ -323,7 +379,8 @@ def run_baseline(folder: Path, slurm: CliJsonSlurmClient, duration: float, simul
             trace.end(name)
     commits = [Commit(r["step"], r["time"], r["world_size"], GLOBAL_BATCH)
                for r in read_jsonl(sorted(logs.glob("*.jsonl"))) if r["rank"] == 0]
-    return outcome(commits, samples, len(slurm.list_nodes()), simulation, MIN)
+    return outcome(commits, samples, len(slurm.list_nodes()), simulation, MIN, trace.scheduled_nodes,
+                   list(trace.waits.values()))
 
 
 def run_torchft(folder: Path, slurm: CliJsonSlurmClient, duration: float, simulation: Simulation,
@@ -365,7 +422,8 @@ def run_torchft(folder: Path, slurm: CliJsonSlurmClient, duration: float, simula
     # Each group trains its own share a step (torchft keeps the per-group batch).
     commits = [Commit(r["step"], r["time"], r["world_size"], GLOBAL_BATCH // MAX * r["world_size"])
                for r in read_jsonl(sorted(logs.glob("torchft-*.jsonl"))) if r["committed"]]
-    return outcome(commits, samples, len(slurm.list_nodes()), simulation, MIN)
+    return outcome(commits, samples, len(slurm.list_nodes()), simulation, MIN, trace.scheduled_nodes,
+                   list(trace.waits.values()))
 
 
 def wait_for_idle_cluster(slurm: CliJsonSlurmClient) -> None:
@@ -415,7 +473,10 @@ def main() -> None:
             for name, result in ((n, r[-1]) for n, r in runs.items()):
                 print(f"goodput: {name} run {index + 1}: {result.steps} steps, {result.samples} samples, progress "
                       f"{result.progress:.0f} node-s of {result.held:.0f} held, {result.free:.0f} left free by the "
-                      "trace; " + ", ".join(f"{part} {seconds:.0f}" for part, seconds in result.parts.items()),
+                      "trace; " + ", ".join(f"{part} {seconds:.0f}" for part, seconds in result.parts.items())
+                      + f"; by the trace's schedule: {result.scheduled_progress:.0f} node-s of progress on "
+                      f"{result.scheduled_free:.0f} left free; the urgent jobs waited "
+                      + ", ".join(f"{wait:.0f}" for wait in result.urgent_waits) + " s for their nodes",
                       flush=True)
     if systems != {"tidal", "static", "torchft"}:
         print(f"goodput: {', '.join(sorted(systems))} only (--systems): no result written", flush=True)
@@ -446,6 +507,28 @@ def main() -> None:
                 unit="fraction", tidal=tidal, baseline=baseline, tidal_samples=samples["tidal"],
                 baseline_samples=samples[peer], baseline_name=names[peer], goal=goal, met=met,
                 ratio=tidal / baseline if baseline else None, ratio_meaning=f"Tidal / {peer}", note=runs_note))
+    scheduled = {name: [r.scheduled_progress / (r.scheduled_free or float("inf")) for r in results]
+                 for name, results in runs.items()}
+    waits = {name: [wait for r in results for wait in r.urgent_waits] for name, results in runs.items()}
+    for peer in (name for name in runs if name != "tidal"):
+        rows.append(Row(
+            benchmark="goodput", metric=f"progress on the node-seconds the trace's schedule left free (a node an "
+                                        f"urgent job waits for is not free), {duration:.0f} s trace, simulated H100s, "
+                                        f"vs {peer}",
+            unit="fraction", tidal=median(scheduled["tidal"]), baseline=median(scheduled[peer]),
+            tidal_samples=scheduled["tidal"], baseline_samples=scheduled[peer], baseline_name=names[peer],
+            goal="reported (no goal: the free measure against the trace's schedule, the same for every system)", met=True,
+            ratio=median(scheduled["tidal"]) / median(scheduled[peer]) if median(scheduled[peer]) else None,
+            ratio_meaning=f"Tidal / {peer}", note=runs_note))
+    for peer in (name for name in runs if name != "tidal"):
+        rows.append(Row(
+            benchmark="goodput", metric=f"the trace's urgent jobs: submission to start (Slurm's times, 1 s "
+                                        f"resolution), {duration:.0f} s trace, vs {peer}",
+            unit="s", tidal=median(waits["tidal"]), baseline=median(waits[peer]), tidal_samples=waits["tidal"],
+            baseline_samples=waits[peer], baseline_name=names[peer],
+            goal="reported (no goal: how long the other work waits for the training job's nodes)", met=True,
+            ratio=median(waits[peer]) / median(waits["tidal"]) if median(waits["tidal"]) else None,
+            ratio_meaning=f"{peer} / Tidal: urgent work waits N× longer beside {peer}", note=runs_note))
     parts = {name: {part: median([r.parts[part] / r.held if r.held else 0.0 for r in results]) for part in PARTS}
              for name, results in runs.items()}
     text = ("Progress is what each system committed: every step counted once (a step redone after a restart "

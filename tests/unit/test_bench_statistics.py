@@ -81,3 +81,35 @@ def test_goodput_counts_each_committed_step_once_at_its_ideal_cost_and_splits_th
     # One node held below a min of 3: all of the held time is below min but the trained spans.
     below = outcome(commits, [(float(t), 1, 1) for t in range(41)], 4, simulation, 3)
     assert below.parts[PARTS[4]] > 0 and below.parts[PARTS[3]] == 0.0
+
+
+def test_goodput_against_the_trace_schedule_counts_only_the_nodes_it_left_free() -> None:
+    from pathlib import Path
+    from typing import cast
+
+    from bench.goodput import Commit, Trace, ideal_step_node_seconds, outcome
+    from tidal.slurm import CliJsonSlurmClient
+    from tidal.train.simulated import ACCELERATORS, Simulation
+
+    simulation = Simulation(accelerator=ACCELERATORS["h100"], parameters=1e9, tokens_per_sample=4096)
+    # The trace's schedule over a 100 s play started at t=1000: the background node until 40 s,
+    # 1 more at 20-35 s, 2 at 55-70 s, 3 at 85-95 s.
+    trace = Trace(cast(CliJsonSlurmClient, None), Path("/nonexistent"), 100.0, lambda: None)
+    trace.started = 1000.0
+    assert [trace.scheduled_nodes(1000.0 + t) for t in (0, 20, 35, 40, 55, 70, 85, 95)] == [1, 2, 1, 0, 2, 0, 3, 0]
+    # World 2, a step a second from t=1001: even while the schedule leaves only 2 of the 4
+    # nodes free (t=1020-1035), every step counts in full.
+    commits = [Commit(step, 1000.0 + step, 2, 32) for step in range(1, 40)]
+    # The samples show the urgent job starting 5 s late (its nodes held by training until t=1025).
+    squeue = [(1000.0 + t, 2, 1 if t < 25 or t >= 35 else 2) for t in range(41)]
+    result = outcome(commits, squeue, 4, simulation, 2, trace.scheduled_nodes, [5.0])
+    at_two = ideal_step_node_seconds(simulation, 32, 2, 16)
+    assert math.isclose(result.free, 3 * 25 + 2 * 10 + 3 * 5)  # what the samples show the trace held
+    assert math.isclose(result.scheduled_free, 3 * 20 + 2 * 15 + 3 * 5)  # what the schedule left free
+    assert math.isclose(result.scheduled_progress, result.progress) and math.isclose(result.progress, 39 * at_two)
+    assert result.urgent_waits == (5.0,)
+    # At world 4 a step while the schedule leaves 2 nodes free counts half.
+    wide = outcome([Commit(1, 1030.0, 4, 32), Commit(2, 1045.0, 4, 32)], squeue, 4, simulation, 2,
+                   trace.scheduled_nodes)
+    at_four = ideal_step_node_seconds(simulation, 32, 4, 16)
+    assert math.isclose(wide.scheduled_progress, at_four / 2 + at_four)
