@@ -278,8 +278,13 @@ class JobActor:
     async def put_and_wait(self, item: JobInput) -> None:
         """Queue `item` and return once the actor has handled it, so that an admin call
         answers with the state it asked for."""
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.inputs.put_nowait(item)
+        await self.settled()
+
+    async def settled(self) -> None:
+        """Return once the actor has handled every input queued before this call (and so
+        written what they decided to SQLite)."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.inputs.put_nowait(Barrier(done))
         await done
 

@@ -331,6 +331,12 @@ class LauncherServicer(launcher_pb2_grpc.LauncherServiceServicer):
                 session.end(f"read failed: {error}")
                 return
             if message is grpc.aio.EOF:
+                # A launcher takes a clean end of its session as proof that the controller
+                # has what it said (`ControllerLink.hold_written`: the end of training's
+                # reports), so the session ends only once the job has handled all of it and
+                # written what it decided to SQLite. A controller that dies first breaks
+                # the stream instead, and the launcher sends them again.
+                await actor.settled()
                 session.end("launcher closed its stream")
                 return
             assert isinstance(message, launcher_pb2.LauncherMessage)

@@ -3,8 +3,9 @@ exponential backoff and jitter whenever it breaks. Messages that matter (a worke
 a generation's report, a leave request) wait while the controller is away and go out after
 the next registration; heartbeats sent while away are dropped. Once training has finished
 (`hold_written`), a report written to a session only counts as delivered when the
-controller ends that session after reading to its end: a session that breaks first (its
-controller died before reading it) hands its reports back to be sent again."""
+controller ends that session after reading to its end and handling what it read (its job
+wrote what it decided to SQLite): a session that breaks first (its controller died before
+that) hands its reports back to be sent again."""
 
 from __future__ import annotations
 
@@ -199,7 +200,8 @@ class ControllerLink:
                 if message is grpc.aio.EOF:
                     if not self._closing:
                         return "controller closed the session"
-                    # The controller reads to the end of the stream before it ends it.
+                    # The controller reads to the end of the stream, and its job handles
+                    # all of it, before it ends the session.
                     confirmed = True
                     self.delivered.set()
                     return None
