@@ -296,6 +296,12 @@ class JobActor:
             except Exception:
                 # One bad input must not take the job (or the daemon) down.
                 self.log.exception("job_input_failed", input=type(item).__name__)
+                if isinstance(item, Connected | Said):
+                    # What a launcher said was not taken (say, SQLite refused the write): its
+                    # session breaks instead of ending cleanly, so that the launcher says it
+                    # again in its next one rather than count it delivered.
+                    item.session.close(grpc.StatusCode.UNAVAILABLE,
+                                       "the controller could not take a message of this session: send it again")
 
     # The one place transitions happen, and effects are applied.
 
