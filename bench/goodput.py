@@ -94,8 +94,9 @@ GOAL = 0.95
 TIDAL_SETTINGS = {"slurm_poll_interval_s": "1", "join_settle_s": "1", "node_cooldown_s": "30",
                   "queued_units": str(MAX - MIN)}
 # The trace's other work: (name, from, to, nodes), as fractions of the duration D from the
-# training job's start (the background job is submitted 2 s before it); one worker is
-# killed at HURT_AT.
+# training job's start (the background job is submitted before it: 2 s, and for Tidal
+# also its controller's start and the job's submission; no sample is taken before the
+# start); one worker is killed at HURT_AT.
 SCHEDULE = (("background", 0.0, 0.40, 1), ("urgent-1", 0.20, 0.35, 1), ("urgent-2", 0.55, 0.70, 2),
             ("urgent-3", 0.85, 0.95, 3))
 HURT_AT = 0.80
@@ -113,9 +114,10 @@ class Trace:
         self.jobs: dict[str, int] = {}
         self.started = 0.0
         # Each urgent job's wait for its nodes: Slurm's start time - its submit time (1 s
-        # resolution), as the squeue samples show them; one that never started waited its
-        # whole window (from its submission to its end here).
+        # resolution), as an squeue shows them; one that never started waited at least its
+        # whole window (from its submission to its end here), and is named in `unstarted`.
         self.waits: dict[str, float] = {}
+        self.unstarted: set[str] = set()
         self.submitted: dict[str, float] = {}
 
     def submit(self, name: str, nodes: int) -> None:
@@ -125,10 +127,21 @@ class Trace:
             exclusive=True, requeue=False, output=str(self.folder / f"trace-{name}-%j.out")))
 
     def end(self, name: str) -> None:
-        if name.startswith("urgent") and name in self.submitted:
-            self.waits.setdefault(f"trace-{name}", time.time() - self.submitted[name])
+        if name.startswith("urgent") and name in self.submitted and f"trace-{name}" not in self.waits:
+            # Started since the last sample?
+            with contextlib.suppress(Exception):
+                self._note_waits([j for j in self.slurm.list_jobs() if j.job_id == self.jobs.get(name)])
+            if f"trace-{name}" not in self.waits:
+                self.waits[f"trace-{name}"] = time.time() - self.submitted[name]
+                self.unstarted.add(f"trace-{name}")
         with contextlib.suppress(Exception):
             self.slurm.cancel(self.jobs.pop(name))
+
+    def _note_waits(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            if (job.state == JobState.RUNNING and job.name.startswith("trace-urgent") and job.start_time
+                    and job.submit_time):
+                self.waits.setdefault(job.name, (job.start_time - job.submit_time).total_seconds())
 
     def scheduled_nodes(self, at: float) -> int:
         """The nodes the trace's other work asks for at time `at` (from its schedule, not
@@ -157,9 +170,7 @@ class Trace:
                 running = [j for j in self.slurm.list_jobs() if j.state == JobState.RUNNING]
                 samples.append((time.time(), sum(len(j.nodes) for j in running if is_training(j)),
                                 sum(len(j.nodes) for j in running if j.name.startswith("trace-"))))
-                for job in running:
-                    if job.name.startswith("trace-urgent") and job.start_time and job.submit_time:
-                        self.waits.setdefault(job.name, (job.start_time - job.submit_time).total_seconds())
+                self._note_waits(running)
             time.sleep(1.0)
         for name in list(self.jobs):
             self.end(name)
@@ -201,10 +212,12 @@ class Outcome:
     # The same against the trace's schedule (`Trace.scheduled_nodes`): the node-seconds it
     # leaves free, a node an urgent job waits for not counted; the progress made on them
     # (each step's share at most the nodes the schedule left free then, over its world);
-    # and the urgent jobs' waits for their nodes, in seconds.
+    # and the urgent jobs' waits for their nodes, in seconds (of them, `urgent_unstarted`
+    # never started: their whole window counted).
     scheduled_free: float = 0.0
     scheduled_progress: float = 0.0
     urgent_waits: tuple[float, ...] = ()
+    urgent_unstarted: int = 0
 
 
 def ideal_step_node_seconds(simulation: Simulation, samples: int, world: int, micro_batch: int) -> float:
@@ -226,10 +239,12 @@ def first_commits(records: list[Commit]) -> list[Commit]:
 
 
 def outcome(records: list[Commit], samples: list[tuple[float, int, int]], nodes: int, simulation: Simulation,
-            minimum: int, scheduled: Callable[[float], int] | None = None, waits: Sequence[float] = ()) -> Outcome:
-    """One play's figures; `scheduled` gives the nodes the trace's schedule asks for at a
-    time (without it, what the samples show the trace's jobs held)."""
-    commits = first_commits(records)
+            minimum: int, scheduled: Callable[[float], int] | None = None, waits: Sequence[float] = (),
+            unstarted: int = 0) -> Outcome:
+    """One play's figures, from the steps first committed while the samples were taken;
+    `scheduled` gives the nodes the trace's schedule asks for at a time (without it, what
+    the samples show the trace's jobs held)."""
+    commits = [c for c in first_commits(records) if samples and samples[0][0] <= c.time <= samples[-1][0]]
     micro = int(MODEL[MODEL.index("--micro-batch") + 1])
     costs = [ideal_step_node_seconds(simulation, c.samples, c.world, micro) for c in commits]
     progress = sum(costs)
@@ -247,7 +262,8 @@ def outcome(records: list[Commit], samples: list[tuple[float, int, int]], nodes:
                    parts=breakdown(commits, samples, progress, minimum, simulation, micro),
                    samples_taken=tuple(samples),
                    commits=tuple((c.step, c.time, c.world, c.samples) for c in commits),
-                   scheduled_free=scheduled_free, scheduled_progress=scheduled_progress, urgent_waits=tuple(waits))
+                   scheduled_free=scheduled_free, scheduled_progress=scheduled_progress, urgent_waits=tuple(waits),
+                   urgent_unstarted=unstarted)
 
 
 def breakdown(commits: list[Commit], samples: list[tuple[float, int, int]], progress: float, minimum: int,
@@ -350,7 +366,7 @@ def run_tidal(folder: Path, slurm: CliJsonSlurmClient, duration: float, simulati
     commits = [Commit(r["step"], r["time"], r["world_size"], GLOBAL_BATCH)
                for r in read_jsonl(sorted(ledger.glob("ledger-*.jsonl"))) if r["kind"] == "commit" and r["rank"] == 0]
     return outcome(commits, samples, len(slurm.list_nodes()), simulation, MIN, trace.scheduled_nodes,
-                   list(trace.waits.values()))
+                   list(trace.waits.values()), len(trace.unstarted))
 
 
 def run_baseline(folder: Path, slurm: CliJsonSlurmClient, duration: float, simulation: Simulation) -> Outcome:
@@ -380,7 +396,7 @@ def run_baseline(folder: Path, slurm: CliJsonSlurmClient, duration: float, simul
     commits = [Commit(r["step"], r["time"], r["world_size"], GLOBAL_BATCH)
                for r in read_jsonl(sorted(logs.glob("*.jsonl"))) if r["rank"] == 0]
     return outcome(commits, samples, len(slurm.list_nodes()), simulation, MIN, trace.scheduled_nodes,
-                   list(trace.waits.values()))
+                   list(trace.waits.values()), len(trace.unstarted))
 
 
 def run_torchft(folder: Path, slurm: CliJsonSlurmClient, duration: float, simulation: Simulation,
@@ -423,7 +439,7 @@ def run_torchft(folder: Path, slurm: CliJsonSlurmClient, duration: float, simula
     commits = [Commit(r["step"], r["time"], r["world_size"], GLOBAL_BATCH // MAX * r["world_size"])
                for r in read_jsonl(sorted(logs.glob("torchft-*.jsonl"))) if r["committed"]]
     return outcome(commits, samples, len(slurm.list_nodes()), simulation, MIN, trace.scheduled_nodes,
-                   list(trace.waits.values()))
+                   list(trace.waits.values()), len(trace.unstarted))
 
 
 def wait_for_idle_cluster(slurm: CliJsonSlurmClient) -> None:
@@ -476,8 +492,9 @@ def main() -> None:
                       "trace; " + ", ".join(f"{part} {seconds:.0f}" for part, seconds in result.parts.items())
                       + f"; by the trace's schedule: {result.scheduled_progress:.0f} node-s of progress on "
                       f"{result.scheduled_free:.0f} left free; the urgent jobs waited "
-                      + ", ".join(f"{wait:.0f}" for wait in result.urgent_waits) + " s for their nodes",
-                      flush=True)
+                      + ", ".join(f"{wait:.0f}" for wait in result.urgent_waits) + " s for their nodes"
+                      + (f" ({result.urgent_unstarted} of them never started: each counted with its whole window)"
+                         if result.urgent_unstarted else ""), flush=True)
     if systems != {"tidal", "static", "torchft"}:
         print(f"goodput: {', '.join(sorted(systems))} only (--systems): no result written", flush=True)
         return
@@ -510,6 +527,9 @@ def main() -> None:
     scheduled = {name: [r.scheduled_progress / (r.scheduled_free or float("inf")) for r in results]
                  for name, results in runs.items()}
     waits = {name: [wait for r in results for wait in r.urgent_waits] for name, results in runs.items()}
+    unstarted = {name: sum(r.urgent_unstarted for r in results) for name, results in runs.items()}
+    waits_note = "; ".join(f"{name}: {len(values)} urgent jobs, {unstarted[name]} never started (their whole "
+                           "window counted, a lower bound)" for name, values in waits.items())
     for peer in (name for name in runs if name != "tidal"):
         rows.append(Row(
             benchmark="goodput", metric=f"progress on the node-seconds the trace's schedule left free (a node an "
@@ -517,7 +537,8 @@ def main() -> None:
                                         f"vs {peer}",
             unit="fraction", tidal=median(scheduled["tidal"]), baseline=median(scheduled[peer]),
             tidal_samples=scheduled["tidal"], baseline_samples=scheduled[peer], baseline_name=names[peer],
-            goal="reported (no goal: the free measure against the trace's schedule, the same for every system)", met=True,
+            goal="reported (no goal: the free measure against the trace's schedule, the same for every system)",
+            met=True,
             ratio=median(scheduled["tidal"]) / median(scheduled[peer]) if median(scheduled[peer]) else None,
             ratio_meaning=f"Tidal / {peer}", note=runs_note))
     for peer in (name for name in runs if name != "tidal"):
@@ -528,7 +549,7 @@ def main() -> None:
             baseline_samples=waits[peer], baseline_name=names[peer],
             goal="reported (no goal: how long the other work waits for the training job's nodes)", met=True,
             ratio=median(waits[peer]) / median(waits["tidal"]) if median(waits["tidal"]) else None,
-            ratio_meaning=f"{peer} / Tidal: urgent work waits N× longer beside {peer}", note=runs_note))
+            ratio_meaning=f"{peer} / Tidal: urgent work waits N× longer beside {peer}", note=waits_note))
     parts = {name: {part: median([r.parts[part] / r.held if r.held else 0.0 for r in results]) for part in PARTS}
              for name, results in runs.items()}
     text = ("Progress is what each system committed: every step counted once (a step redone after a restart "

@@ -100,16 +100,71 @@ def test_goodput_against_the_trace_schedule_counts_only_the_nodes_it_left_free()
     # World 2, a step a second from t=1001: even while the schedule leaves only 2 of the 4
     # nodes free (t=1020-1035), every step counts in full.
     commits = [Commit(step, 1000.0 + step, 2, 32) for step in range(1, 40)]
-    # The samples show the urgent job starting 5 s late (its nodes held by training until t=1025).
-    squeue = [(1000.0 + t, 2, 1 if t < 25 or t >= 35 else 2) for t in range(41)]
+    # The samples show the urgent job starting 5 s late: training held 3 nodes until t=1025.
+    squeue = [(1000.0 + t, 3 if t < 25 else 2, 1 if t < 25 or t >= 35 else 2) for t in range(41)]
     result = outcome(commits, squeue, 4, simulation, 2, trace.scheduled_nodes, [5.0])
     at_two = ideal_step_node_seconds(simulation, 32, 2, 16)
     assert math.isclose(result.free, 3 * 25 + 2 * 10 + 3 * 5)  # what the samples show the trace held
     assert math.isclose(result.scheduled_free, 3 * 20 + 2 * 15 + 3 * 5)  # what the schedule left free
     assert math.isclose(result.scheduled_progress, result.progress) and math.isclose(result.progress, 39 * at_two)
     assert result.urgent_waits == (5.0,)
-    # At world 4 a step while the schedule leaves 2 nodes free counts half.
-    wide = outcome([Commit(1, 1030.0, 4, 32), Commit(2, 1045.0, 4, 32)], squeue, 4, simulation, 2,
-                   trace.scheduled_nodes)
+    # At world 4 a step while the schedule leaves 2 nodes free counts half, one while it
+    # leaves 3 three quarters; a step after the last sample is not counted at all.
+    wide = outcome([Commit(1, 1030.0, 4, 32), Commit(2, 1038.0, 4, 32), Commit(3, 1045.0, 4, 32)], squeue, 4,
+                   simulation, 2, trace.scheduled_nodes)
     at_four = ideal_step_node_seconds(simulation, 32, 4, 16)
-    assert math.isclose(wide.scheduled_progress, at_four / 2 + at_four)
+    assert wide.steps == 2 and math.isclose(wide.progress, 2 * at_four)
+    assert math.isclose(wide.scheduled_progress, at_four / 2 + at_four * 3 / 4)
+
+
+class FakeSlurm:
+    """The three calls `Trace` makes, on jobs the test sets up (a unit-test fake of
+    CliJsonSlurmClient)."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[int, object] = {}
+        self.cancelled: list[int] = []
+        self.submitted = 0
+
+    def submit(self, submission: object) -> int:
+        self.submitted += 1
+        return 6 + self.submitted
+
+    def cancel(self, job_id: int) -> None:
+        self.cancelled.append(job_id)
+
+    def list_jobs(self) -> list[object]:
+        return list(self.jobs.values())
+
+
+def test_an_urgent_jobs_wait_is_slurms_start_minus_submit_or_its_whole_window_when_it_never_started() -> None:
+    import datetime
+    import time
+    from pathlib import Path
+    from typing import cast
+
+    from bench.goodput import Trace
+    from tidal.slurm import CliJsonSlurmClient, Job, JobState
+
+    slurm = FakeSlurm()
+    trace = Trace(cast(CliJsonSlurmClient, slurm), Path("/nonexistent"), 100.0, lambda: None)
+    trace.submit("urgent-1", 1)
+    trace.submit("urgent-2", 2)
+    submitted = datetime.datetime(2026, 11, 29, 10, 0, 0, tzinfo=datetime.UTC)
+
+    def job(job_id: int, name: str, state: JobState, waited_s: float) -> Job:
+        return Job(job_id=job_id, name=f"trace-{name}", user="root", state=state, flags=frozenset(),
+                   partition="urgent", nodes=("n1",) if state is JobState.RUNNING else (), node_count=1, priority=1,
+                   submit_time=submitted, start_time=submitted + datetime.timedelta(seconds=waited_s), end_time=None,
+                   preempt_time=None, requeue_count=0, reason="")
+
+    # urgent-1 started 4 s after its submission, after the last sample (so only its end sees
+    # it); urgent-2 is still pending, its start only Slurm's estimate.
+    slurm.jobs = {trace.jobs["urgent-1"]: job(trace.jobs["urgent-1"], "urgent-1", JobState.RUNNING, 4.0),
+                  trace.jobs["urgent-2"]: job(trace.jobs["urgent-2"], "urgent-2", JobState.PENDING, 30.0)}
+    trace.submitted["urgent-2"] = time.time() - 12.0
+    trace.end("urgent-1")
+    trace.end("urgent-2")
+    assert trace.waits["trace-urgent-1"] == 4.0
+    assert 12.0 <= trace.waits["trace-urgent-2"] < 13.0 and trace.unstarted == {"trace-urgent-2"}
+    assert sorted(slurm.cancelled) == sorted([7, 8])
