@@ -56,7 +56,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,13 +127,14 @@ class Trace:
             exclusive=True, requeue=False, output=str(self.folder / f"trace-{name}-%j.out")))
 
     def end(self, name: str) -> None:
-        if name.startswith("urgent") and name in self.submitted and f"trace-{name}" not in self.waits:
+        key = f"trace-{name}"
+        if name.startswith("urgent") and name in self.submitted and key not in self.waits:
             # Started since the last sample?
             with contextlib.suppress(Exception):
                 self._note_waits([j for j in self.slurm.list_jobs() if j.job_id == self.jobs.get(name)])
-            if f"trace-{name}" not in self.waits:
-                self.waits[f"trace-{name}"] = time.time() - self.submitted[name]
-                self.unstarted.add(f"trace-{name}")
+            if key not in self.waits:
+                self.waits[key] = time.time() - self.submitted[name]
+                self.unstarted.add(key)
         with contextlib.suppress(Exception):
             self.slurm.cancel(self.jobs.pop(name))
 
@@ -239,20 +240,19 @@ def first_commits(records: list[Commit]) -> list[Commit]:
 
 
 def outcome(records: list[Commit], samples: list[tuple[float, int, int]], nodes: int, simulation: Simulation,
-            minimum: int, scheduled: Callable[[float], int] | None = None, waits: Sequence[float] = (),
-            unstarted: int = 0) -> Outcome:
+            minimum: int, trace: Trace | None = None) -> Outcome:
     """One play's figures, from the steps first committed while the samples were taken;
-    `scheduled` gives the nodes the trace's schedule asks for at a time (without it, what
-    the samples show the trace's jobs held)."""
+    with the `trace` played, also against its schedule, and its urgent jobs' waits."""
     commits = [c for c in first_commits(records) if samples and samples[0][0] <= c.time <= samples[-1][0]]
     micro = int(MODEL[MODEL.index("--micro-batch") + 1])
     costs = [ideal_step_node_seconds(simulation, c.samples, c.world, micro) for c in commits]
     progress = sum(costs)
     pairs = list(itertools.pairwise(samples))
     free = sum((nodes - other) * (t1 - t0) for (t0, _, other), (t1, _, _) in pairs)
-    if scheduled is None:
+    if trace is None:
         scheduled_free, scheduled_progress = free, progress
     else:
+        scheduled = trace.scheduled_nodes
         scheduled_free = sum((nodes - scheduled(t0)) * (t1 - t0) for (t0, _, _), (t1, _, _) in pairs)
         scheduled_progress = sum(cost * min(c.world, max(0, nodes - scheduled(c.time))) / c.world
                                  for c, cost in zip(commits, costs, strict=True))
@@ -262,8 +262,9 @@ def outcome(records: list[Commit], samples: list[tuple[float, int, int]], nodes:
                    parts=breakdown(commits, samples, progress, minimum, simulation, micro),
                    samples_taken=tuple(samples),
                    commits=tuple((c.step, c.time, c.world, c.samples) for c in commits),
-                   scheduled_free=scheduled_free, scheduled_progress=scheduled_progress, urgent_waits=tuple(waits),
-                   urgent_unstarted=unstarted)
+                   scheduled_free=scheduled_free, scheduled_progress=scheduled_progress,
+                   urgent_waits=tuple(trace.waits.values()) if trace else (),
+                   urgent_unstarted=len(trace.unstarted) if trace else 0)
 
 
 def breakdown(commits: list[Commit], samples: list[tuple[float, int, int]], progress: float, minimum: int,
@@ -365,8 +366,7 @@ def run_tidal(folder: Path, slurm: CliJsonSlurmClient, duration: float, simulati
         controller.stop()
     commits = [Commit(r["step"], r["time"], r["world_size"], GLOBAL_BATCH)
                for r in read_jsonl(sorted(ledger.glob("ledger-*.jsonl"))) if r["kind"] == "commit" and r["rank"] == 0]
-    return outcome(commits, samples, len(slurm.list_nodes()), simulation, MIN, trace.scheduled_nodes,
-                   list(trace.waits.values()), len(trace.unstarted))
+    return outcome(commits, samples, len(slurm.list_nodes()), simulation, MIN, trace)
 
 
 def run_baseline(folder: Path, slurm: CliJsonSlurmClient, duration: float, simulation: Simulation) -> Outcome:
@@ -395,8 +395,7 @@ def run_baseline(folder: Path, slurm: CliJsonSlurmClient, duration: float, simul
             trace.end(name)
     commits = [Commit(r["step"], r["time"], r["world_size"], GLOBAL_BATCH)
                for r in read_jsonl(sorted(logs.glob("*.jsonl"))) if r["rank"] == 0]
-    return outcome(commits, samples, len(slurm.list_nodes()), simulation, MIN, trace.scheduled_nodes,
-                   list(trace.waits.values()), len(trace.unstarted))
+    return outcome(commits, samples, len(slurm.list_nodes()), simulation, MIN, trace)
 
 
 def run_torchft(folder: Path, slurm: CliJsonSlurmClient, duration: float, simulation: Simulation,
@@ -438,8 +437,7 @@ def run_torchft(folder: Path, slurm: CliJsonSlurmClient, duration: float, simula
     # Each group trains its own share a step (torchft keeps the per-group batch).
     commits = [Commit(r["step"], r["time"], r["world_size"], GLOBAL_BATCH // MAX * r["world_size"])
                for r in read_jsonl(sorted(logs.glob("torchft-*.jsonl"))) if r["committed"]]
-    return outcome(commits, samples, len(slurm.list_nodes()), simulation, MIN, trace.scheduled_nodes,
-                   list(trace.waits.values()), len(trace.unstarted))
+    return outcome(commits, samples, len(slurm.list_nodes()), simulation, MIN, trace)
 
 
 def wait_for_idle_cluster(slurm: CliJsonSlurmClient) -> None:

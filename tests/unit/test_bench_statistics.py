@@ -102,7 +102,8 @@ def test_goodput_against_the_trace_schedule_counts_only_the_nodes_it_left_free()
     commits = [Commit(step, 1000.0 + step, 2, 32) for step in range(1, 40)]
     # The samples show the urgent job starting 5 s late: training held 3 nodes until t=1025.
     squeue = [(1000.0 + t, 3 if t < 25 else 2, 1 if t < 25 or t >= 35 else 2) for t in range(41)]
-    result = outcome(commits, squeue, 4, simulation, 2, trace.scheduled_nodes, [5.0])
+    trace.waits = {"trace-urgent-1": 5.0}
+    result = outcome(commits, squeue, 4, simulation, 2, trace)
     at_two = ideal_step_node_seconds(simulation, 32, 2, 16)
     assert math.isclose(result.free, 3 * 25 + 2 * 10 + 3 * 5)  # what the samples show the trace held
     assert math.isclose(result.scheduled_free, 3 * 20 + 2 * 15 + 3 * 5)  # what the schedule left free
@@ -111,7 +112,7 @@ def test_goodput_against_the_trace_schedule_counts_only_the_nodes_it_left_free()
     # At world 4 a step while the schedule leaves 2 nodes free counts half, one while it
     # leaves 3 three quarters; a step after the last sample is not counted at all.
     wide = outcome([Commit(1, 1030.0, 4, 32), Commit(2, 1038.0, 4, 32), Commit(3, 1045.0, 4, 32)], squeue, 4,
-                   simulation, 2, trace.scheduled_nodes)
+                   simulation, 2, trace)
     at_four = ideal_step_node_seconds(simulation, 32, 4, 16)
     assert wide.steps == 2 and math.isclose(wide.progress, 2 * at_four)
     assert math.isclose(wide.scheduled_progress, at_four / 2 + at_four * 3 / 4)
