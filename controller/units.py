@@ -259,7 +259,7 @@ def units_to_submit(spec: admin_pb2.JobSpec, *, alive: int, idle_nodes: int, now
         demand = units_to_submit(in_nodes, alive=alive, idle_nodes=idle_nodes, now=now, last_change_at=last_change_at,
                                  scale_up_snooze_s=scale_up_snooze_s, others_waiting=others_waiting,
                                  released=released, allowance=allowance)
-        return UnitDemand(demand.count, f"{demand.reason} (in nodes: replicas of {nodes})")
+        return UnitDemand(demand.count, in_node_words(demand.reason, spec, nodes))
     fits = idle_nodes // max(1, spec.nodes_per_replica)
     growth = growth_onto_idle_nodes(spec, alive=alive, fits=fits, idle_nodes=idle_nodes, now=now,
                                     last_change_at=last_change_at, scale_up_snooze_s=scale_up_snooze_s,
@@ -276,6 +276,17 @@ def units_to_submit(spec: admin_pb2.JobSpec, *, alive: int, idle_nodes: int, now
             return UnitDemand(0, f"nodes given back below min_replicas {spec.min_replicas}: waiting for "
                                  f"{needed} idle node(s) ({fits} fit)")
     return growth
+
+
+def in_node_words(reason: str, spec: admin_pb2.JobSpec, nodes: int) -> str:
+    """A reason decided in nodes (replicas of `nodes` nodes counted node by node) in the
+    user's words: the spec's min/max replicas, with the nodes they make."""
+    low, high = spec.min_replicas * nodes, spec.max_replicas * nodes
+    reason = (reason.replace(f"of min {low} replicas", f"of {low} nodes (min_replicas {spec.min_replicas})")
+              .replace(f"below min_replicas {low}", f"below min_replicas {spec.min_replicas} ({low} nodes)")
+              .replace(f"max_replicas {high}", f"max_replicas {spec.max_replicas} ({high} nodes)")
+              .replace(" replicas", " nodes"))
+    return f"{reason}; replicas of {nodes} nodes"
 
 
 def growth_onto_idle_nodes(spec: admin_pb2.JobSpec, *, alive: int, fits: int, idle_nodes: int, now: float,

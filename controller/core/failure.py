@@ -269,5 +269,9 @@ def maybe_finish_stop(t: Step) -> None:
     tick.decide(t, now, after=stop.reason)
     if t.job.state is JobState.RECONFIGURING:
         alive = sum(1 for u in state.units.values() if u.state in (UnitState.ACTIVE, UnitState.JOINING))
-        t.set_state(JobState.DEGRADED, f"{alive} replica(s) alive, below min_replicas "
-                    f"{t.job.spec.min_replicas}; waiting for more")
+        # (Units: nodes, where a replica spans several.)
+        nodes = replicas.nodes_per_replica(t.job.spec)
+        minimum = t.job.spec.min_replicas
+        t.set_state(JobState.DEGRADED, f"{alive} replica(s) alive, below min_replicas {minimum}; waiting for more"
+                    if nodes == 1 else f"{alive} node(s) of replicas of {nodes} alive, below min_replicas {minimum} "
+                    f"({minimum * nodes} nodes of whole replicas); waiting for more")

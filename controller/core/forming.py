@@ -4,7 +4,7 @@ the state they formed with (first step, resumed from a checkpoint, state lost)."
 
 from __future__ import annotations
 
-from tidal.controller.core import failure, finishing, leaving, messages, planning
+from tidal.controller.core import failure, finishing, leaving, messages, planning, replicas
 from tidal.controller.core.progress import state_holders
 from tidal.controller.core.state import (
     ChangeKind,
@@ -60,7 +60,10 @@ def start_generation(t: Step, survivors: tuple[str, ...], form: planning.Form, n
         return
     t.job.generation = plan.number
     t.enter_state(JobState.RUNNING)
-    fields: dict[str, object] = {"world_size": plan.world_size, "replicas": len(plan.members) // t.replica_nodes,
+    # (Whole replicas of the spec, as `tidal status` counts them: a DataParallel replica of
+    # K nodes that lost one is not counted, though its node trains on.)
+    fields: dict[str, object] = {"world_size": plan.world_size,
+                                 "replicas": len(plan.members) // replicas.nodes_per_replica(t.job.spec),
                                  "members": join_ids(list(plan.unit_ids)),
                                  "rendezvous": f"{plan.rendezvous_host}:{plan.rendezvous_port}"}
     if state.failure_detected_at is not None:
@@ -204,7 +207,7 @@ def reconfigure(t: Step, joiners: tuple[str, ...], leaving: tuple[str, ...], cau
     message = messages.at_step_boundary(plan, previous.number, leaving, reason)
     t.job.generation = plan.number
     fields: dict[str, object] = {"cause": cause, "from_generation": previous.number, "world_size": plan.world_size,
-                                 "replicas": len(plan.members) // t.replica_nodes,
+                                 "replicas": len(plan.members) // replicas.nodes_per_replica(t.job.spec),
                                  "members": join_ids(list(plan.unit_ids)),
                                  "joiners": join_ids(list(joiners)), "leaving": join_ids(list(leaving)),
                                  "state_source": source, **fields_of_state}

@@ -124,6 +124,25 @@ class WorldSnapshot:
     # grow waits for that view, `join_settle_s` at most, so that their units join in the
     # same world change rather than in a second one.
     unseen_start_at: float | None = None
+    # Units per replica of the job's spec when the decision counts units (replicas of K
+    # nodes decided node by node, DataParallel: min/max above are K × the spec's), else 1.
+    # Only the reasons' words use it: they name nodes, and the spec's replica bounds.
+    scale: int = 1
+
+
+def counted(count: int, snapshot: WorldSnapshot) -> str:
+    """`count` units in a reason's words: replicas, or nodes of replicas of K."""
+    if snapshot.scale == 1:
+        return f"{count} replica{'s' if count != 1 else ''}"
+    return f"{count} node{'s' if count != 1 else ''}"
+
+
+def bounds(snapshot: WorldSnapshot) -> str:
+    """The job's min and max in a reason's words (the spec's replicas, with their nodes)."""
+    if snapshot.scale == 1:
+        return f"min {snapshot.min_replicas}, max {snapshot.max_replicas}"
+    return (f"replicas of {snapshot.scale} nodes: min {snapshot.min_replicas // snapshot.scale}, "
+            f"max {snapshot.max_replicas // snapshot.scale}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,16 +184,18 @@ def decide_world(snapshot: WorldSnapshot, now: float) -> WorldAction:
     started_until = max(snapshot.starting.values(), default=float("-inf")) + snapshot.join_settle_s
     if not snapshot.running:
         if size is None:
-            return Wait(f"{available} of min {snapshot.min_replicas} replicas ready")
+            if snapshot.scale == 1:
+                return Wait(f"{available} of min {snapshot.min_replicas} replicas ready")
+            return Wait(f"{available} of {snapshot.min_replicas} nodes ready ({bounds(snapshot)})")
         settling_until = max(settling_until, started_until)
         if available < snapshot.max_replicas and now < settling_until:
-            return Wait(f"{available} replicas ready; waiting {settling_until - now:.1f} s for more to register")
+            return Wait(f"{counted(available, snapshot)} ready; waiting {settling_until - now:.1f} s for more to "
+                        "register")
         taken = tuple(joiners[: max(0, size - len(snapshot.members))])
-        return Form(size, taken, f"{size} replica{'s' if size != 1 else ''} ready "
-                    f"(min {snapshot.min_replicas}, max {snapshot.max_replicas})")
+        return Form(size, taken, f"{counted(size, snapshot)} ready ({bounds(snapshot)})")
     current = len(snapshot.members)
     if not joiners or current >= snapshot.max_replicas:
-        return Wait("no joiner" if not joiners else f"at max_replicas {snapshot.max_replicas}")
+        return Wait("no joiner" if not joiners else f"at max_replicas {snapshot.max_replicas // snapshot.scale}")
     if size is None or size <= current:
         return Wait(f"{len(joiners)} joiner(s) do not reach the next allowed size above {current}")
     if snapshot.unseen_start_at is not None and now < snapshot.unseen_start_at + snapshot.join_settle_s:
@@ -190,7 +211,7 @@ def decide_world(snapshot: WorldSnapshot, now: float) -> WorldAction:
     if snapshot.last_change_at is not None and now < snapshot.last_change_at + snapshot.scale_up_snooze_s:
         return Wait(f"scale-up snoozed for {snapshot.last_change_at + snapshot.scale_up_snooze_s - now:.1f} s")
     taken = tuple(joiners[: size - current])
-    return Grow(size, taken, f"grow {current} -> {size} replicas: {', '.join(taken)} joined")
+    return Grow(size, taken, f"grow {current} -> {counted(size, snapshot)}: {', '.join(taken)} joined")
 
 
 class BelowMin(enum.Enum):

@@ -140,7 +140,7 @@ def decide(t: Step, now: float, after: str = "") -> None:
         starting={u.unit_id: u.facts.started_seen_at for u in submitted if u.facts.started_seen_at is not None},
         expected_submitted_at=max((now - max(0.0, t.now.wall - u.facts.submitted_at) for u in expected
                                    if u.facts.submitted_at), default=None),
-        unseen_start_at=max(unseen_starts, default=None) if state.slurm_units else None)
+        unseen_start_at=max(unseen_starts, default=None) if state.slurm_units else None, scale=t.world_scale)
     action = planning.decide_world(snapshot, now)
     if isinstance(action, (planning.Form, planning.Grow)):
         action = dataclasses.replace(action, joiners=tuple(u for key in action.joiners for u in expand[key]))

@@ -3,6 +3,8 @@ passed in."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tidal.controller.core.health import Failure, HealthPolicy, UnitHealth, health_verdicts
@@ -85,6 +87,20 @@ def test_forming_waits_for_min_then_settles_then_forms() -> None:
     # At max, no need to wait for the settle window.
     full = decide_world(snapshot(running=False, joiners={"a": 10.0, "b": 10.0, "c": 10.0}), now=10.1)
     assert isinstance(full, Form) and full.replicas == 3
+
+
+def test_replicas_of_two_nodes_decided_node_by_node_are_told_in_nodes_and_the_specs_replicas() -> None:
+    """DataParallel replicas of 2 nodes, min 1 and max 2 replicas: the decision counts 2..4
+    units, and its reasons say nodes and the spec's bounds, not "4 replicas (max 4)"."""
+    two_node = dataclasses.replace(snapshot(running=False, members=("a",), min_replicas=2, max_replicas=4),
+                                   scale=2)
+    assert decide_world(two_node, now=50.0) == Wait("1 of 2 nodes ready (replicas of 2 nodes: min 1, max 2)")
+    full = dataclasses.replace(two_node, members=("a", "b", "c", "d"))
+    assert decide_world(full, now=50.0) == Form(4, (), "4 nodes ready (replicas of 2 nodes: min 1, max 2)")
+    grow = dataclasses.replace(two_node, running=True, members=("a", "b"), joiners={"c": 1.0, "d": 1.0})
+    assert decide_world(grow, now=50.0) == Grow(4, ("c", "d"), "grow 2 -> 4 nodes: c, d joined")
+    at_max = dataclasses.replace(full, running=True, joiners={"e": 1.0})
+    assert decide_world(at_max, now=50.0) == Wait("at max_replicas 2")
 
 
 def test_survivors_reform_at_once_without_waiting() -> None:

@@ -128,9 +128,14 @@ def test_under_data_parallel_a_lost_node_costs_only_its_own_workers() -> None:
     driver.grow_completes(("c", "d"), replica_workers=1)
     assert driver.state.generation is not None and driver.state.generation.unit_ids == ("a", "b", "c", "d")
 
+    grown = driver.event("world_reconfiguring")
+    # Told in the spec's replicas and in nodes, as `tidal status` counts them (not "4 replicas").
+    assert grown.fields["replicas"] == 2 and grown.reason == "grow 2 -> 4 nodes: c, d joined", grown
+
     effects = driver.exit("d", driver.state.generation.number, 9)
     assert driver.state.units["d"].state is UnitState.FAILED
     assert driver.state.generation.unit_ids == ("a", "b", "c"), "c stays in the world"
+    assert driver.event("world_formed").fields["replicas"] == 1, "one whole replica (c's node trains on)"
     assert driver.state.units["c"].state is UnitState.ACTIVE
     assert "unit_standby" not in driver.events(effects)
 

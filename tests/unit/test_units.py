@@ -115,6 +115,14 @@ def test_a_shared_allowance_bounds_growth_to_a_size_the_job_allows_never_below_m
                            allowance=3).count == 2
     assert units_to_submit(two_node, alive=0, idle_nodes=5, now=0, last_change_at=None,
                            scale_up_snooze_s=0).count == 4
+    # Its reasons name the spec's replicas and the nodes they make, not max_replicas 4.
+    started = units_to_submit(two_node, alive=0, idle_nodes=5, now=0, last_change_at=None, scale_up_snooze_s=0)
+    assert started.reason == ("0 of 2 nodes (min_replicas 1); 5 idle node(s) fit; growing toward max_replicas 4 "
+                              "(8 nodes); replicas of 2 nodes")
+    released = units_to_submit(two_node, alive=0, idle_nodes=1, now=0, last_change_at=None, scale_up_snooze_s=0,
+                               released=True)
+    assert released.reason == ("nodes given back below min_replicas 1 (2 nodes): waiting for 2 idle node(s) "
+                               "(1 fit); replicas of 2 nodes")
 
 
 def test_only_idle_usable_nodes_of_the_jobs_partition_count() -> None:
