@@ -102,11 +102,13 @@ $(BENCH_STAMP): $(STAMP)
 
 bench: install-bench
 	scripts/with-cluster bash -c 'failed=""; for b in $(BENCHMARKS); do $(PYTHON) -m bench.$$b || failed="$$failed $$b"; done; \
+	  $(PYTHON) -m bench.chaos --nodes-per-replica 2 --seeds 10 || failed="$$failed chaos_multinode"; \
 	  $(PYTHON) -m bench.report; if [ -n "$$failed" ]; then echo "bench: failed:$$failed"; exit 1; fi'
 
 # One quick run of each (what tests/integration/ and tests/slurm/test_bench_quick.py do in `make test`).
 bench-quick: install-bench
-	scripts/with-cluster bash -c 'set -e; for b in $(BENCHMARKS); do $(PYTHON) -m bench.$$b --quick; done'
+	scripts/with-cluster bash -c 'set -e; for b in $(BENCHMARKS); do $(PYTHON) -m bench.$$b --quick; done; \
+	  $(PYTHON) -m bench.chaos --quick --nodes-per-replica 2'
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

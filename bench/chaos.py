@@ -8,6 +8,12 @@ float64, 0.01 s per micro-batch), min 1 and max 4 replicas on `train`, live mode
 controller that runs units as Slurm jobs and polls every second (as `make demo`). Two
 `while True: pass` processes hog the machine's 2 cores throughout.
 
+With `--nodes-per-replica 2` the job's replicas span two nodes each (two one-node units,
+min 1 and max 2 replicas, DataParallel: every worker holds the whole model, so a node left
+of a replica trains on while its lost node's place is taken): the same faults, sized in
+replicas (a shrink is --max 1, a grow comes back to 2), none aimed at the last holder or a
+save (a one-node unit is not a replica there); results in `chaos_multinode.json`.
+
 Faults (seeded `random.Random(seed)`: 4-6 of them, a few seconds apart, each only while
 the job trains with enough replicas for it to make sense; a replica that holds the
 training state always survives a fault, or, the last one, leaves gracefully and saves it):
@@ -370,13 +376,16 @@ class PlannedFault:
     aim: str = AIM_ANY
 
 
-def plan_faults(seed: int) -> list[PlannedFault]:
+def plan_faults(seed: int, nodes_per_replica: int = 1) -> list[PlannedFault]:
     """The faults of a seed, in order: the kinds and timings as drawn by random.Random(seed)
     (the same sequence as before aims existed), then each fault's aim drawn from a second
     generator of the seed. At most one fault is aimed at the last steps (it goes last: no
     fault follows the end) and at most one at the last holder or a save (each shrinks the
     job to one replica first); a fault at the last holder or a save takes a kind that makes
-    sense there, and an urgent job there takes every node."""
+    sense there, and an urgent job there takes every node. With replicas of several nodes
+    (`nodes_per_replica` > 1) no fault is aimed at the last holder or a save: a one-node
+    unit is not a replica there, and the drawn aim is taken as `any` (the kinds and timings
+    stay the seed's)."""
     rng = random.Random(seed)
     faults = [PlannedFault(kind=rng.choice(FAULTS), gap_s=rng.uniform(1.0, 3.5), pick=rng.random(),
                            duration_s=rng.uniform(3.0, 8.0), nodes=rng.choice((2, 3)))
@@ -385,6 +394,8 @@ def plan_faults(seed: int) -> list[PlannedFault]:
     last_steps = one_replica = False
     for fault in faults:
         aim = aims.choice(HARD_AIMS) if aims.random() < HARD_AIM_SHARE else AIM_ANY
+        if nodes_per_replica > 1 and aim in AIM_KINDS:
+            aim = AIM_ANY
         if (aim == "last_steps" and last_steps) or (aim in AIM_KINDS and one_replica):
             aim = AIM_ANY
         last_steps |= aim == "last_steps"
@@ -809,17 +820,23 @@ class ChaosRun:
     """One live job on the mini cluster, the faults of one seed against it, and the checks."""
 
     def __init__(self, seed: int, reference: Reference, folder: Path, *, deadline_s: float = DEFAULT_DEADLINE_S,
-                 faults: list[PlannedFault] | None = None, min_replicas: int = 1, max_replicas: int = NODES,
-                 controller_settings: dict[str, str] | None = None, log: Callable[[str], None] = print) -> None:
+                 faults: list[PlannedFault] | None = None, min_replicas: int = 1, max_replicas: int | None = None,
+                 nodes_per_replica: int = 1, controller_settings: dict[str, str] | None = None,
+                 log: Callable[[str], None] = print) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.seed = seed
         self.reference = reference
         self.steps = reference.steps
         self.folder = folder
         self.deadline_s = deadline_s
-        self.plan = plan_faults(seed) if faults is None else faults
+        # Replicas of `nodes_per_replica` one-node units (DataParallel: every worker holds
+        # the whole model, so a node left of a replica trains on); the full size, in
+        # replicas, takes every node.
+        self.nodes_per_replica = nodes_per_replica
+        self.full = NODES // nodes_per_replica
+        self.plan = plan_faults(seed, nodes_per_replica) if faults is None else faults
         self.min_replicas = min_replicas
-        self.max_replicas = max_replicas
+        self.max_replicas = self.full if max_replicas is None else max_replicas
         self.log = log
         self.ledger_dir = folder / "ledger"
         self.out = folder / "out.pt"
@@ -894,13 +911,16 @@ class ChaosRun:
             self.controller.start()
             spec = admin_pb2.JobSpec(
                 name="chaos", min_replicas=self.min_replicas, max_replicas=self.max_replicas, partition="train",
-                mode=common_pb2.JOB_MODE_LIVE, working_dir=str(self.folder), environment={"OMP_NUM_THREADS": "1"},
+                nodes_per_replica=self.nodes_per_replica, mode=common_pb2.JOB_MODE_LIVE,
+                working_dir=str(self.folder), environment={"OMP_NUM_THREADS": "1"},
                 command=train_command(self.steps, self.ledger_dir, self.out))
             with self.controller.admin() as admin:
                 self.job_id = admin.submit(spec).job.job_id
             self.submitted_at = time.time()
             self.act("submitted", detail=f"job {self.job_id}: {self.steps} steps, replicas "
-                                         f"{self.min_replicas}..{self.max_replicas}")
+                                         f"{self.min_replicas}..{self.max_replicas}"
+                                         + (f" of {self.nodes_per_replica} nodes" if self.nodes_per_replica > 1
+                                            else ""))
             self.inject_faults()
             self.wait_for_end()
         except SetupError as error:
@@ -1121,19 +1141,19 @@ class ChaosRun:
     # Faults.
 
     def prepare(self, fault: PlannedFault, job: admin_pb2.Job) -> None:
-        """For a fault mid-grow with every node in the world: --max NODES - 1, back to NODES
-        a moment later (a grow to come). For a fault at the last holder or a save: --max 1
+        """For a fault mid-grow with every node in the world: --max one replica less, back to
+        the full size a moment later (a grow to come). For a fault at the last holder or a save: --max 1
         (once; back to NODES after the fault lands), so that one replica is left; for a
         save, once one is, drain it."""
         if fault.aim == "grow":
-            if (not self.shrunk and job.world_size >= NODES and job.spec.max_replicas >= NODES
+            if (not self.shrunk and job.world_size >= NODES and job.spec.max_replicas >= self.full
                     and not self.in_flight(job) and self.committing(job)):
                 self.open_window("shrink")
                 with self.controller.admin() as admin:
-                    admin.resize(self.job_id, max_replicas=NODES - 1)
+                    admin.resize(self.job_id, max_replicas=self.full - 1)
                 self.shrunk = True
-                self.act("resize", detail=f"--max {NODES - 1}, back to {NODES} in {GROW_PREPARATION_S:g} s: a grow "
-                                          "for a fault aimed at it")
+                self.act("resize", detail=f"--max {self.full - 1}, back to {self.full} in {GROW_PREPARATION_S:g} s: "
+                                          "a grow for a fault aimed at it")
                 self.heals.append(Heal(time.time() + GROW_PREPARATION_S, "shrink", self.unshrink))
             return
         if fault.aim not in AIM_KINDS:
@@ -1251,7 +1271,8 @@ class ChaosRun:
 
     def fault_grow(self, fault: PlannedFault, job: admin_pb2.Job, dry_run: bool) -> str:
         """Resize --max back up after a shrink; below the full size, let it grow; at the
-        full size, take one replica away (--max 3) and give it back later: a grow to come."""
+        full size, take one replica away (--max one less) and give it back later: a grow to
+        come."""
         if self.shrunk:
             if not dry_run:
                 self.heals = [h for h in self.heals if h.what != "shrink"]
@@ -1264,18 +1285,19 @@ class ChaosRun:
         if not dry_run:
             self.open_window("shrink")
             with self.controller.admin() as admin:
-                admin.resize(self.job_id, max_replicas=NODES - 1)
+                admin.resize(self.job_id, max_replicas=self.full - 1)
             self.shrunk = True
-            self.act("resize", detail=f"--max {NODES - 1}, to grow back to {NODES} in {fault.duration_s:.1f} s")
+            self.act("resize", detail=f"--max {self.full - 1}, to grow back to {self.full} in "
+                                      f"{fault.duration_s:.1f} s")
             self.heals.append(Heal(time.time() + fault.duration_s, "shrink", self.unshrink))
         return ""
 
     def unshrink(self) -> None:
         with self.controller.admin() as admin:
-            admin.resize(self.job_id, max_replicas=NODES)
+            admin.resize(self.job_id, max_replicas=self.full)
         self.shrunk = False
         self.close_window("shrink")
-        self.act("resize", detail=f"--max {NODES}")
+        self.act("resize", detail=f"--max {self.full}")
 
     def open_window(self, kind: str) -> Window:
         window = Window(kind, time.time())
@@ -1288,14 +1310,17 @@ class ChaosRun:
                 window.until = time.time()
 
     def fault_shrink(self, fault: PlannedFault, job: admin_pb2.Job, dry_run: bool) -> str:
-        if self.shrunk or job.world_size < 3:
+        """--max half the full size (2 of 4 one-node replicas, 1 of 2 of two nodes) for a
+        while, once the world is larger than that."""
+        smaller = max(1, self.full // 2)
+        if self.shrunk or job.world_size <= smaller * self.nodes_per_replica:
             return f"world size {job.world_size}" if not self.shrunk else "already shrunk"
         if not dry_run:
             self.open_window("shrink")
             with self.controller.admin() as admin:
-                admin.resize(self.job_id, max_replicas=2)
+                admin.resize(self.job_id, max_replicas=smaller)
             self.shrunk = True
-            self.act("resize", detail=f"--max 2 (world size {job.world_size}) for {fault.duration_s:.1f} s")
+            self.act("resize", detail=f"--max {smaller} (world size {job.world_size}) for {fault.duration_s:.1f} s")
             self.heals.append(Heal(time.time() + fault.duration_s, "shrink", self.unshrink))
         return ""
 
@@ -1632,7 +1657,11 @@ def main() -> None:
                            help=f"seconds from submit for the job to end (default {DEFAULT_DEADLINE_S:g})")
     arguments.add_argument("--timeline", action="store_true",
                            help="print every seed's timeline, not only a failing one's")
+    arguments.add_argument("--nodes-per-replica", type=int, default=1, choices=(1, 2),
+                           help="replicas of this many one-node units (default 1; 2: min 1, max 2 replicas, "
+                                "results in chaos_multinode.json)")
     args = arguments.parse_args()
+    spans = args.nodes_per_replica > 1
     seeds = list(range(args.first_seed, args.first_seed + (1 if args.quick else args.seeds)))
     steps = min(args.steps, 200) if args.quick else args.steps
     if not os.environ.get("SLURM_CONF"):
@@ -1646,22 +1675,26 @@ def main() -> None:
             print(f"chaos: CPU hog pids {hogs}; seeds {seeds}", flush=True)
             for seed in seeds:
                 result = run_seed(seed, reference, folder / f"seed-{seed}", deadline_s=args.deadline,
-                                  log=lambda line: print(line, flush=True))
+                                  nodes_per_replica=args.nodes_per_replica, log=lambda line: print(line, flush=True))
                 results.append(result)
                 print(result.report(args.timeline), flush=True)
     print()
     for result in results:
         print(result.summary())
-    rows = [Row(benchmark="chaos", metric=f"seed {r.seed}: {', '.join(r.faults) or 'no fault'}", unit="s",
+    name = "chaos_multinode" if spans else "chaos"
+    shape = f" (replicas of {args.nodes_per_replica} nodes)" if spans else ""
+    rows = [Row(benchmark=name, metric=f"seed {r.seed}{shape}: {', '.join(r.faults) or 'no fault'}", unit="s",
                 tidal=r.seconds, goal="COMPLETED once; every step with the fixed run's samples; parameters within "
                 f"{PARAMETER_TOLERANCE:g}; no survivor restarted; no healthy unit failed; nothing left",
                 met=r.passed, tidal_samples=[r.seconds], note="; ".join(r.problems)[:2000])
             for r in results]
     passed = sum(r.passed for r in results)
-    rows.append(Row(benchmark="chaos", metric="seeds passed", unit="fraction", tidal=passed / max(1, len(results)),
+    rows.append(Row(benchmark=name, metric=f"seeds passed{shape}", unit="fraction",
+                    tidal=passed / max(1, len(results)),
                     goal="all", met=passed == len(results), tidal_samples=[float(r.passed) for r in results]))
-    write_result("chaos", rows, quick=args.quick,
+    write_result(name, rows, quick=args.quick, module="chaos",
                  settings={"seeds": seeds, "steps": steps, "deadline_s": args.deadline,
+                           "nodes_per_replica": args.nodes_per_replica,
                            "hog_processes": HOG_PROCESSES,
                            "controller": CONTROLLER_SETTINGS,
                            "hard_aim_share": HARD_AIM_SHARE, "max_redraws": MAX_REDRAWS,

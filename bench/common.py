@@ -204,13 +204,14 @@ def code_version() -> str:
 
 
 def write_result(name: str, rows: list[Row], *, quick: bool, settings: dict[str, Any], text: str = "",
-                 extra: dict[str, Any] | None = None) -> Path:
+                 extra: dict[str, Any] | None = None, module: str = "") -> Path:
     """Write the benchmark's result file; `text`, when given, is a paragraph RESULTS.md
     prints under the benchmark's heading (what a reader must know to read its rows);
-    `extra` adds top-level keys a benchmark's own report part reads."""
+    `extra` adds top-level keys a benchmark's own report part reads; `module` names the
+    bench module that wrote it where that is not `name` (one module, two result files)."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}{'.quick' if quick else ''}.json"
-    command = "python -m bench." + name + "".join(f" {shlex.quote(a)}" for a in sys.argv[1:])
+    command = "python -m bench." + (module or name) + "".join(f" {shlex.quote(a)}" for a in sys.argv[1:])
     document = {"benchmark": name, "command": command, "quick": quick, "machine": machine(),
                 "code": code_version(), "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 "settings": settings, "rows": [asdict(r) for r in rows], **({"text": text} if text else {}),

@@ -8,7 +8,8 @@ import json
 from bench.common import REPO, RESULTS_DIR
 
 ORDER = ["detection", "recovery", "grow", "preemption", "overhead", "reduction", "scaling", "transfer",
-         "controller_scale", "world_scale", "goodput", "chaos", "cluster_sim"]
+         "controller_scale", "world_scale", "goodput", "chaos", "chaos_multinode",
+         "cluster_sim"]
 
 
 def number(value: float | None, unit: str) -> str:

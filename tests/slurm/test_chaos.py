@@ -96,3 +96,40 @@ def test_a_live_job_left_below_min_by_an_urgent_job_gives_its_last_node_back_and
     assert released and "below_min_blocked_release_s" in released[0], timeline
     assert "left after saving the training state at step" in timeline, timeline
     assert "state_lost" not in timeline and "resumed_from_checkpoint" not in timeline, timeline
+
+
+# Long enough for the six faults below, a few seconds apart, and the release below min
+# (5 s) with its resume, to land before the last 5 % of the steps.
+SPANNING_STEPS = 1400
+
+
+@pytest.mark.timeout(420)
+def test_replicas_of_two_nodes_through_a_kill_a_shrink_an_urgent_job_a_restart_a_node_failure_and_a_drain(
+        slurm: CliJsonSlurmClient, mini_cluster: dict, hog: list[int], tmp_path: Path) -> None:
+    """`bench.chaos --nodes-per-replica 2`'s checks with faults chosen for replicas of two
+    one-node units (min 1, max 2 replicas, DataParallel): a launcher killed (the other node
+    of its replica trains on; its place is taken), --max 1 and back to 2, an urgent job on 3
+    nodes (the node left is below min 1: it gives its node back saving the state, and the
+    job resumes from it), the controller killed and started again, a node's slurmd and
+    processes killed, a unit drained. COMPLETED once, every step with the fixed run's
+    samples, parameters within 1e-9, no survivor restarted, no healthy unit failed."""
+    reference = chaos.fixed_run(SPANNING_STEPS, tmp_path / "reference")
+    # (The node failure comes after the urgent job, which needs every node training: a
+    # killed node's Slurm job stays COMPLETING there for half a minute or more after its
+    # slurmd is back, Slurm's resent TERMINATE_JOB, so the node is not idle to take again.)
+    faults = [chaos.PlannedFault(kind="kill_launcher", gap_s=2.0, pick=0.0, duration_s=0.0, nodes=0),
+              chaos.PlannedFault(kind="shrink", gap_s=2.0, pick=0.0, duration_s=4.0, nodes=0),
+              chaos.PlannedFault(kind="urgent", gap_s=2.0, pick=0.0, duration_s=9.0, nodes=3),
+              chaos.PlannedFault(kind="controller_restart", gap_s=2.0, pick=0.0, duration_s=4.0, nodes=0),
+              chaos.PlannedFault(kind="node_fail", gap_s=2.0, pick=0.5, duration_s=3.0, nodes=0),
+              chaos.PlannedFault(kind="drain", gap_s=2.0, pick=0.5, duration_s=0.0, nodes=0)]
+    result = chaos.run_seed(0, reference, tmp_path / "run", faults=faults, nodes_per_replica=2,
+                            deadline_s=CHAOS_DEADLINE_S)
+    assert result.passed, result.report()
+    assert result.faults == ["kill_launcher", "shrink", "urgent", "controller_restart", "node_fail", "drain"], \
+        result.report()
+    timeline = "\n".join(result.timeline)
+    assert "replicas of 2 nodes" in timeline, timeline
+    assert any(" below_min_released " in line for line in result.timeline), timeline
+    assert "left after saving the training state at step" in timeline, timeline
+
