@@ -82,6 +82,10 @@ class LiveWorkers:
     reported: set[tuple[int, int]] = dataclasses.field(default_factory=set)
     # A joiner reports its workers ready (GENERATION_PHASE_STARTED) once all said hello.
     ready_generation: int = 0
+    # The newest generation whose world was named to the workers, set-aside ones included
+    # (a unit set aside stays in its old generation, `Agent.generation`, while its workers
+    # wait for a world after this one).
+    named_generation: int = 0
     stop_deadline: float | None = None
     # Each worker's last beat: (when, waiting in a collective, samples trained so far,
     # the last committed step's loss or None).
@@ -135,6 +139,7 @@ class LiveMode:
         mine = next((a for a in table.assignments if a.unit_id == agent.options.unit_id), None)
         if not set_aside:
             agent.generation = generation
+        self.workers.named_generation = max(self.workers.named_generation, generation)
         for worker in agent.workers.workers:
             rank = mine.first_rank + worker.local_rank if mine is not None else -1
             if rank >= 0:
@@ -168,10 +173,13 @@ class LiveMode:
         `save`). Past the leave timeout they are stopped like any leaving worker."""
         agent = self.agent
         assert agent.workers is not None
+        # A generation after any they know, never formed: it only says "leave". (After the
+        # set-aside world too: workers set aside wait for a world after that one, and one
+        # numbered below it was never read: a replica's node set aside hung there, unsaved.)
+        after = max(agent.generation, self.workers.named_generation) + 1
         for worker in agent.workers.workers:
             self.workers.idle.discard(worker.local_rank)
-            # A generation after any they know, never formed: it only says "leave".
-            self.channel.send(worker.local_rank, World(generation=agent.generation + 1, rank=-1, world_size=0,
+            self.channel.send(worker.local_rank, World(generation=after, rank=-1, world_size=0,
                                                        master_addr="", master_port=0, save=True))
         agent.state = LauncherState.LEAVING
         self.workers.stop_deadline = time.monotonic() + agent.options.leave_timeout_s

@@ -69,6 +69,8 @@ def leave(t: Step, unit_id: str, cause: str, detail: str) -> None:
     if unit is None or unit.state.is_final or unit.state is UnitState.LEAVING:
         return
     was_active = unit.state is UnitState.ACTIVE
+    # A unit set aside (its replica lost a node) waits as a joiner with its shards in memory.
+    was_set_aside = unit.state is UnitState.JOINING and bool(forming.holders(t, (unit_id,)))
     connected = t.connected(unit_id)
     running = (was_active and t.job.state is JobState.RUNNING and state.generation is not None
                and state.stopping is None)
@@ -101,11 +103,13 @@ def leave(t: Step, unit_id: str, cause: str, detail: str) -> None:
                                 set_aside=aside)
             return
     if connected:
-        save_state = was_active and holds_last_state(t, unit_id)
+        last_shard = (was_active or was_set_aside) and holds_last_shard(t, unit_id)
+        save_state = (was_active and holds_last_state(t, unit_id)) or last_shard
         if save_state:
-            t.record("state_saving", f"unit {unit_id} holds the last copy of the training state: its workers "
-                     "write it to disk before leaving, and the next world resumes from it",
-                     unit_id=unit_id, generation=number)
+            what = (f"the last copy of its shards of the training state (node index {unit.node_index} of "
+                    f"replicas of {t.replica_nodes} nodes)" if last_shard else "the last copy of the training state")
+            t.record("state_saving", f"unit {unit_id} holds {what}: its workers write it to disk before leaving, "
+                     "and the next world resumes from it", unit_id=unit_id, generation=number)
         t.send(unit_id, messages.leave(number, unit_id, unit.reason, save_state=save_state))
     else:
         mark_left(t, unit_id, "not connected when asked to leave")
@@ -169,7 +173,8 @@ def release_below_min(t: Step, now: float) -> None:
     for unit_id in queued:
         slurm_units.cancel_in_slurm(t, state.units[unit_id])
         mark_left(t, unit_id, "cancelled while queued: the job gave its nodes back below min_replicas")
-    # Those without the state first, so that the holder is the last to go and saves it.
+    # Those without the state first, so that the holder is the last to go and saves it
+    # (under HybridSharded, the last of each node index saves its shards: `holds_last_shard`).
     holders = set(state.state_holders)
     for unit_id in sorted(holding, key=lambda u: (u in holders, u)):
         leave(t, unit_id, "released", f"{why}: nodes given back")
@@ -189,6 +194,26 @@ def holds_last_state(t: Step, unit_id: str) -> bool:
     # Another member counts only if it holds the state by its heartbeats: a joiner whose
     # workers never formed a world (or got the state) would take nothing with it.
     return not others or (not forming.holders(t, others) and t.job.step > 0)
+
+
+def holds_last_shard(t: Step, unit_id: str) -> bool:
+    """Live replicas whose model spans their K nodes (`HybridSharded`: a unit's workers hold
+    only the shards of its node index): whether no other active or joining, connected unit
+    of `unit_id`'s node index, in the world or set aside (its replica lost a node), holds
+    the state at the job's committed step. With it gone, those shards would be gone, and a
+    world could not resume whole: it saves them as it leaves (each node index its own
+    folder), as `holds_last_state`'s last holder saves the whole state. (A unit that left a
+    world at the step keeps its shards in memory; one behind it holds none.)"""
+    state = t.state
+    if not state.live or t.replica_nodes <= 1 or t.job.step <= 0:
+        return False
+    unit = state.units.get(unit_id)
+    if unit is None:
+        return False
+    peers = tuple(u for u, other in state.units.items()
+                  if u != unit_id and other.node_index == unit.node_index and other.replica > 0
+                  and other.state in (UnitState.ACTIVE, UnitState.JOINING) and t.connected(u))
+    return not forming.holders(t, peers)
 
 
 def mark_left(t: Step, unit_id: str, reason: str) -> None:

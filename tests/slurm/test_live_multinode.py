@@ -292,3 +292,58 @@ def test_data_parallel_replicas_of_two_nodes_lose_a_node_that_costs_only_its_own
     abandoned = [r for r in records if r["kind"] == "abandoned" and r["generation"] >= before_urgent]
     assert not abandoned, f"a step was lost when two nodes left: {abandoned[:2]}"
     assert_every_step_once_and_one_process_parameters(tmp_path, records, DP_STEPS)
+
+
+HALVES_STEPS = 300
+
+
+@pytest.mark.timeout(600)
+def test_hsdp_replicas_each_left_with_one_half_save_both_halves_and_resume_equal_to_one_process(
+        slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path) -> None:
+    """HSDP replicas of two one-node units of one worker (a unit holds its node index's
+    shards): an urgent job takes replica 1's node 1 and replica 2's node 0. The survivors
+    hold the two halves of the state between them, no whole replica: the job is below min
+    1, gives both nodes back, and each survivor, the last of its node index, saves its
+    shards as it leaves (one of them set aside, out of the world, since its replica lost a
+    node: its launcher named its workers a world they never read, and they hung unsaved;
+    the other alone saved, and the job failed, state_lost). Once the urgent job ends the
+    job resumes from both halves at the saved step and runs to its end: COMPLETED once,
+    every step's samples and the parameters those of one process."""
+    controller = slurm_controller(slurm, tmp_path)
+    ledger = tmp_path / "ledger"
+    urgent = 0
+    try:
+        with AdminClient(unix_socket=controller.socket, timeout_s=10.0) as admin:
+            spec = admin_pb2.JobSpec(
+                name="halves", min_replicas=1, max_replicas=2, nodes_per_replica=2, procs_per_node=1,
+                partition="train", mode=common_pb2.JOB_MODE_LIVE, working_dir=str(tmp_path),
+                environment={"OMP_NUM_THREADS": "1"},
+                command=lm_command(tmp_path / "elastic.pt", ledger, "hsdp", steps=HALVES_STEPS))
+            job_id = admin.submit(spec).job.job_id
+            wait_for("two replicas of two nodes training", lambda: (lambda j: j.world_size == 4 and j.step >= 20)(
+                admin.job(job_id)), timeout_s=180, interval_s=0.5)
+            units = [u for u in admin.job(job_id).units if u.state == admin_pb2.UNIT_STATE_ACTIVE]
+            kept = {u.unit_id: u for u in units if (slot_of(admin, job_id, u.unit_id)) in ((1, 0), (2, 1))}
+            assert len(kept) == 2
+            urgent = slurm.submit(UnitSubmission(
+                name="urgent", script="#!/bin/sh\nsleep 600\n", partition="urgent", nodes=2, exclusive=True,
+                requeue=False, exclude_nodes=tuple(n for u in kept.values() for n in u.nodes),
+                output=str(tmp_path / "urgent-%j.out")))
+            saved = wait_for("both halves saved", lambda: (lambda found: found if len(found) == 2 else None)(
+                [e for e in events(admin, job_id, "unit_left") if "left after saving the training state" in e.reason]),
+                timeout_s=120, interval_s=0.5)
+            assert sorted(e.unit_id for e in saved) == sorted(kept)
+            assert {f"shard-{i}-of-2" for i in (0, 1)} <= {part for e in saved for part in e.reason.split("/")}
+            slurm.cancel(urgent)
+            wait_for("the job's end", lambda: admin.job(job_id).state == admin_pb2.JOB_STATE_COMPLETED,
+                     timeout_s=300, interval_s=1.0)
+            kinds = [e.kind for e in admin.events(job_id, limit=5000)]
+            assert kinds.count("job_completed") == 1 and "state_lost" not in kinds
+            assert "resumed_from_checkpoint" not in kinds or all(
+                e.fields.get("steps_redone", "0") == "0" for e in events(admin, job_id, "resumed_from_checkpoint"))
+        wait_for_units_to_end(slurm, job_id)
+    finally:
+        if urgent:
+            slurm.cancel(urgent)
+        controller.stop()
+    assert_every_step_once_and_one_process_parameters(tmp_path, read_ledger(ledger), HALVES_STEPS)

@@ -4,9 +4,12 @@ classified by where it puts the unit, and the end of a stop, asserted on the act
 from __future__ import annotations
 
 import dataclasses
+import logging
+from types import SimpleNamespace
 
 from tidal.launcher.decisions import ClearLiveStopDeadline, Finish, Log, StopWorkers
 from tidal.launcher.lifecycle import EXIT_OK, EXIT_UNIT_FAILED, LauncherState
+from tidal.launcher.live import LiveMode
 from tidal.launcher.worlds import (
     AwaitReady,
     DeclaredFailed,
@@ -26,6 +29,7 @@ from tidal.launcher.worlds import (
     placement,
 )
 from tidal.proto import common_pb2, launcher_pb2
+from tidal.proto.control import World
 
 RESTART = LeaderView(state=LauncherState.RUNNING, generation=3, stop_grace_s=10.0, workers_generation=3,
                      workers_started=True)
@@ -247,3 +251,32 @@ def test_once_stopped_the_unit_reports_stopped_or_starts_the_generation_that_rep
     replaced = dataclasses.replace(stopped, stopping_for_start=True, pending_start=start(4))
     assert kinds(on_workers_stopped(replaced)) == [ClearLiveStopDeadline, Enter, HoldStart, StartWorkers]
     assert on_workers_stopped(dataclasses.replace(stopped, state=LauncherState.FAILED)) == ()
+
+
+class _Channel:
+    """The worker channel's `send`, recorded (LauncherChannel's interface for this)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, object]] = []
+
+    def send(self, local_rank: int, message: object) -> None:
+        self.sent.append((local_rank, message))
+
+
+def test_a_unit_set_aside_and_then_asked_to_save_names_its_workers_a_world_after_the_set_aside_one() -> None:
+    """A replica's node set aside (generation 2 names it out; it stays in generation 1)
+    waits for a world after 2. Asked to leave saving the state, its launcher must name one
+    after 2, not generation 1 + 1: that one the workers never read, and they hung unsaved
+    (an urgent job took one node of each of two HybridSharded replicas)."""
+    channel = _Channel()
+    agent = SimpleNamespace(generation=1, state=LauncherState.RUNNING, log=logging.getLogger("test"),
+                            options=SimpleNamespace(unit_id="u1", leave_timeout_s=30.0),
+                            workers=SimpleNamespace(workers=[SimpleNamespace(local_rank=0, rank=0)]))
+    live = LiveMode(agent, channel)  # type: ignore[arg-type]
+    live.send_worlds(2, OTHERS, RENDEZVOUS, set_aside=True)
+    assert agent.generation == 1, "set aside: still in generation 1"
+    live.leave_saving_state()
+    (_, aside), (_, save) = channel.sent
+    assert isinstance(aside, World) and aside.set_aside and aside.generation == 2
+    assert isinstance(save, World) and save.save and save.rank == -1
+    assert save.generation > aside.generation, "a world the set-aside workers read (they wait for one after 2)"

@@ -272,3 +272,41 @@ def test_a_whole_replica_leaving_at_once_lets_its_set_aside_node_finish_the_old_
     assert "world_reconfigured" in driver.events(effects)
     assert sent(effects, "b") == ["leave"], "once the change is done, b leaves"
     assert driver.state.units["b"].state is UnitState.LEAVING and not driver.state.deferred_leaves
+
+
+def test_two_sharded_replicas_each_left_with_the_other_half_save_both_halves_as_they_leave() -> None:
+    """HybridSharded replicas of two nodes (a unit holds only its node index's shards): an
+    urgent job took replica 1's node 1 and replica 2's node 0. Their survivors, a (set
+    aside, node 0) and d (node 1), hold the two halves of the state between them. When they
+    leave (here drained; below min, released), each is the last of its node index: both
+    save, or the next world finds one half and the job fails (state_lost). Before, only
+    the last member of the world saved, and a set-aside unit never did."""
+    driver = GroupedDriver()
+    driver.form("ab", replica_workers=4)
+    for u in "cd":
+        driver.join(u)
+    driver.tick()
+    driver.grow_completes(("c", "d"), replica_workers=4)
+    generation = driver.state.generation
+    assert generation is not None and generation.unit_ids == ("a", "b", "c", "d")
+    for u in "abcd":
+        driver.beat(u, 40)
+    driver.tick(0.25)
+
+    def reconfigured() -> None:
+        number = driver.state.generation.number
+        for member in driver.state.generation.unit_ids:
+            driver.report(member, number, launcher_pb2.GENERATION_PHASE_RECONFIGURED, step=40, replica_workers=4)
+
+    driver.feed(core.DrainRequested(("b",), uid=0))
+    assert driver.state.generation.unit_ids == ("c", "d") and driver.state.units["a"].state is UnitState.JOINING
+    reconfigured()
+    effects = driver.feed(core.DrainRequested(("c",), uid=0))
+    assert "state_saving" not in driver.events(effects), "a (set aside) still holds node 0's shards"
+    effects = driver.feed(core.DrainRequested(("a", "d"), uid=0))
+    leaves = {e.unit_id: e.message.generation for e in effects
+              if isinstance(e, core.Send) and e.message.WhichOneof("body") == "generation"
+              and e.unit_id in ("a", "d") and e.message.generation.save_state}
+    assert sorted(leaves) == ["a", "d"], driver.events(effects)
+    saving = [e for e in effects if isinstance(e, core.Record) and e.kind == "state_saving"]
+    assert [e.unit_id for e in saving] == ["a", "d"] and "node index 0" in saving[0].reason
