@@ -122,17 +122,27 @@ class AsyncCheckpointer:
         """The newest checkpoint (that every sibling shard also wrote) whose digest verifies,
         or None; a damaged one is skipped with a warning."""
         for step in reversed(self.complete_steps()):
-            path = checkpoint_path(self.directory, step)
-            try:
-                payload = deserialize_payload(path.read_bytes())
-            except (OSError, ValueError, RuntimeError) as error:
-                log.warning("checkpoint_unreadable", path=str(path), error=str(error))
-                continue
-            if digest(payload["state"]) != payload["state_digest"]:
-                log.warning("checkpoint_digest_mismatch", path=str(path))
-                continue
-            return payload["state"]
+            state = self.at(step)
+            if state is not None:
+                return state
         return None
+
+    def at(self, step: int) -> dict[str, Any] | None:
+        """This folder's own checkpoint of exactly `step` if it is there and its digest
+        verifies, whatever the siblings hold (a sharded world whose other shards of that
+        step are live, in their replicas' memory), else None."""
+        path = checkpoint_path(self.directory, step)
+        if not path.is_file():
+            return None
+        try:
+            payload = deserialize_payload(path.read_bytes())
+        except (OSError, ValueError, RuntimeError) as error:
+            log.warning("checkpoint_unreadable", path=str(path), error=str(error))
+            return None
+        if digest(payload["state"]) != payload["state_digest"]:
+            log.warning("checkpoint_digest_mismatch", path=str(path))
+            return None
+        return payload["state"]
 
 
 def deserialize_payload(data: bytes) -> dict[str, Any]:

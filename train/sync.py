@@ -191,12 +191,33 @@ class StateSync:
         self.has_state = True
         self.log.info("checkpoint_loaded", step=self.counters.step, position=self.counters.position)
 
+    def load_step(self, step: int) -> None:
+        """Adopt this shard's own checkpoint of exactly `step`, if it is there and verifies."""
+        assert self.checkpointer is not None
+        state = self.checkpointer.at(step)
+        if state is None:
+            return
+        restore(self.parts, self.counters, state)
+        self.has_state = True
+        self.log.info("checkpoint_loaded", step=self.counters.step, position=self.counters.position, exact=True)
+
     def agree(self, groups: Groups | None, world: World, channel: WorkerChannel | None) -> tuple[int, str]:
         """Every shard of every replica adopts the state of the most advanced replica (a
         fresh one when none has state yet): joiners receive it shard by shard, streamed from
         the replicas that hold it (striped across them), then all check that the digests of
         each shard agree. Returns the first source replica and this shard's digest."""
         steps = self._gather_steps(groups)
+        if (groups is not None and not every_shard_held(steps, groups.shard_size) and self.checkpointer is not None
+                and max(steps) > 0):
+            # A shard index without a live holder of the newest step may have it on disk at
+            # exactly that step: the last unit of that node index saved it as it left, while
+            # the other shards stayed live (a replica's node drained or released, the
+            # other node kept). Every rank behind loads its own shard of that step if its
+            # folder has it (not `latest`: a step every shard's folder has, which the live
+            # shards never wrote), and all gather again (each rank sees the same steps).
+            if self.counters.step < max(steps) or not self.has_state:
+                self.load_step(max(steps))
+            steps = self._gather_steps(groups)
         if groups is not None and not every_shard_held(steps, groups.shard_size):
             # Some shards of the newest state are gone with a node and no live replica holds
             # them (a job of one replica of several nodes): what the survivors hold cannot

@@ -347,3 +347,51 @@ def test_hsdp_replicas_each_left_with_one_half_save_both_halves_and_resume_equal
             slurm.cancel(urgent)
         controller.stop()
     assert_every_step_once_and_one_process_parameters(tmp_path, read_ledger(ledger), HALVES_STEPS)
+
+
+@pytest.mark.timeout(600)
+def test_a_drained_node_of_the_one_hsdp_replica_saves_its_shards_and_its_replacement_resumes_them(
+        slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path) -> None:
+    """One HSDP replica of two one-node units (max 1): an admin drains its node 0 for
+    maintenance. Node 0's shards have no other holder: the unit saves them as it leaves;
+    node 1 keeps its workers and its shards in memory. The unit that takes node 0's place
+    loads node 0's shards of exactly that step from disk, node 1's stay live, and the job
+    trains on to its end: COMPLETED once, equal to one process. (Until 2026-11-29 the
+    drained unit saved nothing, and then its replacement would have loaded only a step
+    every shard's folder had: the job failed, state_lost.)"""
+    controller = slurm_controller(slurm, tmp_path)
+    ledger = tmp_path / "ledger"
+    try:
+        with AdminClient(unix_socket=controller.socket, timeout_s=10.0) as admin:
+            spec = admin_pb2.JobSpec(
+                name="drain-half", min_replicas=1, max_replicas=1, nodes_per_replica=2, procs_per_node=1,
+                partition="train", mode=common_pb2.JOB_MODE_LIVE, working_dir=str(tmp_path),
+                environment={"OMP_NUM_THREADS": "1"},
+                command=lm_command(tmp_path / "elastic.pt", ledger, "hsdp", steps=HALVES_STEPS))
+            job_id = admin.submit(spec).job.job_id
+            wait_for("one replica of two nodes training", lambda: (lambda j: j.world_size == 2 and j.step >= 20)(
+                admin.job(job_id)), timeout_s=180, interval_s=0.5)
+            units = [u for u in admin.job(job_id).units if u.state == admin_pb2.UNIT_STATE_ACTIVE]
+            drained = next(u for u in units if slot_of(admin, job_id, u.unit_id) == (1, 0))
+            kept = next(u for u in units if slot_of(admin, job_id, u.unit_id) == (1, 1))
+            kept_pids = worker_pids(job_id, kept)
+            drained_pids = worker_pids(job_id, drained)
+            admin.drain(drained.unit_id)
+            [left] = wait_for("node 0's shards saved", lambda: [
+                e for e in events(admin, job_id, "unit_left")
+                if e.unit_id == drained.unit_id and "shard-0-of-2" in e.reason] or None, timeout_s=60)
+            wait_for("the job's end", lambda: admin.job(job_id).state == admin_pb2.JOB_STATE_COMPLETED,
+                     timeout_s=300, interval_s=1.0)
+            kinds = [e.kind for e in admin.events(job_id, limit=5000)]
+            assert kinds.count("job_completed") == 1 and "state_lost" not in kinds, kinds
+            assert worker_pids(job_id, kept) in (set(), kept_pids), "node 1 kept its workers"
+        wait_for_units_to_end(slurm, job_id)
+    finally:
+        controller.stop()
+    records = read_ledger(ledger)
+    saved_step = int(left.reason.split("at step ")[1].split()[0])
+    resumed = [r for r in records if r["kind"] == "formed" and r["step"] == saved_step]
+    assert {r["shard"] for r in resumed if r["pid"] not in drained_pids | kept_pids} == {0}, \
+        "the new node 0 formed the next world at the saved step"
+    assert {r["pid"] for r in resumed if r["shard"] == 1} <= kept_pids, "node 1's shards stayed live"
+    assert_every_step_once_and_one_process_parameters(tmp_path, records, HALVES_STEPS)
