@@ -205,15 +205,25 @@ def holds_last_shard(t: Step, unit_id: str) -> bool:
     folder), as `holds_last_state`'s last holder saves the whole state. (A unit that left a
     world at the step keeps its shards in memory; one behind it holds none.)"""
     state = t.state
-    if not state.live or t.replica_nodes <= 1 or t.job.step <= 0:
+    # (Not once training is over: nothing will resume.)
+    if not state.live or t.replica_nodes <= 1 or t.job.step <= 0 or t.job.state is JobState.FINISHING:
         return False
     unit = state.units.get(unit_id)
-    if unit is None:
+    if unit is None or not holds_any_step(t, unit_id):
         return False
     peers = tuple(u for u, other in state.units.items()
                   if u != unit_id and other.node_index == unit.node_index and other.replica > 0
                   and other.state in (UnitState.ACTIVE, UnitState.JOINING) and t.connected(u))
     return not forming.holders(t, peers)
+
+
+def holds_any_step(t: Step, unit_id: str) -> bool:
+    """Whether `unit_id`'s workers hold a trained state at all (a step above 0 in their
+    heartbeats or reports): a joiner whose workers never formed a world holds nothing to
+    save. (Not "at the job's step": the heartbeats lag the commits by a step or two.)"""
+    link = t.state.links.get(unit_id)
+    beats = list(link.steps.values()) if link is not None else []
+    return t.state.units[unit_id].facts.holds_step > 0 or any(step > 0 for step in beats)
 
 
 def mark_left(t: Step, unit_id: str, reason: str) -> None:
