@@ -25,8 +25,8 @@ import structlog
 
 from tidal.controller import owners, units
 from tidal.controller.config import ControllerConfig
+from tidal.controller.core import forming, replicas, sharing
 from tidal.controller.core import job as core
-from tidal.controller.core import replicas, sharing
 from tidal.controller.core.job import (
     CancelRequested,
     DrainRequested,
@@ -225,7 +225,8 @@ class JobActor:
         if refused is not None:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, refused)
         spec = job.spec
-        slot = replicas.slot_for(self.state.units, spec, register.unit_id, self.reserved_slots)
+        slot = replicas.slot_for(self.state.units, spec, register.unit_id, self.reserved_slots,
+                                 current=forming.current_replicas(self.state))
         if slot is not None:
             # Kept until the actor takes the session in (two launchers registering at once
             # must not be given one slot).

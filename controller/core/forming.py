@@ -16,6 +16,7 @@ from tidal.controller.core.state import (
     SaveGeneration,
     SaveJob,
     SaveUnit,
+    State,
 )
 from tidal.controller.core.step import Step
 from tidal.controller.model import GenerationRecord, JobState, UnitState, join_ids
@@ -150,15 +151,26 @@ def holders(t: Step, unit_ids: tuple[str, ...]) -> tuple[str, ...]:
     state = t.state
     if not state.live:
         return ()
-    steps: dict[str, list[int]] = {}
-    for unit_id in unit_ids:
-        if not t.connected(unit_id):
-            continue
-        link = state.links.get(unit_id)
-        reported = state.units[unit_id].facts.holds_step
-        beats = list(link.steps.values()) if link is not None else []
-        steps[unit_id] = [max(step, reported) for step in beats] or ([reported] if reported else [])
-    return state_holders(t.job.step, steps)
+    return state_holders(t.job.step, {u: unit_steps(state, u) for u in unit_ids if t.connected(u)})
+
+
+def unit_steps(state: State, unit_id: str) -> list[int]:
+    """What `unit_id`'s ranks hold, by their last heartbeat, or by a report since (its
+    `holds_step`), whichever is newer."""
+    link = state.links.get(unit_id)
+    reported = state.units[unit_id].facts.holds_step
+    beats = list(link.steps.values()) if link is not None else []
+    return [max(step, reported) for step in beats] or ([reported] if reported else [])
+
+
+def current_replicas(state: State) -> frozenset[int]:
+    """Live mode, replicas of several nodes: the replicas with a unit whose ranks hold the
+    job's committed step (a hole is filled there first: `replicas.assign_slot`)."""
+    if not state.live:
+        return frozenset()
+    live = {u: unit_steps(state, u) for u, unit in state.units.items()
+            if unit.replica > 0 and not unit.state.is_final}
+    return frozenset(state.units[u].replica for u in state_holders(state.job.step, live))
 
 
 def unknown_steps(t: Step, unit_ids: tuple[str, ...]) -> tuple[str, ...]:

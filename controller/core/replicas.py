@@ -13,7 +13,7 @@ a replica of its own and nothing here applies."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 from tidal.controller.model import UnitRecord, UnitState
 from tidal.proto import admin_pb2, common_pb2
@@ -46,12 +46,13 @@ class Slot:
     node_index: int
 
 
-def assign_slot(units: Iterable[UnitRecord], nodes: int) -> Slot:
+def assign_slot(units: Iterable[UnitRecord], nodes: int, current: Collection[int] = ()) -> Slot:
     """The slot of a unit registering now: the lowest missing node index of the most
-    complete replica that lacks one (the fewest holes; the oldest replica first), so that a
-    lost node is replaced before a new replica is started; else node 0 of a new replica.
-    A replica counts the units that are not final (a failed or departed unit leaves a
-    hole)."""
+    complete replica that lacks one (the fewest holes; of those, one in `current` first:
+    its units hold the job's newest state, where another's may have been set aside steps
+    ago; then the oldest replica), so that a lost node is replaced before a new replica is
+    started; else node 0 of a new replica. A replica counts the units that are not final
+    (a failed or departed unit leaves a hole)."""
     taken: dict[int, set[int]] = {}
     highest = 0
     for unit in units:
@@ -60,9 +61,10 @@ def assign_slot(units: Iterable[UnitRecord], nodes: int) -> Slot:
         highest = max(highest, unit.replica)
         if not unit.state.is_final:
             taken.setdefault(unit.replica, set()).add(unit.node_index)
-    open_replicas = [(nodes - len(indices), replica) for replica, indices in taken.items() if len(indices) < nodes]
+    open_replicas = [(nodes - len(indices), replica not in current, replica)
+                     for replica, indices in taken.items() if len(indices) < nodes]
     if open_replicas:
-        _, replica = min(open_replicas)
+        *_, replica = min(open_replicas)
         missing = min(set(range(nodes)) - taken[replica])
         return Slot(replica, missing)
     return Slot(highest + 1, 0)
@@ -109,10 +111,11 @@ def incomplete_replicas(units: Mapping[str, UnitRecord], nodes: int) -> dict[int
 
 
 def slot_for(units: Mapping[str, UnitRecord], spec: admin_pb2.JobSpec, unit_id: str,
-             reserved: Mapping[str, Slot]) -> Slot | None:
+             reserved: Mapping[str, Slot], current: Collection[int] = ()) -> Slot | None:
     """The slot a registering launcher of `unit_id` is told (None: the job is not grouped):
     the one it holds, the one reserved for it by an earlier registration not yet taken in,
-    or a new one, counting the slots reserved for other launchers registering meanwhile."""
+    or a new one, counting the slots reserved for other launchers registering meanwhile
+    (`current`: replicas whose units hold the job's newest state, preferred for a hole)."""
     nodes = nodes_per_replica(spec)
     if nodes <= 1:
         return None
@@ -124,4 +127,4 @@ def slot_for(units: Mapping[str, UnitRecord], spec: admin_pb2.JobSpec, unit_id: 
     others = [u for u in units.values() if u.unit_id != unit_id]
     others += [UnitRecord(job_id="", unit_id=u, state=UnitState.JOINING, replica=s.replica, node_index=s.node_index)
                for u, s in reserved.items() if u not in units or units[u].replica <= 0]
-    return assign_slot(others, nodes)
+    return assign_slot(others, nodes, current)

@@ -27,6 +27,19 @@ def test_a_registering_unit_fills_the_most_complete_replica_first_then_opens_a_n
     assert assign_slot(units, 3) == Slot(1, 0), "the replica closest to whole, at its missing index"
 
 
+def test_a_hole_is_filled_first_in_the_replica_whose_units_hold_the_newest_state() -> None:
+    """Replicas 1 and 2 each lack node 1. Replica 1's node 0 was set aside steps ago (its
+    shards are old); replica 2's node 0 holds the job's newest step, and node 1's shards
+    of it are on disk. The new node goes to replica 2: filling replica 1 formed a world
+    with old shards only, and the job failed (chaos, sharded, seed 2)."""
+    units = [unit("a", 1, 0), unit("b", 1, 1, UnitState.FAILED), unit("c", 2, 0), unit("d", 2, 1, UnitState.LEFT)]
+    assert assign_slot(units, 2) == Slot(1, 1), "the oldest replica, all else equal"
+    assert assign_slot(units, 2, current={2}) == Slot(2, 1)
+    # Fewer holes still come first: replica 3 lacks two of three nodes, replica 1 one.
+    three = [unit("a", 1, 0), unit("b", 1, 1), unit("c", 2, 0), unit("d", 2, 1), unit("e", 2, 2), unit("f", 3, 0)]
+    assert assign_slot(three, 3, current={3}) == Slot(1, 2)
+
+
 def test_two_launchers_registering_at_once_are_told_different_slots() -> None:
     spec = admin_pb2.JobSpec(mode=common_pb2.JOB_MODE_LIVE, nodes_per_replica=2)
     units = {"a": unit("a", 1, 0)}
@@ -310,3 +323,4 @@ def test_two_sharded_replicas_each_left_with_the_other_half_save_both_halves_as_
     assert sorted(leaves) == ["a", "d"], driver.events(effects)
     saving = [e for e in effects if isinstance(e, core.Record) and e.kind == "state_saving"]
     assert [e.unit_id for e in saving] == ["a", "d"] and "node index 0" in saving[0].reason
+
