@@ -87,8 +87,9 @@ cluster-status:
 demo: install
 	scripts/with-cluster bash -c '$(VENV)/bin/tidal nodes && echo && squeue && echo && $(PYTHON) scripts/demo-slurm'
 
-# Every benchmark in full (about 90 minutes on 2 cores: goodput alone plays a 10-minute
-# trace three times, chaos runs 20 seeds to their end), on the mini cluster where Slurm is
+# Every benchmark in full (about 115 minutes on 2 cores: goodput alone plays a 10-minute
+# trace three times, chaos runs 20 seeds to their end, then 10 with replicas of two nodes
+# and 10 of them sharded), on the mini cluster where Slurm is
 # involved, then bench/RESULTS.md. A benchmark that fails is named at the end and fails the
 # target; the others still run.
 BENCHMARKS := detection recovery overhead reduction scaling transfer controller_scale world_scale grow preemption goodput chaos cluster_sim
@@ -103,12 +104,14 @@ $(BENCH_STAMP): $(STAMP)
 bench: install-bench
 	scripts/with-cluster bash -c 'failed=""; for b in $(BENCHMARKS); do $(PYTHON) -m bench.$$b || failed="$$failed $$b"; done; \
 	  $(PYTHON) -m bench.chaos --nodes-per-replica 2 --seeds 10 || failed="$$failed chaos_multinode"; \
+	  $(PYTHON) -m bench.chaos --nodes-per-replica 2 --sharded --seeds 10 || failed="$$failed chaos_hsdp"; \
 	  $(PYTHON) -m bench.report; if [ -n "$$failed" ]; then echo "bench: failed:$$failed"; exit 1; fi'
 
 # One quick run of each (what tests/integration/ and tests/slurm/test_bench_quick.py do in `make test`).
 bench-quick: install-bench
 	scripts/with-cluster bash -c 'set -e; for b in $(BENCHMARKS); do $(PYTHON) -m bench.$$b --quick; done; \
-	  $(PYTHON) -m bench.chaos --quick --nodes-per-replica 2'
+	  $(PYTHON) -m bench.chaos --quick --nodes-per-replica 2; \
+	  $(PYTHON) -m bench.chaos --quick --nodes-per-replica 2 --sharded'
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

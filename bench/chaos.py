@@ -12,7 +12,14 @@ With `--nodes-per-replica 2` the job's replicas span two nodes each (two one-nod
 min 1 and max 2 replicas, DataParallel: every worker holds the whole model, so a node left
 of a replica trains on while its lost node's place is taken): the same faults, sized in
 replicas (a shrink is --max 1, a grow comes back to 2), none aimed at the last holder or a
-save (a one-node unit is not a replica there); results in `chaos_multinode.json`.
+save (a one-node unit is not a replica there); results in `chaos_multinode.json`. With
+`--sharded` as well, the job is the language model of tests/integration/test_hsdp.py under
+HybridSharded (400 steps; its fixed run one DataParallel process): a unit holds only its
+node's shards, so an ungraceful fault (a kill, a stop, a node failure) lands only while
+another replica trains whole, and the controller is not restarted while an urgent job
+preempts units (out of touch, a preempted unit cannot hear that its shards are the last
+copy); a unit set aside because its replica lost a node is no unexplained standby;
+results in `chaos_hsdp.json`.
 
 Faults (seeded `random.Random(seed)`: 4-6 of them, a few seconds apart, each only while
 the job trains with enough replicas for it to make sense; a replica that holds the
@@ -92,7 +99,17 @@ from typing import Any
 import grpc
 import torch
 
-from bench.common import MLP_EXAMPLE, REPO, Row, parser, stop_on_sigterm, workspace, write_result
+from bench.common import (
+    MLP_EXAMPLE,
+    REFERENCE_MICRO_BATCH,
+    REPO,
+    Row,
+    parser,
+    small_lm_command,
+    stop_on_sigterm,
+    workspace,
+    write_result,
+)
 from tests.integration.conftest import ControllerProcess, alive
 from tidal.proto import admin_pb2, common_pb2
 from tidal.slurm import CliJsonSlurmClient, JobState, SlurmError, UnitSubmission
@@ -102,6 +119,9 @@ MICRO_BATCH = 4
 STEP_TIME_S = 0.01
 NODES = 4
 DEFAULT_STEPS = 1600
+# The sharded job (`--sharded`): the language model under HybridSharded, a few steps a
+# second on 2 cores.
+SHARDED_STEPS = 400
 DEFAULT_DEADLINE_S = 360.0
 PARAMETER_TOLERANCE = 1e-9
 # As `make demo`: units are Slurm jobs, polled every second; a failed node is avoided for
@@ -152,7 +172,15 @@ class Reference:
     params: dict[str, torch.Tensor]
 
 
-def train_command(steps: int, ledger: Path, out: Path, step_time: float = STEP_TIME_S) -> list[str]:
+def train_command(steps: int, ledger: Path, out: Path, step_time: float = STEP_TIME_S,
+                  sharded: bool = False, fixed: bool = False) -> list[str]:
+    """The job: train_mlp.py (float64), or with `sharded` the language model of
+    tests/integration/test_hsdp.py under HybridSharded (float64; its `fixed` run, the same
+    model as one DataParallel process, as those tests check)."""
+    if sharded:
+        if fixed:
+            return small_lm_command(out, ledger, "dp", steps=steps, micro_batch=REFERENCE_MICRO_BATCH)
+        return small_lm_command(out, ledger, "hsdp", steps=steps)
     return [sys.executable, str(MLP_EXAMPLE), "--steps", str(steps), "--global-batch", str(GLOBAL_BATCH),
             "--micro-batch", str(MICRO_BATCH), "--dtype", "float64", "--step-time", f"{step_time:g}",
             "--ledger-dir", str(ledger), "--out", str(out)]
@@ -165,16 +193,16 @@ def clean_environment() -> dict[str, str]:
     return env
 
 
-def fixed_run(steps: int, folder: Path) -> Reference:
-    """train_mlp.py alone, in a world of one: the samples of every step and the final
+def fixed_run(steps: int, folder: Path, sharded: bool = False) -> Reference:
+    """The job's script alone, in a world of one: the samples of every step and the final
     parameters an elastic run must reproduce."""
     folder.mkdir(parents=True, exist_ok=True)
     ledger, out = folder / "ledger", folder / "out.pt"
     for path in ledger.glob("ledger-*.jsonl"):
         path.unlink()
     out.unlink(missing_ok=True)
-    result = subprocess.run(train_command(steps, ledger, out, step_time=0.0), cwd=folder, env=clean_environment(),
-                            capture_output=True, text=True, timeout=900)
+    result = subprocess.run(train_command(steps, ledger, out, step_time=0.0, sharded=sharded, fixed=True),
+                            cwd=folder, env=clean_environment(), capture_output=True, text=True, timeout=900)
     if result.returncode != 0:
         raise SetupError(f"the fixed run failed ({result.returncode}): {result.stderr[-3000:]}")
     records = read_ledger(ledger)
@@ -641,12 +669,18 @@ def unexplained_leaves(events: Sequence[Seen], harm: Harm, t0: float) -> list[st
       unit a below_min_released before it named; `finished`: only after job_finishing;
       any other cause (`yielded`: another job's share, with no other job here): never;
     - unit_standby (left out of a world by the sizes the job allows): only while the
-      harness had lowered --max;
+      harness had lowered --max; with cause `replica_incomplete` (replicas of several
+      nodes under HybridSharded): only of a replica one of whose units failed, left or was
+      lost before it (the harness's fault or a policy, judged on that unit's own events);
     - a member of one generation missing from the next (world_formed,
       world_reconfiguring) with no failure_detected, unit_leaving, unit_standby or
       unit_left of it since it became a member."""
     problems: list[str] = []
     released: set[str] = set()
+    # Replicas of several nodes: each unit's replica (unit_registered), and the replicas
+    # that lost a unit (it failed, left or was lost).
+    replica_of: dict[str, str] = {}
+    broken_replicas: set[str] = set()
     finishing = False
     members: set[str] = set()
     # unit -> the events that let it drop out of the world, since it last became a member.
@@ -657,17 +691,25 @@ def unexplained_leaves(events: Sequence[Seen], harm: Harm, t0: float) -> list[st
             released |= event.ids("units")
         elif event.kind == "job_finishing":
             finishing = True
+        elif event.kind == "unit_registered" and event.fields.get("replica"):
+            replica_of[unit] = event.fields["replica"]
         elif event.kind in ("failure_detected", "unit_left", "unit_lost"):
             excused.add(unit)
+            if unit in replica_of:
+                broken_replicas.add(replica_of[unit])
         elif event.kind == "unit_standby":
             # Left out of a world by the sizes the job allows: only while the harness had
-            # lowered --max.
+            # lowered --max; or its replica lost a node.
             excused.add(unit)
-            if harm.window_at(("shrink",), at) is None:
+            incomplete = (event.fields.get("cause") == "replica_incomplete"
+                          and event.fields.get("replica", "") in broken_replicas)
+            if harm.window_at(("shrink",), at) is None and not incomplete:
                 problems.append(f"{describe(event, t0)}: a healthy unit was left out of the world with no fault "
                                 "or policy to explain it")
         elif event.kind == "unit_leaving":
             excused.add(unit)
+            if unit in replica_of:
+                broken_replicas.add(replica_of[unit])
             cause = event.fields.get("cause", "")
             if cause == "drained":
                 ok = harm.drained_before(unit, at)
@@ -821,8 +863,8 @@ class ChaosRun:
 
     def __init__(self, seed: int, reference: Reference, folder: Path, *, deadline_s: float = DEFAULT_DEADLINE_S,
                  faults: list[PlannedFault] | None = None, min_replicas: int = 1, max_replicas: int | None = None,
-                 nodes_per_replica: int = 1, controller_settings: dict[str, str] | None = None,
-                 log: Callable[[str], None] = print) -> None:
+                 nodes_per_replica: int = 1, sharded: bool = False,
+                 controller_settings: dict[str, str] | None = None, log: Callable[[str], None] = print) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.seed = seed
         self.reference = reference
@@ -833,6 +875,9 @@ class ChaosRun:
         # the whole model, so a node left of a replica trains on); the full size, in
         # replicas, takes every node.
         self.nodes_per_replica = nodes_per_replica
+        # HybridSharded: a unit holds only its node index's shards; a replica holds the
+        # state only whole (`whole_trainers`).
+        self.sharded = sharded and nodes_per_replica > 1
         self.full = NODES // nodes_per_replica
         self.plan = plan_faults(seed, nodes_per_replica) if faults is None else faults
         self.min_replicas = min_replicas
@@ -913,7 +958,7 @@ class ChaosRun:
                 name="chaos", min_replicas=self.min_replicas, max_replicas=self.max_replicas, partition="train",
                 nodes_per_replica=self.nodes_per_replica, mode=common_pb2.JOB_MODE_LIVE,
                 working_dir=str(self.folder), environment={"OMP_NUM_THREADS": "1"},
-                command=train_command(self.steps, self.ledger_dir, self.out))
+                command=train_command(self.steps, self.ledger_dir, self.out, sharded=self.sharded))
             with self.controller.admin() as admin:
                 self.job_id = admin.submit(spec).job.job_id
             self.submitted_at = time.time()
@@ -1254,16 +1299,28 @@ class ChaosRun:
                 if unit.unit_id in active and unit.unit_id not in self.taken
                 and any(pid in recent for pids in unit.workers.values() for pid in pids)}
 
+    def whole_trainers(self, job: admin_pb2.Job, unit: admin_pb2.Unit) -> bool:
+        """Sharded: whether a replica other than `unit`'s trains whole (every node of it a
+        trainer), so that the state survives `unit`'s failure."""
+        trainers = self.trainers(job)
+        by_replica: dict[int, set[str]] = {}
+        for other in self.active_units(job):
+            by_replica.setdefault(other.replica, set()).add(other.unit_id)
+        return any(replica != unit.replica and len(ids) == self.nodes_per_replica and ids <= trainers
+                   for replica, ids in by_replica.items())
+
     def pick_victim(self, fault: PlannedFault, job: admin_pb2.Job) -> tuple[admin_pb2.Unit, int] | str:
         """An active unit (a member of the world, or joining it) and its worker, such that a
         replica that holds the training state survives it: losing every replica is the
-        fallback checkpoint's case, not this harness's."""
+        fallback checkpoint's case, not this harness's. (Sharded: a whole other replica.)"""
         units = [u for u in self.active_units(job) if u.nodes and u.nodes[0] not in self.down_nodes]
         if not units:
             return "no active replica"
         unit = units[min(len(units) - 1, int(fault.pick * len(units)))]
         if not self.trainers(job) - {unit.unit_id}:
             return f"no replica but {unit.unit_id} trains"
+        if self.sharded and not self.whole_trainers(job, unit):
+            return f"no whole replica but {unit.unit_id}'s (replica {unit.replica}) trains"
         pid = self.worker_of(unit.unit_id)
         if pid is None:
             return f"no live worker of {unit.unit_id}"
@@ -1476,6 +1533,11 @@ class ChaosRun:
         return ""
 
     def fault_controller_restart(self, fault: PlannedFault, job: admin_pb2.Job, dry_run: bool) -> str:
+        # Sharded: not while an urgent job preempts units. Out of touch, a preempted unit's
+        # launcher cannot hear that it holds the last copy of its shards, and does not save
+        # them (with one-node replicas any survivor holds the whole state).
+        if self.sharded and self.urgent_jobs and any(h.what.startswith("urgent") for h in self.heals):
+            return "an urgent job is there (sharded: its preempted units could not save their shards)"
         if not dry_run:
             down_s = fault.duration_s / 2
             window = self.open_window("controller_down")
@@ -1652,7 +1714,8 @@ def main() -> None:
     arguments = parser(__doc__.split("\n\n")[0])
     arguments.add_argument("--seeds", type=int, default=20, help="how many seeds (default 20)")
     arguments.add_argument("--first-seed", type=int, default=1, help="the first seed (default 1)")
-    arguments.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"K (default {DEFAULT_STEPS})")
+    arguments.add_argument("--steps", type=int, default=None,
+                           help=f"K (default {DEFAULT_STEPS}; --sharded: {SHARDED_STEPS})")
     arguments.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S,
                            help=f"seconds from submit for the job to end (default {DEFAULT_DEADLINE_S:g})")
     arguments.add_argument("--timeline", action="store_true",
@@ -1660,29 +1723,38 @@ def main() -> None:
     arguments.add_argument("--nodes-per-replica", type=int, default=1, choices=(1, 2),
                            help="replicas of this many one-node units (default 1; 2: min 1, max 2 replicas, "
                                 "results in chaos_multinode.json)")
+    arguments.add_argument("--sharded", action="store_true",
+                           help="with --nodes-per-replica 2: the language model under HybridSharded, each unit "
+                                "holding its node's shards (results in chaos_hsdp.json)")
     args = arguments.parse_args()
     spans = args.nodes_per_replica > 1
+    if args.sharded and not spans:
+        raise SystemExit("chaos: --sharded needs --nodes-per-replica 2")
+    if args.steps is None:
+        args.steps = SHARDED_STEPS if args.sharded else DEFAULT_STEPS
     seeds = list(range(args.first_seed, args.first_seed + (1 if args.quick else args.seeds)))
-    steps = min(args.steps, 200) if args.quick else args.steps
+    steps = min(args.steps, 100 if args.sharded else 200) if args.quick else args.steps
     if not os.environ.get("SLURM_CONF"):
         raise SystemExit("chaos: SLURM_CONF is not set (scripts/minicluster up; export SLURM_CONF=...)")
     signal.signal(signal.SIGTERM, stop_on_sigterm)
     results: list[SeedResult] = []
     with workspace(args.keep, "chaos") as folder:
         print(f"chaos: the fixed run of {steps} steps", flush=True)
-        reference = fixed_run(steps, folder / "reference")
+        reference = fixed_run(steps, folder / "reference", sharded=args.sharded)
         with cpu_hog() as hogs:
             print(f"chaos: CPU hog pids {hogs}; seeds {seeds}", flush=True)
             for seed in seeds:
                 result = run_seed(seed, reference, folder / f"seed-{seed}", deadline_s=args.deadline,
-                                  nodes_per_replica=args.nodes_per_replica, log=lambda line: print(line, flush=True))
+                                  nodes_per_replica=args.nodes_per_replica, sharded=args.sharded,
+                                  log=lambda line: print(line, flush=True))
                 results.append(result)
                 print(result.report(args.timeline), flush=True)
     print()
     for result in results:
         print(result.summary())
-    name = "chaos_multinode" if spans else "chaos"
-    shape = f" (replicas of {args.nodes_per_replica} nodes)" if spans else ""
+    name = "chaos_hsdp" if args.sharded else "chaos_multinode" if spans else "chaos"
+    shape = (f" (replicas of {args.nodes_per_replica} nodes{', HybridSharded' if args.sharded else ''})" if spans
+             else "")
     rows = [Row(benchmark=name, metric=f"seed {r.seed}{shape}: {', '.join(r.faults) or 'no fault'}", unit="s",
                 tidal=r.seconds, goal="COMPLETED once; every step with the fixed run's samples; parameters within "
                 f"{PARAMETER_TOLERANCE:g}; no survivor restarted; no healthy unit failed; nothing left",
@@ -1694,7 +1766,7 @@ def main() -> None:
                     goal="all", met=passed == len(results), tidal_samples=[float(r.passed) for r in results]))
     write_result(name, rows, quick=args.quick, module="chaos",
                  settings={"seeds": seeds, "steps": steps, "deadline_s": args.deadline,
-                           "nodes_per_replica": args.nodes_per_replica,
+                           "nodes_per_replica": args.nodes_per_replica, "sharded": args.sharded,
                            "hog_processes": HOG_PROCESSES,
                            "controller": CONTROLLER_SETTINGS,
                            "hard_aim_share": HARD_AIM_SHARE, "max_redraws": MAX_REDRAWS,

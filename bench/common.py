@@ -33,6 +33,26 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(os.environ.get("TIDAL_BENCH_RESULTS", REPO / "bench" / "results"))
 LM_EXAMPLE = REPO / "examples" / "live_mode" / "train_lm.py"
 MLP_EXAMPLE = REPO / "examples" / "live_mode" / "train_mlp.py"
+
+# The small float64 language model the HybridSharded tests and chaos's sharded job train
+# (tests/integration/test_hsdp.py, tests/slurm/test_live_multinode.py, bench.chaos --sharded).
+GLOBAL_BATCH = 24
+# The one-process references train the same global batch in two micro-batches, not twelve:
+# the same run to float64 rounding (800 DataParallel steps: 1.5e-10 of a tensor's scale
+# apart, against the tests' 1e-9) in half the time.
+REFERENCE_MICRO_BATCH = GLOBAL_BATCH // 2
+# The gradients' norm is clipped at 0.5, which some of these steps exceed: under hsdp
+# the norm is a collective of the unit's shard group, taken before the step's commit vote.
+MAX_GRAD_NORM = 0.5
+
+
+def small_lm_command(out: Path, ledger: Path, strategy: str, *, steps: int, micro_batch: int = 2) -> list[str]:
+    """train_lm.py's small float64 model (`strategy` dp or hsdp), its ledger and --out."""
+    return [sys.executable, str(LM_EXAMPLE), "--strategy", strategy, "--dtype", "float64", "--steps", str(steps),
+            "--global-batch", str(GLOBAL_BATCH), "--micro-batch", str(micro_batch), "--context", "16",
+            "--width", "32", "--layers", "2", "--characters", "20000", "--seed", "3",
+            "--log-every", "1000", "--ledger-dir", str(ledger), "--out", str(out),
+            "--max-grad-norm", str(MAX_GRAD_NORM)]
 DDP_BASELINE = REPO / "bench" / "baselines" / "ddp_lm.py"
 # The environment of a torchrun baseline. torch 2.13's c10d rendezvous shares the agent's
 # TCPStore with the workers by default and does not scope it per restart, so workers

@@ -8,7 +8,7 @@ import json
 from bench.common import REPO, RESULTS_DIR
 
 ORDER = ["detection", "recovery", "grow", "preemption", "overhead", "reduction", "scaling", "transfer",
-         "controller_scale", "world_scale", "goodput", "chaos", "chaos_multinode",
+         "controller_scale", "world_scale", "goodput", "chaos", "chaos_multinode", "chaos_hsdp",
          "cluster_sim"]
 
 

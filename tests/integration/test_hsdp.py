@@ -13,43 +13,24 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.integration.conftest import REPO, TidalRun, alive, wait_until
+from bench.common import REFERENCE_MICRO_BATCH as REFERENCE_MICRO_BATCH
+from bench.common import small_lm_command
+from tests.integration.conftest import TidalRun, alive, wait_until
 from tests.integration.test_live_mode import read_ledger
 from tidal.proto import common_pb2
 
 pytestmark = pytest.mark.integration
 
-LM_EXAMPLE = REPO / "examples" / "live_mode" / "train_lm.py"
 STEPS = 90
-GLOBAL_BATCH = 24
-SEED = 3
-CONTEXT = 16
-CHARACTERS = 20_000
-
-
-# The one-process references train the same global batch in two micro-batches, not twelve:
-# the same run to float64 rounding (800 DataParallel steps: 1.5e-10 of a tensor's scale
-# apart, against the tests' 1e-9) in half the time.
-REFERENCE_MICRO_BATCH = GLOBAL_BATCH // 2
-
-
-# The gradients' norm is clipped at 0.5, which some of these steps exceed: under hsdp
-# the norm is a collective of the unit's shard group, taken before the step's commit vote.
-MAX_GRAD_NORM = 0.5
 
 
 def lm_command(out: Path, ledger: Path, strategy: str, steps: int = STEPS, micro_batch: int = 2) -> list[str]:
-    return [sys.executable, str(LM_EXAMPLE), "--strategy", strategy, "--dtype", "float64", "--steps", str(steps),
-            "--global-batch", str(GLOBAL_BATCH), "--micro-batch", str(micro_batch), "--context", str(CONTEXT),
-            "--width", "32", "--layers", "2", "--characters", str(CHARACTERS), "--seed", str(SEED),
-            "--log-every", "1000", "--ledger-dir", str(ledger), "--out", str(out),
-            "--max-grad-norm", str(MAX_GRAD_NORM)]
+    return small_lm_command(out, ledger, strategy, steps=steps, micro_batch=micro_batch)
 
 
 def test_hsdp_with_every_unit_lost_resumes_every_shard_from_its_checkpoint_at_one_step(tidal_run: TidalRun,
