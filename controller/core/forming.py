@@ -165,12 +165,17 @@ def unit_steps(state: State, unit_id: str) -> list[int]:
 
 def current_replicas(state: State) -> frozenset[int]:
     """Live mode, replicas of several nodes: the replicas with a unit whose ranks hold the
-    job's committed step (a hole is filled there first: `replicas.assign_slot`)."""
+    newest step any live unit holds (a hole is filled there first: `replicas.assign_slot`).
+    The newest, not the job's committed step: that lags the ranks, and a unit set aside a
+    step ago would pass for current."""
     if not state.live:
         return frozenset()
-    live = {u: unit_steps(state, u) for u, unit in state.units.items()
-            if unit.replica > 0 and not unit.state.is_final}
-    return frozenset(state.units[u].replica for u in state_holders(state.job.step, live))
+    held = {u: min(steps) for u, unit in state.units.items()
+            if unit.replica > 0 and not unit.state.is_final and (steps := unit_steps(state, u))}
+    newest = max(held.values(), default=0)
+    if newest <= 0:
+        return frozenset()
+    return frozenset(state.units[u].replica for u, step in held.items() if step == newest)
 
 
 def unknown_steps(t: Step, unit_ids: tuple[str, ...]) -> tuple[str, ...]:

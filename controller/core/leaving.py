@@ -70,7 +70,7 @@ def leave(t: Step, unit_id: str, cause: str, detail: str) -> None:
         return
     was_active = unit.state is UnitState.ACTIVE
     # A unit set aside (its replica lost a node) waits as a joiner with its shards in memory.
-    was_set_aside = unit.state is UnitState.JOINING and bool(forming.holders(t, (unit_id,)))
+    was_set_aside = unit.state is UnitState.JOINING and held_step(t, unit_id) > 0
     connected = t.connected(unit_id)
     running = (was_active and t.job.state is JobState.RUNNING and state.generation is not None
                and state.stopping is None)
@@ -198,32 +198,44 @@ def holds_last_state(t: Step, unit_id: str) -> bool:
 
 def holds_last_shard(t: Step, unit_id: str) -> bool:
     """Live replicas whose model spans their K nodes (`HybridSharded`: a unit's workers hold
-    only the shards of its node index): whether no other active or joining, connected unit
-    of `unit_id`'s node index, in the world or set aside (its replica lost a node), holds
-    the state at the job's committed step. With it gone, those shards would be gone, and a
-    world could not resume whole: it saves them as it leaves (each node index its own
-    folder), as `holds_last_state`'s last holder saves the whole state. (A unit that left a
-    world at the step keeps its shards in memory; one behind it holds none.)"""
+    only the shards of its node index): whether no other unit of `unit_id`'s node index
+    keeps those shards as new as its own. With it gone they would be gone, and no world
+    could resume whole: it saves them as it leaves (each node index its own folder), as
+    `holds_last_state`'s last holder saves the whole state.
+
+    While a generation runs, only a member of it counts (it trains on with the world); a
+    unit set aside stopped at the step its replica lost a node, and the world's next step
+    makes its shards old (the heartbeats, a step or two behind, cannot tell). With no
+    generation running, every rank has stopped: a connected peer counts if it holds at
+    least this unit's step. A unit whose workers never trained holds nothing to save, and
+    nothing is saved once training is over."""
     state = t.state
-    # (Not once training is over: nothing will resume.)
     if not state.live or t.replica_nodes <= 1 or t.job.step <= 0 or t.job.state is JobState.FINISHING:
         return False
     unit = state.units.get(unit_id)
-    if unit is None or not holds_any_step(t, unit_id):
+    if unit is None or held_step(t, unit_id) <= 0:
         return False
-    peers = tuple(u for u, other in state.units.items()
-                  if u != unit_id and other.node_index == unit.node_index and other.replica > 0
-                  and other.state in (UnitState.ACTIVE, UnitState.JOINING) and t.connected(u))
-    return not forming.holders(t, peers)
+    generation = state.generation
+    running = (generation is not None and state.stopping is None
+               and t.job.state in (JobState.RUNNING, JobState.RECONFIGURING))
+    mine = held_step(t, unit_id)
+    for peer, other in state.units.items():
+        if (peer == unit_id or other.node_index != unit.node_index or other.replica <= 0
+                or other.state not in (UnitState.ACTIVE, UnitState.JOINING) or not t.connected(peer)):
+            continue
+        if running:
+            assert generation is not None
+            if other.state is UnitState.ACTIVE and peer in generation.unit_ids:
+                return False
+        elif held_step(t, peer) >= mine:
+            return False
+    return True
 
 
-def holds_any_step(t: Step, unit_id: str) -> bool:
-    """Whether `unit_id`'s workers hold a trained state at all (a step above 0 in their
-    heartbeats or reports): a joiner whose workers never formed a world holds nothing to
-    save. (Not "at the job's step": the heartbeats lag the commits by a step or two.)"""
-    link = t.state.links.get(unit_id)
-    beats = list(link.steps.values()) if link is not None else []
-    return t.state.units[unit_id].facts.holds_step > 0 or any(step > 0 for step in beats)
+def held_step(t: Step, unit_id: str) -> int:
+    """The step every rank of `unit_id` holds (heartbeats or reports; 0: none trained)."""
+    steps = forming.unit_steps(t.state, unit_id)
+    return min(steps) if steps else 0
 
 
 def mark_left(t: Step, unit_id: str, reason: str) -> None:
