@@ -329,11 +329,14 @@ def test_hsdp_replicas_each_left_with_one_half_save_both_halves_and_resume_equal
                 name="urgent", script="#!/bin/sh\nsleep 600\n", partition="urgent", nodes=2, exclusive=True,
                 requeue=False, exclude_nodes=tuple(n for u in kept.values() for n in u.nodes),
                 output=str(tmp_path / "urgent-%j.out")))
-            saved = wait_for("both halves saved", lambda: (lambda found: found if len(found) == 2 else None)(
+            # (The preempted node 0 of the running replica saves too, at the world's step: while
+            # a world runs, a set-aside peer's shards are old.)
+            saved = wait_for("both halves saved", lambda: (lambda found: found if set(kept) <= {
+                e.unit_id for e in found} else None)(
                 [e for e in events(admin, job_id, "unit_left") if "left after saving the training state" in e.reason]),
                 timeout_s=120, interval_s=0.5)
-            assert sorted(e.unit_id for e in saved) == sorted(kept)
-            assert {f"shard-{i}-of-2" for i in (0, 1)} <= {part for e in saved for part in e.reason.split("/")}
+            assert {f"shard-{i}-of-2" for i in (0, 1)} <= {part for e in saved if e.unit_id in kept
+                                                           for part in e.reason.split("/")}
             slurm.cancel(urgent)
             wait_for("the job's end", lambda: admin.job(job_id).state == admin_pb2.JOB_STATE_COMPLETED,
                      timeout_s=300, interval_s=1.0)
