@@ -225,8 +225,10 @@ class JobActor:
         if refused is not None:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, refused)
         spec = job.spec
-        slot = replicas.slot_for(self.state.units, spec, register.unit_id, self.reserved_slots,
-                                 current=forming.current_replicas(self.state))
+        # (The replicas holding the newest state only where units are grouped: a scan of
+        # every unit at each registration costs a large one-node job for nothing.)
+        current = forming.current_replicas(self.state) if replicas.nodes_per_replica(spec) > 1 else frozenset()
+        slot = replicas.slot_for(self.state.units, spec, register.unit_id, self.reserved_slots, current=current)
         if slot is not None:
             # Kept until the actor takes the session in (two launchers registering at once
             # must not be given one slot).

@@ -213,12 +213,12 @@ def holds_last_shard(t: Step, unit_id: str) -> bool:
     if not state.live or t.replica_nodes <= 1 or t.job.step <= 0 or t.job.state is JobState.FINISHING:
         return False
     unit = state.units.get(unit_id)
-    if unit is None or held_step(t, unit_id) <= 0:
+    mine = held_step(t, unit_id) if unit is not None else 0
+    if unit is None or mine <= 0:
         return False
     generation = state.generation
     running = (generation is not None and state.stopping is None
                and t.job.state in (JobState.RUNNING, JobState.RECONFIGURING))
-    mine = held_step(t, unit_id)
     for peer, other in state.units.items():
         if (peer == unit_id or other.node_index != unit.node_index or other.replica <= 0
                 or other.state not in (UnitState.ACTIVE, UnitState.JOINING) or not t.connected(peer)):

@@ -297,6 +297,22 @@ def test_data_parallel_replicas_of_two_nodes_lose_a_node_that_costs_only_its_own
 HALVES_STEPS = 300
 
 
+def submit_hsdp_of_one_worker_a_node(admin: AdminClient, tmp_path: Path, ledger: Path, name: str,
+                                     max_replicas: int) -> tuple[str, list[admin_pb2.Unit]]:
+    """Submit the language model under HSDP as replicas of two one-node units of one worker
+    (min 1), wait until `max_replicas` of them train; the job and its active units."""
+    spec = admin_pb2.JobSpec(
+        name=name, min_replicas=1, max_replicas=max_replicas, nodes_per_replica=2, procs_per_node=1,
+        partition="train", mode=common_pb2.JOB_MODE_LIVE, working_dir=str(tmp_path),
+        environment={"OMP_NUM_THREADS": "1"},
+        command=lm_command(tmp_path / "elastic.pt", ledger, "hsdp", steps=HALVES_STEPS))
+    job_id = admin.submit(spec).job.job_id
+    wait_for(f"{max_replicas} replica(s) of two nodes training", lambda: (
+        lambda j: j.world_size == 2 * max_replicas and j.step >= 20)(admin.job(job_id)), timeout_s=180,
+        interval_s=0.5)
+    return job_id, [u for u in admin.job(job_id).units if u.state == admin_pb2.UNIT_STATE_ACTIVE]
+
+
 @pytest.mark.timeout(600)
 def test_hsdp_replicas_each_left_with_one_half_save_both_halves_and_resume_equal_to_one_process(
         slurm: CliJsonSlurmClient, mini_cluster: dict, tmp_path: Path) -> None:
@@ -314,15 +330,7 @@ def test_hsdp_replicas_each_left_with_one_half_save_both_halves_and_resume_equal
     urgent = 0
     try:
         with AdminClient(unix_socket=controller.socket, timeout_s=10.0) as admin:
-            spec = admin_pb2.JobSpec(
-                name="halves", min_replicas=1, max_replicas=2, nodes_per_replica=2, procs_per_node=1,
-                partition="train", mode=common_pb2.JOB_MODE_LIVE, working_dir=str(tmp_path),
-                environment={"OMP_NUM_THREADS": "1"},
-                command=lm_command(tmp_path / "elastic.pt", ledger, "hsdp", steps=HALVES_STEPS))
-            job_id = admin.submit(spec).job.job_id
-            wait_for("two replicas of two nodes training", lambda: (lambda j: j.world_size == 4 and j.step >= 20)(
-                admin.job(job_id)), timeout_s=180, interval_s=0.5)
-            units = [u for u in admin.job(job_id).units if u.state == admin_pb2.UNIT_STATE_ACTIVE]
+            job_id, units = submit_hsdp_of_one_worker_a_node(admin, tmp_path, ledger, "halves", max_replicas=2)
             kept = {u.unit_id: u for u in units if (slot_of(admin, job_id, u.unit_id)) in ((1, 0), (2, 1))}
             assert len(kept) == 2
             urgent = slurm.submit(UnitSubmission(
@@ -366,15 +374,7 @@ def test_a_drained_node_of_the_one_hsdp_replica_saves_its_shards_and_its_replace
     ledger = tmp_path / "ledger"
     try:
         with AdminClient(unix_socket=controller.socket, timeout_s=10.0) as admin:
-            spec = admin_pb2.JobSpec(
-                name="drain-half", min_replicas=1, max_replicas=1, nodes_per_replica=2, procs_per_node=1,
-                partition="train", mode=common_pb2.JOB_MODE_LIVE, working_dir=str(tmp_path),
-                environment={"OMP_NUM_THREADS": "1"},
-                command=lm_command(tmp_path / "elastic.pt", ledger, "hsdp", steps=HALVES_STEPS))
-            job_id = admin.submit(spec).job.job_id
-            wait_for("one replica of two nodes training", lambda: (lambda j: j.world_size == 2 and j.step >= 20)(
-                admin.job(job_id)), timeout_s=180, interval_s=0.5)
-            units = [u for u in admin.job(job_id).units if u.state == admin_pb2.UNIT_STATE_ACTIVE]
+            job_id, units = submit_hsdp_of_one_worker_a_node(admin, tmp_path, ledger, "drain-half", max_replicas=1)
             drained = next(u for u in units if slot_of(admin, job_id, u.unit_id) == (1, 0))
             kept = next(u for u in units if slot_of(admin, job_id, u.unit_id) == (1, 1))
             kept_pids = worker_pids(job_id, kept)

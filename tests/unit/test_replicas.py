@@ -64,6 +64,15 @@ class GroupedDriver(Driver):
         super().__init__(min_replicas=1, max_replicas=2, config=dataclasses.replace(CONFIG, **config))  # type: ignore[arg-type]
         self.state.job.spec.nodes_per_replica = 2
 
+    def two_replicas(self, replica_workers: int = 4) -> GroupedDriver:
+        """a, b (replica 1) form the world; c, d (replica 2) join it."""
+        self.form("ab", replica_workers=replica_workers)
+        for u in "cd":
+            self.join(u)
+        self.tick()
+        self.grow_completes(("c", "d"), replica_workers=replica_workers)
+        return self
+
     def join(self, unit_id: str) -> Slot:
         slot = slot_for(self.state.units, self.state.job.spec, unit_id, {})
         assert slot is not None
@@ -263,12 +272,7 @@ def test_a_whole_replica_leaving_at_once_lets_its_set_aside_node_finish_the_old_
     boundary and sets its sibling aside; the sibling still trains in the old world until
     that step, so its own leave waits for the change (leaving at once broke the step for
     every rank: the live multi-node Slurm test lost step 171 this way)."""
-    driver = GroupedDriver()
-    driver.form("ab", replica_workers=4)
-    for u in "cd":
-        driver.join(u)
-    driver.tick()
-    driver.grow_completes(("c", "d"), replica_workers=4)
+    driver = GroupedDriver().two_replicas()
     assert driver.state.generation is not None and driver.state.generation.unit_ids == ("a", "b", "c", "d")
 
     effects = driver.feed(core.DrainRequested(("a", "b"), uid=0))
@@ -296,12 +300,7 @@ def test_two_sharded_replicas_each_left_with_the_other_half_save_both_halves_as_
     the last member of the world saved, and a set-aside unit never did. (Here c, node 0 of
     the world, leaves first and saves too: while a world runs, a set-aside peer is no
     holder.)"""
-    driver = GroupedDriver()
-    driver.form("ab", replica_workers=4)
-    for u in "cd":
-        driver.join(u)
-    driver.tick()
-    driver.grow_completes(("c", "d"), replica_workers=4)
+    driver = GroupedDriver().two_replicas()
     generation = driver.state.generation
     assert generation is not None and generation.unit_ids == ("a", "b", "c", "d")
     for u in "abcd":
@@ -334,12 +333,7 @@ def test_two_sharded_replicas_each_left_with_the_other_half_save_both_halves_as_
 def test_the_current_replicas_are_those_holding_the_newest_step_not_the_lagging_committed_one() -> None:
     from tidal.controller.core.forming import current_replicas
 
-    driver = GroupedDriver()
-    driver.form("ab", replica_workers=4)
-    for u in "cd":
-        driver.join(u)
-    driver.tick()
-    driver.grow_completes(("c", "d"), replica_workers=4)
+    driver = GroupedDriver().two_replicas()
     for unit_id, step in (("a", 356), ("b", 356), ("c", 358), ("d", 358)):
         driver.beat(unit_id, step)
     driver.tick(0.25)
