@@ -35,7 +35,9 @@ of a one-process run (tests/unit/test_shard_group.py repeats it)."""
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import threading
 from typing import Any
 
 import torch
@@ -46,6 +48,10 @@ from tidal.train import backend as backends
 
 # The backend name under which the default group is a ShardGroup.
 BACKEND_NAME = "tidal_shard"
+
+# How long a worker's exit waits for the shard group's connection to close
+# (`close_before_teardown`).
+TEARDOWN_WAIT_S = 5.0
 
 # The ProcessGroup methods the c10d API and the functional collectives call, passed on to
 # the connection of the current generation.
@@ -183,4 +189,28 @@ def install(rank: int, size: int) -> ShardGroup:
 
     dist.Backend.register_backend(BACKEND_NAME, create, devices=["cpu", "cuda"])
     dist.init_process_group(BACKEND_NAME, store=dist.HashStore(), rank=rank, world_size=size)
+    # Registered before the script's own handlers, so it runs after them (they may still
+    # gather the model).
+    atexit.register(close_before_teardown, group)
     return group
+
+
+def close_before_teardown(group: ShardGroup) -> None:
+    """Shut the connection down while the interpreter still runs. A gloo group's worker
+    thread lets go of a finished collective's tensors after the caller has its result, and
+    letting go of a tensor that a Python object shares takes the GIL. Left to the
+    interpreter's teardown, that thread can be the last holder while the interpreter
+    finalizes: asking for the GIL then ends the thread by a forced unwind through a
+    `noexcept` destructor, and the process dies of SIGABRT ("terminate called without an
+    active exception") after its training completed (seen in 2 runs of 30 of
+    tests/integration/shard_group_worker.py's three processes, and at the end of
+    HybridSharded chaos runs). Dropping the last reference here destroys the group with
+    the GIL released (torch's `IntrusivePtrNoGilDestructor`), which joins its threads.
+
+    On a thread of its own, waited for at most `TEARDOWN_WAIT_S`: a script that fails in
+    the middle of a step can leave a collective waiting on a peer, and the join would wait
+    with it (up to the group's timeout); the process then ends as it did before."""
+    closing = threading.Thread(target=group.disconnect, kwargs={"broken": False}, name="tidal-shard-close",
+                               daemon=True)
+    closing.start()
+    closing.join(TEARDOWN_WAIT_S)

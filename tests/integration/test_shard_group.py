@@ -57,3 +57,24 @@ def test_a_shard_group_is_installed_once_per_process() -> None:
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert output.returncode == 0, output.stderr
     assert "refused: the default process group is already initialized" in output.stdout
+
+
+def test_the_shard_groups_connection_is_closed_before_the_interpreter_tears_down() -> None:
+    # Left to the teardown, a gloo thread letting go of a finished collective's tensors can
+    # ask for the GIL while the interpreter finalizes, and the worker dies of SIGABRT after
+    # its training completed (`shard_group.close_before_teardown`). A handler registered
+    # before `install` runs after install's own.
+    code = ("import atexit, datetime\n"
+            "import torch, torch.distributed as dist\n"
+            "atexit.register(lambda: print('connected at teardown:', group.connected, flush=True))\n"
+            "from tidal.train import shard_group\n"
+            "group = shard_group.install(0, 1)\n"
+            "wait = datetime.timedelta(seconds=30)\n"
+            "group.connect('gloo', dist.HashStore(), generation=1, connect_timeout=wait, timeout=wait)\n"
+            "total = torch.ones(4)\n"
+            "dist.all_reduce(total)\n"
+            "print('all_reduce:', total.tolist(), flush=True)\n")
+    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert output.returncode == 0, output.stderr
+    assert "all_reduce: [1.0, 1.0, 1.0, 1.0]" in output.stdout
+    assert "connected at teardown: False" in output.stdout, output.stdout
