@@ -47,7 +47,10 @@ def hold_the_interpreter_when_asked():
     per_unit = min(timed(unit) for _ in range(5))
     started = time.perf_counter()
     sum(range(int(unit * {BUSY_S} / per_unit)))
-    trigger.with_suffix(".done").write_text(str(time.perf_counter() - started))
+    # Written whole, then renamed: the test reads it as soon as it exists.
+    written = trigger.with_suffix(".writing")
+    written.write_text(str(time.perf_counter() - started))
+    written.rename(trigger.with_suffix(".done"))
 
 threading.Thread(target=hold_the_interpreter_when_asked, daemon=True).start()
 sys.argv = sys.argv[2:]
