@@ -189,8 +189,8 @@ def install(rank: int, size: int) -> ShardGroup:
 
     dist.Backend.register_backend(BACKEND_NAME, create, devices=["cpu", "cuda"])
     dist.init_process_group(BACKEND_NAME, store=dist.HashStore(), rank=rank, world_size=size)
-    # Registered before the script's own handlers, so it runs after them (they may still
-    # gather the model).
+    # Handlers the script registers after this (they may still gather the model) run
+    # before it: `atexit` runs the last registered first.
     atexit.register(close_before_teardown, group)
     return group
 
