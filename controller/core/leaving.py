@@ -213,8 +213,10 @@ def holds_last_shard(t: Step, unit_id: str) -> bool:
     if not state.live or t.replica_nodes <= 1 or t.job.step <= 0 or t.job.state is JobState.FINISHING:
         return False
     unit = state.units.get(unit_id)
-    mine = held_step(t, unit_id) if unit is not None else 0
-    if unit is None or mine <= 0:
+    if unit is None:
+        return False
+    mine = held_step(t, unit_id)
+    if mine <= 0:
         return False
     generation = state.generation
     running = (generation is not None and state.stopping is None

@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.common import REFERENCE_MICRO_BATCH as REFERENCE_MICRO_BATCH
-from bench.common import small_lm_command
+from bench.common import REFERENCE_MICRO_BATCH, small_lm_command
 from tests.integration.conftest import TidalRun, alive, wait_until
 from tests.integration.test_live_mode import read_ledger
 from tidal.proto import common_pb2

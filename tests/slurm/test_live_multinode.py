@@ -23,9 +23,10 @@ import pytest
 import torch
 
 from bench import chaos
+from bench.common import REFERENCE_MICRO_BATCH
 from tests.integration.conftest import ControllerProcess
 from tests.integration.test_cli import tidal
-from tests.integration.test_hsdp import REFERENCE_MICRO_BATCH, lm_command
+from tests.integration.test_hsdp import lm_command
 from tests.integration.test_live_mode import read_ledger
 from tests.slurm.test_autoscaling import minicluster, require_four_idle_nodes, wait_for_units_to_end
 from tests.slurm.test_multinode import mark_down, unit_processes
@@ -339,10 +340,12 @@ def test_hsdp_replicas_each_left_with_one_half_save_both_halves_and_resume_equal
                 output=str(tmp_path / "urgent-%j.out")))
             # (The preempted node 0 of the running replica saves too, at the world's step: while
             # a world runs, a set-aside peer's shards are old.)
-            saved = wait_for("both halves saved", lambda: (lambda found: found if set(kept) <= {
-                e.unit_id for e in found} else None)(
-                [e for e in events(admin, job_id, "unit_left") if "left after saving the training state" in e.reason]),
-                timeout_s=120, interval_s=0.5)
+            def saves_of_both_kept() -> list[admin_pb2.Event] | None:
+                found = [e for e in events(admin, job_id, "unit_left")
+                         if "left after saving the training state" in e.reason]
+                return found if set(kept) <= {e.unit_id for e in found} else None
+
+            saved = wait_for("both halves saved", saves_of_both_kept, timeout_s=120, interval_s=0.5)
             assert {f"shard-{i}-of-2" for i in (0, 1)} <= {part for e in saved if e.unit_id in kept
                                                            for part in e.reason.split("/")}
             slurm.cancel(urgent)

@@ -329,7 +329,6 @@ def test_two_sharded_replicas_each_left_with_the_other_half_save_both_halves_as_
     assert [e.unit_id for e in saving] == ["a", "d"] and "node index 0" in saving[0].reason
 
 
-
 def test_the_current_replicas_are_those_holding_the_newest_step_not_the_lagging_committed_one() -> None:
     from tidal.controller.core.forming import current_replicas
 
