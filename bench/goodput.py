@@ -85,6 +85,9 @@ MIN, MAX = 2, 4
 SIMULATION = Simulation(accelerator=ACCELERATORS["h100"], parameters=1e9, tokens_per_sample=4096)
 QUICK_SIMULATION = Simulation(accelerator=ACCELERATORS["h100"], parameters=1e8, tokens_per_sample=4096)
 GOAL = 0.95
+# How long the static job's script waits after a failed srun (preempted: Slurm requeues it
+# at the end of the partition's GraceTime, 5 s on the mini cluster, and kills the wait).
+STATIC_REQUEUE_WAIT_S = 30
 # The controller's settings for the trace (the rest are the defaults): a 1 s poll, a short
 # settle, a 30 s cool-down of a node whose unit failed (the trace's 4 nodes would otherwise
 # lose one for 5 minutes; the trace's one kill -9 of a worker spares its node, as a first
@@ -369,17 +372,32 @@ def run_tidal(folder: Path, slurm: CliJsonSlurmClient, duration: float, simulati
     return outcome(commits, samples, len(slurm.list_nodes()), simulation, MIN, trace)
 
 
+def static_script(port: int, folder: Path, logs: Path, simulation: Simulation,
+                  requeue_wait_s: float = STATIC_REQUEUE_WAIT_S) -> str:
+    """The static job's batch script: srun + torchrun --max-restarts 3 running the plain DDP
+    script, which resumes from its checkpoint. Slurm preempts a job of partition train with
+    SIGTERM and requeues it at the end of its GraceTime, but only if it is still running
+    then: one that has ended is done for good. torchrun exits on SIGTERM at once, so the
+    script outlives it (SIGTERM caught, a failed srun followed by a wait that Slurm's requeue
+    ends) and the preempted job comes back from its checkpoint, as `--requeue` promises."""
+    return "\n".join([
+        "#!/bin/bash",
+        "export " + " ".join(f"{name}={value}" for name, value in TORCHRUN_ENV.items()),
+        "trap 'echo \"static: SIGTERM: waiting for Slurm to requeue the job\"' TERM",
+        f"srun --nodes {MIN} --ntasks-per-node 1 {sys.executable} -m torch.distributed.run --nnodes {MIN} "
+        f"--nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{port} --rdzv-id goodput "
+        f"--max-restarts 3 {DDP_BASELINE} --steps 1000000 --checkpoint {folder / 'checkpoint.pt'} "
+        f"--checkpoint-every 20 --log-dir {logs} {' '.join([*MODEL, *simulation_flags(simulation)])}",
+        "status=$?",
+        f"[ $status -eq 0 ] || sleep {requeue_wait_s:g}",
+        "exit $status", ""])
+
+
 def run_baseline(folder: Path, slurm: CliJsonSlurmClient, duration: float, simulation: Simulation) -> Outcome:
     folder.mkdir(parents=True, exist_ok=True)
     logs = folder / "ddp-log"
     port = free_port()
-    script = "\n".join([
-        "#!/bin/bash",
-        "export " + " ".join(f"{name}={value}" for name, value in TORCHRUN_ENV.items()),
-        f"exec srun --nodes {MIN} --ntasks-per-node 1 {sys.executable} -m torch.distributed.run --nnodes {MIN} "
-        f"--nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{port} --rdzv-id goodput "
-        f"--max-restarts 3 {DDP_BASELINE} --steps 1000000 --checkpoint {folder / 'checkpoint.pt'} "
-        f"--checkpoint-every 20 --log-dir {logs} {' '.join([*MODEL, *simulation_flags(simulation)])}", ""])
+    script = static_script(port, folder, logs, simulation)
     trace = Trace(slurm, folder, duration, lambda: kill_one_worker(logs, "ddp-*.jsonl", is_rank_zero))
     trace.submit("background", 1)
     time.sleep(2.0)

@@ -169,3 +169,38 @@ def test_an_urgent_jobs_wait_is_slurms_start_minus_submit_or_its_whole_window_wh
     assert trace.waits["trace-urgent-1"] == 4.0
     assert 12.0 <= trace.waits["trace-urgent-2"] < 13.0 and trace.unstarted == {"trace-urgent-2"}
     assert sorted(slurm.cancelled) == sorted([7, 8])
+
+
+def test_the_static_jobs_script_outlives_torchruns_exit_on_sigterm_so_that_slurm_can_requeue_it(tmp_path) -> None:
+    """Slurm requeues a preempted job at the end of its GraceTime only if it still runs:
+    the static baseline's script must not end when srun (torchrun) exits on the SIGTERM."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from bench.goodput import SIMULATION, static_script
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    # srun stands in for the preempted step: it dies of the SIGTERM Slurm sends (exit 1, as
+    # torchrun's SignalException ends it).
+    (fake / "srun").write_text("#!/bin/bash\ntrap 'exit 1' TERM\nsleep 30 & wait\n")
+    (fake / "srun").chmod(0o755)
+    script = tmp_path / "static.sh"
+    script.write_text(static_script(1234, tmp_path, tmp_path / "logs", SIMULATION, requeue_wait_s=2))
+    environment = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"}
+    process = subprocess.Popen(["bash", str(script)], env=environment, stdout=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        time.sleep(0.5)
+        started = time.monotonic()
+        os.killpg(process.pid, signal.SIGTERM)  # Slurm signals the whole job: script and step
+        output, _ = process.communicate(timeout=20)
+        lived = time.monotonic() - started
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 1, "the script ends with srun's status"
+    assert lived >= 2.0, f"the script ended {lived:.1f} s after the SIGTERM: Slurm would not requeue it"
+    assert "waiting for Slurm to requeue the job" in output
