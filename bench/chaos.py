@@ -685,6 +685,13 @@ def unexplained_leaves(events: Sequence[Seen], harm: Harm, t0: float) -> list[st
     members: set[str] = set()
     # unit -> the events that let it drop out of the world, since it last became a member.
     excused: set[str] = set()
+
+    def out_of_the_world(unit: str) -> None:
+        """`unit` may drop out of the world from now on, and its replica lacks it."""
+        excused.add(unit)
+        if unit in replica_of:
+            broken_replicas.add(replica_of[unit])
+
     for event in events:
         at, unit = event.at, event.unit_id
         if event.kind == "below_min_released":
@@ -694,9 +701,7 @@ def unexplained_leaves(events: Sequence[Seen], harm: Harm, t0: float) -> list[st
         elif event.kind == "unit_registered" and event.fields.get("replica"):
             replica_of[unit] = event.fields["replica"]
         elif event.kind in ("failure_detected", "unit_left", "unit_lost"):
-            excused.add(unit)
-            if unit in replica_of:
-                broken_replicas.add(replica_of[unit])
+            out_of_the_world(unit)
         elif event.kind == "unit_standby":
             # Left out of a world by the sizes the job allows: only while the harness had
             # lowered --max; or its replica lost a node.
@@ -707,9 +712,7 @@ def unexplained_leaves(events: Sequence[Seen], harm: Harm, t0: float) -> list[st
                 problems.append(f"{describe(event, t0)}: a healthy unit was left out of the world with no fault "
                                 "or policy to explain it")
         elif event.kind == "unit_leaving":
-            excused.add(unit)
-            if unit in replica_of:
-                broken_replicas.add(replica_of[unit])
+            out_of_the_world(unit)
             cause = event.fields.get("cause", "")
             if cause == "drained":
                 ok = harm.drained_before(unit, at)
