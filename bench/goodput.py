@@ -47,8 +47,10 @@ stays fixed): its node-seconds of progress are counted the same way."""
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import itertools
+import json
 import os
 import shlex
 import signal
@@ -65,6 +67,7 @@ from bench.common import (
     LM_EXAMPLE,
     TORCHRUN_ENV,
     Row,
+    code_version,
     median,
     parser,
     read_jsonl,
@@ -222,6 +225,10 @@ class Outcome:
     scheduled_progress: float = 0.0
     urgent_waits: tuple[float, ...] = ()
     urgent_unstarted: int = 0
+    # When the play started (the trace's time 0), and where it lost by trace event
+    # (`losses_by_segment`; with the trace played).
+    started: float = 0.0
+    segments: tuple[tuple[str, float, float], ...] = ()
 
 
 def ideal_step_node_seconds(simulation: Simulation, samples: int, world: int, micro_batch: int) -> float:
@@ -232,6 +239,65 @@ def ideal_step_node_seconds(simulation: Simulation, samples: int, world: int, mi
     chunks = [micro_batch] * (share // micro_batch) + ([share % micro_batch] if share % micro_batch else [])
     reduction = simulation.reduction_seconds(world) if world > 1 else 0.0
     return world * (sum(simulation.micro_batch_seconds(c) for c in chunks) + reduction)
+
+
+def trace_segments(duration: float) -> list[tuple[str, float, float]]:
+    """The trace cut at its events (`SCHEDULE`'s starts and ends, the kill at HURT_AT):
+    (the event that opens the segment, from, to) in seconds from the training job's start;
+    together they cover [0, duration)."""
+    events = {0.0: "start", HURT_AT: "kill -9 of a worker"}
+    for name, begin, end, _ in SCHEDULE:
+        if begin > 0:
+            events[begin] = f"{name} submitted"
+        events.setdefault(end, f"{name} ended")
+    edges = sorted(events)
+    # (Rounded to the microsecond: 0.55 × 100 is 55.00000000000001 in floating point.)
+    return [(events[at], round(at * duration, 6), round((edges[i + 1] if i + 1 < len(edges) else 1.0) * duration, 6))
+            for i, at in enumerate(edges)]
+
+
+def losses_by_segment(commits: list[Commit], samples: list[tuple[float, int, int]], nodes: int, started: float,
+                      duration: float, simulation: Simulation, micro_batch: int) -> list[tuple[str, float, float]]:
+    """Where a play lost, by trace event: for each of `trace_segments`, (its event, the
+    node-seconds the trace's other work left free in it, those free node-seconds that did
+    not become progress). A commit's progress counts in the segment where it was committed;
+    samples and commits after the last segment's end count in it."""
+    segments = trace_segments(duration)
+    found: list[tuple[str, float, float]] = []
+    for index, (event, begin, end) in enumerate(segments):
+        last = index == len(segments) - 1
+
+        def inside(at: float, begin: float = begin, end: float = end, last: bool = last) -> bool:
+            return begin <= at - started and (last or at - started < end)
+
+        free = sum((nodes - other) * (t1 - t0) for (t0, _, other), (t1, _, _) in itertools.pairwise(samples)
+                   if inside(t0))
+        progress = sum(ideal_step_node_seconds(simulation, c.samples, c.world, micro_batch) for c in commits
+                       if inside(c.time))
+        found.append((event, free, free - progress))
+    return found
+
+
+def segments_table(plays: dict[str, list[list[tuple[str, float, float]]]]) -> str:
+    """RESULTS.md's table of `losses_by_segment` for every system: medians over the plays."""
+    names = list(plays)
+    events = [event for event, _, _ in next(iter(plays.values()))[0]]
+    header = ("| from the event | " + " | ".join(f"{name}: free | {name}: not progress" for name in names)
+              + " |\n|---|" + "---|---|" * len(names) + "\n")
+    lines = []
+    for index, event in enumerate([*events, "the whole trace"]):
+        cells = []
+        for name in names:
+            if index < len(events):
+                free = [play[index][1] for play in plays[name]]
+                lost = [play[index][2] for play in plays[name]]
+            else:
+                free = [sum(part[1] for part in play) for play in plays[name]]
+                lost = [sum(part[2] for part in play) for play in plays[name]]
+            cells += [f"{statistics.median(free):.0f}",
+                      f"{statistics.median(lost):.0f} ({', '.join(f'{value:.0f}' for value in lost)})"]
+        lines.append(f"| {event} | " + " | ".join(cells) + " |")
+    return header + "\n".join(lines)
 
 
 def first_commits(records: list[Commit]) -> list[Commit]:
@@ -267,7 +333,10 @@ def outcome(records: list[Commit], samples: list[tuple[float, int, int]], nodes:
                    commits=tuple((c.step, c.time, c.world, c.samples) for c in commits),
                    scheduled_free=scheduled_free, scheduled_progress=scheduled_progress,
                    urgent_waits=tuple(trace.waits.values()) if trace else (),
-                   urgent_unstarted=len(trace.unstarted) if trace else 0)
+                   urgent_unstarted=len(trace.unstarted) if trace else 0,
+                   started=trace.started if trace else 0.0,
+                   segments=tuple(losses_by_segment(commits, samples, nodes, trace.started, trace.duration,
+                                                    simulation, micro)) if trace else ())
 
 
 def breakdown(commits: list[Commit], samples: list[tuple[float, int, int]], progress: float, minimum: int,
@@ -474,7 +543,13 @@ def main() -> None:
     arguments.add_argument("--systems", default="tidal,static,torchft",
                            help="which systems play the trace (comma-separated); with fewer than all three the "
                                 "plays are printed and no result is written")
+    arguments.add_argument("--retell", type=Path, default=None, metavar="RESULT",
+                           help="rewrite a stored result's text (where the node-seconds went, by part and by trace "
+                                "event) from its plays, then stop: no trace is played")
     args = arguments.parse_args()
+    if args.retell is not None:
+        retell(args.retell)
+        return
     signal.signal(signal.SIGTERM, stop_on_sigterm)
     systems = {name.strip() for name in args.systems.split(",") if name.strip()}
     if not systems or systems - {"tidal", "static", "torchft"}:
@@ -568,6 +643,20 @@ def main() -> None:
             ratio_meaning=f"{peer} / Tidal: urgent work waits N× longer beside {peer}", note=waits_note))
     parts = {name: {part: median([r.parts[part] / r.held if r.held else 0.0 for r in results]) for part in PARTS}
              for name, results in runs.items()}
+    text = result_text(parts, {name: [list(r.segments) for r in results] for name, results in runs.items()})
+    write_result("goodput", rows, quick=args.quick, text=text, settings={
+        "duration_s": duration, "min": MIN, "max": MAX, "repeat": repeat, "model": " ".join(MODEL),
+        "simulation": " ".join(simulation_flags(simulation)), "simulated": simulation.describe(),
+        "tidal_settings": TIDAL_SETTINGS, "nodes": len(slurm.list_nodes())},
+        extra={"parts": {name: [r.parts for r in results] for name, results in runs.items()},
+               "plays": {name: [{"started": r.started, "squeue": r.samples_taken, "first_commits": r.commits}
+                                for r in results] for name, results in runs.items()}})
+
+
+def result_text(parts: dict[str, dict[str, float]], segments: dict[str, list[list[tuple[str, float, float]]]]) -> str:
+    """The paragraph RESULTS.md prints under the goodput rows: how progress is counted, where
+    each system's held node-seconds went (`parts`: medians, fractions of held) and, where
+    the plays were timed against the trace (`segments`), where each lost by trace event."""
     text = ("Progress is what each system committed: every step counted once (a step redone after a restart "
             "once; torchft: a step its quorum committed, with its groups' shares), each at the node-seconds an "
             "ideal run on the simulated devices spends on it at that step's world size (its largest share's "
@@ -576,14 +665,47 @@ def main() -> None:
             "(medians over the plays, fractions of held; from squeue samples and the first commits alone, the "
             "same for every system):\n\n| system | " + " | ".join(PARTS) + " |\n|---|"
             + "---|" * len(PARTS) + "\n" + "\n".join(
-                f"| {name} | " + " | ".join(f"{parts[name][part]:.1%}" for part in PARTS) + " |" for name in runs))
-    write_result("goodput", rows, quick=args.quick, text=text, settings={
-        "duration_s": duration, "min": MIN, "max": MAX, "repeat": repeat, "model": " ".join(MODEL),
-        "simulation": " ".join(simulation_flags(simulation)), "simulated": simulation.describe(),
-        "tidal_settings": TIDAL_SETTINGS},
-        extra={"parts": {name: [r.parts for r in results] for name, results in runs.items()},
-               "plays": {name: [{"squeue": r.samples_taken, "first_commits": r.commits} for r in results]
-                         for name, results in runs.items()}})
+                f"| {name} | " + " | ".join(f"{parts[name][part]:.1%}" for part in PARTS) + " |" for name in parts))
+    if all(plays and all(plays) for plays in segments.values()) and segments:
+        text += ("\n\nWhere each system lost, by trace event: from each event of the trace to the next, the "
+                 "node-seconds the trace's other work left free, and those of them that did not become progress "
+                 "(free minus progress; medians over the plays, each play's in brackets; a step's progress counts "
+                 "where it was committed). A node an urgent job waits for is free, so the system holding it gains "
+                 "it; a lone node while the others are taken (urgent-3 takes 3 of 4) is free and no system with "
+                 f"min {MIN} can use it:\n\n" + segments_table(segments))
+    return text
+
+
+def retell(path: Path) -> None:
+    """Rewrite a stored full result's `text` (`result_text`) from what it holds: the parts
+    of every play and its plays' squeue samples and first commits, the trace's time 0 being
+    a play's `started` (or, in results written before it was kept, its first squeue sample,
+    taken within a second of it). The rows, code and date stay those of the run."""
+    document = json.loads(path.read_text())
+    settings = document["settings"]
+    simulation = QUICK_SIMULATION if document.get("quick") else SIMULATION
+    micro = int(MODEL[MODEL.index("--micro-batch") + 1])
+    parts: dict[str, dict[str, float]] = {}
+    segments: dict[str, list[list[tuple[str, float, float]]]] = {}
+    for name, plays in document["plays"].items():
+        fractions: dict[str, list[float]] = {part: [] for part in PARTS}
+        segments[name] = []
+        for play, play_parts in zip(plays, document["parts"][name], strict=True):
+            samples = [tuple(sample) for sample in play["squeue"]]
+            held = sum(nodes * (t1 - t0) for (t0, nodes, _), (t1, _, _) in itertools.pairwise(samples))
+            for part in PARTS:
+                fractions[part].append(play_parts[part] / held if held else 0.0)
+            commits = [Commit(*commit) for commit in play["first_commits"]]
+            segments[name].append(losses_by_segment(
+                commits, samples, int(settings.get("nodes", 4)), play.get("started") or samples[0][0],
+                float(settings["duration_s"]), simulation, micro))
+        parts[name] = {part: median(values) for part, values in fractions.items()}
+    when = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    document["text"] = (result_text(parts, segments) + f"\n\n(This paragraph was rewritten from the run's stored "
+                        f"plays by `python -m bench.goodput --retell {path}`, code {code_version()}, {when}; the rows "
+                        "and their figures are the run's.)")
+    path.write_text(json.dumps(document, indent=2) + "\n")
+    print(f"goodput: rewrote the text of {path} from its plays")
 
 
 if __name__ == "__main__":

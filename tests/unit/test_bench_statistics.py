@@ -4,6 +4,7 @@ node-seconds of progress a run's committed steps are worth."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -116,6 +117,68 @@ def test_goodput_against_the_trace_schedule_counts_only_the_nodes_it_left_free()
     at_four = ideal_step_node_seconds(simulation, 32, 4, 16)
     assert wide.steps == 2 and math.isclose(wide.progress, 2 * at_four)
     assert math.isclose(wide.scheduled_progress, at_four / 2 + at_four * 3 / 4)
+
+
+def test_goodput_cuts_the_trace_at_its_events_and_tells_where_each_stretch_lost() -> None:
+    import json
+    import tempfile
+    from pathlib import Path
+    from typing import cast
+
+    from bench.goodput import (
+        PARTS,
+        Commit,
+        Trace,
+        ideal_step_node_seconds,
+        losses_by_segment,
+        outcome,
+        retell,
+        trace_segments,
+    )
+    from tidal.slurm import CliJsonSlurmClient
+    from tidal.train.simulated import ACCELERATORS, Simulation
+
+    segments = trace_segments(100.0)
+    # Every start and end of the schedule and the kill, in order, covering the trace.
+    assert [(event, begin) for event, begin, _ in segments] == [
+        ("start", 0.0), ("urgent-1 submitted", 20.0), ("urgent-1 ended", 35.0), ("background ended", 40.0),
+        ("urgent-2 submitted", 55.0), ("urgent-2 ended", 70.0), ("kill -9 of a worker", 80.0),
+        ("urgent-3 submitted", 85.0), ("urgent-3 ended", 95.0)]
+    assert all(end == after for (_, _, end), (_, after, _) in itertools.pairwise(segments))
+    assert segments[-1][2] == 100.0
+    simulation = Simulation(accelerator=ACCELERATORS["h100"], parameters=1e9, tokens_per_sample=4096)
+    at_two = ideal_step_node_seconds(simulation, 32, 2, 16)
+    # A play started at t=1000: 3 nodes free until 20 s, 2 until 35 s, then 4. World 2 commits
+    # a step a second from 1 s to 50 s, and nothing after (a stall the rest of the trace).
+    squeue = [(1000.0 + t, 2, 1 if t < 20 else (2 if t < 35 else 0)) for t in range(101)]
+    commits = [Commit(step, 1000.0 + step, 2, 32) for step in range(1, 51)]
+    found = losses_by_segment(commits, squeue, 4, 1000.0, 100.0, simulation, 16)
+    assert [event for event, _, _ in found] == [event for event, _, _ in segments]
+    free = {event: free for event, free, _ in found}
+    lost = {event: lost for event, _, lost in found}
+    assert math.isclose(free["start"], 3 * 20) and math.isclose(free["urgent-1 submitted"], 2 * 15)
+    assert math.isclose(lost["start"], 3 * 20 - 19 * at_two)  # steps 1..19
+    assert math.isclose(lost["background ended"], 4 * 15 - 11 * at_two)  # steps 40..50
+    # After the last commit every free node-second is lost; the last sample closes the last stretch.
+    assert math.isclose(lost["urgent-3 ended"], free["urgent-3 ended"]) and math.isclose(free["urgent-3 ended"], 4 * 5)
+    assert math.isclose(sum(f for _, f, _ in found), sum((4 - o) * 1.0 for _, _, o in squeue[:-1]))
+    # A played trace's outcome carries them; a stored result's text is rebuilt from its plays.
+    trace = Trace(cast(CliJsonSlurmClient, None), Path("/nonexistent"), 100.0, lambda: None)
+    trace.started = 1000.0
+    played = outcome(commits, squeue, 4, simulation, 2, trace)
+    assert list(played.segments) == found and played.started == 1000.0
+    with tempfile.TemporaryDirectory() as folder:
+        stored = Path(folder) / "goodput.json"
+        stored.write_text(json.dumps({
+            "quick": False, "settings": {"duration_s": 100.0, "nodes": 4}, "text": "old", "rows": [],
+            "parts": {"tidal": [played.parts], "torchft": [played.parts]},
+            "plays": {"tidal": [{"squeue": played.samples_taken, "first_commits": played.commits}],
+                      "torchft": [{"started": 1000.0, "squeue": played.samples_taken,
+                                   "first_commits": played.commits}]}}))
+        retell(stored)
+        text = json.loads(stored.read_text())["text"]
+    assert PARTS[0] in text and "| urgent-3 ended | 20 | 20 (20) | 20 | 20 (20) |" in text
+    assert f"| start | 60 | {3 * 20 - 19 * at_two:.0f} ({3 * 20 - 19 * at_two:.0f}) |" in text
 
 
 class FakeSlurm:
