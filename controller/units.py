@@ -217,7 +217,8 @@ def unit_nodes(spec: admin_pb2.JobSpec) -> int:
 
 def units_to_submit(spec: admin_pb2.JobSpec, *, alive: int, idle_nodes: int, now: float,
                     last_change_at: float | None, scale_up_snooze_s: float, others_waiting: int = 0,
-                    released: bool = False, holes: int = 0, allowance: int | None = None) -> UnitDemand:
+                    released: bool = False, holes: int = 0, allowance: int | None = None,
+                    words: SizeWords | None = None) -> UnitDemand:
     """How many units to submit now, and why. `alive` counts units that hold or are
     waiting for a place (submitted, joining, active); `idle_nodes` the idle nodes that fit;
     `allowance` (None: no bound) the idle nodes the job may grow onto when other elastic
@@ -258,46 +259,67 @@ def units_to_submit(spec: admin_pb2.JobSpec, *, alive: int, idle_nodes: int, now
         in_nodes.nodes_per_replica = 1
         demand = units_to_submit(in_nodes, alive=alive, idle_nodes=idle_nodes, now=now, last_change_at=last_change_at,
                                  scale_up_snooze_s=scale_up_snooze_s, others_waiting=others_waiting,
-                                 released=released, allowance=allowance)
-        return UnitDemand(demand.count, in_node_words(demand.reason, spec, nodes))
+                                 released=released, allowance=allowance, words=SizeWords(spec, nodes))
+        return UnitDemand(demand.count, f"{demand.reason}; replicas of {nodes} nodes")
+    words = words or SizeWords(spec)
     fits = idle_nodes // max(1, spec.nodes_per_replica)
     growth = growth_onto_idle_nodes(spec, alive=alive, fits=fits, idle_nodes=idle_nodes, now=now,
                                     last_change_at=last_change_at, scale_up_snooze_s=scale_up_snooze_s,
-                                    others_waiting=others_waiting, allowance=allowance)
+                                    others_waiting=others_waiting, allowance=allowance, words=words)
     if alive < spec.min_replicas:
         needed = spec.min_replicas - alive
         if not released:
             # The difference whatever is idle; more at once where idle nodes take them (a
             # job starts at the size the cluster allows, rather than growing onto them later).
             if growth.count > needed:
-                return UnitDemand(growth.count, f"{alive} of min {spec.min_replicas} replicas; {growth.reason}")
-            return UnitDemand(needed, f"{alive} of min {spec.min_replicas} replicas")
+                return UnitDemand(growth.count, f"{words.of_min(alive)}; {growth.reason}")
+            return UnitDemand(needed, words.of_min(alive))
         if fits < needed:
-            return UnitDemand(0, f"nodes given back below min_replicas {spec.min_replicas}: waiting for "
-                                 f"{needed} idle node(s) ({fits} fit)")
+            return UnitDemand(0, f"nodes given back {words.below_min()}: waiting for {needed} idle node(s) "
+                                 f"({fits} fit)")
     return growth
 
 
-def in_node_words(reason: str, spec: admin_pb2.JobSpec, nodes: int) -> str:
-    """A reason decided in nodes (replicas of `nodes` nodes counted node by node) in the
-    user's words: the spec's min/max replicas, with the nodes they make."""
-    low, high = spec.min_replicas * nodes, spec.max_replicas * nodes
-    reason = (reason.replace(f"of min {low} replicas", f"of {low} nodes (min_replicas {spec.min_replicas})")
-              .replace(f"below min_replicas {low}", f"below min_replicas {spec.min_replicas} ({low} nodes)")
-              .replace(f"max_replicas {high}", f"max_replicas {spec.max_replicas} ({high} nodes)")
-              .replace(" replicas", " nodes"))
-    return f"{reason}; replicas of {nodes} nodes"
+@dataclasses.dataclass(frozen=True)
+class SizeWords:
+    """How a reason names the job's sizes, in the user's words: in replicas; or, for live
+    replicas of `nodes` > 1 nodes (decided node by node, `units_to_submit`), in nodes, with
+    the spec's min/max replicas and the nodes they make."""
+
+    spec: admin_pb2.JobSpec
+    nodes: int = 1
+
+    def count(self, n: int) -> str:
+        return f"{n} {'replicas' if self.nodes == 1 else 'nodes'}"
+
+    def of_min(self, alive: int) -> str:
+        if self.nodes == 1:
+            return f"{alive} of min {self.spec.min_replicas} replicas"
+        return f"{alive} of {self.spec.min_replicas * self.nodes} nodes (min_replicas {self.spec.min_replicas})"
+
+    def below_min(self) -> str:
+        if self.nodes == 1:
+            return f"below min_replicas {self.spec.min_replicas}"
+        return f"below min_replicas {self.spec.min_replicas} ({self.spec.min_replicas * self.nodes} nodes)"
+
+    def max(self) -> str:
+        if self.nodes == 1:
+            return f"max_replicas {self.spec.max_replicas}"
+        return f"max_replicas {self.spec.max_replicas} ({self.spec.max_replicas * self.nodes} nodes)"
 
 
 def growth_onto_idle_nodes(spec: admin_pb2.JobSpec, *, alive: int, fits: int, idle_nodes: int, now: float,
                            last_change_at: float | None, scale_up_snooze_s: float,
-                           others_waiting: int, allowance: int | None = None) -> UnitDemand:
+                           others_waiting: int, allowance: int | None = None,
+                           words: SizeWords | None = None) -> UnitDemand:
     """Units onto idle nodes (`fits` replicas' worth, at most `allowance` when shared)
     up to max_replicas, to a size the job allows; none while other Slurm jobs wait for
-    nodes or within the snooze."""
+    nodes or within the snooze. `words`: how the reason names sizes (default: in the
+    spec's replicas)."""
+    words = words or SizeWords(spec)
     room = spec.max_replicas - alive
     if room <= 0:
-        return UnitDemand(0, f"at max_replicas {spec.max_replicas}")
+        return UnitDemand(0, f"at {words.max()}")
     if fits <= 0:
         return UnitDemand(0, "no idle node fits")
     if others_waiting:
@@ -311,10 +333,11 @@ def growth_onto_idle_nodes(spec: admin_pb2.JobSpec, *, alive: int, fits: int, id
     reachable = [n for n in sizes if alive < n <= alive + bound]
     if not reachable:
         following = next((n for n in sizes if n > alive), None)
-        return UnitDemand(0, f"{idle_nodes} idle node(s) fit, too few for the next allowed size {following}"
-                          if following is not None else f"no allowed size above {alive} replicas")
+        return UnitDemand(0, f"{idle_nodes} idle node(s) fit, too few for the next allowed size "
+                             f"{words.count(following)}"
+                          if following is not None else f"no allowed size above {words.count(alive)}")
     count = max(reachable) - alive
-    return UnitDemand(count, f"{idle_nodes} idle node(s) fit; growing toward max_replicas {spec.max_replicas}")
+    return UnitDemand(count, f"{idle_nodes} idle node(s) fit; growing toward {words.max()}")
 
 
 def units_to_queue(spec: admin_pb2.JobSpec, *, alive: int, pending: int, idle_nodes: int, others_waiting: int,

@@ -123,6 +123,18 @@ def test_a_shared_allowance_bounds_growth_to_a_size_the_job_allows_never_below_m
                                released=True)
     assert released.reason == ("nodes given back below min_replicas 1 (2 nodes): waiting for 2 idle node(s) "
                                "(1 fit); replicas of 2 nodes")
+    # Sizes decided node by node read in nodes, the spec's max with the nodes it makes.
+    full = units_to_submit(two_node, alive=8, idle_nodes=2, now=0, last_change_at=None, scale_up_snooze_s=0)
+    assert full.reason == "at max_replicas 4 (8 nodes); replicas of 2 nodes"
+    stepped_pairs = admin_pb2.JobSpec(min_replicas=1, max_replicas=4, replica_step=2, nodes_per_replica=2,
+                                      mode=common_pb2.JOB_MODE_LIVE)
+    short = units_to_submit(stepped_pairs, alive=2, idle_nodes=3, now=0, last_change_at=None, scale_up_snooze_s=0)
+    assert short.reason == ("3 idle node(s) fit, too few for the next allowed size 6 nodes; replicas of 2 nodes"), \
+        short.reason
+    # A max of 40 nodes and a min of 4: no number is rewritten inside another.
+    wide = admin_pb2.JobSpec(min_replicas=2, max_replicas=20, nodes_per_replica=2, mode=common_pb2.JOB_MODE_LIVE)
+    grown = units_to_submit(wide, alive=4, idle_nodes=4, now=0, last_change_at=None, scale_up_snooze_s=0)
+    assert grown.reason == "4 idle node(s) fit; growing toward max_replicas 20 (40 nodes); replicas of 2 nodes"
 
 
 def test_only_idle_usable_nodes_of_the_jobs_partition_count() -> None:
@@ -135,7 +147,8 @@ def test_only_idle_usable_nodes_of_the_jobs_partition_count() -> None:
 def test_growth_reaches_only_world_sizes_the_job_allows() -> None:
     stepped = admin_pb2.JobSpec(min_replicas=2, max_replicas=8, replica_step=2, nodes_per_replica=1)
     one_short = units_to_submit(stepped, alive=2, idle_nodes=1, now=0, last_change_at=None, scale_up_snooze_s=0)
-    assert (one_short.count, one_short.reason) == (0, "1 idle node(s) fit, too few for the next allowed size 4")
+    assert (one_short.count, one_short.reason) == (0, "1 idle node(s) fit, too few for the next allowed size "
+                                                      "4 replicas")
     assert units_to_submit(stepped, alive=2, idle_nodes=3, now=0, last_change_at=None, scale_up_snooze_s=0).count == 2
     assert units_to_submit(stepped, alive=2, idle_nodes=5, now=0, last_change_at=None, scale_up_snooze_s=0).count == 4
     listed = admin_pb2.JobSpec(min_replicas=1, max_replicas=8, allowed_replicas=[1, 4, 8], nodes_per_replica=1)
