@@ -229,6 +229,8 @@ class Outcome:
     # (`losses_by_segment`; with the trace played).
     started: float = 0.0
     segments: tuple[tuple[str, float, float], ...] = ()
+    # The cluster's nodes (free = these less the trace's other work's).
+    nodes: int = 0
 
 
 def ideal_step_node_seconds(simulation: Simulation, samples: int, world: int, micro_batch: int) -> float:
@@ -334,7 +336,7 @@ def outcome(records: list[Commit], samples: list[tuple[float, int, int]], nodes:
                    scheduled_free=scheduled_free, scheduled_progress=scheduled_progress,
                    urgent_waits=tuple(trace.waits.values()) if trace else (),
                    urgent_unstarted=len(trace.unstarted) if trace else 0,
-                   started=trace.started if trace else 0.0,
+                   started=trace.started if trace else 0.0, nodes=nodes,
                    segments=tuple(losses_by_segment(commits, samples, nodes, trace.started, trace.duration,
                                                     simulation, micro)) if trace else ())
 
@@ -647,10 +649,10 @@ def main() -> None:
     write_result("goodput", rows, quick=args.quick, text=text, settings={
         "duration_s": duration, "min": MIN, "max": MAX, "repeat": repeat, "model": " ".join(MODEL),
         "simulation": " ".join(simulation_flags(simulation)), "simulated": simulation.describe(),
-        "tidal_settings": TIDAL_SETTINGS, "nodes": len(slurm.list_nodes())},
+        "tidal_settings": TIDAL_SETTINGS},
         extra={"parts": {name: [r.parts for r in results] for name, results in runs.items()},
-               "plays": {name: [{"started": r.started, "squeue": r.samples_taken, "first_commits": r.commits}
-                                for r in results] for name, results in runs.items()}})
+               "plays": {name: [{"started": r.started, "nodes": r.nodes, "squeue": r.samples_taken,
+                                 "first_commits": r.commits} for r in results] for name, results in runs.items()}})
 
 
 def result_text(parts: dict[str, dict[str, float]], segments: dict[str, list[list[tuple[str, float, float]]]]) -> str:
@@ -680,10 +682,17 @@ def retell(path: Path) -> None:
     """Rewrite a stored full result's `text` (`result_text`) from what it holds: the parts
     of every play and its plays' squeue samples and first commits, the trace's time 0 being
     a play's `started` (or, in results written before it was kept, its first squeue sample,
-    taken within a second of it). The rows, code and date stay those of the run."""
+    taken within a second of it) and the cluster's nodes a play's `nodes` (before: the mini
+    cluster's 4). The rows, code and date stay those of the run. Refused (SystemExit) for a
+    run of another model or simulation than this code's, whose ideal step costs differ."""
     document = json.loads(path.read_text())
     settings = document["settings"]
     simulation = QUICK_SIMULATION if document.get("quick") else SIMULATION
+    # The ideal step costs are this code's: only for a run of the same model and simulation.
+    if (settings.get("model") != " ".join(MODEL)
+            or settings.get("simulation") != " ".join(simulation_flags(simulation))):
+        raise SystemExit(f"goodput: {path} was played with another model or simulation than this code's "
+                         f"({settings.get('model')!r}, {settings.get('simulation')!r}): its text is left as it is")
     micro = int(MODEL[MODEL.index("--micro-batch") + 1])
     parts: dict[str, dict[str, float]] = {}
     segments: dict[str, list[list[tuple[str, float, float]]]] = {}
@@ -692,12 +701,15 @@ def retell(path: Path) -> None:
         segments[name] = []
         for play, play_parts in zip(plays, document["parts"][name], strict=True):
             samples = [tuple(sample) for sample in play["squeue"]]
+            if len(samples) < 2:
+                raise SystemExit(f"goodput: a {name} play in {path} has fewer than 2 squeue samples: its text is "
+                                 "left as it is")
             held = sum(nodes * (t1 - t0) for (t0, nodes, _), (t1, _, _) in itertools.pairwise(samples))
             for part in PARTS:
                 fractions[part].append(play_parts[part] / held if held else 0.0)
             commits = [Commit(*commit) for commit in play["first_commits"]]
             segments[name].append(losses_by_segment(
-                commits, samples, int(settings.get("nodes", 4)), play.get("started") or samples[0][0],
+                commits, samples, int(play.get("nodes") or 4), play.get("started") or samples[0][0],
                 float(settings["duration_s"]), simulation, micro))
         parts[name] = {part: median(values) for part, values in fractions.items()}
     when = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")

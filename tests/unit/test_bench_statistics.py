@@ -125,16 +125,22 @@ def test_goodput_cuts_the_trace_at_its_events_and_tells_where_each_stretch_lost(
     from pathlib import Path
     from typing import cast
 
+    import pytest
+
     from bench.goodput import (
+        MODEL,
         PARTS,
+        SIMULATION,
         Commit,
         Trace,
         ideal_step_node_seconds,
         losses_by_segment,
         outcome,
+        result_text,
         retell,
         trace_segments,
     )
+    from bench.scaling import simulation_flags
     from tidal.slurm import CliJsonSlurmClient
     from tidal.train.simulated import ACCELERATORS, Simulation
 
@@ -162,22 +168,39 @@ def test_goodput_cuts_the_trace_at_its_events_and_tells_where_each_stretch_lost(
     # After the last commit every free node-second is lost; the last sample closes the last stretch.
     assert math.isclose(lost["urgent-3 ended"], free["urgent-3 ended"]) and math.isclose(free["urgent-3 ended"], 4 * 5)
     assert math.isclose(sum(f for _, f, _ in found), sum((4 - o) * 1.0 for _, _, o in squeue[:-1]))
-    # A played trace's outcome carries them; a stored result's text is rebuilt from its plays.
+    # Samples and commits past the trace's end count in its last stretch.
+    late = losses_by_segment([*commits, Commit(51, 1101.0, 2, 32)], [*squeue, (1102.0, 2, 0)], 4, 1000.0, 100.0,
+                             simulation, 16)
+    assert math.isclose(late[-1][1], 4 * 7) and math.isclose(late[-1][2], 4 * 7 - at_two)  # 95 s to 102 s
+    # A played trace's outcome carries them; a stored result's text is rebuilt from its plays,
+    # its parts as fractions of the held node-seconds, as the run wrote them.
     trace = Trace(cast(CliJsonSlurmClient, None), Path("/nonexistent"), 100.0, lambda: None)
     trace.started = 1000.0
     played = outcome(commits, squeue, 4, simulation, 2, trace)
-    assert list(played.segments) == found and played.started == 1000.0
+    assert list(played.segments) == found and played.started == 1000.0 and played.nodes == 4
+    settings = {"duration_s": 100.0, "model": " ".join(MODEL), "simulation": " ".join(simulation_flags(SIMULATION))}
+    # torchft's play kept no `started`: its first squeue sample, 5 s late, is its time 0.
+    shifted = [(t + 5.0, held, other) for t, held, other in squeue]
     with tempfile.TemporaryDirectory() as folder:
         stored = Path(folder) / "goodput.json"
         stored.write_text(json.dumps({
-            "quick": False, "settings": {"duration_s": 100.0, "nodes": 4}, "text": "old", "rows": [],
+            "quick": False, "settings": settings, "text": "old", "rows": [],
             "parts": {"tidal": [played.parts], "torchft": [played.parts]},
-            "plays": {"tidal": [{"squeue": played.samples_taken, "first_commits": played.commits}],
-                      "torchft": [{"started": 1000.0, "squeue": played.samples_taken,
-                                   "first_commits": played.commits}]}}))
+            "plays": {"tidal": [{"started": 1000.0, "nodes": 4, "squeue": played.samples_taken,
+                                 "first_commits": played.commits}],
+                      "torchft": [{"squeue": shifted, "first_commits": [[c.step, c.time + 5.0, c.world, c.samples]
+                                                                         for c in commits]}]}}))
         retell(stored)
         text = json.loads(stored.read_text())["text"]
-    assert PARTS[0] in text and "| urgent-3 ended | 20 | 20 (20) | 20 | 20 (20) |" in text
+        fractions = {part: played.parts[part] / played.held for part in PARTS}
+        assert result_text({"tidal": fractions, "torchft": fractions},
+                           {"tidal": [found], "torchft": [found]}) in text
+        # Another model's run is refused, its text kept.
+        stored.write_text(json.dumps({"quick": False, "settings": {**settings, "model": "--width 8"}, "text": "old"}))
+        with pytest.raises(SystemExit, match="another model or simulation"):
+            retell(stored)
+        assert json.loads(stored.read_text())["text"] == "old"
+    assert "| urgent-3 ended | 20 | 20 (20) | 20 | 20 (20) |" in text
     assert f"| start | 60 | {3 * 20 - 19 * at_two:.0f} ({3 * 20 - 19 * at_two:.0f}) |" in text
 
 

@@ -131,7 +131,7 @@ def test_a_shared_allowance_bounds_growth_to_a_size_the_job_allows_never_below_m
     short = units_to_submit(stepped_pairs, alive=2, idle_nodes=3, now=0, last_change_at=None, scale_up_snooze_s=0)
     assert short.reason == ("3 idle node(s) fit, too few for the next allowed size 6 nodes; replicas of 2 nodes"), \
         short.reason
-    # A max of 40 nodes and a min of 4: no number is rewritten inside another.
+    # A max of 20 replicas of 2 nodes: the spec's number, then the nodes it makes.
     wide = admin_pb2.JobSpec(min_replicas=2, max_replicas=20, nodes_per_replica=2, mode=common_pb2.JOB_MODE_LIVE)
     grown = units_to_submit(wide, alive=4, idle_nodes=4, now=0, last_change_at=None, scale_up_snooze_s=0)
     assert grown.reason == "4 idle node(s) fit; growing toward max_replicas 20 (40 nodes); replicas of 2 nodes"
