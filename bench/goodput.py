@@ -61,6 +61,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bench.common import (
     DDP_BASELINE,
@@ -683,16 +684,35 @@ def retell(path: Path) -> None:
     of every play and its plays' squeue samples and first commits, the trace's time 0 being
     a play's `started` (or, in results written before it was kept, its first squeue sample,
     taken within a second of it) and the cluster's nodes a play's `nodes` (before: the mini
-    cluster's 4). The rows, code and date stay those of the run. Refused (SystemExit) for a
-    run of another model or simulation than this code's, whose ideal step costs differ."""
-    document = json.loads(path.read_text())
-    settings = document["settings"]
-    simulation = QUICK_SIMULATION if document.get("quick") else SIMULATION
-    # The ideal step costs are this code's: only for a run of the same model and simulation.
-    if (settings.get("model") != " ".join(MODEL)
-            or settings.get("simulation") != " ".join(simulation_flags(simulation))):
-        raise SystemExit(f"goodput: {path} was played with another model or simulation than this code's "
-                         f"({settings.get('model')!r}, {settings.get('simulation')!r}): its text is left as it is")
+    cluster's 4). The rows, code and date stay those of the run. Refused (SystemExit, the
+    file left as it is) for what is not such a result, and for a run of another model or
+    simulation than this code's, whose ideal step costs differ."""
+    try:
+        document = json.loads(path.read_text())
+        settings = document["settings"]
+        simulation = QUICK_SIMULATION if document.get("quick") else SIMULATION
+        # The ideal step costs are this code's: only for a run of the same model and simulation.
+        if (settings.get("model") != " ".join(MODEL)
+                or settings.get("simulation") != " ".join(simulation_flags(simulation))):
+            raise SystemExit(f"goodput: {path} was played with another model or simulation than this code's "
+                             f"({settings.get('model')!r}, {settings.get('simulation')!r}): its text is left as "
+                             "it is")
+        parts, segments = _retold(document, simulation)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as error:
+        raise SystemExit(f"goodput: cannot retell {path}: not a goodput result with its plays "
+                         f"({type(error).__name__}: {error})") from None
+    when = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    document["text"] = (result_text(parts, segments) + f"\n\n(This paragraph was rewritten from the run's stored "
+                        f"plays by `python -m bench.goodput --retell {path}`, code {code_version()}, {when}; the rows "
+                        "and their figures are the run's.)")
+    path.write_text(json.dumps(document, indent=2) + "\n")
+    print(f"goodput: rewrote the text of {path} from its plays")
+
+
+def _retold(document: dict[str, Any], simulation: Simulation) -> tuple[dict[str, dict[str, float]],
+                                                                      dict[str, list[list[tuple[str, float, float]]]]]:
+    """`retell`'s figures: each system's parts (medians of fractions of held) and each
+    play's losses by segment, from a stored result's plays."""
     micro = int(MODEL[MODEL.index("--micro-batch") + 1])
     parts: dict[str, dict[str, float]] = {}
     segments: dict[str, list[list[tuple[str, float, float]]]] = {}
@@ -700,24 +720,18 @@ def retell(path: Path) -> None:
         fractions: dict[str, list[float]] = {part: [] for part in PARTS}
         segments[name] = []
         for play, play_parts in zip(plays, document["parts"][name], strict=True):
-            samples = [tuple(sample) for sample in play["squeue"]]
+            samples = [(float(t), int(held), int(other)) for t, held, other in play["squeue"]]
             if len(samples) < 2:
-                raise SystemExit(f"goodput: a {name} play in {path} has fewer than 2 squeue samples: its text is "
-                                 "left as it is")
+                raise ValueError(f"a {name} play has fewer than 2 squeue samples")
             held = sum(nodes * (t1 - t0) for (t0, nodes, _), (t1, _, _) in itertools.pairwise(samples))
             for part in PARTS:
                 fractions[part].append(play_parts[part] / held if held else 0.0)
             commits = [Commit(*commit) for commit in play["first_commits"]]
             segments[name].append(losses_by_segment(
                 commits, samples, int(play.get("nodes") or 4), play.get("started") or samples[0][0],
-                float(settings["duration_s"]), simulation, micro))
+                float(document["settings"]["duration_s"]), simulation, micro))
         parts[name] = {part: median(values) for part, values in fractions.items()}
-    when = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    document["text"] = (result_text(parts, segments) + f"\n\n(This paragraph was rewritten from the run's stored "
-                        f"plays by `python -m bench.goodput --retell {path}`, code {code_version()}, {when}; the rows "
-                        "and their figures are the run's.)")
-    path.write_text(json.dumps(document, indent=2) + "\n")
-    print(f"goodput: rewrote the text of {path} from its plays")
+    return parts, segments
 
 
 if __name__ == "__main__":

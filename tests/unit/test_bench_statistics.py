@@ -200,6 +200,14 @@ def test_goodput_cuts_the_trace_at_its_events_and_tells_where_each_stretch_lost(
         with pytest.raises(SystemExit, match="another model or simulation"):
             retell(stored)
         assert json.loads(stored.read_text())["text"] == "old"
+        # What is not a result with its plays is refused with a clear error, the file untouched.
+        for garbled in ("{", "[1]", json.dumps({"settings": settings, "text": "old"}),
+                        json.dumps({"settings": settings, "text": "old", "parts": {"tidal": [played.parts]},
+                                    "plays": {"tidal": [{"squeue": [[1.0, 2]], "first_commits": []}]}})):
+            stored.write_text(garbled)
+            with pytest.raises(SystemExit, match="cannot retell"):
+                retell(stored)
+            assert stored.read_text() == garbled
     assert "| urgent-3 ended | 20 | 20 (20) | 20 | 20 (20) |" in text
     assert f"| start | 60 | {3 * 20 - 19 * at_two:.0f} ({3 * 20 - 19 * at_two:.0f}) |" in text
 
