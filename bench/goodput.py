@@ -244,6 +244,11 @@ def ideal_step_node_seconds(simulation: Simulation, samples: int, world: int, mi
     return world * (sum(simulation.micro_batch_seconds(c) for c in chunks) + reduction)
 
 
+def held_node_seconds(samples: list[tuple[float, int, int]]) -> float:
+    """The node-seconds the job held: each squeue sample's nodes until the next sample."""
+    return sum(held * (t1 - t0) for (t0, held, _), (t1, _, _) in itertools.pairwise(samples))
+
+
 def trace_segments(duration: float) -> list[tuple[str, float, float]]:
     """The trace cut at its events (`SCHEDULE`'s starts and ends, the kill at HURT_AT):
     (the event that opens the segment, from, to) in seconds from the training job's start;
@@ -328,7 +333,7 @@ def outcome(records: list[Commit], samples: list[tuple[float, int, int]], nodes:
         scheduled_free = sum((nodes - scheduled(t0)) * (t1 - t0) for (t0, _, _), (t1, _, _) in pairs)
         scheduled_progress = sum(cost * min(c.world, max(0, nodes - scheduled(c.time))) / c.world
                                  for c, cost in zip(commits, costs, strict=True))
-    return Outcome(progress=progress, held=sum(held * (t1 - t0) for (t0, held, _), (t1, _, _) in pairs),
+    return Outcome(progress=progress, held=held_node_seconds(samples),
                    free=free, steps=len(commits),
                    samples=sum(c.samples for c in commits),
                    parts=breakdown(commits, samples, progress, minimum, simulation, micro),
@@ -644,9 +649,8 @@ def main() -> None:
             goal="reported (no goal: how long the other work waits for the training job's nodes)", met=True,
             ratio=median(waits[peer]) / median(waits["tidal"]) if median(waits["tidal"]) else None,
             ratio_meaning=f"{peer} / Tidal: urgent work waits N× longer beside {peer}", note=waits_note))
-    parts = {name: {part: median([r.parts[part] / r.held if r.held else 0.0 for r in results]) for part in PARTS}
-             for name, results in runs.items()}
-    text = result_text(parts, {name: [list(r.segments) for r in results] for name, results in runs.items()})
+    text = result_text({name: [(r.parts, r.held) for r in results] for name, results in runs.items()},
+                       {name: [list(r.segments) for r in results] for name, results in runs.items()})
     write_result("goodput", rows, quick=args.quick, text=text, settings={
         "duration_s": duration, "min": MIN, "max": MAX, "repeat": repeat, "model": " ".join(MODEL),
         "simulation": " ".join(simulation_flags(simulation)), "simulated": simulation.describe(),
@@ -656,10 +660,14 @@ def main() -> None:
                                  "first_commits": r.commits} for r in results] for name, results in runs.items()}})
 
 
-def result_text(parts: dict[str, dict[str, float]], segments: dict[str, list[list[tuple[str, float, float]]]]) -> str:
+def result_text(plays: dict[str, list[tuple[dict[str, float], float]]],
+                segments: dict[str, list[list[tuple[str, float, float]]]]) -> str:
     """The paragraph RESULTS.md prints under the goodput rows: how progress is counted, where
-    each system's held node-seconds went (`parts`: medians, fractions of held) and, where
-    the plays were timed against the trace (`segments`), where each lost by trace event."""
+    each system's held node-seconds went (from each play's parts and held node-seconds:
+    medians of the fractions) and, where the plays were timed against the trace
+    (`segments`), where each lost by trace event."""
+    parts = {name: {part: median([values[part] / held if held else 0.0 for values, held in played])
+                    for part in PARTS} for name, played in plays.items()}
     text = ("Progress is what each system committed: every step counted once (a step redone after a restart "
             "once; torchft: a step its quorum committed, with its groups' shares), each at the node-seconds an "
             "ideal run on the simulated devices spends on it at that step's world size (its largest share's "
@@ -669,7 +677,7 @@ def result_text(parts: dict[str, dict[str, float]], segments: dict[str, list[lis
             "same for every system):\n\n| system | " + " | ".join(PARTS) + " |\n|---|"
             + "---|" * len(PARTS) + "\n" + "\n".join(
                 f"| {name} | " + " | ".join(f"{parts[name][part]:.1%}" for part in PARTS) + " |" for name in parts))
-    if all(plays and all(plays) for plays in segments.values()) and segments:
+    if segments and all(timed and all(timed) for timed in segments.values()):
         text += ("\n\nWhere each system lost, by trace event: from each event of the trace to the next, the "
                  "node-seconds the trace's other work left free, and those of them that did not become progress "
                  "(free minus progress; medians over the plays, each play's in brackets; a step's progress counts "
@@ -709,28 +717,24 @@ def retell(path: Path) -> None:
     print(f"goodput: rewrote the text of {path} from its plays")
 
 
-def _retold(document: dict[str, Any], simulation: Simulation) -> tuple[dict[str, dict[str, float]],
-                                                                      dict[str, list[list[tuple[str, float, float]]]]]:
-    """`retell`'s figures: each system's parts (medians of fractions of held) and each
-    play's losses by segment, from a stored result's plays."""
+def _retold(document: dict[str, Any], simulation: Simulation) -> tuple[
+        dict[str, list[tuple[dict[str, float], float]]], dict[str, list[list[tuple[str, float, float]]]]]:
+    """`retell`'s inputs to `result_text`: each play's parts with its held node-seconds, and
+    its losses by segment, from a stored result's plays."""
     micro = int(MODEL[MODEL.index("--micro-batch") + 1])
-    parts: dict[str, dict[str, float]] = {}
+    parts: dict[str, list[tuple[dict[str, float], float]]] = {}
     segments: dict[str, list[list[tuple[str, float, float]]]] = {}
     for name, plays in document["plays"].items():
-        fractions: dict[str, list[float]] = {part: [] for part in PARTS}
-        segments[name] = []
+        parts[name], segments[name] = [], []
         for play, play_parts in zip(plays, document["parts"][name], strict=True):
             samples = [(float(t), int(held), int(other)) for t, held, other in play["squeue"]]
             if len(samples) < 2:
                 raise ValueError(f"a {name} play has fewer than 2 squeue samples")
-            held = sum(nodes * (t1 - t0) for (t0, nodes, _), (t1, _, _) in itertools.pairwise(samples))
-            for part in PARTS:
-                fractions[part].append(play_parts[part] / held if held else 0.0)
+            parts[name].append((play_parts, held_node_seconds(samples)))
             commits = [Commit(*commit) for commit in play["first_commits"]]
             segments[name].append(losses_by_segment(
                 commits, samples, int(play.get("nodes") or 4), play.get("started") or samples[0][0],
                 float(document["settings"]["duration_s"]), simulation, micro))
-        parts[name] = {part: median(values) for part, values in fractions.items()}
     return parts, segments
 
 

@@ -192,9 +192,10 @@ def test_goodput_cuts_the_trace_at_its_events_and_tells_where_each_stretch_lost(
                                                                          for c in commits]}]}}))
         retell(stored)
         text = json.loads(stored.read_text())["text"]
-        fractions = {part: played.parts[part] / played.held for part in PARTS}
-        assert result_text({"tidal": fractions, "torchft": fractions},
+        assert result_text({"tidal": [(played.parts, played.held)], "torchft": [(played.parts, played.held)]},
                            {"tidal": [found], "torchft": [found]}) in text
+        fractions = " | ".join(f"{played.parts[part] / played.held:.1%}" for part in PARTS)
+        assert f"| tidal | {fractions} |" in text and f"| torchft | {fractions} |" in text
         # Another model's run is refused, its text kept.
         stored.write_text(json.dumps({"quick": False, "settings": {**settings, "model": "--width 8"}, "text": "old"}))
         with pytest.raises(SystemExit, match="another model or simulation"):
