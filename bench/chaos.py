@@ -666,7 +666,9 @@ def unexplained_leaves(events: Sequence[Seen], harm: Harm, t0: float) -> list[st
     - unit_leaving with cause `drained`: only a unit the harness drained; `preempted` and
       `requeued`: only while an urgent job ran (or, requeued, a node was down or the unit
       was hurt); `resized`: only while the harness had lowered --max; `released`: only a
-      unit a below_min_released before it named; `finished`: only after job_finishing;
+      unit a below_min_released before it named; `saving_shards` (it saves its node's
+      shards of a state split between disk and a replica set aside): only of a replica that
+      lost a unit before; `finished`: only after job_finishing;
       any other cause (`yielded`: another job's share, with no other job here): never;
     - unit_standby (left out of a world by the sizes the job allows): only while the
       harness had lowered --max; with cause `replica_incomplete` (replicas of several
@@ -712,6 +714,7 @@ def unexplained_leaves(events: Sequence[Seen], harm: Harm, t0: float) -> list[st
                 problems.append(f"{describe(event, t0)}: a healthy unit was left out of the world with no fault "
                                 "or policy to explain it")
         elif event.kind == "unit_leaving":
+            replica_broken = replica_of.get(unit, "") in broken_replicas
             out_of_the_world(unit)
             cause = event.fields.get("cause", "")
             if cause == "drained":
@@ -724,6 +727,8 @@ def unexplained_leaves(events: Sequence[Seen], harm: Harm, t0: float) -> list[st
                 ok = harm.window_at(("shrink",), at) is not None
             elif cause == "released":
                 ok = unit in released
+            elif cause == "saving_shards":
+                ok = replica_broken
             elif cause == "finished":
                 ok = finishing
             else:

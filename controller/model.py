@@ -88,6 +88,9 @@ class UnitFacts:
     joined_at: float | None = None
     # When it was asked to leave: past the grace a stop gets, it is cancelled in Slurm.
     leaving_since: float | None = None
+    # Live mode: its leave carries save_state (its workers write the state, or its node
+    # index's shards, to disk on the way out); no world without the state forms meanwhile.
+    saving_state: bool = False
     # A live member back after a controller restart with no workers, waiting for its reports.
     back_without_workers_at: float | None = None
     # While the job is FINISHING: when its session closed without it leaving.

@@ -26,7 +26,7 @@ MARK_STYLES = {
     "end": ("black", "-", "job ended"),
 }
 # A unit leaving for one of these causes was taken by Slurm or given back by the job.
-_TAKEN = {"preempted", "requeued", "yielded", "released"}
+_TAKEN = {"preempted", "requeued", "yielded", "released", "saving_shards"}
 
 
 @dataclasses.dataclass(frozen=True)

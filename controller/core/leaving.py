@@ -61,9 +61,11 @@ def _mark_leaving(t: Step, unit_id: str, cause: str, detail: str) -> None:
     t.record("unit_leaving", unit.reason, unit_id=unit_id, generation=number, fields={"cause": cause})
 
 
-def leave(t: Step, unit_id: str, cause: str, detail: str) -> None:
+def leave(t: Step, unit_id: str, cause: str, detail: str, *, save: bool = False) -> None:
     """One unit leaves: in a live world that keeps min_replicas without it, by a world
-    change at a step boundary; else its world stops (`leave_all`: several at once)."""
+    change at a step boundary; else its world stops (`leave_all`: several at once). `save`:
+    it saves what it holds of the state as it goes, whoever else holds it
+    (`save_split_state_first`); else only the last holder does."""
     state = t.state
     unit = state.units.get(unit_id)
     if unit is None or unit.state.is_final or unit.state is UnitState.LEAVING:
@@ -105,7 +107,10 @@ def leave(t: Step, unit_id: str, cause: str, detail: str) -> None:
     if connected:
         last_shard = (was_active or was_set_aside) and holds_last_shard(t, unit_id)
         save_state = (was_active and holds_last_state(t, unit_id)) or last_shard
+        if save and not save_state and held_step(t, unit_id) > 0:
+            save_state, last_shard = True, t.replica_nodes > 1
         if save_state:
+            t.note(unit, saving_state=True)
             what = (f"the last copy of its shards of the training state (node index {unit.node_index} of "
                     f"replicas of {t.replica_nodes} nodes)" if last_shard else "the last copy of the training state")
             t.record("state_saving", f"unit {unit_id} holds {what}: its workers write it to disk before leaving, "
@@ -350,3 +355,51 @@ def replace_straggler(t: Step, now: float) -> None:
         leave(t, unit_id, "straggler", "its workers compute slower than their peers (straggler_action replace)")
         return
 
+
+def save_split_state_first(t: Step, world: Sequence[str]) -> bool:
+    """Live mode: whether a new world of `world` (no generation running) must wait because
+    part of the state it resumes from is being written, or is held only by units outside it.
+
+    Under HybridSharded a unit holds only its node index's shards. When a world's last
+    holder of node 0 leaves it saves node 0's shards, and its replica's other nodes are set
+    aside with theirs in memory: the state is then half on disk, half in those processes.
+    A world none of whose members holds some node index's shards at the job's step resumes
+    from disk, where that half is not: the job failed with `state_lost` (chaos, sharded,
+    seed 300). Such a node of the stopped generation is asked to leave saving its shards
+    (one per node index, the most advanced), and the world forms once every save in flight
+    is done (`UnitFacts.saving_state`): from both halves, at the step they were saved at.
+    A unit set aside earlier, while the world trained on, holds older shards than the
+    world's own last holder saved; it is not asked."""
+    state = t.state
+    if not state.live or t.job.step <= 0:
+        return False
+    nodes = t.replica_nodes
+    held = {state.units[u].node_index if nodes > 1 else 0 for u in forming.holders(t, tuple(world))}
+    missing = set(range(nodes)) - held
+    if not missing:
+        return False
+    saving = sorted(u for u, unit in state.units.items()
+                    if unit.state is UnitState.LEAVING and unit.facts.saving_state and t.connected(u))
+    if saving:
+        t.set_state(JobState.DEGRADED, f"waiting for {join_ids(saving)} to save the state at step {t.job.step}: "
+                    "the next world resumes from it")
+        return True
+    if nodes <= 1 or state.generation is None:
+        return False
+    outside = [u for u in state.generation.unit_ids
+               if u not in world and state.units[u].state is UnitState.ACTIVE and t.connected(u)
+               and state.units[u].node_index in missing and held_step(t, u) > 0]
+    chosen: dict[int, str] = {}
+    for unit_id in sorted(outside, key=lambda u: (-held_step(t, u), u)):
+        chosen.setdefault(state.units[unit_id].node_index, unit_id)
+    if not chosen:
+        return False
+    detail = (f"the next world ({join_ids(list(world))}) holds none of node index(es) "
+              f"{', '.join(str(i) for i in sorted(chosen))}'s shards of the state at step {t.job.step}; "
+              "they are saved first and it resumes from disk")
+    for unit_id in sorted(chosen.values()):
+        leave(t, unit_id, "saving_shards", detail, save=True)
+    saving = sorted(u for u in chosen.values() if state.units[u].facts.saving_state)
+    t.set_state(JobState.DEGRADED, f"waiting for {join_ids(saving or sorted(chosen.values()))} to save the state "
+                f"at step {t.job.step}: the next world resumes from it")
+    return True

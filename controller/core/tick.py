@@ -146,6 +146,8 @@ def decide(t: Step, now: float, after: str = "") -> None:
         action = dataclasses.replace(action, joiners=tuple(u for key in action.joiners for u in expand[key]))
     match action:
         case planning.Form():
+            if not running and leaving.save_split_state_first(t, (*members, *action.joiners)):
+                return
             if after:
                 action = dataclasses.replace(action, reason=f"{after}; {action.reason}")
             forming.start_generation(t, members, action, now)

@@ -200,6 +200,20 @@ def test_a_member_dropped_from_the_next_generation_needs_a_failure_or_a_leave() 
     assert len(problems) == 1 and "member u2" in problems[0], problems
 
 
+def test_a_unit_saving_its_shards_of_a_split_state_is_explained_only_if_its_replica_lost_a_unit() -> None:
+    """Sharded chaos seed 300: u10 (replica 5, node 0) was set aside when u11, node 1 of its
+    replica, left saving node 1's shards; u10 then saved node 0's before a new replica's
+    world formed. That leave is the controller's own, and explained by the replica's loss;
+    the same cause of a unit whose replica lost nothing is not."""
+    def registered(at: float, unit_id: str, replica: str) -> Seen:
+        return event("unit_registered", at, unit_id, replica=replica)
+
+    events = [registered(1.0, "u10", "5"), registered(1.0, "u11", "5"), registered(1.0, "u12", "6"),
+              leaving(5.0, "u11", "drained"), leaving(6.0, "u10", "saving_shards"),
+              leaving(7.0, "u12", "saving_shards")]
+    problems = chaos.unexplained_leaves(events, Harm(drained={"u11": T0 + 4.9}), T0)
+    assert len(problems) == 1 and "u12" in problems[0], problems
+
 
 def test_a_member_left_out_by_the_sizes_the_job_allows_is_explained_only_by_a_lowered_max() -> None:
     """Chaos seed 8: a joiner of a world in flight was left out of the next one by a lowered

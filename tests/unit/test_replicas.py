@@ -341,3 +341,52 @@ def test_the_current_replicas_are_those_holding_the_newest_step_not_the_lagging_
     driver.beat("b", 358)
     driver.tick(0.25)
     assert current_replicas(driver.state) == {1, 2}
+
+
+def test_a_new_replica_does_not_form_a_world_without_the_shards_a_set_aside_node_holds_it_saves_them_first() -> None:
+    """HybridSharded, one replica (a: node 0, b: node 1) and a new replica (c, d) starting.
+    a is drained: it holds the last copy of node 0's shards and saves them as it leaves; b
+    is set aside with node 1's in memory. c and d registered meanwhile and make a whole
+    replica, but they hold nothing, and the disk has node 0's half only: a world of c and d
+    alone had to load a whole state that no folder held, and the job failed (chaos,
+    sharded, seed 300: state_lost at step 385). b saves its half first (a leave with
+    save_state); the world of c and d forms once it has left, and resumes from both halves
+    at the step a saved."""
+    driver = GroupedDriver()
+    driver.form("ab", replica_workers=4)
+    generation = driver.state.generation
+    assert generation is not None and generation.unit_ids == ("a", "b")
+    for u in "ab":
+        driver.beat(u, 40)
+    driver.tick(0.25)
+
+    effects = driver.feed(core.DrainRequested(("a",), uid=0))
+    assert driver.event("state_saving").unit_id == "a"
+    assert "generation_stopping" in driver.events(effects)
+    for u in "cd":
+        driver.join(u)
+    driver.tick(0.25)
+    number = generation.number
+    driver.report("b", number, launcher_pb2.GENERATION_PHASE_STOPPED, step=41)
+    effects = driver.report("a", number, launcher_pb2.GENERATION_PHASE_LEFT, step=41)
+    assert driver.state.units["a"].state is UnitState.LEFT and driver.state.job.step == 41
+    assert driver.state.generation is not None and driver.state.generation.number == number, \
+        "no world of c and d while b holds node 1's half of step 41 in memory only"
+    saves = [e for e in effects if isinstance(e, core.Send) and e.unit_id == "b"
+             and e.message.WhichOneof("body") == "generation" and e.message.generation.save_state]
+    assert len(saves) == 1, driver.events(effects)
+    assert driver.event("state_saving").unit_id == "b"
+    assert "node index 1" in driver.event("state_saving").reason
+    assert driver.state.units["b"].state is UnitState.LEAVING
+    assert driver.event("unit_leaving").unit_id == "b"
+    assert driver.event("unit_leaving").fields["cause"] == "saving_shards"
+    assert "waiting for b to save" in driver.event("job_degraded").reason
+    driver.tick(1.0)
+    assert driver.state.generation.number == number, "nor while b writes them"
+
+    driver.report("b", number, launcher_pb2.GENERATION_PHASE_LEFT, step=41)
+    assert driver.state.units["b"].state is UnitState.LEFT
+    effects = driver.tick(0.25)
+    assert driver.state.generation.unit_ids == ("c", "d")
+    assert driver.event("world_formed").fields["target_step"] == 41
+    assert "state_not_held" in driver.events(effects), "c and d load both halves from disk"
