@@ -122,9 +122,21 @@ class WorkerChannel:
 
     def wait_world(self, after_generation: int, timeout_s: float) -> World:
         """Block until the launcher names a world after `after_generation`."""
+        world = self._wait(after_generation, timeout_s, or_its_stop=False)
+        assert world is not None
+        return world
+
+    def wait_world_or_stop(self, generation: int, timeout_s: float) -> World | None:
+        """Block until the launcher names a world after `generation` (that world), or stops
+        `generation` (None: a stop comes first, even with a later world known)."""
+        return self._wait(generation, timeout_s, or_its_stop=True)
+
+    def _wait(self, after_generation: int, timeout_s: float, *, or_its_stop: bool) -> World | None:
         deadline = time.monotonic() + timeout_s
         with self._changed:
             while True:
+                if or_its_stop and self.stopped_generation >= after_generation:
+                    return None
                 world = self._next_world(after_generation)
                 if world is not None:
                     return world

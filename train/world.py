@@ -722,10 +722,19 @@ class Membership:
         """The ranks agreed to change worlds after this step: wait for this rank's copy of
         the new world (it is on its way) and join it, or leave."""
         assert self.channel is not None and self.world is not None
+        generation = self.world.generation
         try:
-            world = self.channel.wait_world(after_generation=self.world.generation, timeout_s=self.timeout_s)
+            world = self.channel.wait_world_or_stop(generation, timeout_s=self.timeout_s)
         except (ChannelClosed, TimeoutError) as error:
             raise RuntimeError(f"peers agreed on a world change this rank never heard of: {error}") from error
+        if world is None:
+            # The change was a peer's leave, and without it the world is below min_replicas:
+            # the controller stops this rank's generation rather than name it a world. It
+            # says it stopped, keeping the state, and waits for the next world; waiting for
+            # a world of its own here held it until the launcher's stop timed out and killed
+            # it, and its shards were lost (chaos, sharded, seed 301).
+            self.recover(f"the launcher stopped generation {generation} after the agreed step")
+            return
         decision = decide(self.phase, world)
         if isinstance(decision, Leave):
             self.leave(decision)

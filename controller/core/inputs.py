@@ -166,7 +166,7 @@ def on_said(t: Step, unit_id: str, message: launcher_pb2.LauncherMessage) -> Non
         if report.phase == launcher_pb2.GENERATION_PHASE_LEFT:
             unit = state.units.get(unit_id)
             if (state.live and report.step > t.job.step and report.generation == t.job.generation
-                    and unit is not None and unit.state is UnitState.LEAVING):
+                    and unit is not None and unit.state is UnitState.LEAVING and unit.facts.saving_state):
                 # It saved the state at that step before leaving (save_state): every rank
                 # had committed it, and the next world's target is that step, not the
                 # heartbeats' older figure.

@@ -145,6 +145,9 @@ def release_below_min(t: Step, now: float) -> None:
     since = max([state.degraded_since or now, *(state.units[u].facts.joined_at or 0.0 for u in holding)])
     if not (state.live and state.slurm_units):
         return
+    if saves_in_flight(t):
+        # A world waits for them (`save_split_state_first`), or the holders go anyway.
+        return
     decision = planning.release_below_min(
         below_min_since=since, now=now, release_after_s=t.config.below_min_release_s, holding=len(holding),
         blocked_since=state.blocked_below_min_since, blocked_seen_at=state.blocked_below_min_seen_at,
@@ -356,6 +359,14 @@ def replace_straggler(t: Step, now: float) -> None:
         return
 
 
+def saves_in_flight(t: Step) -> list[str]:
+    """Units whose leave carries save_state and whose save is not done: leaving, connected,
+    and not overdue (`cancel_overdue_leavers` gives up on a leaver: its save ends no wait)."""
+    return sorted(u for u, unit in t.state.units.items()
+                  if unit.state is UnitState.LEAVING and unit.facts.saving_state
+                  and unit.facts.leaving_since is not None and t.connected(u))
+
+
 def save_split_state_first(t: Step, world: Sequence[str]) -> bool:
     """Live mode: whether a new world of `world` (no generation running) must wait because
     part of the state it resumes from is being written, or is held only by units outside it.
@@ -363,43 +374,55 @@ def save_split_state_first(t: Step, world: Sequence[str]) -> bool:
     Under HybridSharded a unit holds only its node index's shards. When a world's last
     holder of node 0 leaves it saves node 0's shards, and its replica's other nodes are set
     aside with theirs in memory: the state is then half on disk, half in those processes.
-    A world none of whose members holds some node index's shards at the job's step resumes
-    from disk, where that half is not: the job failed with `state_lost` (chaos, sharded,
-    seed 300). Such a node of the stopped generation is asked to leave saving its shards
-    (one per node index, the most advanced), and the world forms once every save in flight
-    is done (`UnitFacts.saving_state`): from both halves, at the step they were saved at.
-    A unit set aside earlier, while the world trained on, holds older shards than the
-    world's own last holder saved; it is not asked."""
+    A world none of whose members holds node 1's shards that new resumes from disk, where
+    that half is not: the job failed with `state_lost` (chaos, sharded, seed 300). Such a
+    node of the stopped generation is asked to leave saving its shards (per node index, the
+    most advanced), and the world forms once every save in flight newer than what it holds
+    is done (`saves_in_flight`): from both halves, at the step they were saved at.
+
+    Steps are compared per node index, as `holds_last_shard` does: an outside unit is asked
+    only if it holds a newer step than every member of its node index (a heartbeat a step
+    behind may ask one needlessly; never too few). A unit set aside earlier, while the world
+    trained on, is not asked: the world's own last holder of its node index saved newer
+    shards. A saver not heard from since a controller restart (step 0) is waited for."""
     state = t.state
-    if not state.live or t.job.step <= 0:
+    if not state.live:
         return False
     nodes = t.replica_nodes
-    held = {state.units[u].node_index if nodes > 1 else 0 for u in forming.holders(t, tuple(world))}
-    missing = set(range(nodes)) - held
-    if not missing:
-        return False
-    saving = sorted(u for u, unit in state.units.items()
-                    if unit.state is UnitState.LEAVING and unit.facts.saving_state and t.connected(u))
+
+    def index(unit_id: str) -> int:
+        return state.units[unit_id].node_index if nodes > 1 else 0
+
+    in_world: dict[int, int] = {}
+    for unit_id in world:
+        if t.connected(unit_id):
+            in_world[index(unit_id)] = max(in_world.get(index(unit_id), 0), held_step(t, unit_id))
+
+    def newer(unit_id: str) -> bool:
+        step = held_step(t, unit_id)
+        return step == 0 or step > in_world.get(index(unit_id), 0)
+
+    saving = [u for u in saves_in_flight(t) if newer(u)]
     if saving:
-        t.set_state(JobState.DEGRADED, f"waiting for {join_ids(saving)} to save the state at step {t.job.step}: "
-                    "the next world resumes from it")
+        t.set_state(JobState.DEGRADED, f"waiting for {join_ids(saving)} to save the training state: the next "
+                    "world resumes from it")
         return True
-    if nodes <= 1 or state.generation is None:
+    if nodes <= 1 or state.generation is None or t.job.step <= 0:
         return False
+    chosen: dict[int, str] = {}
     outside = [u for u in state.generation.unit_ids
                if u not in world and state.units[u].state is UnitState.ACTIVE and t.connected(u)
-               and state.units[u].node_index in missing and held_step(t, u) > 0]
-    chosen: dict[int, str] = {}
+               and held_step(t, u) > 0 and newer(u)]
     for unit_id in sorted(outside, key=lambda u: (-held_step(t, u), u)):
-        chosen.setdefault(state.units[unit_id].node_index, unit_id)
+        chosen.setdefault(index(unit_id), unit_id)
     if not chosen:
         return False
-    detail = (f"the next world ({join_ids(list(world))}) holds none of node index(es) "
-              f"{', '.join(str(i) for i in sorted(chosen))}'s shards of the state at step {t.job.step}; "
-              "they are saved first and it resumes from disk")
+    detail = (f"the next world ({join_ids(list(world))}) holds no shards of node index(es) "
+              f"{', '.join(str(i) for i in sorted(chosen))} as new as this unit's (step "
+              f"{max(held_step(t, u) for u in chosen.values())}); they are saved first and it resumes from them")
     for unit_id in sorted(chosen.values()):
         leave(t, unit_id, "saving_shards", detail, save=True)
-    saving = sorted(u for u in chosen.values() if state.units[u].facts.saving_state)
-    t.set_state(JobState.DEGRADED, f"waiting for {join_ids(saving or sorted(chosen.values()))} to save the state "
-                f"at step {t.job.step}: the next world resumes from it")
+    saving = saves_in_flight(t)
+    t.set_state(JobState.DEGRADED, f"waiting for {join_ids(saving or sorted(chosen.values()))} to save the "
+                "training state: the next world resumes from it")
     return True

@@ -139,7 +139,9 @@ def note_blocked_below_min(t: Step, view: ClusterView, seen: float, alive: list[
     (`leaving.release_below_min`). `seen`: when the view was taken, on the monotonic
     clock."""
     state = t.state
-    if not state.live or t.job.state is not JobState.DEGRADED or state.released_below_min:
+    if (not state.live or t.job.state is not JobState.DEGRADED or state.released_below_min
+            or leaving.saves_in_flight(t)):
+        # (While a save is in flight the next world waits for it: not blocked.)
         state.blocked_below_min_since = state.blocked_below_min_seen_at = None
         return
     # A node whose last job is completing (IDLE+COMPLETING) is idle in a moment.

@@ -490,6 +490,10 @@ def restore(job: JobRecord, units: list[UnitRecord], generation: GenerationRecor
             deferred_leave=(str(leave[0]), str(leave[1])) if leave and not unit.state.is_final else None,
             # A unit that was asked to leave before the restart: its grace starts again now.
             leaving_since=now.monotonic if unit.state is UnitState.LEAVING else None,
+            # Whether its leave carries save_state is not kept: a member leaving may be
+            # saving, and a world without the state waits for it (bounded by that grace).
+            saving_state=(unit.state is UnitState.LEAVING and generation is not None
+                          and generation.member(unit_id) is not None),
             finishing_workers=finishing_members.get(unit_id))
     if job.state is JobState.RECONFIGURING and generation is not None and not generation_stopped:
         members = {m.unit_id for m in generation.members if not state.units[m.unit_id].state.is_final}

@@ -390,3 +390,82 @@ def test_a_new_replica_does_not_form_a_world_without_the_shards_a_set_aside_node
     assert driver.state.generation.unit_ids == ("c", "d")
     assert driver.event("world_formed").fields["target_step"] == 41
     assert "state_not_held" in driver.events(effects), "c and d load both halves from disk"
+
+
+def split_state(driver: GroupedDriver) -> int:
+    """Replica 1 (a, b) trains at step 40; a is drained and saves node 0's half at 41 while
+    c and d (replica 2) register; b is left with node 1's half. The stopped generation's
+    number."""
+    driver.form("ab", replica_workers=4)
+    generation = driver.state.generation
+    assert generation is not None
+    for u in "ab":
+        driver.beat(u, 40)
+    driver.tick(0.25)
+    driver.feed(core.DrainRequested(("a",), uid=0))
+    for u in "cd":
+        driver.join(u)
+    driver.tick(0.25)
+    driver.report("b", generation.number, launcher_pb2.GENERATION_PHASE_STOPPED, step=41)
+    driver.report("a", generation.number, launcher_pb2.GENERATION_PHASE_LEFT, step=41)
+    assert driver.state.units["b"].state is UnitState.LEAVING and driver.state.units["b"].facts.saving_state
+    return generation.number
+
+
+def test_while_a_split_state_is_saved_the_waiting_world_is_not_given_back_below_min() -> None:
+    """The job is degraded while b saves; a release below min_replicas then would give back
+    the new replica that only waits for the save (below_min_release_s here 3 s, Slurm units
+    on, b slower than that)."""
+    driver = GroupedDriver(below_min_release_s=3.0)
+    driver.state.slurm_units = True
+    split_state(driver)
+    effects = []
+    for _ in range(4):
+        driver.beat("b", 40)
+        effects += driver.tick(1.0)
+    assert "below_min_released" not in driver.events(effects)
+    assert {u: driver.state.units[u].state for u in "cd"} == {"c": UnitState.JOINING, "d": UnitState.JOINING}
+
+
+def test_a_save_that_never_ends_holds_the_next_world_only_until_the_leave_is_overdue() -> None:
+    """b's launcher stays connected but never says LEFT: once its leave is overdue (the grace
+    a stop gets: `unit_leave_overdue`), the world of c and d forms without waiting on."""
+    driver = GroupedDriver()
+    number = split_state(driver)
+    formed_at = None
+    for second in range(1, 61):
+        driver.beat("b", 40)
+        effects = driver.tick(1.0)
+        if "world_formed" in driver.events(effects):
+            formed_at = second
+            break
+    assert formed_at is not None, "the next world waits for ever"
+    assert "unit_leave_overdue" in driver.events()
+    assert driver.state.generation is not None and driver.state.generation.number > number
+    assert driver.state.generation.unit_ids == ("c", "d")
+
+
+def test_a_set_aside_node_whose_shards_a_member_of_the_next_world_holds_as_new_is_not_asked_to_save() -> None:
+    """Two replicas and min_replicas 2: a (node 0 of replica 1) is drained; c, node 0 of
+    replica 2, holds the same shards, so a saves nothing and the world stops (one replica is
+    below min). With a third replica (e, f) ready, the next world is c, d, e, f: it holds
+    both node indices as new as b does, and b is set aside, not asked to leave."""
+    driver = GroupedDriver().two_replicas()
+    driver.state.job.spec.min_replicas = 2
+    generation = driver.state.generation
+    assert generation is not None
+    for u in "abcd":
+        driver.beat(u, 40)
+    driver.tick(0.25)
+    effects = driver.feed(core.DrainRequested(("a",), uid=0))
+    assert "state_saving" not in driver.events(effects) and "generation_stopping" in driver.events(effects)
+    for u in "ef":
+        driver.join(u)
+    driver.tick(0.25)
+    for u in "bcd":
+        driver.report(u, generation.number, launcher_pb2.GENERATION_PHASE_STOPPED, step=41)
+    effects = driver.report("a", generation.number, launcher_pb2.GENERATION_PHASE_LEFT, step=41)
+    assert driver.state.job.step == 40, "a saved nothing: its LEFT step does not move the target"
+    assert driver.state.generation.unit_ids == ("c", "d", "e", "f")
+    assert "saving_shards" not in [(e.fields or {}).get("cause") for e in effects if isinstance(e, core.Record)]
+    assert driver.state.units["b"].state is UnitState.JOINING
