@@ -253,6 +253,35 @@ def test_a_world_change_the_ranks_agreed_on_can_be_a_leave() -> None:
     assert channel.said == [Left(generation=3, step=12, saved_to="")] and saved == [False]
 
 
+def test_a_rank_whose_generation_is_stopped_after_the_agreed_step_says_it_stopped_and_waits_with_its_state() -> None:
+    """A peer announced its leave (saving its shards) and the ranks agreed to change worlds
+    after the step; without it the world is below min_replicas, so this rank's launcher
+    gets a stop of generation 2, not a world. The rank says it stopped and waits for the
+    next world, which it forms with the state it holds. It used to wait for a world of its
+    own until the launcher's stop timed out and killed it (chaos, sharded, seed 301)."""
+    channel = QueuedChannel()
+    membership = _membership(channel, _world(2), Phase.TRAINING, [])
+    formed: list[int] = []
+    membership.form = lambda world: formed.append(world.generation)  # type: ignore[method-assign]
+
+    def launcher() -> None:
+        time.sleep(0.05)
+        with channel._changed:
+            channel.stopped_generation = 2
+            channel._changed.notify_all()
+        time.sleep(0.05)
+        with channel._changed:
+            channel.worlds[3] = _world(3)
+            channel._changed.notify_all()
+
+    threading.Thread(target=launcher, daemon=True).start()
+    started = time.monotonic()
+    membership.move_on()
+    assert time.monotonic() - started < membership.timeout_s / 2, "it waited for a world the stop ruled out"
+    assert channel.said == [Stopped(generation=2, step=12)]
+    assert formed == [3] and membership.counters.step == 12
+
+
 def test_a_fixed_world_does_not_recover() -> None:
     membership = _membership(QueuedChannel(), _world(0, world_size=1), Phase.TRAINING, [])
     membership.channel = None
