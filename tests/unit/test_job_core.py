@@ -332,6 +332,38 @@ def test_completion_happens_once_after_the_last_step_and_late_exits_are_no_failu
     assert driver.events().count("job_completed") == 1 and driver.state.job.state is JobState.COMPLETED
 
 
+def test_the_last_step_committed_in_the_old_world_of_a_grow_a_restart_cut_short_completes_without_the_joiners() -> None:
+    """Sharded chaos seed 302: a and b train in generation 1; c joins and generation 2 (the
+    grow, target step 40) is committed and sent; the controller restarts before the change
+    is done, so it knows generation 2 only. a and b commit the last step in generation 1 and
+    exit 0. c never trained: it is told to leave, and the job completes. It used to wait for
+    c as a member of the finished world, FINISHING until it was cancelled."""
+    driver = Driver(min_replicas=1)
+    formed(driver, "a", "b")
+    for unit in "ab":
+        driver.beat(unit, 40)
+    driver.tick(0.25)
+    driver.connect("c")
+    driver.tick(1.0)
+    generation = driver.state.generation
+    assert generation is not None and generation.number == 2 and driver.state.changing is not None
+    assert generation.unit_ids == ("a", "b", "c") and generation.resume_step == 40
+    driver.state = core.restore(dataclasses.replace(driver.state.job), list(driver.state.units.values()), generation,
+                                generation_stopped=False, pending={}, config=CONFIG, now=driver.now)
+    for unit in "abc":
+        driver.connect(unit, last_generation=1 if unit != "c" else 2, workers=(4000,))
+    for unit in "ab":
+        driver.beat(unit, 58)
+    driver.beat("c", 40)
+    driver.tick(0.25)
+    effects = driver.report("a", 1, launcher_pb2.GENERATION_PHASE_FINISHED, step=60)
+    assert driver.state.job.state is JobState.FINISHING
+    assert sent(effects, "c") == ["leave"], "c was never in the world that finished"
+    driver.exit("a", 1, code=0)
+    driver.exit("b", 1, code=0)
+    assert driver.state.job.state is JobState.COMPLETED, driver.events()
+
+
 def test_a_unit_that_registers_after_the_last_step_is_sent_away() -> None:
     driver = Driver(min_replicas=1)
     formed(driver, "a")
