@@ -179,9 +179,11 @@ class JobActor:
         # session is taken in (`replicas.slot_for`).
         self.reserved_slots: dict[str, replicas.Slot] = {}
         now = core.Now(monotonic=started_at, wall=time.time() - (time.monotonic() - started_at))
+        before = (store.generation(job.job_id, generation.number - 1)
+                  if generation is not None and generation.number > 1 and not job.state.is_final else None)
         self.state = core.restore(job, units, generation, generation_stopped=generation_stopped,
                                   pending=store.pending(job.job_id), config=config, now=now,
-                                  slurm_units=slurm is not None)
+                                  slurm_units=slurm is not None, previous=before[0] if before else None)
         self._slurm = slurm
         # Asks the controller for a Slurm poll soon (`Controller.poll_soon`; set by it).
         self.ask_for_poll: Callable[[], None] = lambda: None

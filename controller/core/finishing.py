@@ -38,15 +38,6 @@ def begin_finishing(t: Step, unit_id: str, generation: int, step: int, reason: s
     t.emit(SaveJob(t.job))
     t.record("job_finishing", reason, unit_id=unit_id, generation=generation, fields={"step": t.job.step})
     members = {m.unit_id: m.world_share for m in finished_world.members} if finished_world is not None else {}
-    if finished_world is not None and finished_world.number > generation:
-        # The last step was committed in an older world than the newest this controller
-        # knows: the newest is a live change it did not see through (a restart lost the
-        # change in flight, and with it that older world's record). Its members that trained
-        # past the change's target step are the finished world; its joiners never did, and
-        # waiting for them kept the job FINISHING for ever (sharded chaos, seed 302).
-        trained = {m.unit_id: m.world_share for m in finished_world.members
-                   if m.unit_id == unit_id or leaving.held_step(t, m.unit_id) > finished_world.resume_step}
-        members = trained or members
     for member_id, unit in list(state.units.items()):
         if unit.facts.finishing_workers != members.get(member_id):
             t.note(unit, finishing_workers=members.get(member_id))
@@ -63,12 +54,20 @@ def begin_finishing(t: Step, unit_id: str, generation: int, step: int, reason: s
 
 
 def world_of(t: Step, generation: int) -> GenerationRecord | None:
-    """The generation numbered `generation`, if it is the newest one or the one a live
-    change in flight leaves; else the newest one."""
-    pending = t.state.changing
+    """The generation numbered `generation`, if it is the newest one, the one a live change
+    in flight leaves, or the one before the newest as SQLite held it at this controller's
+    start (a live change a restart cut short: its joiners were never in the world that
+    finished, and waiting for them kept the job FINISHING for ever, sharded chaos seed
+    302); else the newest one."""
+    state = t.state
+    pending = state.changing
     if pending is not None and pending.previous is not None and pending.previous.number == generation:
         return pending.previous
-    return t.state.generation
+    before = state.restored_previous
+    if (before is not None and before.number == generation and state.generation is not None
+            and state.generation.number == generation + 1):
+        return before
+    return state.generation
 
 
 def on_exit_after_finish(t: Step, unit_id: str, exited: launcher_pb2.WorkerExited) -> None:

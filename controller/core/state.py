@@ -352,6 +352,10 @@ class State:
     config: ControllerConfig
     # Whether this controller runs the job's units as Slurm jobs.
     slurm_units: bool = False
+    # The generation before `generation` as SQLite held it at this controller's start: a
+    # live change in flight then is not resumed, and the world it left may be the one that
+    # finishes (`finishing.world_of`). None when not restored so.
+    restored_previous: GenerationRecord | None = None
     # What the connected launchers' heartbeats said, as of the last tick (an observation
     # delivered with the tick, not a membership fact). Never changed in place, only
     # replaced (`Step.forget_link`): transitions share it rather than copy it.
@@ -457,11 +461,15 @@ class State:
 
 
 def restore(job: JobRecord, units: list[UnitRecord], generation: GenerationRecord | None, *, generation_stopped: bool,
-            pending: Mapping[str, object], config: ControllerConfig, now: Now, slurm_units: bool = False) -> State:
+            pending: Mapping[str, object], config: ControllerConfig, now: Now, slurm_units: bool = False,
+            previous: GenerationRecord | None = None) -> State:
     """The state of a job as SQLite holds it, at a controller's start: what was in flight
     (`pending`: node cool-downs, deferred leaves, the finishing world) resumes; a stop cut
-    short finishes with whoever comes back."""
+    short finishes with whoever comes back. `previous`: the generation before `generation`
+    (a live change in flight was not kept: the world it left may still be the one
+    training, and finish)."""
     state = State(job=job, units={u.unit_id: u for u in units}, generation=generation, config=config,
+                  restored_previous=previous,
                   slurm_units=slurm_units, generation_started_at=now.monotonic,
                   reconnect_deadline=now.monotonic + config.reconnect_grace_s,
                   # Below min: the release waits are counted again from the start (how long

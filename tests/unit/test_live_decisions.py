@@ -479,3 +479,36 @@ def test_the_history_follows_the_world_that_trains_not_a_joiner_still_starting(h
     assert sample_after(2, step=44, samples=1408, loss=0.25) == (2, 44, 1408, 0.25)
     kept = harness.store.progress("live-1")
     assert [(s.world_size, s.step) for s in kept][-2:] == [(2, 40), (2, 44)]
+
+
+def test_after_a_restart_cut_a_grow_short_the_old_world_finishing_completes_the_job_and_sends_the_joiner_away(
+        harness: Harness) -> None:
+    """Sharded chaos seed 302, through SQLite: c joins, generation 2 (the grow) is committed,
+    and the controller restarts before c is ready. The restarted controller reads generation
+    1 back as the world before it: a and b commit the last step there and exit 0, c is sent
+    away, and the job completes (it stayed FINISHING, waiting for c)."""
+    harness.connect("c", 1003)
+    harness.tick()
+    assert harness.actor.job.generation == 2
+    job = harness.store.jobs()[0]
+    generation, _ = harness.store.generation(job.job_id, job.generation)
+    harness.actor = JobActor(job, harness.store.units(job.job_id), generation, generation_stopped=False,
+                             config=harness.config, store=harness.store, events=EventLog(harness.store),
+                             metrics=ControllerMetrics(), started_at=time.monotonic())
+    now = time.monotonic()
+    for unit, last, pids in (("a", 1, [4242]), ("b", 1, [4343]), ("c", 2, [4444])):
+        session = LauncherSession(job_id="live-1", unit_id=unit, opened_at=now, last_heartbeat_at=now,
+                                  store_port=1, worker_pids=tuple(pids))
+        harness.sessions[unit] = session
+        harness.actor.handle(Connected(session, launcher_pb2.Register(
+            job_id="live-1", unit_id=unit, secret="s", nodes=[f"node-{unit}"], address="127.0.0.1",
+            last_generation=last, worker_pids=pids)))
+    for unit in "abc":
+        harness.outbox(unit)
+    harness.report("a", 1, launcher_pb2.GENERATION_PHASE_FINISHED, step=600)
+    assert harness.actor.job.state is JobState.FINISHING
+    assert harness.outbox("c") == ["leave"] and harness.outbox("a") == [] and harness.outbox("b") == []
+    for unit, pid in (("a", 4242), ("b", 4343)):
+        harness.say(unit, worker_exited=launcher_pb2.WorkerExited(generation=1, local_rank=0, pid=pid, exit_code=0))
+    assert harness.actor.job.state is JobState.COMPLETED
+    assert harness.kinds().count("job_completed") == 1
