@@ -730,10 +730,17 @@ class Membership:
         if world is None:
             # The change was a peer's leave, and without it the world is below min_replicas:
             # the controller stops this rank's generation rather than name it a world. It
-            # says it stopped, keeping the state, and waits for the next world; waiting for
-            # a world of its own here held it until the launcher's stop timed out and killed
-            # it, and its shards were lost (chaos, sharded, seed 301).
-            self.recover(f"the launcher stopped generation {generation} after the agreed step")
+            # says it stopped after the agreed step (nothing broke, no step abandoned),
+            # keeping the state, and waits for the next world; waiting for a world of its
+            # own here held it until the launcher's stop timed out and killed it, and its
+            # shards were lost (chaos, sharded, seed 301).
+            self.phase = Phase.BROKEN
+            self.close_groups()
+            self.log.info("stopped", generation=generation, step=self.counters.step)
+            self.ledger.write("stopped", generation=generation, step=self.counters.step)
+            failed = self._wait_and_form(generation)
+            if failed is not None:
+                self.recover(failed)
             return
         decision = decide(self.phase, world)
         if isinstance(decision, Leave):
