@@ -685,13 +685,19 @@ class Membership:
     def stand_aside(self, decision: StandAside) -> None:
         """Out of the world after the agreed step, not out of the job: leave the old world's
         groups and wait for the next world that names this rank, keeping the state."""
+        self._out_after_agreed_step("set_aside", decision.world.generation)
+
+    def _out_after_agreed_step(self, kind: str, named_in: int) -> None:
+        """Out of the world after the agreed step (nothing broke, no step abandoned): leave
+        the groups as for a planned change, record `kind`, and wait, keeping the state, for
+        the next world after `named_in` that names this rank."""
         assert self.world is not None
         generation = self.world.generation
         self.phase = Phase.BROKEN
         self.close_groups()
-        self.log.info("set_aside", generation=generation, named_in=decision.world.generation, step=self.counters.step)
-        self.ledger.write("set_aside", generation=generation, step=self.counters.step)
-        failed = self._wait_and_form(max(generation, decision.world.generation))
+        self.log.info(kind, generation=generation, named_in=named_in, step=self.counters.step)
+        self.ledger.write(kind, generation=generation, step=self.counters.step)
+        failed = self._wait_and_form(max(generation, named_in))
         if failed is not None:
             self.recover(failed)
 
@@ -730,17 +736,10 @@ class Membership:
         if world is None:
             # The change was a peer's leave, and without it the world is below min_replicas:
             # the controller stops this rank's generation rather than name it a world. It
-            # says it stopped after the agreed step (nothing broke, no step abandoned),
-            # keeping the state, and waits for the next world; waiting for a world of its
-            # own here held it until the launcher's stop timed out and killed it, and its
-            # shards were lost (chaos, sharded, seed 301).
-            self.phase = Phase.BROKEN
-            self.close_groups()
-            self.log.info("stopped", generation=generation, step=self.counters.step)
-            self.ledger.write("stopped", generation=generation, step=self.counters.step)
-            failed = self._wait_and_form(generation)
-            if failed is not None:
-                self.recover(failed)
+            # says it stopped, keeping the state, and waits for the next world; waiting for
+            # a world of its own here held it until the launcher's stop timed out and killed
+            # it, and its shards were lost (chaos, sharded, seed 301).
+            self._out_after_agreed_step("stopped", generation)
             return
         decision = decide(self.phase, world)
         if isinstance(decision, Leave):

@@ -403,26 +403,23 @@ def save_split_state_first(t: Step, world: Sequence[str]) -> bool:
         return step == 0 or step > in_world.get(index(unit_id), 0)
 
     saving = [u for u in saves_in_flight(t) if newer(u)]
-    if saving:
-        t.set_state(JobState.DEGRADED, f"waiting for {join_ids(saving)} to save the training state: the next "
-                    "world resumes from it")
-        return True
-    if nodes <= 1 or state.generation is None or t.job.step <= 0:
-        return False
-    chosen: dict[int, str] = {}
-    outside = [u for u in state.generation.unit_ids
-               if u not in world and state.units[u].state is UnitState.ACTIVE and t.connected(u)
-               and held_step(t, u) > 0 and newer(u)]
-    for unit_id in sorted(outside, key=lambda u: (-held_step(t, u), u)):
-        chosen.setdefault(index(unit_id), unit_id)
-    if not chosen:
-        return False
-    detail = (f"the next world ({join_ids(list(world))}) holds no shards of node index(es) "
-              f"{', '.join(str(i) for i in sorted(chosen))} as new as this unit's (step "
-              f"{max(held_step(t, u) for u in chosen.values())}); they are saved first and it resumes from them")
-    for unit_id in sorted(chosen.values()):
-        leave(t, unit_id, "saving_shards", detail, save=True)
-    saving = saves_in_flight(t)
-    t.set_state(JobState.DEGRADED, f"waiting for {join_ids(saving or sorted(chosen.values()))} to save the "
-                "training state: the next world resumes from it")
+    if not saving:
+        if nodes <= 1 or state.generation is None or t.job.step <= 0:
+            return False
+        chosen: dict[int, str] = {}
+        outside = [u for u in state.generation.unit_ids
+                   if u not in world and state.units[u].state is UnitState.ACTIVE and t.connected(u)
+                   and held_step(t, u) > 0 and newer(u)]
+        for unit_id in sorted(outside, key=lambda u: (-held_step(t, u), u)):
+            chosen.setdefault(index(unit_id), unit_id)
+        if not chosen:
+            return False
+        detail = (f"the next world ({join_ids(list(world))}) holds no shards of node index(es) "
+                  f"{', '.join(str(i) for i in sorted(chosen))} as new as this unit's (step "
+                  f"{max(held_step(t, u) for u in chosen.values())}); they are saved first and it resumes from them")
+        for unit_id in sorted(chosen.values()):
+            leave(t, unit_id, "saving_shards", detail, save=True)
+        saving = saves_in_flight(t) or sorted(chosen.values())
+    t.set_state(JobState.DEGRADED, f"waiting for {join_ids(saving)} to save the training state: the next world "
+                "resumes from it")
     return True
