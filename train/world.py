@@ -731,10 +731,19 @@ class Membership:
         generation = self.world.generation
         try:
             world = self.channel.wait_world_or_stop(generation, timeout_s=self.timeout_s)
-        except (ChannelClosed, TimeoutError) as error:
+        except ChannelClosed as error:
             raise RuntimeError(f"peers agreed on a world change this rank never heard of: {error}") from error
+        except TimeoutError:
+            # Neither the world nor a stop within timeout_s: the controller is away (a
+            # restart, an upgrade). The agreed step is committed and this rank's memory
+            # holds the training state: it says it stopped and waits for the next world as
+            # long as its launcher lives, as a rank of a world below min_replicas does. It
+            # used to end here with the state (and with it, under HybridSharded, possibly
+            # the last copy of its shards).
+            self.log.warning("world_late", generation=generation, step=self.counters.step, waited_s=self.timeout_s)
+            world = None
         if world is None:
-            # The change was a peer's leave, and without it the world is below min_replicas:
+            # (Or a stop:) the change was a peer's leave, and without it the world is below min_replicas:
             # the controller stops this rank's generation rather than name it a world. It
             # says it stopped, keeping the state, and waits for the next world; waiting for
             # a world of its own here held it until the launcher's stop timed out and killed

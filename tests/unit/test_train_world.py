@@ -282,6 +282,38 @@ def test_a_rank_whose_generation_is_stopped_after_the_agreed_step_says_it_stoppe
     assert formed == [3] and membership.counters.step == 12
 
 
+def test_a_rank_that_hears_neither_the_agreed_world_nor_a_stop_within_its_timeout_waits_on_with_its_state() -> None:
+    """The ranks agreed to change worlds after the step, and the controller went away
+    before this rank's launcher got the new world (a restart, an upgrade). After the
+    library's timeout the rank says it stopped and waits, keeping the state, for as long
+    as its launcher lives; the world that comes once the controller is back is formed
+    with it. It used to raise there and end with the state."""
+    channel = QueuedChannel()
+    membership = _membership(channel, _world(2), Phase.TRAINING, [])
+    membership.timeout_s = 0.2
+    formed: list[int] = []
+    membership.form = lambda world: formed.append(world.generation)  # type: ignore[method-assign]
+
+    def controller_back() -> None:
+        time.sleep(0.6)
+        with channel._changed:
+            channel.worlds[3] = _world(3)
+            channel._changed.notify_all()
+
+    threading.Thread(target=controller_back, daemon=True).start()
+    membership.move_on()
+    assert channel.said == [Stopped(generation=2, step=12)]
+    assert formed == [3] and membership.counters.step == 12
+
+
+def test_a_rank_whose_launcher_goes_while_it_waits_for_the_agreed_world_ends() -> None:
+    channel = QueuedChannel()
+    membership = _membership(channel, _world(2), Phase.TRAINING, [])
+    channel.closed = True
+    with pytest.raises(RuntimeError, match="peers agreed on a world change this rank never heard of"):
+        membership.move_on()
+
+
 def test_a_fixed_world_does_not_recover() -> None:
     membership = _membership(QueuedChannel(), _world(0, world_size=1), Phase.TRAINING, [])
     membership.channel = None
