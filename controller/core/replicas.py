@@ -110,6 +110,39 @@ def incomplete_replicas(units: Mapping[str, UnitRecord], nodes: int) -> dict[int
             if len(ids) < nodes}
 
 
+def merged_replicas(units: Mapping[str, UnitRecord], unit_ids: Iterable[str], nodes: int) -> dict[str, Slot]:
+    """Of `unit_ids` (live units outside any running world), those of incomplete replicas
+    that together make whole ones: unit → its new slot, in a replica numbered after every
+    one the job has had (never a number a leaving unit still holds). Node index by node
+    index, the units of the lowest replicas first; what is left waits as before. A unit
+    keeps its node index, so its workers' shard ranks do not change (`TIDAL_NODE_INDEX`):
+    only the replica they are grouped in does, which the workers take from each world's
+    rank table. Two replicas each left with the other's half then train on as one
+    rather than give their nodes back; the newest shards of each index come from the
+    units that hold them, in memory or saved as they left (`leaving.save_split_state_first`)."""
+    if nodes <= 1:
+        return {}
+    ids = list(unit_ids)
+    whole = {u for members in complete(units, ids, nodes).values() for u in members}
+    by_index: dict[int, list[tuple[int, str]]] = {}
+    for unit_id in ids:
+        unit = units[unit_id]
+        if unit_id not in whole and unit.replica > 0 and 0 <= unit.node_index < nodes:
+            by_index.setdefault(unit.node_index, []).append((unit.replica, unit_id))
+    # (Only units of different replicas merge: two of one replica at one index do not exist.)
+    merged: dict[str, Slot] = {}
+    highest = max((u.replica for u in units.values()), default=0)
+    while all(by_index.get(index) for index in range(nodes)):
+        picked = [min(by_index[index]) for index in range(nodes)]
+        if len({replica for replica, _ in picked}) == 1:
+            break  # a replica whole on its own (not here: `whole` took it)
+        highest += 1
+        for index, (replica, unit_id) in enumerate(picked):
+            by_index[index].remove((replica, unit_id))
+            merged[unit_id] = Slot(highest, index)
+    return merged
+
+
 def slot_for(units: Mapping[str, UnitRecord], spec: admin_pb2.JobSpec, unit_id: str,
              reserved: Mapping[str, Slot], current: Collection[int] = ()) -> Slot | None:
     """The slot a registering launcher of `unit_id` is told (None: the job is not grouped):

@@ -19,6 +19,7 @@ from tidal.controller.core import (
 from tidal.controller.core.progress import MemberProgress, committed_step
 from tidal.controller.core.state import (
     SaveJob,
+    SaveUnit,
 )
 from tidal.controller.core.step import Step
 from tidal.controller.model import JobState, UnitState
@@ -112,6 +113,8 @@ def decide(t: Step, now: float, after: str = "") -> None:
     # joins once every one of its nodes is ready), then expanded to their units.
     expand: dict[str, tuple[str, ...]] = {u: (u,) for u in joiners}
     member_keys = members
+    if nodes > 1 and not running:
+        merge_halves(t, (*members, *joiners))
     if nodes > 1:
         whole_members = replicas.whole_replicas_only(state.units, members, nodes)
         # A member of a replica that is not whole among the members (its lost node's place
@@ -162,6 +165,24 @@ def decide(t: Step, now: float, after: str = "") -> None:
         case planning.Wait():
             if not running and t.job.state is JobState.RUNNING:
                 t.set_state(JobState.DEGRADED, action.reason)
+
+
+def merge_halves(t: Step, ready: tuple[str, ...]) -> None:
+    """No world runs: units of incomplete replicas that together make whole ones are put
+    into new replicas (`replicas.merged_replicas`), so that the next world trains on them
+    rather than waiting for their holes to fill, or giving their nodes back."""
+    state = t.state
+    merged = replicas.merged_replicas(state.units, ready, t.replica_nodes)
+    for replica in sorted({slot.replica for slot in merged.values()}):
+        moved = sorted((slot.node_index, unit_id) for unit_id, slot in merged.items() if slot.replica == replica)
+        was = [state.units[unit_id].replica for _, unit_id in moved]
+        for node_index, unit_id in moved:
+            unit = t.own(state.units[unit_id])
+            unit.replica, unit.node_index = replica, node_index
+            t.emit(SaveUnit(unit))
+        t.record("replicas_merged", f"units {', '.join(u for _, u in moved)} (of replicas "
+                 f"{', '.join(str(r) for r in was)}) make replica {replica} together: each held the other's "
+                 "missing node index", fields={"replica": str(replica), "units": ",".join(u for _, u in moved)})
 
 
 def observe_progress(t: Step, now: float) -> None:

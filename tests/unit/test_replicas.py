@@ -469,3 +469,40 @@ def test_a_set_aside_node_whose_shards_a_member_of_the_next_world_holds_as_new_i
     assert driver.state.generation.unit_ids == ("c", "d", "e", "f")
     assert "saving_shards" not in [(e.fields or {}).get("cause") for e in effects if isinstance(e, core.Record)]
     assert driver.state.units["b"].state is UnitState.JOINING
+
+
+def test_two_sharded_replicas_each_left_with_the_other_half_train_on_as_one() -> None:
+    """HybridSharded replicas of two nodes: b (node 1 of replica 1) is drained, and a is set
+    aside while c, d (replica 2) train on; then c (node 0 of replica 2) is drained and saves
+    node 0's newest shards as it leaves. a (node 0) and d (node 1) are what is left, each
+    the half its own replica lacks: they become one replica and the next world trains on
+    them at the step c saved (a loads node 0's shards of that step from disk), rather than
+    waiting for their holes to fill or giving their nodes back."""
+    driver = GroupedDriver().two_replicas()
+    for u in "abcd":
+        driver.beat(u, 40)
+    driver.tick(0.25)
+    driver.feed(core.DrainRequested(("b",), uid=0))
+    generation = driver.state.generation
+    assert generation is not None and generation.unit_ids == ("c", "d")
+    for member in generation.unit_ids:
+        driver.report(member, generation.number, launcher_pb2.GENERATION_PHASE_RECONFIGURED, step=40,
+                      replica_workers=4)
+    driver.report("b", generation.number - 1, launcher_pb2.GENERATION_PHASE_LEFT, step=40)
+    for u in "cd":
+        driver.beat(u, 45)
+    driver.tick(0.25)
+    effects = driver.feed(core.DrainRequested(("c",), uid=0))
+    assert driver.event("state_saving").unit_id == "c"
+    number = driver.state.generation.number
+    driver.report("d", number, launcher_pb2.GENERATION_PHASE_STOPPED, step=46)
+    effects = driver.report("c", number, launcher_pb2.GENERATION_PHASE_LEFT, step=46)
+    effects += driver.tick(0.25)
+    merged = driver.event("replicas_merged")
+    assert merged.fields["units"] == "a,d", driver.events(effects)
+    assert (driver.state.units["a"].replica, driver.state.units["a"].node_index) == (3, 0)
+    assert (driver.state.units["d"].replica, driver.state.units["d"].node_index) == (3, 1)
+    assert driver.state.generation.unit_ids == ("a", "d")
+    assert [m.first_rank for m in driver.state.generation.members] == [0, 1], "node 0 first: shard ranks stay"
+    assert driver.event("world_formed").fields["target_step"] == 46
+    assert "below_min_released" not in driver.events()
