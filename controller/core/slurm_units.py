@@ -69,9 +69,21 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
             on_requeued(t, unit, found.job_id)
         elif unit.state in (UnitState.ACTIVE, UnitState.JOINING):
             # Slurm chose the unit for preemption: it has until its end time (GraceTime),
-            # and SIGTERM reaches the launcher only at the end of it. Leave now.
+            # and SIGTERM reaches the launcher only at the end of it. Leave now; but after
+            # the last step, a member of the finished world stays for that time: its
+            # workers run the script's own code after train(), which under HybridSharded
+            # gathers the sharded tensors with the unit's peers (a final save). Asked to
+            # leave, its workers were stopped in it, and a peer's gather broke (sharded
+            # chaos, seed 300: no final parameters).
             if found is not None and found.is_being_preempted:
-                leavers.append((unit.unit_id, "preempted", f"Slurm preempts job {unit.slurm_job_id}"))
+                if t.job.state is JobState.FINISHING and unit.facts.finishing_workers is not None:
+                    if not unit.facts.preempted_after_training:
+                        t.note(unit, preempted_after_training=True)
+                        t.record("unit_preempted_after_training", f"Slurm preempts job {unit.slurm_job_id} after "
+                                 "the last step: its workers finish the script's code after train() until Slurm's "
+                                 "grace time ends, rather than leave now", unit_id=unit.unit_id)
+                else:
+                    leavers.append((unit.unit_id, "preempted", f"Slurm preempts job {unit.slurm_job_id}"))
         elif view.observed_at >= unit.facts.submitted_at + 1.0 and (
                 found is None or found.state.is_finished):
             # (A view taken before the submission proves nothing.)

@@ -867,6 +867,31 @@ def test_a_unit_slurm_preempts_leaves_and_a_stale_view_decides_nothing() -> None
     assert driver.state.units["u1"].reason.startswith("preempted")
 
 
+def test_a_unit_slurm_preempts_after_the_last_step_finishes_the_scripts_own_code_rather_than_leave() -> None:
+    """The job committed its last step; Slurm then preempts a member of the finished world
+    (an urgent job). Its workers are in the script's code after train(), which under
+    HybridSharded gathers the sharded tensors with the unit's peers: it is not asked to
+    leave (it has until Slurm's grace time ends), an event says so once, and the job
+    completes when its workers end. Asked to leave at once, its workers were stopped in
+    the gather and a peer's broke (sharded chaos, seed 300: no final parameters)."""
+    driver = Driver(min_replicas=1, max_replicas=2, slurm_units=True)
+    driver.feed(core.SlurmObserved(view(driver, (node("n1"), node("n2")))))
+    driver.feed(core.UnitSubmitted("u1", 601))
+    driver.feed(core.UnitSubmitted("u2", 602))
+    formed(driver, "u1", "u2")
+    driver.report("u1", 1, launcher_pb2.GENERATION_PHASE_FINISHED, step=400)
+    assert driver.state.job.state is JobState.FINISHING
+    preempted = view(driver, (), (slurm_job(601, SlurmJobState.RUNNING),
+                                  slurm_job(602, SlurmJobState.RUNNING, preempted=True)))
+    effects = driver.feed(core.SlurmObserved(preempted)) + driver.feed(core.SlurmObserved(preempted))
+    assert driver.state.units["u2"].state is UnitState.ACTIVE
+    assert driver.events(effects) == ["unit_preempted_after_training"]
+    assert not [e for e in effects if isinstance(e, core.Send)], "nothing stops its workers"
+    driver.exit("u1", 1, code=0)
+    driver.exit("u2", 1, code=0)
+    assert driver.state.job.state is JobState.COMPLETED
+
+
 def four_slurm_units_training(min_replicas: int) -> Driver:
     driver = Driver(min_replicas=min_replicas, max_replicas=4, slurm_units=True)
     effects = driver.feed(core.SlurmObserved(view(driver, tuple(node(f"n{i}") for i in range(1, 5)))))
