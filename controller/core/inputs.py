@@ -87,7 +87,9 @@ def on_connected(t: Step, unit_id: str, register: launcher_pb2.Register, slot: S
             fields["slurm_job_id"] = str(unit.slurm_job_id)
         unit.registered_at = t.now.wall
         if slot is not None:
-            # Its place in a replica of several nodes, as its Registered said: for life.
+            # Its place in a replica of several nodes, as its Registered said (the node
+            # index for life; the replica unless a merge takes another's number).
+            slot = replicas.renumbered_if_taken(state.units, unit_id, slot, state.renumbered_replicas)
             unit.replica, unit.node_index = slot.replica, slot.node_index
             fields.update({"replica": str(slot.replica), "node_index": str(slot.node_index)})
         unit = t.note(unit, joined_at=now)

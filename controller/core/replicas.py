@@ -54,6 +54,7 @@ def assign_slot(units: Iterable[UnitRecord], nodes: int, current: Collection[int
     started; else node 0 of a new replica. A replica counts the units that are not final
     (a failed or departed unit leaves a hole)."""
     taken: dict[int, set[int]] = {}
+    staying: set[int] = set()
     highest = 0
     for unit in units:
         if unit.replica <= 0:
@@ -61,8 +62,11 @@ def assign_slot(units: Iterable[UnitRecord], nodes: int, current: Collection[int
         highest = max(highest, unit.replica)
         if not unit.state.is_final:
             taken.setdefault(unit.replica, set()).add(unit.node_index)
+            if unit.state is not UnitState.LEAVING:
+                staying.add(unit.replica)
+    # (A replica whose every unit is leaving is not filled: it is going.)
     open_replicas = [(nodes - len(indices), replica not in current, replica)
-                     for replica, indices in taken.items() if len(indices) < nodes]
+                     for replica, indices in taken.items() if len(indices) < nodes and replica in staying]
     if open_replicas:
         *_, replica = min(open_replicas)
         missing = min(set(range(nodes)) - taken[replica])
@@ -98,23 +102,27 @@ def whole_replicas_only(units: Mapping[str, UnitRecord], unit_ids: Iterable[str]
 
 
 def incomplete_replicas(units: Mapping[str, UnitRecord], nodes: int) -> dict[int, list[str]]:
-    """Replicas with some live units but not K: replica → its live units (they wait for a
-    node to take the hole)."""
+    """Replicas with some live units but not K, not all of them leaving: replica → its live
+    units (they wait for a node to take the hole)."""
     if nodes <= 1:
         return {}
     found: dict[int, list[str]] = {}
     for unit_id, unit in units.items():
         if unit.replica > 0 and not unit.state.is_final and unit.state is not UnitState.SUBMITTED:
             found.setdefault(unit.replica, []).append(unit_id)
+    # (A replica whose every unit is leaving is going, not waiting: after a merge moved its
+    # other units away, a hole counted there had a node submitted for nothing.)
     return {replica: sorted(ids, key=lambda u: units[u].node_index) for replica, ids in sorted(found.items())
-            if len(ids) < nodes}
+            if len(ids) < nodes and any(units[u].state is not UnitState.LEAVING for u in ids)}
 
 
-def merged_replicas(units: Mapping[str, UnitRecord], unit_ids: Iterable[str], nodes: int) -> dict[str, Slot]:
+def merged_replicas(units: Mapping[str, UnitRecord], unit_ids: Iterable[str], nodes: int,
+                    held: Mapping[str, int]) -> dict[str, Slot]:
     """Of `unit_ids` (live units outside any running world), those of incomplete replicas
     that together make whole ones: unit → its new slot, in a replica numbered after every
     one the job has had (never a number a leaving unit still holds). Node index by node
-    index, the units of the lowest replicas first; what is left waits as before. A unit
+    index, the unit holding the newest shards first (`held`: the step each unit's ranks
+    hold), then the lowest replica; what is left waits as before. A unit
     keeps its node index, so its workers' shard ranks do not change (`TIDAL_NODE_INDEX`):
     only the replica they are grouped in does, which the workers take from each world's
     rank table. Two replicas each left with the other's half then train on as one
@@ -124,23 +132,45 @@ def merged_replicas(units: Mapping[str, UnitRecord], unit_ids: Iterable[str], no
         return {}
     ids = list(unit_ids)
     whole = {u for members in complete(units, ids, nodes).values() for u in members}
-    by_index: dict[int, list[tuple[int, str]]] = {}
+    by_index: dict[int, list[tuple[int, int, str]]] = {}
     for unit_id in ids:
         unit = units[unit_id]
         if unit_id not in whole and unit.replica > 0 and 0 <= unit.node_index < nodes:
-            by_index.setdefault(unit.node_index, []).append((unit.replica, unit_id))
-    # (Only units of different replicas merge: two of one replica at one index do not exist.)
+            by_index.setdefault(unit.node_index, []).append((-held.get(unit_id, 0), unit.replica, unit_id))
+    # (A set-aside unit of an index may hold shards steps older than another's: a world
+    # of the older beside a newer index resumed at the newer step from disk, where the
+    # newer shards of its own index were in no folder.)
     merged: dict[str, Slot] = {}
     highest = max((u.replica for u in units.values()), default=0)
     while all(by_index.get(index) for index in range(nodes)):
         picked = [min(by_index[index]) for index in range(nodes)]
-        if len({replica for replica, _ in picked}) == 1:
+        if len({replica for _, replica, _ in picked}) == 1:
             break  # a replica whole on its own (not here: `whole` took it)
         highest += 1
-        for index, (replica, unit_id) in enumerate(picked):
-            by_index[index].remove((replica, unit_id))
-            merged[unit_id] = Slot(highest, index)
+        for index, choice in enumerate(picked):
+            by_index[index].remove(choice)
+            merged[choice[2]] = Slot(highest, index)
     return merged
+
+
+def renumbered_if_taken(units: Mapping[str, UnitRecord], unit_id: str, slot: Slot,
+                        renumbered: dict[int, int]) -> Slot:
+    """The slot a registering unit takes: the one it was told, unless another live unit
+    holds it now (a merge took that replica's number while its launcher registered, the
+    reservation unknown to the merge): then the same node index (its workers' shard ranks
+    were set from it) of a replica numbered after every one the job has had, the same one
+    for every newcomer told that replica (`renumbered`, kept by the caller)."""
+    def taken(candidate: Slot) -> bool:
+        return any(u.unit_id != unit_id and not u.state.is_final and u.replica == candidate.replica
+                   and u.node_index == candidate.node_index for u in units.values())
+
+    if not taken(slot):
+        return slot
+    replica = renumbered.get(slot.replica)
+    if replica is None or taken(Slot(replica, slot.node_index)):
+        replica = max((u.replica for u in units.values()), default=0) + 1
+        renumbered[slot.replica] = replica
+    return Slot(replica, slot.node_index)
 
 
 def slot_for(units: Mapping[str, UnitRecord], spec: admin_pb2.JobSpec, unit_id: str,

@@ -391,6 +391,10 @@ class State:
     # (below_min_release_s); until a world forms again it submits units only once
     # min_replicas nodes are idle, rather than queueing replacements. Persisted.
     released_below_min: bool = False
+    # Replicas of several nodes: a replica number a merge took while a launcher told that
+    # number was registering → the number its newcomers take instead
+    # (`replicas.renumbered_if_taken`). Not persisted: a registration lasts moments.
+    renumbered_replicas: dict[int, int] = dataclasses.field(default_factory=dict)
     # Live mode with Slurm units, DEGRADED: since when (monotonic) every Slurm view showed
     # nothing on its way to bring the job back to min_replicas (no idle node it could take,
     # none of its units started and not registered), and when the latest of those views was
@@ -522,6 +526,7 @@ def working_copy(state: State) -> State:
         in_flight=(dataclasses.replace(flight, joiners_waiting=set(flight.joiners_waiting),
                                        waiting_for=set(flight.waiting_for)) if flight is not None else None),
         first_step_generations=set(state.first_step_generations),
-        node_cooldown=dict(state.node_cooldown), error_exclusions=dict(state.error_exclusions))
+        node_cooldown=dict(state.node_cooldown), error_exclusions=dict(state.error_exclusions),
+        renumbered_replicas=dict(state.renumbered_replicas))
 
 

@@ -172,12 +172,13 @@ def merge_halves(t: Step, ready: tuple[str, ...]) -> None:
     into new replicas (`replicas.merged_replicas`), so that the next world trains on them
     rather than waiting for their holes to fill, or giving their nodes back."""
     state = t.state
-    merged = replicas.merged_replicas(state.units, ready, t.replica_nodes)
+    merged = replicas.merged_replicas(state.units, ready, t.replica_nodes,
+                                      {u: leaving.held_step(t, u) for u in ready})
     for replica in sorted({slot.replica for slot in merged.values()}):
         moved = sorted((slot.node_index, unit_id) for unit_id, slot in merged.items() if slot.replica == replica)
         was = [state.units[unit_id].replica for _, unit_id in moved]
         for node_index, unit_id in moved:
-            unit = t.own(state.units[unit_id])
+            unit = t.note(state.units[unit_id], waiting_for_node_since=None)
             unit.replica, unit.node_index = replica, node_index
             t.emit(SaveUnit(unit))
         t.record("replicas_merged", f"units {', '.join(u for _, u in moved)} (of replicas "

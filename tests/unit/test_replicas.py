@@ -506,3 +506,79 @@ def test_two_sharded_replicas_each_left_with_the_other_half_train_on_as_one() ->
     assert [m.first_rank for m in driver.state.generation.members] == [0, 1], "node 0 first: shard ranks stay"
     assert driver.event("world_formed").fields["target_step"] == 46
     assert "below_min_released" not in driver.events()
+
+
+def test_halves_merge_with_the_newest_shards_of_each_node_index() -> None:
+    """Three replicas; b is drained (a set aside at step 40), the world trains on to 46;
+    f fails (e set aside with node 0's step-46 shards), then c fails. a (node 0, step 40),
+    e (node 0, step 46) and d (node 1, step 46) are left: the merged replica is e and d.
+    With a and d, the world resumed at 46 and node 0's step-46 shards were in no folder
+    (e was never asked to save them): state_lost."""
+    driver = GroupedDriver(replica_patch_wait_s=60.0)
+    driver.state.job.spec.max_replicas = 3
+    driver.form("ab", replica_workers=4)
+    for u in "cdef":
+        driver.join(u)
+    driver.tick()
+    driver.grow_completes(tuple("cdef"), replica_workers=4)
+    for u in "abcdef":
+        driver.beat(u, 40)
+    driver.tick(0.25)
+    driver.feed(core.DrainRequested(("b",), uid=0))
+    generation = driver.state.generation
+    assert generation is not None
+    for member in generation.unit_ids:
+        driver.report(member, generation.number, launcher_pb2.GENERATION_PHASE_RECONFIGURED, step=40,
+                      replica_workers=4)
+    driver.report("b", generation.number - 1, launcher_pb2.GENERATION_PHASE_LEFT, step=40)
+    for u in "cdef":
+        driver.beat(u, 46)
+    driver.tick(0.25)
+    driver.exit("f", driver.state.generation.number, 9)
+    assert driver.state.units["e"].state is UnitState.JOINING, "e is set aside with node 0 at 46"
+    driver.exit("c", driver.state.generation.number, 9)
+    if driver.state.stopping is not None:
+        for member in list(driver.state.stopping.waiting_for):
+            driver.report(member, driver.state.stopping.generation, launcher_pb2.GENERATION_PHASE_STOPPED, step=46)
+    driver.tick(0.25)
+    assert driver.event("replicas_merged").fields["units"] == "e,d"
+    assert driver.state.generation.unit_ids == ("e", "d")
+    assert driver.state.units["a"].replica == 1, "a, steps behind, waits in its own replica"
+
+
+def test_a_launcher_told_a_replica_number_a_merge_took_meanwhile_takes_a_new_one_at_its_node_index() -> None:
+    """b and c are drained together; a launcher x registers and is told slot (3, 0); before
+    its connection is taken in, c's leave ends the stop and a, d merge into replica 3. x
+    takes (4, 0): two live units at (3, 0) made complete() pick x over a, which holds the
+    state."""
+    driver = GroupedDriver().two_replicas()
+    for u in "abcd":
+        driver.beat(u, 40)
+    driver.tick(0.25)
+    driver.feed(core.DrainRequested(("b", "c"), uid=0))
+    generation = driver.state.generation
+    assert generation is not None and driver.state.changing is not None
+    for member in generation.unit_ids:
+        driver.report(member, generation.number, launcher_pb2.GENERATION_PHASE_RECONFIGURED, step=41,
+                      replica_workers=4)
+    assert driver.state.stopping is not None
+    for member in list(driver.state.stopping.waiting_for):
+        if driver.state.units[member].state is UnitState.ACTIVE:
+            driver.report(member, driver.state.stopping.generation, launcher_pb2.GENERATION_PHASE_STOPPED, step=41)
+    told = slot_for(driver.state.units, driver.state.job.spec, "x", {})
+    assert told == Slot(3, 0)
+    driver.report("c", driver.state.stopping.generation, launcher_pb2.GENERATION_PHASE_LEFT, step=41)
+    assert driver.event("replicas_merged").fields["replica"] == "3"
+    driver.feed(core.LauncherConnected("x", launcher_pb2.Register(
+        job_id="j-1", unit_id="x", nodes=["node-x"], address="127.0.0.1", store_port=1200), told))
+    assert (driver.state.units["x"].replica, driver.state.units["x"].node_index) == (4, 0)
+    assert complete(driver.state.units, ["a", "d", "x"], 2) == {3: ["a", "d"]}
+    assert incomplete_replicas(driver.state.units, 2) == {4: ["x"]}, "b, leaving, leaves no hole in replica 1"
+
+
+def test_a_replica_whose_every_unit_is_leaving_takes_no_new_node() -> None:
+    leaving = [unit("b", 1, 1, UnitState.LEAVING), unit("a", 2, 0), unit("d", 2, 1)]
+    assert assign_slot(leaving, 2) == Slot(3, 0), "replica 1 is going: a new node starts a replica"
+    assert incomplete_replicas({u.unit_id: u for u in leaving}, 2) == {}
+    staying = [unit("a", 1, 0, UnitState.JOINING), unit("b", 1, 1, UnitState.LEFT)]
+    assert assign_slot(staying, 2) == Slot(1, 1), "a set-aside unit's replica is still filled"
