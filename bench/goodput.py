@@ -102,8 +102,8 @@ TIDAL_SETTINGS = {"slurm_poll_interval_s": "1", "join_settle_s": "1", "node_cool
                   "queued_units": str(MAX - MIN)}
 # The trace's other work: (name, from, to, nodes), as fractions of the duration D from the
 # training job's start (the background job is submitted before it: 2 s, and for Tidal
-# also its controller's start and the job's submission; no sample is taken before the
-# start); one worker is killed at HURT_AT.
+# also the job's submission; no sample is taken before the start); one worker is killed
+# at HURT_AT.
 SCHEDULE = (("background", 0.0, 0.40, 1), ("urgent-1", 0.20, 0.35, 1), ("urgent-2", 0.55, 0.70, 2),
             ("urgent-3", 0.85, 0.95, 3))
 HURT_AT = 0.80
@@ -421,12 +421,16 @@ def run_tidal(folder: Path, slurm: CliJsonSlurmClient, duration: float, simulati
     ledger = folder / "ledger"
     controller = ControllerProcess(folder, {**TIDAL_SETTINGS, "slurm_units": "true"})
     trace = Trace(slurm, folder, duration, lambda: kill_one_worker(ledger, "ledger-*.jsonl", is_rank_zero))
-    trace.submit("background", 1)
-    time.sleep(2.0)
     samples: list[tuple[float, int, int]] = []
     try:
-        # (In the try: a controller that does not come up in time is stopped too.)
+        # The controller is a long-running service: it is up before the trace, as torchft's
+        # lighthouse is (started before its background job and the 2 s wait). Started after
+        # them, its first poll came just before the submission, which then waited for the
+        # next poll (1 s). (In the try: a controller that does not come up in time is
+        # stopped too.)
         controller.start()
+        trace.submit("background", 1)
+        time.sleep(2.0)
         spec = admin_pb2.JobSpec(
             name="goodput", min_replicas=MIN, max_replicas=MAX, partition="train", mode=common_pb2.JOB_MODE_LIVE,
             working_dir=str(folder), environment={"OMP_NUM_THREADS": "1"},
