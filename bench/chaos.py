@@ -765,7 +765,8 @@ def step_verdict(records: Sequence[Mapping[str, Any]], reference: Sequence[Seque
     redoes nothing. A step broken in one generation (some ranks committed it, or every rank
     abandoned it) is redone in the next: noted. A generation every rank of which abandoned
     a step must be followed by a newer generation (the world was changed, not left
-    broken)."""
+    broken), unless it is newer than the generation that committed the job's last step
+    (a change in flight that the job's end dropped)."""
     verdict = StepVerdict()
     steps = len(reference)
     commits: dict[tuple[int, int], list[Mapping[str, Any]]] = defaultdict(list)
@@ -836,9 +837,18 @@ def step_verdict(records: Sequence[Mapping[str, Any]], reference: Sequence[Seque
                     f"generation {generation}")
             (explained if rewound(step) else went_back)[what].append(step)
     generations = {e.generation for e in events if e.kind in ("world_formed", "world_reconfiguring")}
+    # The generation every rank of which committed the job's last step: a newer one, a world
+    # change in flight when training ended, is dropped by the end (its joiners told to leave,
+    # their forming broken), and needs no newer generation after it.
+    finished_in = done_in.get(steps - 1)
     for generation in sorted({generation for (_, generation) in abandoned}):
         if events and not any(g > generation for g in generations):
             steps_of = sorted(step for (step, e) in abandoned if e == generation)
+            if finished_in is not None and generation > finished_in:
+                verdict.notes.append(f"step(s) {ranges(steps_of)} abandoned in generation {generation}: a world "
+                                     f"change the job's end dropped (its last step was committed by every rank of "
+                                     f"generation {finished_in})")
+                continue
             verdict.problems.append(f"step(s) {ranges(steps_of)} abandoned in generation {generation}, and no newer "
                                     "generation formed: the world broke and was not changed")
     for what, found in wrong_samples.items():

@@ -305,6 +305,21 @@ def test_a_world_that_broke_and_was_never_changed_is_a_problem() -> None:
                                 "and was not changed"], verdict
 
 
+def test_a_world_change_in_flight_when_the_last_step_was_committed_needs_no_newer_generation() -> None:
+    """(Sharded chaos seed 302, 2026-12-07: a grow's joiner was forming generation 11 when
+    the survivors committed the last step in generation 10; the job's end told it to leave,
+    its forming broke at step 0, and the job completed. Nothing is stuck there.)"""
+    records = [r for step in range(6) for r in commit_step(step, 1, 2)] + abandon(0, 2, 1)
+    verdict = chaos.step_verdict(records, REFERENCE, generations(1, 2))
+    assert verdict.problems == [], verdict
+    assert any("abandoned in generation 2: a world change the job's end dropped" in n for n in verdict.notes), verdict
+    # Before the last step, the same broken generation is a stuck world.
+    records = [r for step in range(5) for r in commit_step(step, 1, 2)] + abandon(0, 2, 1)
+    verdict = chaos.step_verdict(records, REFERENCE, generations(1, 2))
+    assert "step(s) 0 abandoned in generation 2, and no newer generation formed: the world broke and was not " \
+           "changed" in verdict.problems, verdict
+
+
 def test_missing_steps_and_wrong_samples_are_problems() -> None:
     records = [r for step in range(5) for r in commit_step(step, 1, 2)]
     records[0] = {**records[0], "indices": [99]}
