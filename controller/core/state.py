@@ -78,6 +78,9 @@ class Link:
     waiting: Mapping[int, bool] = dataclasses.field(default_factory=dict)
     # Live mode, per local rank: the worker's own compute this generation (`stragglers.Totals`).
     compute: Mapping[int, Totals] = dataclasses.field(default_factory=dict)
+    # Whether a heartbeat came on this session yet (before one, `steps` is empty because
+    # nothing was said, not because the ranks hold nothing).
+    heard: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

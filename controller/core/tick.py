@@ -170,8 +170,18 @@ def decide(t: Step, now: float, after: str = "") -> None:
 def merge_halves(t: Step, ready: tuple[str, ...]) -> None:
     """No world runs: units of incomplete replicas that together make whole ones are put
     into new replicas (`replicas.merged_replicas`), so that the next world trains on them
-    rather than waiting for their holes to fill, or giving their nodes back."""
+    rather than waiting for their holes to fill, or giving their nodes back. Only on what
+    is known: while a live unit of an incomplete replica is not connected, or has sent no
+    heartbeat on its session yet (after a controller restart, or a stream that blipped),
+    the newest shards of its node index may be its own, and nothing is merged. (A merge
+    lasts: the merged replica is whole and never reconsidered. Picking by a step not heard
+    yet, a unit steps behind was merged, the world resumed at the newer step, and the newer
+    shards of its index were in no folder: state_lost.)"""
     state = t.state
+    waiting = [u for ids in replicas.incomplete_replicas(state.units, t.replica_nodes).values() for u in ids
+               if state.units[u].state is not UnitState.LEAVING]
+    if not all(t.connected(u) and (link := state.links.get(u)) is not None and link.heard for u in waiting):
+        return
     merged = replicas.merged_replicas(state.units, ready, t.replica_nodes,
                                       {u: leaving.held_step(t, u) for u in ready})
     for replica in sorted({slot.replica for slot in merged.values()}):

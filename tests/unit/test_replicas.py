@@ -546,6 +546,54 @@ def test_halves_merge_with_the_newest_shards_of_each_node_index() -> None:
     assert driver.state.units["a"].replica == 1, "a, steps behind, waits in its own replica"
 
 
+def test_halves_merge_only_once_every_unit_that_may_hold_an_index_is_heard_from() -> None:
+    """The same three replicas as above, but e's stream breaks while it is set aside (a
+    blip, or a controller restart: nothing of its steps is known). No merge while e is
+    out of touch, nor after it is back until its first heartbeat: picked then, a (steps
+    behind) and d merged for good, the world resumed at 46, and node 0's step-46 shards,
+    in e's memory, were in no folder: state_lost (found by a review of 015844c)."""
+    driver = GroupedDriver(replica_patch_wait_s=60.0)
+    driver.state.job.spec.max_replicas = 3
+    driver.form("ab", replica_workers=4)
+    for u in "cdef":
+        driver.join(u)
+    driver.tick()
+    driver.grow_completes(tuple("cdef"), replica_workers=4)
+    for u in "abcdef":
+        driver.beat(u, 40)
+    driver.tick(0.25)
+    driver.feed(core.DrainRequested(("b",), uid=0))
+    generation = driver.state.generation
+    assert generation is not None
+    for member in generation.unit_ids:
+        driver.report(member, generation.number, launcher_pb2.GENERATION_PHASE_RECONFIGURED, step=40,
+                      replica_workers=4)
+    driver.report("b", generation.number - 1, launcher_pb2.GENERATION_PHASE_LEFT, step=40)
+    for u in "cdef":
+        driver.beat(u, 46)
+    driver.tick(0.25)
+    driver.exit("f", driver.state.generation.number, 9)
+    assert driver.state.units["e"].state is UnitState.JOINING, "e is set aside with node 0 at 46"
+    driver.feed(core.LauncherClosed("e", "connection reset"))
+    del driver.links["e"]
+    driver.exit("c", driver.state.generation.number, 9)
+    if driver.state.stopping is not None:
+        for member in list(driver.state.stopping.waiting_for):
+            driver.report(member, driver.state.stopping.generation, launcher_pb2.GENERATION_PHASE_STOPPED, step=46)
+    driver.tick(0.25)
+    assert "replicas_merged" not in driver.events(), "e, out of touch, may hold node 0's newest shards"
+    assert driver.state.units["a"].replica == 1 and driver.state.units["d"].replica == 2
+    driver.join("e")
+    driver.links["e"] = core.Link(last_heartbeat_at=driver.clock, heard=False)
+    driver.tick(0.25)
+    assert "replicas_merged" not in driver.events(), "e is back, but what it holds is not said yet"
+    driver.beat("e", 46)
+    driver.tick(0.25)
+    assert driver.event("replicas_merged").fields["units"] == "e,d"
+    assert driver.state.generation is not None and driver.state.generation.unit_ids == ("e", "d")
+    assert driver.state.units["a"].replica == 1, "a, steps behind, waits in its own replica"
+
+
 def test_a_launcher_told_a_replica_number_a_merge_took_meanwhile_takes_a_new_one_at_its_node_index() -> None:
     """b and c are drained together; a launcher x registers and is told slot (3, 0); before
     its connection is taken in, c's leave ends the stop and a, d merge into replica 3. x
