@@ -673,7 +673,8 @@ def unexplained_leaves(events: Sequence[Seen], harm: Harm, t0: float) -> list[st
     - unit_standby (left out of a world by the sizes the job allows): only while the
       harness had lowered --max; with cause `replica_incomplete` (replicas of several
       nodes under HybridSharded): only of a replica one of whose units failed, left or was
-      lost before it (the harness's fault or a policy, judged on that unit's own events);
+      lost before it (the harness's fault or a policy, judged on that unit's own events; a
+      unit's replica is the one it registered in, or the one a replicas_merged put it in);
     - a member of one generation missing from the next (world_formed,
       world_reconfiguring) with no failure_detected, unit_leaving, unit_standby or
       unit_left of it since it became a member."""
@@ -702,6 +703,10 @@ def unexplained_leaves(events: Sequence[Seen], harm: Harm, t0: float) -> list[st
             finishing = True
         elif event.kind == "unit_registered" and event.fields.get("replica"):
             replica_of[unit] = event.fields["replica"]
+        elif event.kind == "replicas_merged" and event.fields.get("replica"):
+            # Units of incomplete replicas made a new one together: theirs from now on.
+            for merged in event.ids("units"):
+                replica_of[merged] = event.fields["replica"]
         elif event.kind in ("failure_detected", "unit_left", "unit_lost"):
             out_of_the_world(unit)
         elif event.kind == "unit_standby":

@@ -215,6 +215,24 @@ def test_a_unit_saving_its_shards_of_a_split_state_is_explained_only_if_its_repl
     assert len(problems) == 1 and "u12" in problems[0], problems
 
 
+def test_a_unit_left_out_when_its_merged_replica_lost_a_node_is_explained_by_that_loss() -> None:
+    """Sharded chaos seed 305 at bf39cfb: u2 (replica 1, node 0) and u3 (replica 2, node 1)
+    were merged into replica 3; an urgent job later preempted u2, and u3 was left out of the
+    next world, its replica incomplete. The checker took u2 for replica 1 still, and found
+    u3's standby unexplained."""
+    def registered(at: float, unit_id: str, replica: str) -> Seen:
+        return event("unit_registered", at, unit_id, replica=replica)
+
+    events = [registered(1.0, "u2", "1"), registered(1.0, "u3", "2"),
+              event("replicas_merged", 5.0, replica="3", units="u2,u3"),
+              leaving(20.0, "u2", "preempted"),
+              event("unit_standby", 20.0, "u3", generation=7, cause="replica_incomplete", replica="3")]
+    urgent = Harm(windows=[Window("urgent", T0 + 19.0, T0 + 27.0)])
+    assert chaos.unexplained_leaves(events, urgent, T0) == []
+    problems = chaos.unexplained_leaves([e for e in events if e.kind != "replicas_merged"], urgent, T0)
+    assert len(problems) == 1 and "u3" in problems[0] and "left out of the world" in problems[0], problems
+
+
 def test_a_member_left_out_by_the_sizes_the_job_allows_is_explained_only_by_a_lowered_max() -> None:
     """Chaos seed 8: a joiner of a world in flight was left out of the next one by a lowered
     --max; the controller says so (unit_standby), and that explains it while the harness had
