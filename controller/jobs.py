@@ -255,7 +255,6 @@ class JobActor:
             return
         session.heartbeat_sequence = beat.sequence
         if beat.HasField("sent_at"):
-            session.heard = True
             sent_at = beat.sent_at.ToNanoseconds() / 1e9
             self.metrics.heartbeat_latency.observe(max(0.0, time.time() - sent_at))
             # Only the workers this heartbeat names: in live mode a worker's rank changes
@@ -357,7 +356,7 @@ class JobActor:
         # (No copies: `heartbeat` replaces a session's maps with new ones, never changes them.)
         return {unit_id: core.Link(last_heartbeat_at=s.last_heartbeat_at, progress_at=s.progress_at,
                                    steps=s.steps, beat_at=s.beat_at, waiting=s.waiting, compute=s.compute,
-                                   heard=s.heard)
+                                   heard=s.heartbeat_sequence > 0)
                 for unit_id, s in self.sessions.items()}
 
     def _persist(self, effects: list[core.Effect]) -> None:

@@ -51,10 +51,8 @@ class LauncherSession:
     loss: float | None = None
     # Live mode, per local rank: the worker's own compute this generation (stragglers).
     compute: dict[int, Totals] = dataclasses.field(default_factory=dict)
-    # The newest heartbeat's sequence number taken from this session; whether one with the
-    # workers' progress was taken yet.
+    # The newest heartbeat's sequence number taken from this session (0: none yet).
     heartbeat_sequence: int = 0
-    heard: bool = False
     closed: bool = False
 
     def send(self, message: launcher_pb2.ControllerMessage) -> None:

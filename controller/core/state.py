@@ -79,7 +79,8 @@ class Link:
     # Live mode, per local rank: the worker's own compute this generation (`stragglers.Totals`).
     compute: Mapping[int, Totals] = dataclasses.field(default_factory=dict)
     # Whether a heartbeat came on this session yet (before one, `steps` is empty because
-    # nothing was said, not because the ranks hold nothing).
+    # nothing was said, not because the ranks hold nothing). The controller sets it from
+    # the session's heartbeat sequence; a Link built without it stands for a beat.
     heard: bool = True
 
 

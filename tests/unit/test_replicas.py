@@ -508,12 +508,9 @@ def test_two_sharded_replicas_each_left_with_the_other_half_train_on_as_one() ->
     assert "below_min_released" not in driver.events()
 
 
-def test_halves_merge_with_the_newest_shards_of_each_node_index() -> None:
-    """Three replicas; b is drained (a set aside at step 40), the world trains on to 46;
-    f fails (e set aside with node 0's step-46 shards), then c fails. a (node 0, step 40),
-    e (node 0, step 46) and d (node 1, step 46) are left: the merged replica is e and d.
-    With a and d, the world resumed at 46 and node 0's step-46 shards were in no folder
-    (e was never asked to save them): state_lost."""
+def e_set_aside_at_46_beside_a_at_40() -> GroupedDriver:
+    """Three replicas (a, b), (c, d), (e, f); b is drained (a set aside at step 40), the
+    world trains on to 46; f fails: e is set aside with node 0's step-46 shards."""
     driver = GroupedDriver(replica_patch_wait_s=60.0)
     driver.state.job.spec.max_replicas = 3
     driver.form("ab", replica_workers=4)
@@ -536,10 +533,26 @@ def test_halves_merge_with_the_newest_shards_of_each_node_index() -> None:
     driver.tick(0.25)
     driver.exit("f", driver.state.generation.number, 9)
     assert driver.state.units["e"].state is UnitState.JOINING, "e is set aside with node 0 at 46"
+    return driver
+
+
+def c_fails_and_the_world_stops(driver: GroupedDriver) -> None:
+    """c fails, and the world's stop completes: a (node 0, 40), e (node 0, 46) and d
+    (node 1, 46) are left, no world runs."""
     driver.exit("c", driver.state.generation.number, 9)
     if driver.state.stopping is not None:
         for member in list(driver.state.stopping.waiting_for):
             driver.report(member, driver.state.stopping.generation, launcher_pb2.GENERATION_PHASE_STOPPED, step=46)
+
+
+def test_halves_merge_with_the_newest_shards_of_each_node_index() -> None:
+    """Three replicas; b is drained (a set aside at step 40), the world trains on to 46;
+    f fails (e set aside with node 0's step-46 shards), then c fails. a (node 0, step 40),
+    e (node 0, step 46) and d (node 1, step 46) are left: the merged replica is e and d.
+    With a and d, the world resumed at 46 and node 0's step-46 shards were in no folder
+    (e was never asked to save them): state_lost."""
+    driver = e_set_aside_at_46_beside_a_at_40()
+    c_fails_and_the_world_stops(driver)
     driver.tick(0.25)
     assert driver.event("replicas_merged").fields["units"] == "e,d"
     assert driver.state.generation.unit_ids == ("e", "d")
@@ -552,34 +565,10 @@ def test_halves_merge_only_once_every_unit_that_may_hold_an_index_is_heard_from(
     out of touch, nor after it is back until its first heartbeat: picked then, a (steps
     behind) and d merged for good, the world resumed at 46, and node 0's step-46 shards,
     in e's memory, were in no folder: state_lost (found by a review of 015844c)."""
-    driver = GroupedDriver(replica_patch_wait_s=60.0)
-    driver.state.job.spec.max_replicas = 3
-    driver.form("ab", replica_workers=4)
-    for u in "cdef":
-        driver.join(u)
-    driver.tick()
-    driver.grow_completes(tuple("cdef"), replica_workers=4)
-    for u in "abcdef":
-        driver.beat(u, 40)
-    driver.tick(0.25)
-    driver.feed(core.DrainRequested(("b",), uid=0))
-    generation = driver.state.generation
-    assert generation is not None
-    for member in generation.unit_ids:
-        driver.report(member, generation.number, launcher_pb2.GENERATION_PHASE_RECONFIGURED, step=40,
-                      replica_workers=4)
-    driver.report("b", generation.number - 1, launcher_pb2.GENERATION_PHASE_LEFT, step=40)
-    for u in "cdef":
-        driver.beat(u, 46)
-    driver.tick(0.25)
-    driver.exit("f", driver.state.generation.number, 9)
-    assert driver.state.units["e"].state is UnitState.JOINING, "e is set aside with node 0 at 46"
+    driver = e_set_aside_at_46_beside_a_at_40()
     driver.feed(core.LauncherClosed("e", "connection reset"))
     del driver.links["e"]
-    driver.exit("c", driver.state.generation.number, 9)
-    if driver.state.stopping is not None:
-        for member in list(driver.state.stopping.waiting_for):
-            driver.report(member, driver.state.stopping.generation, launcher_pb2.GENERATION_PHASE_STOPPED, step=46)
+    c_fails_and_the_world_stops(driver)
     driver.tick(0.25)
     assert "replicas_merged" not in driver.events(), "e, out of touch, may hold node 0's newest shards"
     assert driver.state.units["a"].replica == 1 and driver.state.units["d"].replica == 2
