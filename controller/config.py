@@ -98,6 +98,11 @@ class ControllerConfig:
     # units started and not registered yet. Holding then only waits for another job to
     # end. 0: always the full below_min_release_s.
     below_min_blocked_release_s: float = 5.0
+    # ... and then resumes once a Slurm view shows min_replicas nodes idle: while a job
+    # waits so, Slurm is polled at least this often (rather than every
+    # slurm_poll_interval_s, 30 s), so that it takes them back within seconds of their
+    # freeing. 0: every slurm_poll_interval_s.
+    released_poll_interval_s: float = 2.0
     # Live mode with Slurm units, replicas of one node: keep this many units queued in
     # Slurm (pending) while the job runs at or above min_replicas and below max_replicas
     # with no idle node to grow onto, so Slurm starts one the moment a node frees instead
@@ -184,7 +189,7 @@ class ControllerConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ["reconnect_grace_s", "join_settle_s", "scale_up_snooze_s", "below_min_release_s",
-                     "below_min_blocked_release_s",
+                     "below_min_blocked_release_s", "released_poll_interval_s",
                      "replica_patch_wait_s", "queued_units", "crash_loop_generations"]:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")

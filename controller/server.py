@@ -51,9 +51,22 @@ from tidal.slurm.snapshot import ClusterPoll, ClusterView
 log = structlog.get_logger("tidal.controller.server")
 
 GARBLED = "garbled message: not a tidal.v1.LauncherMessage"
-# Polls asked for early (a job submitted or resized) come at least this far apart.
-EARLY_POLL_GAP_S = 1.0
+# Polls asked for early (a job submitted or resized, units ended) come at least this long
+# after the last poll ended: a burst of asks makes one poll, and with a short
+# `slurm_poll_interval_s` (1 s) a submission waits this long rather than the interval (the
+# goodput bench's submissions, made just after a poll, waited 1.00-1.02 s for their units).
+EARLY_POLL_GAP_S = 0.25
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+
+def poll_interval_s(config: ControllerConfig, job_released: bool) -> float:
+    """The regular wait between two Slurm polls (`Controller.poll_interval_s`):
+    `slurm_poll_interval_s`, shortened to `released_poll_interval_s` (when set) while some
+    job waits below min_replicas for nodes it gave back (`job_released`)."""
+    interval = config.slurm_poll_interval_s
+    if job_released and config.released_poll_interval_s > 0:
+        return min(interval, config.released_poll_interval_s)
+    return interval
 
 
 class Controller:
@@ -94,24 +107,31 @@ class Controller:
             actor.slurm = slurm_units
 
     async def poll_slurm_forever(self, poll: ClusterPoll) -> None:
-        """One cluster-wide view per interval for every job, or sooner when `poll_soon` asks
-        (EARLY_POLL_GAP_S after the last at the earliest); after failed polls the next comes
-        later (doubling, up to 10 intervals, early asks ignored), and the actors see the
-        view as stale."""
-        interval = self.config.slurm_poll_interval_s
+        """One cluster-wide view per interval for every job (`poll_interval_s`), or sooner
+        when `poll_soon` asks (EARLY_POLL_GAP_S after the last at the earliest); after
+        failed polls the next comes later (doubling, up to 10 intervals, early asks
+        ignored), and the actors see the view as stale."""
         while True:
             self._poll_soon.clear()
             view = await asyncio.to_thread(poll.poll)
             if view.stale:
                 log.warning("slurm_poll_failed", failures=view.consecutive_failures, error=str(view.error))
             self.observe_slurm(view, time.monotonic())
-            wait_s = interval * min(10, 2 ** view.consecutive_failures)
+            wait_s = self.poll_interval_s() * min(10, 2 ** view.consecutive_failures)
             if view.consecutive_failures or wait_s <= EARLY_POLL_GAP_S:
                 await asyncio.sleep(wait_s)
                 continue
             await asyncio.sleep(EARLY_POLL_GAP_S)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._poll_soon.wait(), timeout=wait_s - EARLY_POLL_GAP_S)
+
+    def poll_interval_s(self) -> float:
+        """The wait before the next regular poll: `slurm_poll_interval_s`, or
+        `released_poll_interval_s` when shorter while a job that gave its nodes back below
+        min_replicas waits for them (it resumes once a view shows min_replicas nodes idle,
+        and only a poll shows it)."""
+        return poll_interval_s(self.config, any(a.state.released_below_min for a in self.actors.values()
+                                                if not a.job.state.is_final))
 
     def poll_soon(self) -> None:
         """Ask for the next Slurm poll now rather than at the interval's end: a job just

@@ -154,7 +154,7 @@ def release_below_min(t: Step, now: float) -> None:
         blocked_release_after_s=t.config.below_min_blocked_release_s)
     if decision is planning.BelowMin.POLL:
         # Released sooner only on a view taken after the blocked wait (the controller makes
-        # one poll of many asks, at most one a second).
+        # one poll of many asks, `server.EARLY_POLL_GAP_S` after the last at the earliest).
         t.emit(PollSlurmSoon("below min_replicas with nothing on its way: a fresh view before giving the nodes "
                              "back"))
         return

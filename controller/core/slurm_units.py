@@ -180,7 +180,7 @@ def poll_after_units_ended(t: Step, before: State) -> None:
     min_replicas, or onto idle nodes) is decided on the next Slurm view, so ask for it now
     rather than up to `slurm_poll_interval_s` later. Not after a Slurm view (`on_slurm`
     decided on that one), not for a job past its last step; the controller makes one
-    poll of many asks, at most one a second."""
+    poll of many asks (`server.EARLY_POLL_GAP_S` after the last poll at the earliest)."""
     state = t.state
     if not state.slurm_units or t.job.state.is_final or t.job.state is JobState.FINISHING:
         return

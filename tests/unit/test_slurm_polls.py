@@ -1,17 +1,20 @@
-"""When the controller polls Slurm: once `slurm_poll_interval_s`, and sooner when a job is
-submitted or resized (`Controller.poll_soon`), never closer than EARLY_POLL_GAP_S however
-many ask; polls that fail keep their backoff."""
+"""When the controller polls Slurm: once `slurm_poll_interval_s` (every
+`released_poll_interval_s` while a job waits for nodes it gave back below min_replicas),
+and sooner when a job is submitted or resized (`Controller.poll_soon`), never closer than
+EARLY_POLL_GAP_S however many ask; polls that fail keep their backoff."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+import types
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from tidal.controller.config import ControllerConfig
 from tidal.controller.metrics import ControllerMetrics
-from tidal.controller.server import EARLY_POLL_GAP_S, Controller
+from tidal.controller.model import JobState
+from tidal.controller.server import EARLY_POLL_GAP_S, Controller, poll_interval_s
 from tidal.controller.store import StateStore
 from tidal.slurm import SlurmError
 from tidal.slurm.snapshot import ClusterView
@@ -32,9 +35,10 @@ class RecordedPoll:
         return ClusterView((), (), time.time(), stale=False)
 
 
-def run_polls(tmp_path: Path, poll: RecordedPoll, script: Callable[[Controller], Awaitable[None]]) -> None:
+def run_polls(tmp_path: Path, poll: RecordedPoll, script: Callable[[Controller], Awaitable[None]],
+              interval_s: float = 30.0) -> None:
     async def main() -> None:
-        controller = Controller(ControllerConfig(slurm_poll_interval_s=30.0), StateStore(tmp_path / "tidal.db"),
+        controller = Controller(ControllerConfig(slurm_poll_interval_s=interval_s), StateStore(tmp_path / "tidal.db"),
                                 ControllerMetrics())
         polling = asyncio.create_task(controller.poll_slurm_forever(poll))  # type: ignore[arg-type]
         try:
@@ -75,3 +79,57 @@ def test_while_slurm_fails_an_asked_poll_waits_for_the_backoff(tmp_path: Path) -
         assert len(poll.at) == 1
 
     run_polls(tmp_path, poll, script)
+
+
+def test_with_a_one_second_interval_a_submission_is_polled_for_after_the_gap_not_the_interval(tmp_path: Path) -> None:
+    # The goodput bench polls every 1 s and submits right after a poll: its units were
+    # submitted 1.00-1.02 s after the job while EARLY_POLL_GAP_S was 1 s.
+    poll = RecordedPoll()
+    asked_at: list[float] = []
+
+    async def script(controller: Controller) -> None:
+        await asyncio.sleep(0.05)
+        assert len(poll.at) == 1
+        asked_at.append(time.monotonic())
+        controller.poll_soon()
+        await asyncio.sleep(EARLY_POLL_GAP_S + 0.15)
+
+    run_polls(tmp_path, poll, script, interval_s=1.0)
+    assert len(poll.at) == 2, poll.at
+    assert poll.at[1] - asked_at[0] < EARLY_POLL_GAP_S + 0.15
+    assert poll.at[1] - poll.at[0] >= EARLY_POLL_GAP_S
+
+
+def released_actor(released: bool, job_state: JobState = JobState.DEGRADED) -> object:
+    """What `Controller.poll_interval_s` reads of a job's actor."""
+    return types.SimpleNamespace(state=types.SimpleNamespace(released_below_min=released),
+                                 job=types.SimpleNamespace(state=job_state))
+
+
+def test_while_a_job_waits_for_nodes_it_gave_back_slurm_is_polled_every_released_interval(tmp_path: Path) -> None:
+    poll = RecordedPoll()
+
+    async def script(controller: Controller) -> None:
+        # (A stand-in actor: only the views' timing is under test, not what jobs make of them.)
+        controller.observe_slurm = lambda view, now: None  # type: ignore[method-assign]
+        controller.actors["waiting"] = released_actor(True)  # type: ignore[assignment]
+        await asyncio.sleep(0.05)
+        assert len(poll.at) == 1
+        await asyncio.sleep(ControllerConfig().released_poll_interval_s + 0.3)
+        assert len(poll.at) == 2  # not the 30 s interval
+        controller.actors["waiting"] = released_actor(False, JobState.RUNNING)  # it resumed
+        await asyncio.sleep(ControllerConfig().released_poll_interval_s + 0.3)
+        assert len(poll.at) == 3  # (the wait decided at the last poll)
+        await asyncio.sleep(ControllerConfig().released_poll_interval_s + 0.3)
+        assert len(poll.at) == 3  # the 30 s interval again
+
+    run_polls(tmp_path, poll, script)
+
+
+def test_the_regular_poll_interval() -> None:
+    config = ControllerConfig(slurm_poll_interval_s=30.0)
+    assert poll_interval_s(config, job_released=False) == 30.0
+    assert poll_interval_s(config, job_released=True) == config.released_poll_interval_s == 2.0
+    assert poll_interval_s(ControllerConfig(slurm_poll_interval_s=1.0), job_released=True) == 1.0
+    assert poll_interval_s(ControllerConfig(slurm_poll_interval_s=30.0, released_poll_interval_s=0),
+                           job_released=True) == 30.0
