@@ -52,9 +52,11 @@ log = structlog.get_logger("tidal.controller.server")
 
 GARBLED = "garbled message: not a tidal.v1.LauncherMessage"
 # Polls asked for early (a job submitted or resized, units ended) come at least this long
-# after the last poll ended: a burst of asks makes one poll, and with a short
-# `slurm_poll_interval_s` (1 s) a submission waits this long rather than the interval (the
-# goodput bench's submissions, made just after a poll, waited 1.00-1.02 s for their units).
+# after the last poll ended, and no sooner than the last poll took (Slurm is never polled
+# more than half the time, however often asked): a burst of asks makes one poll, and with
+# a short `slurm_poll_interval_s` (1 s) a submission waits this long rather than the
+# interval (the goodput bench's submissions, made just after a poll, waited 1.00-1.02 s
+# for their units while this was 1 s).
 EARLY_POLL_GAP_S = 0.25
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 
@@ -108,22 +110,24 @@ class Controller:
 
     async def poll_slurm_forever(self, poll: ClusterPoll) -> None:
         """One cluster-wide view per interval for every job (`poll_interval_s`), or sooner
-        when `poll_soon` asks (EARLY_POLL_GAP_S after the last at the earliest); after
-        failed polls the next comes later (doubling, up to 10 intervals, early asks
-        ignored), and the actors see the view as stale."""
+        when `poll_soon` asks (EARLY_POLL_GAP_S after the last at the earliest, or as long
+        as the last took); after failed polls the next comes later (doubling, up to 10
+        intervals, early asks ignored), and the actors see the view as stale."""
         while True:
             self._poll_soon.clear()
+            started = time.monotonic()
             view = await asyncio.to_thread(poll.poll)
+            gap_s = max(EARLY_POLL_GAP_S, time.monotonic() - started)
             if view.stale:
                 log.warning("slurm_poll_failed", failures=view.consecutive_failures, error=str(view.error))
             self.observe_slurm(view, time.monotonic())
             wait_s = self.poll_interval_s() * min(10, 2 ** view.consecutive_failures)
-            if view.consecutive_failures or wait_s <= EARLY_POLL_GAP_S:
+            if view.consecutive_failures or wait_s <= gap_s:
                 await asyncio.sleep(wait_s)
                 continue
-            await asyncio.sleep(EARLY_POLL_GAP_S)
+            await asyncio.sleep(gap_s)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._poll_soon.wait(), timeout=wait_s - EARLY_POLL_GAP_S)
+                await asyncio.wait_for(self._poll_soon.wait(), timeout=wait_s - gap_s)
 
     def poll_interval_s(self) -> float:
         """The wait before the next regular poll: `slurm_poll_interval_s`, or

@@ -21,14 +21,17 @@ from tidal.slurm.snapshot import ClusterView
 
 
 class RecordedPoll:
-    """ClusterPoll's interface: each `poll()` answers a view (empty, or failed) and is timed."""
+    """ClusterPoll's interface: each `poll()` answers a view (empty, or failed) after
+    `takes_s`, and is timed."""
 
-    def __init__(self, failing: bool = False) -> None:
+    def __init__(self, failing: bool = False, takes_s: float = 0.0) -> None:
         self.failing = failing
+        self.takes_s = takes_s
         self.at: list[float] = []
 
     def poll(self) -> ClusterView:
         self.at.append(time.monotonic())
+        time.sleep(self.takes_s)
         if self.failing:
             return ClusterView((), (), 0.0, stale=True, error=SlurmError("slurmctld does not answer"),
                                consecutive_failures=len(self.at))
@@ -133,3 +136,19 @@ def test_the_regular_poll_interval() -> None:
     assert poll_interval_s(ControllerConfig(slurm_poll_interval_s=1.0), job_released=True) == 1.0
     assert poll_interval_s(ControllerConfig(slurm_poll_interval_s=30.0, released_poll_interval_s=0),
                            job_released=True) == 30.0
+
+
+def test_however_often_asked_slurm_is_polled_at_most_half_the_time(tmp_path: Path) -> None:
+    # A slow slurmctld (each poll 0.6 s) and asks all the time (units of a large job ending
+    # one after another): each poll is followed by as long a pause.
+    poll = RecordedPoll(takes_s=0.6)
+
+    async def script(controller: Controller) -> None:
+        for _ in range(30):
+            controller.poll_soon()
+            await asyncio.sleep(0.1)
+
+    run_polls(tmp_path, poll, script)
+    gaps = [b - a for a, b in zip(poll.at, poll.at[1:], strict=False)]
+    assert len(poll.at) >= 2, poll.at
+    assert all(gap >= 2 * 0.6 for gap in gaps), gaps
