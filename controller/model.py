@@ -116,8 +116,9 @@ class UnitFacts:
     # While the job is FINISHING, a member of the finished world: how many of its workers
     # the end waits for (None: not a member), and those that exited since: 0, or how.
     finishing_workers: int | None = None
-    # While the job is FINISHING: Slurm chose it for preemption (recorded once; it does not
-    # leave before its workers end or Slurm's grace time does).
+    # While the job is FINISHING: Slurm chose it for preemption (recorded once, and kept
+    # across a controller's restart; it does not leave before its workers end or Slurm's
+    # grace time does).
     preempted_after_training: bool = False
     # Live mode, replicas of several nodes: since when its replica has lacked a node (it
     # waits, out of the world, for one to take the lost one's place).

@@ -15,6 +15,7 @@ from tidal.controller.core.state import (
     CancelInSlurm,
     ErrorExclusion,
     PollSlurmSoon,
+    SavePending,
     SaveUnit,
     State,
     Submit,
@@ -79,6 +80,9 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
                 if t.job.state is JobState.FINISHING and unit.facts.finishing_workers is not None:
                     if not unit.facts.preempted_after_training:
                         t.note(unit, preempted_after_training=True)
+                        # Persisted: a restarted controller would record it again.
+                        t.emit(SavePending("preempted_after_training", sorted(
+                            u.unit_id for u in state.units.values() if u.facts.preempted_after_training)))
                         t.record("unit_preempted_after_training", f"Slurm preempts job {unit.slurm_job_id} after "
                                  "the last step: its workers finish the script's code after train() until Slurm's "
                                  "grace time ends, rather than leave now", unit_id=unit.unit_id)

@@ -472,10 +472,10 @@ def restore(job: JobRecord, units: list[UnitRecord], generation: GenerationRecor
             pending: Mapping[str, object], config: ControllerConfig, now: Now, slurm_units: bool = False,
             previous: GenerationRecord | None = None) -> State:
     """The state of a job as SQLite holds it, at a controller's start: what was in flight
-    (`pending`: node cool-downs, deferred leaves, the finishing world) resumes; a stop cut
-    short finishes with whoever comes back. `previous`: the generation before `generation`
-    (a live change in flight was not kept: the world it left may still be the one
-    training, and finish)."""
+    (`pending`: node cool-downs, deferred leaves, the finishing world, and its members Slurm
+    preempts) resumes; a stop cut short finishes with whoever comes back. `previous`: the
+    generation before `generation` (a live change in flight was not kept: the world it
+    left may still be the one training, and finish)."""
     state = State(job=job, units={u.unit_id: u for u in units}, generation=generation, config=config,
                   restored_previous=previous,
                   slurm_units=slurm_units, generation_started_at=now.monotonic,
@@ -498,6 +498,10 @@ def restore(job: JobRecord, units: list[UnitRecord], generation: GenerationRecor
     replica_workers = pending.get("replica_workers")
     if isinstance(replica_workers, int) and replica_workers > 0:
         state.replica_workers = replica_workers
+    # Members Slurm preempts after the last step (their event recorded once).
+    listed = pending.get("preempted_after_training")
+    finishing_job = job.state is JobState.FINISHING
+    preempted = {str(u) for u in listed} if isinstance(listed, list) and finishing_job else set()
     deferred = pending.get("deferred_leaves")
     deferred = deferred if isinstance(deferred, Mapping) else {}
     for unit_id, unit in state.units.items():
@@ -510,7 +514,8 @@ def restore(job: JobRecord, units: list[UnitRecord], generation: GenerationRecor
             # saving, and a world without the state waits for it (bounded by that grace).
             saving_state=(unit.state is UnitState.LEAVING and generation is not None
                           and generation.member(unit_id) is not None),
-            finishing_workers=finishing_members.get(unit_id))
+            finishing_workers=finishing_members.get(unit_id),
+            preempted_after_training=unit_id in preempted)
     if job.state is JobState.RECONFIGURING and generation is not None and not generation_stopped:
         members = {m.unit_id for m in generation.members if not state.units[m.unit_id].state.is_final}
         state.in_flight = InFlight(ChangeKind.STOP, generation=generation.number, cause="restart",

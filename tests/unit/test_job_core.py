@@ -892,6 +892,33 @@ def test_a_unit_slurm_preempts_after_the_last_step_finishes_the_scripts_own_code
     assert driver.state.job.state is JobState.COMPLETED
 
 
+def test_a_restarted_controller_does_not_record_a_preemption_after_the_last_step_again() -> None:
+    """Slurm preempts a member of the finished world; the controller restarts before the
+    job completes. The member is still not asked to leave, and the event that says so is
+    not recorded a second time."""
+    driver = Driver(min_replicas=1, max_replicas=2, slurm_units=True)
+    driver.feed(core.SlurmObserved(view(driver, (node("n1"), node("n2")))))
+    driver.feed(core.UnitSubmitted("u1", 601))
+    driver.feed(core.UnitSubmitted("u2", 602))
+    formed(driver, "u1", "u2")
+    finishing = driver.report("u1", 1, launcher_pb2.GENERATION_PHASE_FINISHED, step=400)
+    preempted = view(driver, (), (slurm_job(601, SlurmJobState.RUNNING),
+                                  slurm_job(602, SlurmJobState.RUNNING, preempted=True)))
+    effects = finishing + driver.feed(core.SlurmObserved(preempted))
+    assert driver.events(effects) == ["job_finishing", "unit_preempted_after_training"]
+    pending = {e.key: e.value for e in effects if isinstance(e, core.SavePending)}
+    job, units = dataclasses.replace(driver.state.job), list(driver.state.units.values())
+    driver.state = core.restore(job, units, driver.state.generation, generation_stopped=False, pending=pending,
+                                config=CONFIG, now=driver.now, slurm_units=True)
+    # (Their workers run on: the script's code after train().)
+    driver.connect("u1", last_generation=1, workers=(101,))
+    driver.connect("u2", last_generation=1, workers=(102,))
+    effects = driver.feed(core.SlurmObserved(preempted))
+    assert driver.events(effects) == []
+    assert driver.state.units["u2"].state is UnitState.ACTIVE
+    assert not [e for e in effects if isinstance(e, core.Send) and e.message.WhichOneof("body") == "leave"]
+
+
 def four_slurm_units_training(min_replicas: int) -> Driver:
     driver = Driver(min_replicas=min_replicas, max_replicas=4, slurm_units=True)
     effects = driver.feed(core.SlurmObserved(view(driver, tuple(node(f"n{i}") for i in range(1, 5)))))
