@@ -282,6 +282,10 @@ def _stop(view: LeaderView, stop: launcher_pb2.Generation, unit_id: str) -> tupl
                                                      "generation": view.generation}))
     actions += [Log("generation_stop_ordered", {"generation": stop.generation, "reason": stop.reason}),
                 HoldStart(None, replacing=False)]
+    if stop.generation > view.generation:
+        # The stop of a generation this unit has not started (restart mode: held while the
+        # older one's workers stop): its STOPPED is what the controller waits for.
+        actions.append(Enter(view.state, stop.generation))
     if view.finished and not failed_self:
         # Training is over here (a rank committed the last step): the workers run the
         # script's own code and exit by themselves; nothing to stop.

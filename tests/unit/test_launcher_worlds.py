@@ -191,6 +191,20 @@ def test_a_stop_stops_the_workers_with_the_grace_it_names_and_forgets_a_held_sta
     assert kinds(on_generation(RESTART, stop(2), "u1")) == []
 
 
+def test_the_stop_of_a_generation_held_while_the_older_one_stops_is_confirmed_for_that_generation() -> None:
+    """Restart mode: generation 4 (a failure's next world) is held while generation 3's
+    workers stop; a second failure stops 4. The controller takes only a STOPPED of 4: one
+    of 3 left it waiting for its deadline, and it then failed this healthy unit."""
+    stopping = dataclasses.replace(RESTART, state=LauncherState.STOPPING, stopping_for_start=True,
+                                   pending_start=start(4))
+    actions = on_generation(stopping, stop(4, grace_s=2.0), "u1")
+    assert Enter(LauncherState.STOPPING, 4) in actions and HoldStart(None, replacing=False) in actions
+    assert actions[-1] == StopWorkers(LauncherState.STOPPING, 2.0)
+    # Once the workers are gone, with the generation the stop moved the unit to:
+    after = dataclasses.replace(stopping, generation=4, stopping_for_start=False, pending_start=None)
+    assert Report(4, launcher_pb2.GENERATION_PHASE_STOPPED, with_store_port=True) in on_workers_stopped(after)
+
+
 def test_live_workers_stop_in_process_unless_their_unit_failed() -> None:
     assert on_generation(LIVE, stop(3), "u1")[-1] == LiveStop(3)
     failed = on_generation(LIVE, stop(3, failed="u1", grace_s=5.0), "u1")
