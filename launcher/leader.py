@@ -126,6 +126,7 @@ class Agent(NodeAgent[LauncherOptions]):
         self.last_heartbeat_at = 0.0
         # The generation this unit is a member of, held while the old workers still stop.
         self.pending_start: launcher_pb2.Generation | None = None
+        self.pending_joining = False
         # The controller declared this unit failed: its workers go, the launcher exits 1.
         self.failed_self = False
         # Restart mode: the workers stop because the next Generation replaced theirs (its
@@ -468,6 +469,7 @@ class Agent(NodeAgent[LauncherOptions]):
             finished=bool(live.finished),
             all_said_hello=group is not None and live.hello >= {w.local_rank for w in group.workers},
             stopping_for_start=self.stopping_for_start, pending_start=self.pending_start,
+            pending_joining=self.pending_joining,
             saved=tuple(live.saved.values()))
 
     @property
@@ -512,8 +514,8 @@ class Agent(NodeAgent[LauncherOptions]):
                 self.state = state
                 if generation is not None:
                     self.generation = generation
-            case worlds.HoldStart(start, replacing):
-                self.pending_start = start
+            case worlds.HoldStart(start, replacing, joining):
+                self.pending_start, self.pending_joining = start, joining
                 if replacing is not None:
                     self.stopping_for_start = replacing
             case worlds.StartWorkers(start, joining):

@@ -34,7 +34,7 @@ class LeaderView:
     `workers_started`: workers were started once (running or not). `finished`:
     a worker of the unit committed the job's last step. `all_said_hello`: every worker
     started said hello on the control channel. `pending_start`: a generation waits for
-    the old workers to stop."""
+    the old workers to stop (`pending_joining`: its workers join a running world)."""
 
     state: LauncherState
     generation: int
@@ -50,6 +50,7 @@ class LeaderView:
     all_said_hello: bool = False
     stopping_for_start: bool = False
     pending_start: launcher_pb2.Generation | None = None
+    pending_joining: bool = False
     # Live mode: where each worker that left as the state's last holder wrote it, and at which step.
     saved: tuple[tuple[str, int], ...] = ()
 
@@ -67,10 +68,11 @@ class DeclaredFailed:
 class HoldStart:
     """Keep `start` (None: drop the one held) for when the old workers are gone;
     `replacing`: it replaces their generation (its STARTED is the one acknowledgment),
-    None: leave that as it is."""
+    None: leave that as it is; `joining`: its workers join a running world."""
 
     start: launcher_pb2.Generation | None
     replacing: bool | None = None
+    joining: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,12 +263,20 @@ def _reconfigure(view: LeaderView, reconfigure: launcher_pb2.Generation) -> tupl
                        detail="workers ready to join (kept from an earlier world)"))
     if view.live_workers_running:
         return (world,)
+    joiners = launcher_pb2.Generation(generation=reconfigure.generation, rank_table=reconfigure.rank_table,
+                                      rendezvous=reconfigure.rendezvous, target_step=reconfigure.target_step)
     if view.state in (LauncherState.WAITING, LauncherState.CONNECTING):
+        if view.workers_generation is not None:
+            # Some of the joiner's workers run, not all (one started ahead exited before
+            # its world came): they cannot join as they are, and a new group started
+            # beside them would share their devices. They go first; then the joiners start.
+            return (LeaveStandby(), HoldStart(joiners, replacing=True, joining=True),
+                    StopWorkers(LauncherState.STOPPING, view.stop_grace_s))
         # A joiner: start the workers; they wait at the new world's rendezvous.
-        return (StartWorkers(launcher_pb2.Generation(generation=reconfigure.generation,
-                                                     rank_table=reconfigure.rank_table,
-                                                     rendezvous=reconfigure.rendezvous,
-                                                     target_step=reconfigure.target_step), joining=True),)
+        return (StartWorkers(joiners, joining=True),)
+    if view.state is LauncherState.STOPPING and view.pending_joining:
+        # (Those workers still stop: the newer world's joiners start after them.)
+        return (HoldStart(joiners, joining=True),)
     return ()
 
 
@@ -337,5 +347,5 @@ def on_workers_stopped(view: LeaderView) -> tuple[LeaderAction, ...]:
         # A generation replaced by the next one's start is acknowledged by its STARTED alone.
         actions.append(Report(view.generation, launcher_pb2.GENERATION_PHASE_STOPPED, with_store_port=True))
     if view.pending_start is not None:
-        actions.append(StartWorkers(view.pending_start))
+        actions.append(StartWorkers(view.pending_start, joining=view.pending_joining))
     return tuple(actions)

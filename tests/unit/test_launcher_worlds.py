@@ -233,6 +233,29 @@ def test_a_leave_saves_the_state_in_process_when_asked_else_stops_the_workers() 
     assert on_generation(LIVE, leave(3), "u1")[-1] == StopWorkers(LauncherState.LEAVING, 10.0)
 
 
+def test_a_joiner_with_only_some_of_its_workers_alive_stops_them_before_its_joiners_start() -> None:
+    """Two workers started ahead; one exited before the unit's world came. The other
+    cannot join alone, and a new group started beside it would share its devices: it goes
+    first, then the joiners start (as joiners)."""
+    standby = dataclasses.replace(WAITING, generation=0, live_mode=True, standby=True, workers_generation=0,
+                                  workers_started=True)
+    actions = on_generation(standby, reconfigure(4), "u1")
+    assert kinds(actions) == [LeaveStandby, HoldStart, StopWorkers]
+    held = actions[1]
+    assert isinstance(held, HoldStart) and held.joining and held.replacing and held.start is not None
+    assert held.start.generation == 4 and held.start.rank_table == TABLE
+    stopped = dataclasses.replace(standby, state=LauncherState.STOPPING, standby=False, workers_generation=None,
+                                  stopping_for_start=True, pending_start=held.start, pending_joining=True)
+    assert on_workers_stopped(stopped)[-1] == StartWorkers(held.start, joining=True)
+    # A join that comes while they stop is held for them too.
+    assert on_generation(dataclasses.replace(stopped, pending_start=None), reconfigure(5), "u1") == (
+        HoldStart(launcher_pb2.Generation(generation=5, rank_table=TABLE, rendezvous=RENDEZVOUS, target_step=40),
+                  joining=True),)
+    # None runs: the joiners start at once.
+    assert kinds(on_generation(dataclasses.replace(standby, workers_generation=None), reconfigure(4), "u1")) == [
+        StartWorkers]
+
+
 def test_a_live_unit_leaving_at_a_step_boundary_gets_the_world_without_it() -> None:
     # Its workers are told the new world, which does not name them: they leave after the agreed step.
     change = reconfigure(4, table=OTHERS, leaving=("u1",))
