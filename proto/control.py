@@ -246,7 +246,8 @@ def decode(line: bytes) -> Message | None:
             fields[name] = value[:MAX_DETAIL] if isinstance(value, str) else value
         message: Message = kind(**fields)
         return message
-    except (ValueError, KeyError, TypeError, OverflowError) as error:
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as error:
+        # (RecursionError: JSON nested deeper than the parser goes.)
         import structlog  # (here, not at the top: the controller's pure core imports this module)
 
         structlog.get_logger("tidal.proto.control").warning("control_message_garbled", line=line[:200],

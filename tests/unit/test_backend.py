@@ -137,6 +137,12 @@ def test_which_words_of_the_launcher_break_which_generations() -> None:
     assert decode(encode(failure)) == failure
 
 
+def test_a_garbled_line_on_the_control_channel_is_refused_never_raised() -> None:
+    for garbage in (b"not json\n", b'{"op": "nothing"}\n', b'{"op": "world", "generation": "5"}\n',
+                    b"[" * 100_000 + b"\n", b'{"op": "hello", "local_rank": 1e999}\n'):
+        assert decode(garbage) is None, garbage[:40]
+
+
 def test_only_nccl_groups_are_aborted_from_outside_and_only_when_their_generation_broke() -> None:
     assert aborts_from_outside("nccl") and not aborts_from_outside("gloo")
     assert abort_from_outside("nccl", groups_generation=4, broken_through=4)
