@@ -83,8 +83,25 @@ def sweep_abandoned(directory: Path | None = None) -> list[Path]:
     return removed
 
 
+# A Unix socket's path holds at most 107 bytes (sun_path's 108, with its NUL); the workers'
+# control socket is the run folder's longest path that must fit.
+SOCKET_PATH_MAX = 107
+CONTROL_SOCKET = "control.sock"
+SHORT_TEMPORARY_DIRECTORY = "/tmp"
+
+
 def make_run_dir(name: str) -> Path:
-    """A new run folder `tidal-<name>-…` in the temporary directory, noting its owner."""
-    folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{name}-"))
+    """A new run folder `tidal-<name>-…` in the temporary directory, noting its owner; in
+    /tmp where the temporary directory's path is too long for the workers' control socket
+    (TMPDIR set to a job's scratch folder, say). OSError if neither will do."""
+    prefix = f"{PREFIX}{name}-"
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    if len(os.fsencode(folder / CONTROL_SOCKET)) > SOCKET_PATH_MAX:
+        folder.rmdir()
+        folder = Path(tempfile.mkdtemp(prefix=prefix, dir=SHORT_TEMPORARY_DIRECTORY))
+        if len(os.fsencode(folder / CONTROL_SOCKET)) > SOCKET_PATH_MAX:
+            folder.rmdir()
+            raise OSError(f"no run folder whose control socket's path fits in {SOCKET_PATH_MAX} bytes "
+                          f"(the temporary directory {tempfile.gettempdir()}, then {SHORT_TEMPORARY_DIRECTORY})")
     (folder / OWNER_FILE).write_text(owner_note(os.getpid()))
     return folder

@@ -13,7 +13,15 @@ from pathlib import Path
 import pytest
 
 from tests.waiting import wait_for
-from tidal.launcher.rundirs import OWNER_FILE, make_run_dir, pid_namespace, process_start_ticks, sweep_abandoned
+from tidal.launcher.rundirs import (
+    CONTROL_SOCKET,
+    OWNER_FILE,
+    SOCKET_PATH_MAX,
+    make_run_dir,
+    pid_namespace,
+    process_start_ticks,
+    sweep_abandoned,
+)
 
 
 @pytest.fixture
@@ -87,3 +95,21 @@ def test_folders_without_a_note_of_this_pid_namespace_are_left_alone(temporary: 
     (not_ours / OWNER_FILE).write_text("1 1 " + pid_namespace())
     assert sweep_abandoned(temporary) == []
     assert all(f.is_dir() for f in (unnoted, other_namespace, garbled, not_ours))
+
+
+def test_a_temporary_directory_too_long_for_the_control_socket_gives_a_run_folder_in_tmp(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TMPDIR set to a job's scratch folder: the workers' control socket's path would pass
+    the 107 bytes a Unix socket's path holds, and binding it failed the launcher at its
+    start. The folder is made in /tmp instead."""
+    scratch = tmp_path / ("scratch-" + "x" * (SOCKET_PATH_MAX - len(str(tmp_path))))
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    folder = make_run_dir("u7")
+    try:
+        assert folder.parent == Path("/tmp") and (folder / OWNER_FILE).exists()
+        assert len(os.fsencode(folder / CONTROL_SOCKET)) <= SOCKET_PATH_MAX
+        assert list(scratch.iterdir()) == [], "nothing left in the long folder"
+    finally:
+        (folder / OWNER_FILE).unlink()
+        folder.rmdir()
