@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from tidal.controller.model import JobState, UnitState
+from tidal.controller.model import JobState, UnitRecord, UnitState
 
 if TYPE_CHECKING:
     from tidal.controller.core.state import State
@@ -118,6 +118,9 @@ class Verdicts:
     change_late: tuple[Failure, ...] = ()
     # While FINISHING: units out of touch past their grace (they count as left).
     out_of_touch: tuple[str, ...] = ()
+    # Otherwise: joining units out of touch past their grace (registered, not in a world
+    # yet; nothing else would ever end one whose launcher died with its node).
+    joiners_out_of_touch: tuple[Failure, ...] = ()
     # Units asked to leave and still there past the grace a stop gets (unit, since).
     leave_overdue: tuple[tuple[str, float], ...] = ()
 
@@ -140,13 +143,20 @@ def judge(state: State, now: float) -> Verdicts:
                  for u, unit in units.items()
                  if unit.facts.back_without_workers_at is not None and not unit.state.is_final
                  and now - unit.facts.back_without_workers_at > config.heartbeat_timeout_s)
+    def out_of_touch(unit: UnitRecord) -> bool:
+        """Not connected for longer than reconnect_grace_s (since its session closed, or
+        since this controller started)."""
+        if unit.facts.connected:
+            return False
+        since = unit.facts.disconnected_at
+        return now - since > config.reconnect_grace_s if since is not None else now > state.reconnect_deadline
+
     if job_state is JobState.FINISHING:
-        gone = tuple(u for u, unit in units.items()
-                     if not unit.state.is_final and not unit.facts.connected
-                     and ((unit.facts.disconnected_at is not None
-                           and now - unit.facts.disconnected_at > config.reconnect_grace_s)
-                          or (unit.facts.disconnected_at is None and now > state.reconnect_deadline)))
+        gone = tuple(u for u, unit in units.items() if not unit.state.is_final and out_of_touch(unit))
         return Verdicts(out_of_touch=gone, leave_overdue=leave_overdue, back_without_workers=back)
+    joiners = tuple(Failure(u, f"joining launcher out of touch for more than {config.reconnect_grace_s:g} s",
+                            "stream")
+                    for u, unit in units.items() if unit.state is UnitState.JOINING and out_of_touch(unit))
     stop = state.stopping
     stop_overdue = (stop.generation, stop.deadline) if stop is not None and now > stop.deadline else None
     unconfirmed = tuple(Failure(u, f"did not confirm the stop of generation {stop.generation} in time", "stop")
@@ -184,4 +194,4 @@ def judge(state: State, now: float) -> Verdicts:
     return Verdicts(members=members, members_of=generation.number if generation is not None else 0,
                     back_without_workers=back, stop_overdue=stop_overdue, stop_unconfirmed=unconfirmed,
                     change_overdue_of=change.generation if change is not None and now > change.deadline else 0,
-                    change_late=late, leave_overdue=leave_overdue)
+                    change_late=late, leave_overdue=leave_overdue, joiners_out_of_touch=joiners)

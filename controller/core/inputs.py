@@ -280,7 +280,8 @@ def on_disconnected(t: Step, unit_id: str, reason: str) -> None:
     if unit.state is UnitState.ACTIVE and state.generation is not None and state.generation.member(unit_id):
         failure.fail(t, unit_id, f"launcher stream broke: {reason}", "stream", t.now.monotonic)
         return
-    t.note(unit, joined_at=None)
+    # (A joining unit out of touch past reconnect_grace_s fails: `health.judge`.)
+    t.note(unit, joined_at=None, disconnected_at=t.now.monotonic)
     t.record("launcher_disconnected", reason, unit_id=unit_id)
 
 

@@ -56,6 +56,9 @@ def on_tick(t: Step, now: float) -> None:
         returned = t.note(state.units[back.unit_id], back_without_workers_at=None)
         if returned.state is UnitState.ACTIVE and t.job.state is JobState.RUNNING:
             failure.fail(t, back.unit_id, back.reason, back.cause, now)
+    for joiner in verdicts.joiners_out_of_touch:
+        # (Not a member: it fails alone, and a unit replaces it.)
+        failure.fail(t, joiner.unit_id, joiner.reason, joiner.cause, now)
     if state.stopping is not None:
         if verdicts.stop_overdue == (state.stopping.generation, state.stopping.deadline):
             for late in verdicts.stop_unconfirmed:

@@ -919,6 +919,47 @@ def test_a_restarted_controller_does_not_record_a_preemption_after_the_last_step
     assert not [e for e in effects if isinstance(e, core.Send) and e.message.WhichOneof("body") == "leave"]
 
 
+def test_a_joining_unit_whose_launcher_is_gone_fails_after_the_reconnect_grace_and_is_replaced() -> None:
+    """A unit registers and waits to join (join_settle_s); its node dies before a world
+    takes it in. Nothing else ends a joiner out of touch: it stayed JOINING for good,
+    counted among the job's units, and no unit was submitted in its place."""
+    config = dataclasses.replace(CONFIG, join_settle_s=5.0)
+    driver = Driver(min_replicas=2, max_replicas=2, slurm_units=True, config=config)
+    nodes = (node("n1"), node("n2"), node("n3"))
+    driver.feed(core.SlurmObserved(view(driver, nodes)))
+    driver.feed(core.UnitSubmitted("u1", 501))
+    driver.feed(core.UnitSubmitted("u2", 502))
+    driver.connect("u1")
+    driver.connect("u2")
+    driver.tick(6.0)
+    assert driver.state.job.state is JobState.RUNNING
+    driver.feed(core.LauncherClosed("u2", "node died"))
+    driver.report("u1", 1, launcher_pb2.GENERATION_PHASE_STOPPED)
+    driver.clock += 2.0
+    effects = driver.feed(core.SlurmObserved(view(driver, nodes, (slurm_job(501, SlurmJobState.RUNNING),))))
+    assert [e.unit_id for e in effects if isinstance(e, core.Submit)] == ["u3"]
+    driver.feed(core.UnitSubmitted("u3", 503))
+    driver.connect("u3")
+    assert driver.state.units["u3"].state is UnitState.JOINING
+    driver.feed(core.LauncherClosed("u3", "node died"))
+    driver.tick(9.0)
+    assert driver.state.units["u3"].state is UnitState.JOINING, "within reconnect_grace_s it may come back"
+    effects = driver.tick(2.0)
+    assert driver.state.units["u3"].state is UnitState.FAILED
+    assert "failure_detected" in driver.events(effects)
+    assert [e.slurm_job_id for e in effects if isinstance(e, core.CancelInSlurm)] == [503]
+    effects = driver.feed(core.SlurmObserved(view(driver, nodes, (slurm_job(501, SlurmJobState.RUNNING),))))
+    assert [e.unit_id for e in effects if isinstance(e, core.Submit)] == ["u4"]
+    # One that comes back within the grace joins as before.
+    driver.feed(core.UnitSubmitted("u4", 504))
+    driver.connect("u4")
+    driver.feed(core.LauncherClosed("u4", "blip"))
+    driver.tick(5.0)
+    driver.connect("u4")
+    driver.tick(20.0)
+    assert driver.state.units["u4"].state is not UnitState.FAILED
+
+
 def four_slurm_units_training(min_replicas: int) -> Driver:
     driver = Driver(min_replicas=min_replicas, max_replicas=4, slurm_units=True)
     effects = driver.feed(core.SlurmObserved(view(driver, tuple(node(f"n{i}") for i in range(1, 5)))))
