@@ -109,10 +109,12 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
     note_blocked_below_min(t, view, seen, alive, frozenset(excluded), bool(others_waiting))
     if now < state.next_submit_at or state.stopping is not None or t.job.state is JobState.FINISHING:
         return
-    # Units Slurm has not placed yet will take idle nodes; running ones already hold theirs.
+    # Units Slurm has not placed yet will take idle nodes (a unit's nodes each: K of a
+    # replica in restart mode); running ones already hold theirs.
     waiting = sum(1 for u in alive if u.state is UnitState.SUBMITTED
                   and ((found := view.job(u.slurm_job_id)) is None or found.state is SlurmJobState.PENDING))
     idle = unit_rules.idle_nodes_for(spec, view.nodes, frozenset(excluded))
+    taken = waiting * unit_rules.unit_nodes(spec)
     # Replicas of several nodes: the nodes missing from replicas that lost one, less the
     # units submitted and not registered yet (each takes a hole first when it registers).
     # In nodes of Slurm's, whatever the world makes of them (`replicas.world_nodes`).
@@ -121,7 +123,7 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
                 - sum(1 for u in alive if u.state is UnitState.SUBMITTED))
 
     def demand_within(allowance: int | None) -> unit_rules.UnitDemand:
-        return unit_rules.units_to_submit(spec, alive=len(alive), idle_nodes=max(0, len(idle) - waiting), now=now,
+        return unit_rules.units_to_submit(spec, alive=len(alive), idle_nodes=max(0, len(idle) - taken), now=now,
                                           last_change_at=state.last_change_at,
                                           scale_up_snooze_s=t.config.scale_up_snooze_s,
                                           others_waiting=len(others_waiting),

@@ -960,6 +960,26 @@ def test_a_joining_unit_whose_launcher_is_gone_fails_after_the_reconnect_grace_a
     assert driver.state.units["u4"].state is not UnitState.FAILED
 
 
+def test_restart_mode_counts_a_pending_unit_of_k_nodes_as_taking_k_idle_nodes() -> None:
+    """Replicas of 2 nodes (one Slurm job each): two units pending on 5 idle nodes take 4
+    of them, and the fifth fits none; counted as taking one node each, a third unit was
+    submitted that could only wait in Slurm's queue (and showed as waiting to other jobs)."""
+    driver = Driver(mode=common_pb2.JOB_MODE_RESTART, min_replicas=1, max_replicas=4, slurm_units=True)
+    driver.state.job.spec.nodes_per_replica = 2
+    nodes = tuple(node(f"n{i}") for i in range(1, 6))
+    effects = driver.feed(core.SlurmObserved(view(driver, nodes)))
+    assert [e.unit_id for e in effects if isinstance(e, core.Submit)] == ["u1", "u2"]
+    driver.feed(core.UnitSubmitted("u1", 501))
+    driver.feed(core.UnitSubmitted("u2", 502))
+    driver.clock += 5.0
+    pending = (slurm_job(501, SlurmJobState.PENDING), slurm_job(502, SlurmJobState.PENDING))
+    effects = driver.feed(core.SlurmObserved(view(driver, nodes, pending)))
+    assert [e.unit_id for e in effects if isinstance(e, core.Submit)] == []
+    # A sixth node idle: a third unit fits.
+    effects = driver.feed(core.SlurmObserved(view(driver, (*nodes, node("n6")), pending)))
+    assert [e.unit_id for e in effects if isinstance(e, core.Submit)] == ["u3"]
+
+
 def four_slurm_units_training(min_replicas: int) -> Driver:
     driver = Driver(min_replicas=min_replicas, max_replicas=4, slurm_units=True)
     effects = driver.feed(core.SlurmObserved(view(driver, tuple(node(f"n{i}") for i in range(1, 5)))))
