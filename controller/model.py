@@ -99,6 +99,10 @@ class UnitFacts:
     deferred_leave: tuple[str, str] | None = None
     # When sbatch accepted it (wall clock): an older Slurm view proves nothing of it.
     submitted_at: float = 0.0
+    # Submitted by this controller, sbatch's answer not read yet (a unit SUBMITTED with no
+    # Slurm job id and none in flight was decided by a controller that stopped before
+    # sbatch answered: `slurm_units.find_unanswered`).
+    sbatch_in_flight: bool = False
     # Submitted ahead of any free node (`queued_units`), to wait in Slurm's queue.
     queued_ahead: bool = False
     # Before its launcher registers: queued ahead and still waiting for a node (from its

@@ -391,11 +391,16 @@ def unit_script(launcher: Sequence[str], *, controller: str, job_id: str, unit_i
     ])
 
 
+def unit_job_name(job_id: str, unit_id: str) -> str:
+    """The name of a unit's Slurm job (what squeue shows of it)."""
+    return f"tidal-{job_id}-{unit_id}"
+
+
 def unit_submission(spec: admin_pb2.JobSpec, *, job_id: str, unit_id: str, launcher: Sequence[str], controller: str,
                     secret_path: Path, output_dir: Path, exclude: Sequence[str] = (),
                     owner: UnitOwner | None = None) -> UnitSubmission:
     return UnitSubmission(
-        name=f"tidal-{job_id}-{unit_id}", script=unit_script(launcher, controller=controller, job_id=job_id,
+        name=unit_job_name(job_id, unit_id), script=unit_script(launcher, controller=controller, job_id=job_id,
                                                              unit_id=unit_id, nodes=unit_nodes(spec)),
         partition=spec.partition, nodes=unit_nodes(spec), exclusive=True,
         working_dir=spec.working_dir, output=str(output_dir / f"{job_id}-{unit_id}-%j.out"),

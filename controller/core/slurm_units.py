@@ -49,6 +49,8 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
     # (`leaving.leave_all`: one world change, or one stop, for all of them).
     leavers: list[tuple[str, str, str]] = []
     for unit in list(state.units.values()):
+        if unit.state is UnitState.SUBMITTED and not unit.slurm_job_id and not unit.facts.sbatch_in_flight:
+            find_unanswered(t, unit, view)
         if not unit.slurm_job_id or unit.state.is_final:
             continue
         found = view.job(unit.slurm_job_id)
@@ -306,7 +308,7 @@ def submit_unit(t: Step, reason: str, excluded: tuple[str, ...], queued_ahead: b
     # it): forming and growing do not settle for it before a view shows it, which could come
     # a poll later; a view that shows Slurm started it makes it one on its way.
     unit.facts = dataclasses.replace(unit.facts, queued_ahead=queued_ahead, queued_in_slurm=queued_ahead,
-                                     excluded=tuple(excluded))
+                                     excluded=tuple(excluded), sbatch_in_flight=True)
     state.units[unit_id] = unit
     t.emit(SaveUnit(unit))
     t.record("unit_submitting", reason, unit_id=unit_id)
@@ -318,6 +320,7 @@ def on_unit_submitted(t: Step, unit_id: str, slurm_job_id: int, error: str) -> N
     unit = state.units.get(unit_id)
     if unit is None:
         return
+    unit = t.note(unit, sbatch_in_flight=False)
     if error:
         state.submit_failures += 1
         backoff = min(60.0, t.config.slurm_poll_interval_s * 2 ** state.submit_failures)
@@ -333,6 +336,26 @@ def on_unit_submitted(t: Step, unit_id: str, slurm_job_id: int, error: str) -> N
              fields={"slurm_job_id": slurm_job_id})
     if t.job.state.is_final or unit.state.is_final:
         cancel_in_slurm(t, unit)
+
+
+def find_unanswered(t: Step, unit: UnitRecord, view: ClusterView) -> None:
+    """A unit SUBMITTED with no Slurm job id, whose sbatch this controller did not run: an
+    earlier controller decided it and stopped before it read sbatch's answer (or before
+    sbatch ran). Its Slurm job is found by its name, and its id kept; none there (or only
+    a finished one): sbatch never ran, or its job is over, and the unit is lost (one
+    replaces it). Without this it counted as alive, and on its way, for good."""
+    name = unit_rules.unit_job_name(t.job.job_id, unit.unit_id)
+    found = next((job for job in view.jobs if job.name == name and not job.state.is_finished), None)
+    if found is None:
+        unit_lost(t, unit, f"no Slurm job {name}: the controller that submitted it stopped before sbatch "
+                  "answered, and none ran")
+        return
+    unit = t.own(unit)
+    unit.slurm_job_id = found.job_id
+    t.note(unit, submitted_at=view.observed_at - 1.0)
+    t.emit(SaveUnit(unit))
+    t.record("unit_submitted", f"Slurm job {found.job_id} (found by its name after a controller restart)",
+             unit_id=unit.unit_id, fields={"slurm_job_id": found.job_id})
 
 
 def unit_lost(t: Step, unit: UnitRecord, reason: str, kind: str = "unit_lost",

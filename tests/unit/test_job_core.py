@@ -980,6 +980,38 @@ def test_restart_mode_counts_a_pending_unit_of_k_nodes_as_taking_k_idle_nodes() 
     assert [e.unit_id for e in effects if isinstance(e, core.Submit)] == ["u3"]
 
 
+def test_a_unit_a_stopped_controller_decided_is_found_in_slurm_by_its_name_or_replaced() -> None:
+    """The controller stops between saving a unit SUBMITTED and reading sbatch's answer
+    (or before sbatch ran): restarted, it holds the unit with no Slurm job id. It is found
+    in Slurm's view by its name and its id kept; with none there, it is lost and replaced.
+    It stayed SUBMITTED for good, counted as alive and on its way, and the job waited."""
+    driver = Driver(min_replicas=2, max_replicas=2, slurm_units=True)
+    nodes = (node("n1"), node("n2"), node("n3"))
+    driver.feed(core.SlurmObserved(view(driver, nodes)))
+    # Before any answer the view decides nothing of them (sbatch is running).
+    effects = driver.feed(core.SlurmObserved(view(driver, nodes)))
+    assert driver.state.units["u1"].state is UnitState.SUBMITTED and not driver.events(effects)
+    driver.feed(core.UnitSubmitted("u1", 501))
+    job, units = dataclasses.replace(driver.state.job), list(driver.state.units.values())
+    driver.clock += 5.0
+    driver.state = core.restore(job, units, None, generation_stopped=False, pending={}, config=CONFIG,
+                                now=driver.now, slurm_units=True)
+    assert driver.state.units["u2"].slurm_job_id == 0
+    # Slurm shows u2's job (sbatch ran; its answer was lost with the controller).
+    found = dataclasses.replace(slurm_job(777, SlurmJobState.PENDING), name="tidal-j-1-u2")
+    effects = driver.feed(core.SlurmObserved(view(driver, nodes, (slurm_job(501, SlurmJobState.RUNNING), found))))
+    assert driver.state.units["u2"].slurm_job_id == 777 and driver.state.units["u2"].state is UnitState.SUBMITTED
+    assert driver.events(effects) == ["unit_submitted"]
+    # Another restart, and this time sbatch never ran for u2: lost, and replaced.
+    driver.state.units["u2"].slurm_job_id = 0
+    driver.state = core.restore(dataclasses.replace(driver.state.job), list(driver.state.units.values()), None,
+                                generation_stopped=False, pending={}, config=CONFIG, now=driver.now, slurm_units=True)
+    effects = driver.feed(core.SlurmObserved(view(driver, nodes, (slurm_job(501, SlurmJobState.RUNNING),))))
+    assert driver.state.units["u2"].state is UnitState.FAILED
+    assert "unit_lost" in driver.events(effects)
+    assert [e.unit_id for e in effects if isinstance(e, core.Submit)] == ["u3"]
+
+
 def four_slurm_units_training(min_replicas: int) -> Driver:
     driver = Driver(min_replicas=min_replicas, max_replicas=4, slurm_units=True)
     effects = driver.feed(core.SlurmObserved(view(driver, tuple(node(f"n{i}") for i in range(1, 5)))))
