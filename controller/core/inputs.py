@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from tidal.controller.core import failure, finishing, forming, leaving, messages, replicas, slurm_units, tick
 from tidal.controller.core.queries import (
+    alive_units,
     describe_worker_exit,
     worker_error_fields,
 )
@@ -295,9 +296,29 @@ def on_resize(t: Step, min_replicas: int, max_replicas: int, uid: int) -> None:
     t.emit(SaveJob(t.job))
     t.record("job_resized", f"by uid {uid}",
              fields={"min_replicas": spec.min_replicas, "max_replicas": spec.max_replicas})
-    if state.generation is not None and t.job.state is JobState.RUNNING:
-        # In units: a replica of K nodes is K members.
-        surplus = len(state.generation.members) - spec.max_replicas * replicas.nodes_per_replica(spec)
-        leaving.leave_all(t, [(member.unit_id, "resized", f"max_replicas is now {spec.max_replicas}")
-                              for member in sorted(state.generation.members,
-                                                   key=lambda m: -m.group_rank)[:max(0, surplus)]])
+    # In units: a replica of K nodes is K members.
+    limit = spec.max_replicas * replicas.nodes_per_replica(spec)
+    detail = f"max_replicas is now {spec.max_replicas}"
+    generation = state.generation
+    alive = alive_units(state)
+    members = {u.unit_id for u in alive if generation is not None and generation.member(u.unit_id) is not None}
+    # Units not in the world beyond the new max: those Slurm has not started yet (cancelled
+    # there), then those waiting to join (asked to leave), the newest first. At max they
+    # would never join, and a started one held its node for good.
+    outside = sorted((u for u in alive if u.unit_id not in members),
+                     key=lambda u: (u.state is not UnitState.SUBMITTED, -unit_number(u.unit_id)))
+    for unit in outside[:max(0, len(outside) - max(0, limit - len(members)))]:
+        if unit.state is UnitState.SUBMITTED:
+            slurm_units.cancel_in_slurm(t, unit)
+            leaving.mark_left(t, unit.unit_id, f"resized: {detail}")
+        else:
+            leaving.leave(t, unit.unit_id, "resized", detail)
+    if generation is not None and t.job.state is JobState.RUNNING:
+        surplus = len(generation.members) - limit
+        leaving.leave_all(t, [(member.unit_id, "resized", detail)
+                              for member in sorted(generation.members, key=lambda m: -m.group_rank)[:max(0, surplus)]])
+
+
+def unit_number(unit_id: str) -> int:
+    """The number in a unit's id (`u12`: 12; 0 for an id not made so)."""
+    return int(unit_id[1:]) if unit_id[1:].isdigit() else 0

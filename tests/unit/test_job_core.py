@@ -1012,6 +1012,39 @@ def test_a_unit_a_stopped_controller_decided_is_found_in_slurm_by_its_name_or_re
     assert [e.unit_id for e in effects if isinstance(e, core.Submit)] == ["u3"]
 
 
+def test_a_resize_below_the_units_there_sends_away_queued_and_joining_units_first() -> None:
+    """max_replicas 4 → 2 with two members, one unit waiting to join and one queued in
+    Slurm: the queued one is cancelled there and the joiner asked to leave; the members
+    train on. Only surplus members were asked to leave, and at max the others never
+    joined: the joiner held its node, the queued unit took the next free one."""
+    config = dataclasses.replace(CONFIG, join_settle_s=5.0)
+    driver = Driver(min_replicas=1, max_replicas=4, slurm_units=True, config=config)
+    nodes = (node("n1"), node("n2"))
+    driver.feed(core.SlurmObserved(view(driver, nodes)))
+    driver.feed(core.UnitSubmitted("u1", 501))
+    driver.feed(core.UnitSubmitted("u2", 502))
+    driver.connect("u1")
+    driver.connect("u2")
+    driver.tick(6.0)
+    assert driver.state.generation is not None and driver.state.generation.unit_ids == ("u1", "u2")
+    jobs = (slurm_job(501, SlurmJobState.RUNNING), slurm_job(502, SlurmJobState.RUNNING))
+    driver.clock += 60.0
+    driver.feed(core.SlurmObserved(view(driver, (*nodes, node("n3"), node("n4")), jobs)))
+    driver.feed(core.UnitSubmitted("u3", 503))
+    driver.feed(core.UnitSubmitted("u4", 504))
+    driver.connect("u3")
+    assert driver.state.units["u3"].state is UnitState.JOINING
+    assert driver.state.units["u4"].state is UnitState.SUBMITTED
+    effects = driver.feed(core.ResizeRequested(min_replicas=0, max_replicas=2, uid=0))
+    assert [e.slurm_job_id for e in effects if isinstance(e, core.CancelInSlurm)] == [504]
+    assert driver.state.units["u4"].state is UnitState.LEFT
+    assert driver.state.units["u3"].state is UnitState.LEAVING
+    assert driver.state.units["u1"].state is UnitState.ACTIVE and driver.state.units["u2"].state is UnitState.ACTIVE
+    # Down to 1: the newest member leaves too (a world change), as before.
+    effects = driver.feed(core.ResizeRequested(min_replicas=0, max_replicas=1, uid=0))
+    assert driver.state.units["u2"].state is UnitState.LEAVING
+
+
 def four_slurm_units_training(min_replicas: int) -> Driver:
     driver = Driver(min_replicas=min_replicas, max_replicas=4, slurm_units=True)
     effects = driver.feed(core.SlurmObserved(view(driver, tuple(node(f"n{i}") for i in range(1, 5)))))
