@@ -52,10 +52,16 @@ def on_tick(t: Step, now: float) -> None:
         return
     observe_progress(t, now)
     observe_compute(t, now)
+    # Members back without workers are taken together, as the members' verdicts below: the
+    # world re-forms once, not once each (the first re-forming named the others, dead).
+    back_failed = []
     for back in verdicts.back_without_workers:
         returned = t.note(state.units[back.unit_id], back_without_workers_at=None)
-        if returned.state is UnitState.ACTIVE and t.job.state is JobState.RUNNING:
-            failure.fail(t, back.unit_id, back.reason, back.cause, now)
+        if (returned.state is UnitState.ACTIVE and t.job.state is JobState.RUNNING
+                and failure.fail(t, back.unit_id, back.reason, back.cause, now, regroup=False)):
+            back_failed.append((back.unit_id, back.reason, now))
+    if back_failed and t.job.state is JobState.RUNNING:
+        failure.regroup_survivors(t, back_failed)
     for joiner in verdicts.joiners_out_of_touch:
         # (Not a member: it fails alone, and a unit replaces it.)
         failure.fail(t, joiner.unit_id, joiner.reason, joiner.cause, now)

@@ -1045,6 +1045,24 @@ def test_a_resize_below_the_units_there_sends_away_queued_and_joining_units_firs
     assert driver.state.units["u2"].state is UnitState.LEAVING
 
 
+def test_members_back_without_workers_after_a_restart_fail_together_and_the_world_re_forms_once() -> None:
+    """Two of three members come back after a controller restart with no workers and say
+    nothing of them: both fail in one tick and one world forms, of the third. Failed one
+    at a time, the first's world still named the second, dead, and another followed."""
+    driver = Driver(min_replicas=1, max_replicas=3)
+    formed(driver, "a", "b", "c")
+    driver.state = core.restore(dataclasses.replace(driver.state.job), list(driver.state.units.values()),
+                                driver.state.generation, generation_stopped=False, pending={}, config=CONFIG,
+                                now=driver.now)
+    driver.connect("a", last_generation=1, workers=(4000,))
+    driver.connect("b", last_generation=1)
+    driver.connect("c", last_generation=1)
+    effects = driver.tick(4.0)
+    assert driver.events(effects).count("world_formed") == 1
+    assert driver.state.generation is not None and driver.state.generation.unit_ids == ("a",)
+    assert driver.state.units["b"].state is UnitState.FAILED and driver.state.units["c"].state is UnitState.FAILED
+
+
 def four_slurm_units_training(min_replicas: int) -> Driver:
     driver = Driver(min_replicas=min_replicas, max_replicas=4, slurm_units=True)
     effects = driver.feed(core.SlurmObserved(view(driver, tuple(node(f"n{i}") for i in range(1, 5)))))
