@@ -6,7 +6,9 @@ import re
 
 from tidal.proto import admin_pb2, common_pb2
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# (Matched whole: `$` alone also matches before a final newline, which got a name ending
+# in one through, and no unit of that job could register.)
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 class SpecError(ValueError):
@@ -31,7 +33,7 @@ def normalized_spec(spec: admin_pb2.JobSpec) -> admin_pb2.JobSpec:
     if not result.name:
         result.name = "job"
     problems: list[str] = []
-    if not _NAME.match(result.name):
+    if not _NAME.fullmatch(result.name):
         problems.append(f"name: {result.name!r} must be 1-64 letters, digits, '.', '_' or '-'")
     if result.min_replicas < 1:
         problems.append(f"min_replicas: must be >= 1, got {result.min_replicas}")
@@ -58,6 +60,14 @@ def normalized_spec(spec: admin_pb2.JobSpec) -> admin_pb2.JobSpec:
         problems.append(f"mode: unknown mode {result.mode}")
     if any(key.startswith("TIDAL_") for key in result.environment):
         problems.append("environment: TIDAL_* variables are Tidal's own")
+    if any(not key or "=" in key or "\0" in key for key in result.environment):
+        # (No process can have them: every worker's start failed.)
+        problems.append("environment: a variable's name must be non-empty, without '=' or NUL")
+    texts = {"command": list(result.command), "environment": list(result.environment.values()),
+             "working_dir": [result.working_dir], "partition": [result.partition],
+             "sbatch_options": list(result.sbatch_options)}
+    problems += [f"{field}: NUL characters cannot be passed to a process" for field, values in texts.items()
+                 if any("\0" in value for value in values)]
     if problems:
         raise SpecError("; ".join(problems))
     return result

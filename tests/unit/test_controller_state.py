@@ -201,6 +201,30 @@ def test_spec_defaults_and_errors_name_the_field() -> None:
         assert field in message
 
 
+@pytest.mark.parametrize("bad", [
+    {"name": "job\n"},  # `$` alone matched before the newline: accepted, and no unit could register
+    {"environment": {"A=B": "1"}},  # no process can have these: every worker's start failed
+    {"environment": {"A\0B": "1"}},
+    {"environment": {"A": "x\0y"}},
+    {"command": ["python", "a\0b"]},
+    {"working_dir": "/w\0"},
+    {"partition": "p\0"},
+    {"sbatch_options": ["--time=1\0"]},
+])
+def test_a_spec_no_process_could_run_is_refused_at_submission(bad: dict[str, object]) -> None:
+    spec = admin_pb2.JobSpec(name="job", command=["python", "train.py"])
+    for field, value in bad.items():
+        if isinstance(value, dict):
+            getattr(spec, field).update(value)
+        elif isinstance(value, list):
+            del getattr(spec, field)[:]
+            getattr(spec, field).extend(value)
+        else:
+            setattr(spec, field, value)
+    with pytest.raises(SpecError, match=f"{next(iter(bad))}:"):
+        normalized_spec(spec)
+
+
 def test_secrets_are_stored_as_digests_and_written_privately(tmp_path: Path) -> None:
     digest = secret_digest("s3cret")
     assert secret_matches("s3cret", digest) and not secret_matches("s3cret ", digest) and "s3cret" not in digest
