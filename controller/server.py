@@ -58,7 +58,8 @@ GARBLED = "garbled message: not a tidal.v1.LauncherMessage"
 # interval (the goodput bench's submissions, made just after a poll, waited 1.00-1.02 s
 # for their units while this was 1 s).
 EARLY_POLL_GAP_S = 0.25
-_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+# (Matched whole: see `spec._NAME`.)
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 
 def poll_interval_s(config: ControllerConfig, job_released: bool) -> float:
@@ -293,7 +294,7 @@ class LauncherServicer(launcher_pb2_grpc.LauncherServiceServicer):
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "the first message must be register")
         register = first.register
         for field in ("job_id", "unit_id"):
-            if not _ID.match(getattr(register, field)):
+            if not _ID.fullmatch(getattr(register, field)):
                 await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
                                    f"{field} must be 1-128 letters, digits, '.', '_', ':' or '-'")
         actor = self.controller.actors.get(register.job_id)
@@ -543,6 +544,15 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         if request.min_replicas < 0 or request.max_replicas < 0 or new_min < 1 or new_max < new_min:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"min_replicas {new_min} / max_replicas {new_max}: need 1 <= min <= max")
+        # The new bounds must leave the job a size it may take, as a submission's must
+        # (allowed_replicas 4,8 resized to 3..3 left it none, and no world ever formed).
+        resized = admin_pb2.JobSpec()
+        resized.CopyFrom(spec)
+        resized.min_replicas, resized.max_replicas = new_min, new_max
+        try:
+            normalized_spec(resized)
+        except SpecError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"resize refused: {error}")
         await actor.put_and_wait(ResizeRequested(request.min_replicas, request.max_replicas, caller.uid))
         self.controller.poll_soon()
         return actor.to_proto()

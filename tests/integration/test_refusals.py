@@ -117,6 +117,16 @@ def test_admin_calls_are_checked_by_uid_and_token(tidal_run: TidalRun) -> None:
         client.submit(admin_pb2.JobSpec(name="bad", min_replicas=3, max_replicas=2, command=["true"]))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "max_replicas: 2 is below min_replicas 3" in (refused.value.details() or "")
+    # A resize is checked as a submission is: bounds that leave no allowed size are refused.
+    with tidal_run.controller.admin() as client:
+        sized = client.submit(admin_pb2.JobSpec(name="sized", min_replicas=4, max_replicas=8, allowed_replicas=[4, 8],
+                                                command=["true"])).job
+        with pytest.raises(grpc.RpcError) as refused:
+            client.resize(sized.job_id, 3, 3)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "allowed_replicas: no size lies within" in (refused.value.details() or "")
+        assert client.resize(sized.job_id, 4, 4).spec.max_replicas == 4
+        client.cancel(sized.job_id)
 
     # Another user, over the Unix socket: may not touch root's job. The probe imports as
     # root, then drops to uid 65534 before it connects; the kernel reports that uid.
