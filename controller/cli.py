@@ -29,7 +29,7 @@ from google.protobuf import json_format
 
 from tidal.controller import plot
 from tidal.controller.client import DEFAULT_SOCKET, AdminClient
-from tidal.controller.submission import SubmitUsageError, parse_submit
+from tidal.controller.submission import INT32_MAX, SubmitUsageError, parse_submit
 from tidal.proto import admin_pb2, common_pb2
 from tidal.slurm import Node, SlurmError, default_client
 
@@ -365,6 +365,10 @@ def command_resize(args: argparse.Namespace) -> int:
     if not args.min and not args.max:
         print("tidal resize: give --min and/or --max", file=sys.stderr)
         return EXIT_USAGE
+    for option, value in (("--min", args.min), ("--max", args.max)):
+        if value is not None and not 1 <= value <= INT32_MAX:
+            print(f"tidal resize: {option} must be within 1..{INT32_MAX}, got {value}", file=sys.stderr)
+            return EXIT_USAGE
     with _client(args) as client:
         job = client.resize(args.job, min_replicas=args.min or 0, max_replicas=args.max or 0)
     print(f"{job.job_id}: replicas {job.spec.min_replicas}..{job.spec.max_replicas}")

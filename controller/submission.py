@@ -39,13 +39,20 @@ class Submission:
     script: Path | None = None
 
 
-def _positive_int(option: str, value: str) -> int:
+# The largest values the JobSpec's fields hold (int32; global_batch is int64).
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+
+def _positive_int(option: str, value: str, largest: int = INT32_MAX) -> int:
     try:
         number = int(value)
     except ValueError:
         raise SubmitUsageError(f"{option}: {value!r} is not a whole number") from None
     if number < 1:
         raise SubmitUsageError(f"{option}: must be positive, got {number}")
+    if number > largest:
+        raise SubmitUsageError(f"{option}: must be at most {largest}, got {number}")
     return number
 
 
@@ -65,7 +72,7 @@ def _apply_tidal_option(spec: admin_pb2.JobSpec, option: str, value: str | None)
         case "--procs-per-node":
             spec.procs_per_node = _positive_int(option, need())
         case "--global-batch":
-            spec.global_batch = _positive_int(option, need())
+            spec.global_batch = _positive_int(option, need(), INT64_MAX)
         case "--weight":
             spec.weight = _positive_int(option, need())
         case "--replica-step":

@@ -72,6 +72,8 @@ def test_errors_are_one_clear_line_and_an_exit_code(tidal_run: TidalRun, tmp_pat
     bad_option = tidal(controller, "submit", "--mode", "fast", "python", "x.py")
     assert bad_option.returncode == 2 and "--mode: 'fast'" in bad_option.stderr
     assert tidal(controller, "resize", "x").returncode == 2
+    too_many = tidal(controller, "resize", "x", "--max", "3000000000")
+    assert too_many.returncode == 2 and "--max must be within 1..2147483647" in too_many.stderr, too_many.stderr
     assert "no jobs" in tidal(controller, "status").stdout, "a refused submit leaves nothing behind"
 
     controller.stop()

@@ -59,6 +59,9 @@ def test_a_plain_command_and_its_own_options_are_left_alone(tmp_path: Path) -> N
     (["--env", "NOVALUE", "x"], "--env: 'NOVALUE' is not KEY=VALUE"),
     (["--yield-to-pending=yes", "x"], "--yield-to-pending takes no value"),
     (["-p"], "-p needs a value"),
+    # Beyond what the spec's fields hold (int32; global_batch int64): a traceback, not an error.
+    (["--max-replicas", "3000000000", "x"], "--max-replicas: must be at most 2147483647, got 3000000000"),
+    (["--global-batch", str(2**63), "x"], f"--global-batch: must be at most {2**63 - 1}"),
 ])
 def test_malformed_submit_lines_name_the_option(tmp_path: Path, argv: list[str], message: str) -> None:
     with pytest.raises(SubmitUsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
