@@ -86,6 +86,8 @@ class Controller:
         self.yielded: dict[int, set[int]] = {}
         self.shutting_down = False
         self._tasks: set[asyncio.Task[None]] = set()
+        # Job ids drawn by submissions not stored yet (`new_job_id`).
+        self._ids_drawn: set[str] = set()
         self._poll_soon = asyncio.Event()
         metrics.read_job_states(lambda: list(self.actors.values()), [s.value for s in JobState],
                                 [s.value for s in UnitState])
@@ -245,7 +247,23 @@ class Controller:
         owner's job folder, when the owner is another user); SpecError if invalid,
         OwnerActionFailed if the owner's folder cannot be made."""
         spec = normalized_spec(spec)
-        job_id = f"{spec.name}-{secrets.token_hex(3)}"
+        job_id = self.new_job_id(spec.name)
+        try:
+            return await self._submit(job_id, spec, owner)
+        finally:
+            self._ids_drawn.discard(job_id)
+
+    def new_job_id(self, name: str) -> str:
+        """`name`-<6 hex digits>, one no job has (a running one, a finished one still in
+        SQLite, or one being submitted): a drawn id equal to a job's overwrote that job's
+        secret file before the insert failed, and its launchers were refused from then on."""
+        while True:
+            job_id = f"{name}-{secrets.token_hex(3)}"
+            if job_id not in self.actors and job_id not in self._ids_drawn and not self.store.has_job(job_id):
+                self._ids_drawn.add(job_id)
+                return job_id
+
+    async def _submit(self, job_id: str, spec: admin_pb2.JobSpec, owner: UnitOwner) -> tuple[JobActor, Path]:
         secret = new_secret()
         now = time.time()
         job = JobRecord(job_id=job_id, spec=spec, state=JobState.PENDING, owner_uid=owner.uid,

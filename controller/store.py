@@ -196,6 +196,9 @@ class StateStore:
             (job.job_id, job.spec.SerializeToString(), job.state.value, job.owner_uid, job.secret_sha256,
              job.generation, job.step, job.created_at, job.updated_at))
 
+    def has_job(self, job_id: str) -> bool:
+        return self._db.execute("SELECT 1 FROM jobs WHERE job_id=?", (job_id,)).fetchone() is not None
+
     def update_job(self, job: JobRecord) -> None:
         job.updated_at = time.time()
         self._db.execute(

@@ -18,9 +18,11 @@ from pathlib import Path
 import grpc
 import pytest
 
+from tidal.controller import server as server_module
 from tidal.controller.config import ControllerConfig
 from tidal.controller.jobs import JobActor
 from tidal.controller.metrics import ControllerMetrics
+from tidal.controller.security import secret_matches
 from tidal.controller.server import Controller, LauncherServicer
 from tidal.controller.store import StateStore
 from tidal.proto import admin_pb2, common_pb2, launcher_pb2, launcher_pb2_grpc
@@ -42,6 +44,7 @@ class Served:
     secret: str
     port: int
     database: Path
+    controller: Controller
 
 
 @asynccontextmanager
@@ -58,7 +61,7 @@ async def served_job(tmp_path: Path) -> AsyncIterator[Served]:
     try:
         actor, secret_path = await controller.submit(admin_pb2.JobSpec(
             name="ends", min_replicas=2, max_replicas=2, mode=common_pb2.JOB_MODE_LIVE, command=["true"]), myself())
-        yield Served(actor, secret_path.read_text().strip(), port, config.database_path)
+        yield Served(actor, secret_path.read_text().strip(), port, config.database_path, controller)
     finally:
         await server.stop(grace=None)
         for task in asyncio.all_tasks():
@@ -138,3 +141,24 @@ def test_a_session_ends_cleanly_only_once_its_job_has_handled_what_the_launcher_
 def test_a_message_the_job_could_not_write_breaks_the_session_so_that_the_launcher_sends_it_again(
         tmp_path: Path) -> None:
     asyncio.run(refused_write(tmp_path))
+
+
+def test_a_drawn_job_id_equal_to_a_jobs_is_drawn_again_and_that_jobs_secret_is_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Job ids are the name and 3 random bytes. A second job that drew the first's id
+    overwrote its secret file before SQLite refused the insert: the first job's launchers
+    were refused from then on, and the submission failed with an internal error."""
+    draws = iter(["aaaaaa", "aaaaaa", "bbbbbb"])
+    monkeypatch.setattr(server_module.secrets, "token_hex", lambda _: next(draws))
+
+    async def scenario() -> None:
+        async with served_job(tmp_path) as served:
+            assert served.actor.job.job_id == "ends-aaaaaa"
+            again, path = await served.controller.submit(admin_pb2.JobSpec(
+                name="ends", min_replicas=2, max_replicas=2, mode=common_pb2.JOB_MODE_LIVE, command=["true"]),
+                myself())
+            assert again.job.job_id == "ends-bbbbbb"
+            first_path = path.with_name(path.name.replace("ends-bbbbbb", "ends-aaaaaa"))
+            assert secret_matches(first_path.read_text().strip(), served.actor.job.secret_sha256)
+
+    asyncio.run(scenario())
