@@ -21,11 +21,18 @@ class EventLog:
 
     def record(self, job_id: str, kind: str, reason: str = "", *, unit_id: str = "", generation: int = 0,
                fields: Mapping[str, object] | None = None) -> EventRecord:
-        """Append the event (inside the caller's transaction, if any) and announce it."""
+        """Append the event (inside the caller's transaction, if any) and announce it once
+        it is committed: a watcher shown an event a rollback undid would then miss the real
+        one that took its sequence number."""
         event = self.store.append_event(job_id, kind, reason, unit_id=unit_id, generation=generation, fields=fields)
-        log.info(kind, job=job_id, unit=unit_id or None, generation=generation, reason=reason or None, **event.fields)
-        for queue in self._watchers:
-            queue.put_nowait(event)
+
+        def announce() -> None:
+            log.info(kind, job=job_id, unit=unit_id or None, generation=generation, reason=reason or None,
+                     **event.fields)
+            for queue in self._watchers:
+                queue.put_nowait(event)
+
+        self.store.after_commit(announce)
         return event
 
     def watch(self) -> asyncio.Queue[EventRecord]:

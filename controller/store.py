@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -142,6 +142,8 @@ def _migrate(db: sqlite3.Connection, path: Path) -> None:
 class StateStore:
     def __init__(self, path: Path) -> None:
         self.path = path
+        # Callbacks waiting for the transaction in progress to commit (None: none in progress).
+        self._after_commit: list[Callable[[], None]] | None = None
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self._db = sqlite3.connect(str(path), isolation_level=None, timeout=5.0)
@@ -167,17 +169,31 @@ class StateStore:
 
     @contextmanager
     def transaction(self) -> Iterator[None]:
-        """Group writes so a decision lands whole or not at all."""
+        """Group writes so a decision lands whole or not at all; what was asked to follow
+        the commit (`after_commit`) runs once it is done, and not at all if it is not."""
         self._db.execute("BEGIN IMMEDIATE")
+        self._after_commit = []
         try:
             yield
             self._db.execute("COMMIT")
         except BaseException:
+            self._after_commit = None
             # (A COMMIT that failed leaves the transaction open: close it, or every later
             # BEGIN fails.)
             if self._db.in_transaction:
                 self._db.execute("ROLLBACK")
             raise
+        follow, self._after_commit = self._after_commit, None
+        for callback in follow:
+            callback()
+
+    def after_commit(self, callback: Callable[[], None]) -> None:
+        """Run `callback` once what was written so far is committed: at the end of the
+        transaction in progress (never, if it rolls back), else now."""
+        if self._after_commit is None:
+            callback()
+        else:
+            self._after_commit.append(callback)
 
     # What a job has in flight.
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 import socket
+import sqlite3
 from pathlib import Path
 
 import pytest
 
 from tidal.controller.config import ConfigError, load_config
+from tidal.controller.events import EventLog
 from tidal.controller.model import GenerationRecord, JobRecord, JobState, Member, UnitRecord, UnitState
 from tidal.controller.security import (
     Caller,
@@ -223,6 +225,27 @@ def test_a_spec_no_process_could_run_is_refused_at_submission(bad: dict[str, obj
             setattr(spec, field, value)
     with pytest.raises(SpecError, match=f"{next(iter(bad))}:"):
         normalized_spec(spec)
+
+
+def test_a_watcher_is_shown_an_event_once_it_is_committed_never_one_a_rollback_undid(tmp_path: Path) -> None:
+    """`tidal events --follow` was shown an event inside its transaction; rolled back (a
+    write failed, the disk full), it was never stored, and the real event that then took
+    its sequence number was filtered out as already shown."""
+    store = StateStore(tmp_path / "state.db")
+    events = EventLog(store)
+    store.insert_job(JobRecord(job_id="j", spec=admin_pb2.JobSpec(name="j"), state=JobState.PENDING, owner_uid=0,
+                               secret_sha256="x", created_at=0, updated_at=0))
+    queue = events.watch()
+    with pytest.raises(sqlite3.OperationalError), store.transaction():
+        events.record("j", "world_formed", "undone")
+        assert queue.empty(), "not before the commit"
+        raise sqlite3.OperationalError("database or disk is full")
+    with store.transaction():
+        events.record("j", "job_cancelled", "kept")
+    events.record("j", "job_note", "outside a transaction: at once")
+    shown = [queue.get_nowait().reason for _ in range(queue.qsize())]
+    assert shown == ["kept", "outside a transaction: at once"] == [e.reason for e in store.events("j")]
+    store.close()
 
 
 def test_secrets_are_stored_as_digests_and_written_privately(tmp_path: Path) -> None:
