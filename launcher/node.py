@@ -112,8 +112,6 @@ class NodeAgent(Generic[OptionsT]):
                 ticker.cancel()
             if self.workers is not None and not self.workers.all_exited:
                 await self.workers.stop(grace_s=1.0, repeat_term_after_s=self.term_repeat_s)
-            elif self.workers is not None:
-                self.workers.kill_leftovers()
             await self._close()
             shutil.rmtree(self.run_dir, ignore_errors=True)
             self.log.info(self.exited_event, state=self.state.value, exit_code=self.exit_code,
@@ -182,10 +180,7 @@ class NodeAgent(Generic[OptionsT]):
     def start_group(self, placement: Placement, registered: launcher_pb2.Registered,
                     extra_environment: Mapping[str, str]) -> WorkerGroup:
         """Start this node's workers of `placement`'s generation; their exits come back as
-        WorkerExit events. OSError if the command cannot be started. What the previous
-        group's exited workers left running goes first."""
-        if self.workers is not None:
-            self.workers.kill_leftovers()
+        WorkerExit events. OSError if the command cannot be started."""
         procs = placement.procs_per_node
         progress = [self.run_dir / f"progress-{local}" for local in range(procs)]
         errors = error_files(self.run_dir, placement.generation, procs)
@@ -205,8 +200,6 @@ class NodeAgent(Generic[OptionsT]):
         group = self.workers
         generation = self.generation
         if group is None or group.all_exited:
-            if group is not None:
-                group.kill_leftovers()
             if post_when_gone:
                 self.events.put_nowait(WorkersStopped(generation))
             return

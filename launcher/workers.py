@@ -174,10 +174,6 @@ class Worker:
     exited: asyncio.Future[int]
     # Where torch's `@record` writes its exception (TORCHELASTIC_ERROR_FILE).
     error_file: Path
-    # Exited, and processes it started were still in its process group then (a data
-    # loader's workers, a helper): `WorkerGroup.kill_leftovers` stops them. (Its pid stays
-    # the group's id, not given to another process, while the group has members.)
-    group_lingers: bool = False
 
     @property
     def pid(self) -> int:
@@ -225,30 +221,11 @@ class WorkerGroup:
             _signal_group(worker.pid, signal.SIGKILL)
         if alive:
             await asyncio.wait([w.exited for w in alive])
-        self.kill_leftovers()
-
-    def kill_leftovers(self) -> None:
-        """SIGKILL what the exited workers left running in their process groups: without
-        their worker they serve nothing, and may hold its devices' memory."""
-        for worker in self.workers:
-            if worker.exited.done() and worker.group_lingers:
-                worker.group_lingers = False
-                _signal_group(worker.pid, signal.SIGKILL)
 
 
 def _signal_group(pid: int, signum: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signum)
-
-
-def _group_has_members(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def start_workers(command: Sequence[str], environments: Sequence[dict[str, str]], *, generation: int, first_rank: int,
@@ -292,7 +269,11 @@ def _watch_exit(loop: asyncio.AbstractEventLoop, worker: Worker, on_exit: Callab
         loop.remove_reader(descriptor)
         os.close(descriptor)
         returncode = worker.process.wait()
-        worker.group_lingers = _group_has_members(worker.pid)
+        # What it started in its process group (a data loader's workers, a helper) serves
+        # nothing without it and may hold its devices' memory: killed now, while the
+        # group's members keep its id from going to another process (later, the group
+        # emptied by itself, the id could be another's).
+        _signal_group(worker.pid, signal.SIGKILL)
         if not worker.exited.done():
             worker.exited.set_result(returncode)
         on_exit(worker, returncode)

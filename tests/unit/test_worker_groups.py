@@ -40,41 +40,25 @@ def start(tmp_path: Path, commands: list[str], exits: list[int]) -> WorkerGroup:
     return group
 
 
-def test_what_a_crashed_worker_started_is_stopped_with_its_group(tmp_path: Path) -> None:
-    """The worker starts a child (a data loader's worker, a helper) and crashes; the stop
-    that follows (or the launcher's exit, or the next generation's start) kills the child,
-    which would otherwise run on, holding what it holds, for the rest of the job."""
-    async def scenario() -> tuple[bool, bool]:
+def test_what_a_worker_that_exited_started_is_killed_with_its_exit(tmp_path: Path) -> None:
+    """The worker starts a child (a data loader's worker, a helper) and crashes, or exits
+    0: the child is killed at once (it ran on for the rest of the job, its group not
+    signalled by the launcher's stop since its worker had exited). Its sibling, another
+    worker, runs on until its own stop."""
+    async def scenario() -> tuple[bool, bool, bool]:
         exits: list[int] = []
-        group = start(tmp_path, ["sleep 300 & exit 3", "sleep 300 & exec sleep 300"], exits)
-        crashed, running = group.workers
+        group = start(tmp_path, ["sleep 300 & exit 3", "sleep 300 & exit 0", "sleep 300 & exec sleep 300"], exits)
+        crashed, finished, running = group.workers
         try:
-            while not crashed.exited.done():
+            while not (crashed.exited.done() and finished.exited.done()):
                 await asyncio.sleep(0.02)
-            assert exits == [3] and crashed.group_lingers and group_alive(crashed.pid)
-            await group.stop(grace_s=0.5)
             await asyncio.sleep(0.2)
-            return group_alive(crashed.pid), group_alive(running.pid)
+            left = group_alive(crashed.pid), group_alive(finished.pid), group_alive(running.pid)
+            await group.stop(grace_s=0.5)
+            return (*left[:2], left[2] and not group_alive(running.pid))
         finally:
             for worker in group.workers:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(worker.pid, signal.SIGKILL)
 
-    assert asyncio.run(scenario()) == (False, False)
-
-
-def test_a_group_whose_workers_all_exited_has_its_leftovers_killed(tmp_path: Path) -> None:
-    async def scenario() -> bool:
-        exits: list[int] = []
-        group = start(tmp_path, ["sleep 300 & exit 0"], exits)
-        try:
-            while not group.all_exited:
-                await asyncio.sleep(0.02)
-            group.kill_leftovers()
-            await asyncio.sleep(0.2)
-            return group_alive(group.workers[0].pid)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(group.workers[0].pid, signal.SIGKILL)
-
-    assert not asyncio.run(scenario())
+    assert asyncio.run(scenario()) == (False, False, True)
