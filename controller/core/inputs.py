@@ -304,9 +304,13 @@ def on_resize(t: Step, min_replicas: int, max_replicas: int, uid: int) -> None:
     members = {u.unit_id for u in alive if generation is not None and generation.member(u.unit_id) is not None}
     # Units not in the world beyond the new max: those Slurm has not started yet (cancelled
     # there), then those waiting to join (asked to leave), the newest first. At max they
-    # would never join, and a started one held its node for good.
+    # would never join, and a started one held its node for good. (One-node replicas only:
+    # with replicas of K nodes, trimmed unit by unit, a whole replica waiting to join lost
+    # a node while half of another was kept, and neither could join.)
     outside = sorted((u for u in alive if u.unit_id not in members),
-                     key=lambda u: (u.state is not UnitState.SUBMITTED, -unit_number(u.unit_id)))
+                     key=lambda u: (u.state is not UnitState.SUBMITTED, -unit_number(u.unit_id), -u.registered_at))
+    if replicas.nodes_per_replica(spec) > 1:
+        outside = []
     for unit in outside[:max(0, len(outside) - max(0, limit - len(members)))]:
         if unit.state is UnitState.SUBMITTED:
             slurm_units.cancel_in_slurm(t, unit)

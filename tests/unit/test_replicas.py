@@ -198,6 +198,32 @@ def test_a_resize_below_the_replicas_running_asks_whole_replicas_of_nodes_to_lea
     assert leaving == ["c", "d"]
 
 
+def test_a_resize_leaves_replicas_of_nodes_waiting_outside_the_world_whole() -> None:
+    """Replicas of two nodes, max 3 → 2: replica 1 (u1, u2) trains, replica 2 lost a node
+    (u3 set aside, u4 gone), replica 3 (u5, u6) waits to join. Trimmed unit by unit, newest
+    first, the resize sent u6 away and kept u5 and u3: neither replica could join, and the
+    job stayed at one replica with room for two. Replica 3 joins whole."""
+    driver = GroupedDriver(join_settle_s=30.0)
+    driver.state.job.spec.max_replicas = 3
+    for unit_id in ("u1", "u2", "u3", "u4"):
+        driver.join(unit_id)
+    driver.tick(31.0)
+    generation = driver.state.generation
+    assert generation is not None and generation.unit_ids == ("u1", "u2", "u3", "u4")
+    for member in generation.unit_ids:
+        driver.report(member, generation.number, launcher_pb2.GENERATION_PHASE_RECONFIGURED, step=10)
+    driver.join("u5")
+    driver.join("u6")
+    driver.exit("u4", generation.number, 9)
+    assert driver.state.units["u3"].state is UnitState.JOINING
+    driver.feed(core.ResizeRequested(0, 2, 0))
+    assert {u: driver.state.units[u].state for u in ("u5", "u6")} == {"u5": UnitState.JOINING,
+                                                                      "u6": UnitState.JOINING}
+    driver.tick(31.0)
+    driver.tick(1.0)
+    assert driver.state.generation is not None and len(driver.state.generation.unit_ids) == 4
+
+
 def test_a_replica_waiting_too_long_for_a_node_gives_its_other_nodes_back() -> None:
     driver = GroupedDriver(replica_patch_wait_s=60.0)
     driver.form("abcd")
