@@ -119,11 +119,19 @@ class Controller:
         while True:
             self._poll_soon.clear()
             started = time.monotonic()
-            view = await asyncio.to_thread(poll.poll)
-            gap_s = max(EARLY_POLL_GAP_S, time.monotonic() - started)
-            if view.stale:
-                log.warning("slurm_poll_failed", failures=view.consecutive_failures, error=str(view.error))
-            self.observe_slurm(view, time.monotonic())
+            try:
+                view = await asyncio.to_thread(poll.poll)
+                gap_s = max(EARLY_POLL_GAP_S, time.monotonic() - started)
+                if view.stale:
+                    log.warning("slurm_poll_failed", failures=view.consecutive_failures, error=str(view.error),
+                                cause=repr(view.error.__cause__) if view.error and view.error.__cause__ else None)
+                self.observe_slurm(view, time.monotonic())
+            except Exception:
+                # A bug here must not end the polling for good (units never submitted again,
+                # no loss or preemption ever seen), the daemon up all the while.
+                log.exception("slurm_poll_loop_error")
+                await asyncio.sleep(self.poll_interval_s())
+                continue
             wait_s = self.poll_interval_s() * min(10, 2 ** view.consecutive_failures)
             if view.consecutive_failures or wait_s <= gap_s:
                 await asyncio.sleep(wait_s)

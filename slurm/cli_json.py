@@ -90,13 +90,19 @@ class CliJsonSlurmClient:
             command = owner.command(command)
             as_owner = {"umask": 0o077, "cwd": owner.home if os.path.isdir(owner.home) else "/"}
         try:
-            result = subprocess.run(command, input=stdin, capture_output=True, text=True,
-                                    timeout=self.timeout_s, env=dict(env or self._environment()), **as_owner)
+            # (Bytes that are not UTF-8, a Latin-1 job name of any user's that Slurm prints
+            # raw, are replaced: strict decoding raised, and stopped the controller's polls.)
+            result = subprocess.run(command, input=stdin, capture_output=True, text=True, encoding="utf-8",
+                                    errors="replace", timeout=self.timeout_s, env=dict(env or self._environment()),
+                                    **as_owner)
         except FileNotFoundError:
             raise SlurmNotInstalled(argv[0]) from None
         except subprocess.TimeoutExpired:
             # subprocess.run has killed the command by now.
             raise SlurmTimeout(argv, self.timeout_s) from None
+        except (OSError, ValueError) as error:
+            # (Not executable, too many processes, a NUL in an argument.)
+            raise SlurmCommandFailed(argv, -1, f"cannot run it: {error}") from None
         if result.returncode != 0:
             raise SlurmCommandFailed(argv, result.returncode, result.stderr)
         return result.stdout

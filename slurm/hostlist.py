@@ -6,6 +6,9 @@ import re
 from collections.abc import Iterable
 
 _BRACKET = re.compile(r"^(?P<prefix>[^\[\],]*)\[(?P<ranges>[^\]]*)\](?P<suffix>.*)$")
+# More names than any cluster has: an expression that expands past it is nonsense (from
+# Slurm or a user), refused before it fills the memory.
+MAX_NAMES = 1_000_000
 
 
 def _split_top_level(expression: str) -> list[str]:
@@ -45,8 +48,11 @@ def _expand_one(item: str) -> list[str]:
         stop = int(high) if high else int(low)
         if stop < int(low):
             raise ValueError(f"descending range {part!r} in hostlist item {item!r}")
+        tails = _expand_one(suffix) if suffix else [""]
+        if len(names) + (stop - int(low) + 1) * len(tails) > MAX_NAMES:
+            raise ValueError(f"hostlist item {item[:80]!r} names more than {MAX_NAMES} hosts")
         for number in range(int(low), stop + 1):
-            for tail in _expand_one(suffix) if suffix else [""]:
+            for tail in tails:
                 names.append(f"{prefix}{number:0{width}d}{tail}")
     return names
 
@@ -59,6 +65,8 @@ def expand(expression: str) -> tuple[str, ...]:
     names: list[str] = []
     for item in _split_top_level(expression):
         names.extend(_expand_one(item))
+        if len(names) > MAX_NAMES:
+            raise ValueError(f"hostlist {expression[:80]!r} names more than {MAX_NAMES} hosts")
     return tuple(names)
 
 

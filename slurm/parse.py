@@ -23,6 +23,7 @@ that is not a Slurm document raises SlurmParseError.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
@@ -83,7 +84,10 @@ def load_document(text: str, key: str) -> tuple[str, list[Mapping[str, Any]]]:
         supported_schema(named)
     if not isinstance(document, dict) or not isinstance(document.get(key), list):
         raise SlurmParseError(f"Slurm's JSON has no '{key}' list")
-    errors = [e for e in document.get("errors") or [] if e]
+    listed = document.get("errors") or []
+    if not isinstance(listed, list):
+        raise SlurmParseError(f"Slurm's JSON has an 'errors' that is not a list: {listed!r}"[:300])
+    errors = [e for e in listed if e]
     if errors:
         details = "; ".join(str(e.get("description") or e.get("error") or e) if isinstance(e, dict) else str(e)
                             for e in errors)
@@ -129,12 +133,14 @@ def number(value: Any) -> int | None:
     when unset or infinite."""
     if value is None or isinstance(value, bool):
         return None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise SlurmParseError(f"not a finite number: {value!r}")
     if isinstance(value, (int, float)):
         return int(value)
     if isinstance(value, Mapping):
         if not value.get("set", False) or value.get("infinite", False):
             return None
-        return int(value.get("number", 0))
+        return number(value.get("number", 0))
     if isinstance(value, str) and value.strip().lstrip("-").isdigit():
         return int(value)
     raise SlurmParseError(f"not a number: {value!r}")
@@ -242,8 +248,10 @@ def _records(text: str, key: str, build: Callable[[Mapping[str, Any]], T]) -> li
     schema, records = load_document(text, key)
     try:
         return [build(record) for record in records]
-    except (KeyError, TypeError, ValueError) as error:
-        raise SlurmParseError(f"unexpected {key} record in {schema}: {error!r}") from None
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as error:
+        # (AttributeError: a record that is not an object; OverflowError: a number past
+        # what a float holds, read as infinity.)
+        raise SlurmParseError(f"unexpected {key} record in {schema}: {error!r}"[:500]) from None
 
 
 def parse_jobs(text: str) -> list[Job]:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tidal.slurm.client import SlurmClient
-from tidal.slurm.errors import SlurmError
+from tidal.slurm.errors import SlurmError, SlurmParseError
 from tidal.slurm.models import Job, Node, Partition
 
 
@@ -81,7 +81,13 @@ class ClusterPoll:
                 self._partitions = tuple(self.client.list_partitions())
             nodes = tuple(self.client.list_nodes())
             jobs = tuple(self.client.list_jobs())
-        except SlurmError as error:
+        except Exception as error:  # (a poll never ends the controller's polling)
+            if not isinstance(error, SlurmError):
+                # A reading this layer failed to turn into a SlurmError (a bug, or Slurm's
+                # nonsense in a shape not foreseen): a stale view too, not a dead poll loop.
+                unexpected = error
+                error = SlurmParseError(f"unexpected {type(error).__name__} reading Slurm: {error}"[:500])
+                error.__cause__ = unexpected
             previous = self._last
             self._last = ClusterView(previous.nodes, previous.jobs, previous.observed_at, stale=True,
                                      error=error, consecutive_failures=previous.consecutive_failures + 1,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tidal.slurm import CliJsonSlurmClient, SlurmVersion, UnsupportedSlurmVersion, parse
+from tidal.slurm import CliJsonSlurmClient, SlurmError, SlurmVersion, UnsupportedSlurmVersion, parse
 from tidal.slurm.cli_json import json_flag
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
@@ -56,3 +56,23 @@ def test_the_client_asks_the_release_it_finds(tmp_path: Path, version: str, reco
     jobs = CliJsonSlurmClient(bin_dir=str(tmp_path), timeout_s=10).list_jobs()
     assert (tmp_path / "squeue-args").read_text().split() == [flag]
     assert {j.name for j in jobs} == {"unit-a", "pair-b", "waits-c"}
+
+
+def test_bytes_slurm_prints_that_are_not_utf8_are_replaced_not_fatal(tmp_path: Path) -> None:
+    """Any user's job name or comment in Latin-1, printed raw by squeue: strict decoding
+    raised a UnicodeDecodeError, which no poll caught, and the controller never polled
+    Slurm again. The byte is replaced; the rest of the cluster reads as it is."""
+    stand_in(tmp_path, "scontrol", 'echo "slurm 24.11.5"')
+    jobs_file = DATA_DIR / "slurm-24.11.5" / "jobs-running.json"
+    latin1 = tmp_path / "jobs.json"
+    latin1.write_bytes(jobs_file.read_bytes().replace(b'"unit-a"', b'"caf\xe9"'))
+    stand_in(tmp_path, "squeue", f'cat "{latin1}"')
+    jobs = CliJsonSlurmClient(bin_dir=str(tmp_path), timeout_s=10).list_jobs()
+    assert {j.name for j in jobs} == {"caf\ufffd", "pair-b", "waits-c"}
+
+
+def test_a_slurm_command_that_cannot_be_run_is_a_slurm_error(tmp_path: Path) -> None:
+    (tmp_path / "squeue").write_text("#!/bin/sh\necho\n")  # not executable
+    stand_in(tmp_path, "scontrol", 'echo "slurm 24.11.5"')
+    with pytest.raises(SlurmError, match="cannot run it"):
+        CliJsonSlurmClient(bin_dir=str(tmp_path), timeout_s=10).list_jobs()

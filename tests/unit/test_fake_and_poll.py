@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tidal.slurm import CliJsonSlurmClient, JobState, SlurmClient, SlurmTimeout, UnitSubmission
+from tidal.slurm.errors import SlurmParseError
 from tidal.slurm.fake import FakeSlurmClient
 from tidal.slurm.pyslurm_backend import PyslurmSlurmClient
 from tidal.slurm.snapshot import ClusterPoll, StaleClusterView
@@ -62,3 +63,20 @@ def test_failed_poll_keeps_last_view_marked_stale() -> None:
         stale.require_fresh()
     fake.unavailable = False
     assert not poll.poll().stale
+
+
+def test_a_poll_whose_reading_raises_anything_is_a_stale_view_not_a_dead_poll_loop() -> None:
+    """A reading that raised something other than a SlurmError (Slurm's nonsense in a shape
+    the parser did not foresee, a bug) escaped the poll, ended the controller's polling
+    task for good, and the daemon ran on without ever seeing Slurm again."""
+    fake = FakeSlurmClient.with_nodes(2)
+    poll = ClusterPoll(fake)
+    assert not poll.poll().stale
+
+    def broken() -> list[object]:
+        raise AttributeError("'NoneType' object has no attribute 'get'")
+
+    fake.list_jobs = broken  # type: ignore[method-assign]
+    stale = poll.poll()
+    assert stale.stale and isinstance(stale.error, SlurmParseError) and stale.consecutive_failures == 1
+    assert "unexpected AttributeError" in str(stale.error) and len(stale.nodes) == 2

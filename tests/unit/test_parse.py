@@ -185,6 +185,18 @@ def test_recorded_26_05_partitions_are_the_24_11_lines_as_the_source_said() -> N
     ('{"meta": {"plugin": {"type": "openapi/v0.0.38"}}, "jobs": [{"name": "no id"}]}', "unexpected jobs record"),
     ('{"meta": {"plugin": {"data_parser": "data_parser/v0.0.45"}}, "jobs": [{"job_id": 1, "job_state": {}}]}',
      "unexpected jobs record in v0.0.45"),
+    # Each of these raised something else (AttributeError, OverflowError, TypeError), which
+    # no poll caught: the controller's polling ended for good.
+    ('{"meta": {"plugin": {"data_parser": "data_parser/v0.0.42"}}, "jobs": [null]}', "unexpected jobs record"),
+    ('{"meta": {"plugin": {"data_parser": "data_parser/v0.0.42"}}, "jobs": ["7"]}', "unexpected jobs record"),
+    ('{"meta": {"plugin": {"data_parser": "data_parser/v0.0.42"}}, "jobs": [], "errors": 5}',
+     "'errors' that is not a list"),
+    ('{"meta": {"plugin": {"data_parser": "data_parser/v0.0.42"}}, "jobs": [{"job_id": 1e400, '
+     '"job_state": ["RUNNING"]}]}', "unexpected jobs record"),
+    ('{"meta": {"plugin": {"data_parser": "data_parser/v0.0.42"}}, "jobs": [{"job_id": 7, "job_state": ["RUNNING"], '
+     '"priority": {"set": true, "infinite": false, "number": 1e400}}]}', "not a finite number"),
+    ('{"meta": {"plugin": {"data_parser": "data_parser/v0.0.42"}}, "jobs": [{"job_id": 7, "job_state": ["RUNNING"], '
+     '"nodes": "n[0-999999999]"}]}', "unexpected jobs record"),
 ])
 def test_nonsense_is_a_typed_error(text: str, message: str) -> None:
     with pytest.raises(SlurmParseError, match=message):
