@@ -15,12 +15,14 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import signal
 import time
 
 import structlog
 
 from tidal.launcher import decisions
-from tidal.launcher.lifecycle import EXIT_OK, EXIT_REFUSED, EXIT_UNIT_FAILED, EXIT_UNREACHABLE, LauncherState
+from tidal.launcher.events import SignalReceived
+from tidal.launcher.lifecycle import EXIT_REFUSED, EXIT_UNIT_FAILED, EXIT_UNREACHABLE, LauncherState
 from tidal.launcher.liveness import Now, Observations, Watched
 from tidal.launcher.node import NodeAgent
 from tidal.launcher.nodes import LeaderRefused, UnitNodes, connect_to_leader, node_placement, read_frame
@@ -79,10 +81,32 @@ class Follower(NodeAgent[FollowerOptions]):
     async def _open(self) -> bool:
         options = self.options
         self.log.info("follower_started", leader=options.layout.leader_address, pid=os.getpid())
+        connecting = asyncio.ensure_future(connect_to_leader(
+            options.layout, job_id=options.job_id, unit_id=options.unit_id,
+            slurm_job_id=options.slurm_job_id, secret=options.secret, timeout_s=options.connect_timeout_s))
+        # SIGTERM or SIGINT (scancel, ^C, a leader that died before this node reached it
+        # and srun ending the step) ends the wait: it went on for the whole connect timeout.
+        signalled = asyncio.ensure_future(self.events.get())
+        await asyncio.wait((connecting, signalled), return_when=asyncio.FIRST_COMPLETED)
+        if not connecting.done():
+            while not connecting.done():
+                # (Again until it ends: Python 3.11's wait_for swallows a cancel that comes
+                # as its inner connect completes, and the attempts went on to the timeout.)
+                connecting.cancel()
+                await asyncio.wait((connecting,), timeout=0.1)
+            with contextlib.suppress(BaseException):
+                connecting.result()
+            event = signalled.result()
+            name = signal.Signals(event.signum).name if isinstance(event, SignalReceived) else type(event).__name__
+            self.finish(LauncherState.FAILED, EXIT_UNREACHABLE, f"{name} while connecting to the unit's leader")
+            return False
+        signalled.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await signalled
+        if signalled.done() and not signalled.cancelled():
+            self.events.put_nowait(signalled.result())  # (it came with the connection: handled next)
         try:
-            reader, self.writer = await connect_to_leader(
-                options.layout, job_id=options.job_id, unit_id=options.unit_id,
-                slurm_job_id=options.slurm_job_id, secret=options.secret, timeout_s=options.connect_timeout_s)
+            reader, self.writer = connecting.result()
         except LeaderRefused as error:
             self.finish(LauncherState.FAILED, EXIT_REFUSED, str(error))
             return False
@@ -209,8 +233,11 @@ class Follower(NodeAgent[FollowerOptions]):
     def _on_leader_lost(self, reason: str) -> None:
         if self.state.is_final:
             return
-        if self.exit_after_stop is not None and self.exit_after_stop[1] == EXIT_OK:
-            return  # the leader said it was done; its connection closing is expected
+        if self.exit_after_stop is not None:
+            # The leader said it was done (with whatever code): its connection closing is
+            # expected, and the workers stop with their grace, the follower exiting with
+            # the leader's code and reason.
+            return
         self.log.warning("leader_lost", reason=reason)
         # Nothing to wait for: the replica is lost. `run` kills the workers on the way out.
         self.finish(LauncherState.FAILED, EXIT_UNIT_FAILED, f"lost the unit's leader: {reason}")

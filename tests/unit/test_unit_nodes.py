@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
+import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from tidal.launcher.follower import Follower, FollowerOptions
+from tidal.launcher.lifecycle import EXIT_UNREACHABLE
 from tidal.launcher.nodes import (
     FollowerHub,
     FollowerJoined,
@@ -165,3 +171,72 @@ def test_a_silent_follower_is_lost_after_the_node_timeout() -> None:
             await hub.close(0, "test over")
 
     asyncio.run(scenario())
+
+
+
+def test_a_follower_signalled_while_its_leader_is_not_there_leaves_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The leader never came up (or died before this node reached it): scancel's SIGTERM
+    (or ^C) ends the follower at once. It was queued unread until the connect timeout
+    (600 s by default), or until srun's --wait killed the follower."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    layout = UnitNodes(nodes=("n1", "n2"), index=1, leader_address="127.0.0.1", ports=(free_port(),))
+    follower = Follower(FollowerOptions(job_id="j", unit_id="u", secret="s", layout=layout, slurm_job_id=3,
+                                        connect_timeout_s=8.0))
+
+    async def scenario() -> float:
+        asyncio.get_running_loop().call_later(0.5, os.kill, os.getpid(), signal.SIGTERM)
+        started = time.monotonic()
+        await follower.run()
+        return time.monotonic() - started
+
+    assert asyncio.run(scenario()) < 3.0
+    assert (follower.exit_code, follower.exit_reason) == (EXIT_UNREACHABLE,
+                                                          "SIGTERM while connecting to the unit's leader")
+
+
+def test_a_leader_done_with_a_failure_gives_the_followers_workers_their_grace_and_its_code(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The leader ends with a non-zero code (say the controller was unreachable) and closes
+    the connection right after its `done`: the follower's workers get their stop grace and
+    it exits with the leader's code and reason. The close was taken for the leader's loss:
+    the workers got 1 s (a save on SIGTERM cut short) and the reason was lost."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    port = free_port()
+    ident = {"job_id": "j", "unit_id": "u", "slurm_job_id": 3}
+    cleaned = tmp_path / "cleaned-up"
+
+    def layout(index: int) -> UnitNodes:
+        return UnitNodes(nodes=("n1", "n2"), index=index, leader_address="127.0.0.1", ports=(port,))
+
+    follower = Follower(FollowerOptions(secret="s", layout=layout(1), connect_timeout_s=5.0, stop_grace_s=8.0,
+                                        **ident))  # type: ignore[arg-type]
+    worker = f'trap "sleep 2; touch {cleaned}; exit 0" TERM; while :; do sleep 0.2; done'
+
+    async def scenario() -> None:
+        hub = FollowerHub(layout(0), secret="s", post=lambda _: None, bind_host="127.0.0.1",
+                          **ident)  # type: ignore[arg-type]
+        await hub.start()
+        run = asyncio.create_task(follower.run())
+        await wait_until(lambda: hub.complete)
+        table = common_pb2.RankTable(world_size=2, groups=1, assignments=[common_pb2.RankAssignment(
+            unit_id="u", nodes=["n1", "n2"], group_rank=0, first_rank=0, procs_per_node=1)])
+        hub.send_all(launcher_pb2.LeaderMessage(start=launcher_pb2.NodeStart(
+            registered=launcher_pb2.Registered(command=["sh", "-c", worker], working_dir=str(tmp_path)),
+            start=launcher_pb2.Generation(generation=1, rank_table=table,
+                                          rendezvous=common_pb2.Rendezvous(host="127.0.0.1", port=1)))))
+        await wait_until(lambda: follower.workers is not None)
+        await asyncio.sleep(0.5)
+        await hub.close(4, "controller unreachable")
+        await asyncio.wait_for(run, 20)
+
+    asyncio.run(scenario())
+    assert cleaned.exists(), "the worker had its grace"
+    assert (follower.exit_code, follower.exit_reason) == (4, "the leader exited: controller unreachable")
+
+
+async def wait_until(condition: Callable[[], object], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "not in time"
+        await asyncio.sleep(0.05)
