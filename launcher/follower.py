@@ -89,6 +89,7 @@ class Follower(NodeAgent[FollowerOptions]):
         signalled = asyncio.ensure_future(self.events.get())
         await asyncio.wait((connecting, signalled), return_when=asyncio.FIRST_COMPLETED)
         if not connecting.done():
+            event = signalled.result()
             while not connecting.done():
                 # (Again until it ends: Python 3.11's wait_for swallows a cancel that comes
                 # as its inner connect completes, and the attempts went on to the timeout.)
@@ -96,15 +97,13 @@ class Follower(NodeAgent[FollowerOptions]):
                 await asyncio.wait((connecting,), timeout=0.1)
             with contextlib.suppress(BaseException):
                 connecting.result()
-            event = signalled.result()
             name = signal.Signals(event.signum).name if isinstance(event, SignalReceived) else type(event).__name__
             self.finish(LauncherState.FAILED, EXIT_UNREACHABLE, f"{name} while connecting to the unit's leader")
             return False
-        signalled.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await signalled
-        if signalled.done() and not signalled.cancelled():
+        if signalled.done():
             self.events.put_nowait(signalled.result())  # (it came with the connection: handled next)
+        else:
+            signalled.cancel()
         try:
             reader, self.writer = connecting.result()
         except LeaderRefused as error:

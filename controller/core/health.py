@@ -143,6 +143,7 @@ def judge(state: State, now: float) -> Verdicts:
                  for u, unit in units.items()
                  if unit.facts.back_without_workers_at is not None and not unit.state.is_final
                  and now - unit.facts.back_without_workers_at > config.heartbeat_timeout_s)
+
     def out_of_touch(unit: UnitRecord) -> bool:
         """Not connected for longer than reconnect_grace_s (since its session closed, or
         since this controller started)."""

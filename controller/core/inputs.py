@@ -7,6 +7,7 @@ from tidal.controller.core import failure, finishing, forming, leaving, messages
 from tidal.controller.core.queries import (
     alive_units,
     describe_worker_exit,
+    unit_number,
     worker_error_fields,
 )
 from tidal.controller.core.replicas import Slot
@@ -308,9 +309,8 @@ def on_resize(t: Step, min_replicas: int, max_replicas: int, uid: int) -> None:
     # with replicas of K nodes, trimmed unit by unit, a whole replica waiting to join lost
     # a node while half of another was kept, and neither could join.)
     outside = sorted((u for u in alive if u.unit_id not in members),
-                     key=lambda u: (u.state is not UnitState.SUBMITTED, -unit_number(u.unit_id), -u.registered_at))
-    if replicas.nodes_per_replica(spec) > 1:
-        outside = []
+                     key=lambda u: (u.state is not UnitState.SUBMITTED, -unit_number(u.unit_id), -u.registered_at)
+                     ) if replicas.nodes_per_replica(spec) == 1 else []
     for unit in outside[:max(0, len(outside) - max(0, limit - len(members)))]:
         if unit.state is UnitState.SUBMITTED:
             slurm_units.cancel_in_slurm(t, unit)
@@ -322,7 +322,3 @@ def on_resize(t: Step, min_replicas: int, max_replicas: int, uid: int) -> None:
         leaving.leave_all(t, [(member.unit_id, "resized", detail)
                               for member in sorted(generation.members, key=lambda m: -m.group_rank)[:max(0, surplus)]])
 
-
-def unit_number(unit_id: str) -> int:
-    """The number in a unit's id (`u12`: 12; 0 for an id not made so)."""
-    return int(unit_id[1:]) if unit_id[1:].isdigit() else 0

@@ -40,6 +40,11 @@ def refusal(state: State, register: launcher_pb2.Register) -> str | None:
     return None
 
 
+def unit_number(unit_id: str) -> int:
+    """The number in a unit's id (`u12`: 12; 0 for an id not made so)."""
+    return int(unit_id[1:]) if unit_id[1:].isdigit() else 0
+
+
 def alive_units(state: State) -> list[UnitRecord]:
     """Units that hold or wait for a place (submitted, joining, active)."""
     return [u for u in state.units.values() if u.state in (UnitState.SUBMITTED, UnitState.JOINING,
@@ -72,7 +77,7 @@ def yielding_job(state: State, view: ClusterView) -> sharing.YieldingJob | None:
         found = view.job(unit.slurm_job_id) if unit.slurm_job_id else None
         if unit.state is not UnitState.ACTIVE or found is None or found.state is not SlurmJobState.RUNNING:
             continue
-        order = int(unit.unit_id[1:]) if unit.unit_id[1:].isdigit() else 0
+        order = unit_number(unit.unit_id)
         candidates.append(sharing.YieldableUnit(unit_id=unit.unit_id, nodes=tuple(unit.nodes),
                                                 rank=(view.priority_tier(found.partition), found.priority),
                                                 order=order))

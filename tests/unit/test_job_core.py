@@ -919,6 +919,17 @@ def test_a_restarted_controller_does_not_record_a_preemption_after_the_last_step
     assert not [e for e in effects if isinstance(e, core.Send) and e.message.WhichOneof("body") == "leave"]
 
 
+def two_slurm_units_training(driver: Driver, nodes: tuple[Node, ...]) -> None:
+    """u1 and u2 (Slurm jobs 501, 502) submitted on the first view, registered, and formed
+    into the world once join_settle_s (5 s) passed."""
+    driver.feed(core.SlurmObserved(view(driver, nodes)))
+    driver.feed(core.UnitSubmitted("u1", 501))
+    driver.feed(core.UnitSubmitted("u2", 502))
+    driver.connect("u1")
+    driver.connect("u2")
+    driver.tick(6.0)
+
+
 def test_a_joining_unit_whose_launcher_is_gone_fails_after_the_reconnect_grace_and_is_replaced() -> None:
     """A unit registers and waits to join (join_settle_s); its node dies before a world
     takes it in. Nothing else ends a joiner out of touch: it stayed JOINING for good,
@@ -926,12 +937,7 @@ def test_a_joining_unit_whose_launcher_is_gone_fails_after_the_reconnect_grace_a
     config = dataclasses.replace(CONFIG, join_settle_s=5.0)
     driver = Driver(min_replicas=2, max_replicas=2, slurm_units=True, config=config)
     nodes = (node("n1"), node("n2"), node("n3"))
-    driver.feed(core.SlurmObserved(view(driver, nodes)))
-    driver.feed(core.UnitSubmitted("u1", 501))
-    driver.feed(core.UnitSubmitted("u2", 502))
-    driver.connect("u1")
-    driver.connect("u2")
-    driver.tick(6.0)
+    two_slurm_units_training(driver, nodes)
     assert driver.state.job.state is JobState.RUNNING
     driver.feed(core.LauncherClosed("u2", "node died"))
     driver.report("u1", 1, launcher_pb2.GENERATION_PHASE_STOPPED)
@@ -1020,12 +1026,7 @@ def test_a_resize_below_the_units_there_sends_away_queued_and_joining_units_firs
     config = dataclasses.replace(CONFIG, join_settle_s=5.0)
     driver = Driver(min_replicas=1, max_replicas=4, slurm_units=True, config=config)
     nodes = (node("n1"), node("n2"))
-    driver.feed(core.SlurmObserved(view(driver, nodes)))
-    driver.feed(core.UnitSubmitted("u1", 501))
-    driver.feed(core.UnitSubmitted("u2", 502))
-    driver.connect("u1")
-    driver.connect("u2")
-    driver.tick(6.0)
+    two_slurm_units_training(driver, nodes)
     assert driver.state.generation is not None and driver.state.generation.unit_ids == ("u1", "u2")
     jobs = (slurm_job(501, SlurmJobState.RUNNING), slurm_job(502, SlurmJobState.RUNNING))
     driver.clock += 60.0
