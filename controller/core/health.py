@@ -116,7 +116,8 @@ class Verdicts:
     # The live change in flight is past its deadline: these units did not reach it.
     change_overdue_of: int = 0
     change_late: tuple[Failure, ...] = ()
-    # While FINISHING: units out of touch past their grace (they count as left).
+    # While FINISHING: units out of touch past their grace, or whose open session has been
+    # silent as long (they count as left).
     out_of_touch: tuple[str, ...] = ()
     # Otherwise: joining units out of touch past their grace (registered, not in a world
     # yet; nothing else would ever end one whose launcher died with its node).
@@ -152,8 +153,24 @@ def judge(state: State, now: float) -> Verdicts:
         since = unit.facts.disconnected_at
         return now - since > config.reconnect_grace_s if since is not None else now > state.reconnect_deadline
 
+    # A pause of the judge is not the silence of the judged: when this tick comes more
+    # than a heartbeat interval after the previous one, this controller was held up (a
+    # slow disk under its SQLite, no CPU) and heartbeats may be waiting unread; silence is
+    # judged again at the next tick, once they are read. (A broken stream or a worker's
+    # exit is an input, seen whatever the clock.)
+    held_up = state.last_tick_at is not None and now - state.last_tick_at > config.heartbeat_interval_s
+
+    def silent(unit_id: str, unit: UnitRecord) -> bool:
+        """Its session open but no heartbeat on it past heartbeat_timeout_s, and then a
+        closed session's reconnect_grace_s (its launcher stuck, say on a hung file
+        system): after the last step nothing else would ever end it."""
+        link = state.links.get(unit_id)
+        return (unit.facts.connected and link is not None and not held_up
+                and now - link.last_heartbeat_at > config.heartbeat_timeout_s + config.reconnect_grace_s)
+
     if job_state is JobState.FINISHING:
-        gone = tuple(u for u, unit in units.items() if not unit.state.is_final and out_of_touch(unit))
+        gone = tuple(u for u, unit in units.items()
+                     if not unit.state.is_final and (out_of_touch(unit) or silent(u, unit)))
         return Verdicts(out_of_touch=gone, leave_overdue=leave_overdue, back_without_workers=back)
     joiners = tuple(Failure(u, f"joining launcher out of touch for more than {config.reconnect_grace_s:g} s",
                             "stream")
@@ -164,12 +181,6 @@ def judge(state: State, now: float) -> Verdicts:
                         for u in sorted(stop.waiting_for)) if stop is not None and stop_overdue else ()
     members: tuple[Failure, ...] = ()
     generation = state.generation
-    # A pause of the judge is not the silence of the judged: when this tick comes more
-    # than a heartbeat interval after the previous one, this controller was held up (a
-    # slow disk under its SQLite, no CPU) and heartbeats may be waiting unread; silence is
-    # judged again at the next tick, once they are read. (A broken stream or a worker's
-    # exit is an input, seen whatever the clock.)
-    held_up = state.last_tick_at is not None and now - state.last_tick_at > config.heartbeat_interval_s
     if job_state is JobState.RUNNING and generation is not None:
         observed = []
         for member in generation.members:

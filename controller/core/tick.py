@@ -18,6 +18,7 @@ from tidal.controller.core import (
 )
 from tidal.controller.core.progress import MemberProgress, committed_step
 from tidal.controller.core.state import (
+    Close,
     SaveJob,
     SaveUnit,
 )
@@ -39,7 +40,13 @@ def on_tick(t: Step, now: float) -> None:
             unit = t.note(state.units[unit_id], disconnected_at=None)
             # Whatever is left of it gives its allocation back.
             slurm_units.cancel_in_slurm(t, unit)
-            leaving.mark_left(t, unit_id, "launcher out of touch after the last step")
+            if t.connected(unit_id):
+                # Its session open, silent: ended, so that a launcher that wakes up is told.
+                leaving.mark_left(t, unit_id, "launcher silent after the last step: no heartbeat for more than "
+                                  f"{t.config.heartbeat_timeout_s + t.config.reconnect_grace_s:g} s")
+                t.emit(Close(unit_id, f"unit {unit_id} silent after the last step"))
+            else:
+                leaving.mark_left(t, unit_id, "launcher out of touch after the last step")
         for back in verdicts.back_without_workers:
             # Back with no workers, and some of their exits never came (lost with a
             # controller that died with them unread): nothing of this unit is left to wait

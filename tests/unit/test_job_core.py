@@ -332,6 +332,35 @@ def test_completion_happens_once_after_the_last_step_and_late_exits_are_no_failu
     assert driver.events().count("job_completed") == 1 and driver.state.job.state is JobState.COMPLETED
 
 
+def test_a_finishing_member_whose_launcher_falls_silent_with_its_session_open_does_not_keep_the_job_finishing(
+) -> None:
+    """a commits the last step and its worker exits 0; b's launcher then stops heartbeating
+    (its loop stuck, say on a hung file system) while its session stays open, and its
+    workers never report an exit. The job used to stay FINISHING for ever: after the last
+    step only a closed session was judged. Past heartbeat_timeout_s + reconnect_grace_s of
+    silence, b counts as gone (as a closed session does after its grace), its session is
+    closed, and the job completes, once."""
+    driver = Driver(min_replicas=2)
+    formed(driver, "a", "b")
+    driver.report("a", 1, launcher_pb2.GENERATION_PHASE_FINISHED, step=599)
+    driver.exit("a", 1, code=0)
+    assert driver.state.job.state is JobState.FINISHING
+    silent_since = driver.clock
+    driver.links["b"] = core.Link(last_heartbeat_at=silent_since)
+    while driver.clock - silent_since <= CONFIG.heartbeat_timeout_s + CONFIG.reconnect_grace_s - 1.0:
+        driver.links["a"] = core.Link(last_heartbeat_at=driver.clock)
+        driver.tick(1.0)
+    assert driver.state.job.state is JobState.FINISHING, "no sooner than a closed session's grace"
+    effects: list[core.Effect] = []
+    for _ in range(3):
+        effects += driver.tick(1.0)
+    assert driver.state.job.state is JobState.COMPLETED
+    assert driver.state.units["b"].state is UnitState.LEFT and "no heartbeat" in driver.state.units["b"].reason
+    assert any(isinstance(e, core.Close) and e.unit_id == "b" for e in effects)
+    driver.tick(1.0)
+    assert driver.events().count("job_completed") == 1
+
+
 def test_the_last_step_committed_in_the_old_world_of_a_grow_a_restart_cut_short_completes_without_the_joiners() -> None:
     """Sharded chaos seed 302: a and b train in generation 1; c joins and generation 2 (the
     grow, target step 40) is committed and sent; the controller restarts before the change
