@@ -185,8 +185,13 @@ def on_said(t: Step, unit_id: str, message: launcher_pb2.LauncherMessage) -> Non
         elif report.phase == launcher_pb2.GENERATION_PHASE_RESUMED_FROM_CHECKPOINT:
             forming.on_resumed_from_checkpoint(t, unit_id, report)
         elif report.phase == launcher_pb2.GENERATION_PHASE_STATE_LOST:
-            forming.on_state_lost(t, report.detail or f"no member of generation {report.generation} holds step "
-                                  f"{report.step} and there is no checkpoint")
+            if report.generation in current_generations(t):
+                forming.on_state_lost(t, report.detail or f"no member of generation {report.generation} holds "
+                                      f"step {report.step} and there is no checkpoint")
+            else:
+                # Of a world already replaced: a state truly lost is said again by the
+                # workers of the world that lacks it.
+                stale(t, unit_id, "generation_report", report.generation)
         elif report.phase == launcher_pb2.GENERATION_PHASE_FIRST_STEP:
             forming.on_first_step(t, unit_id, report)
         elif state.changing is not None and report.generation == state.changing.generation:
@@ -203,12 +208,29 @@ def on_said(t: Step, unit_id: str, message: launcher_pb2.LauncherMessage) -> Non
 SIGNALLED_EXIT_CODES = (129, 128 + 64)
 
 
+def current_generations(t: Step) -> set[int]:
+    """The generations a worker's message is about the running world in: the newest, and
+    while a live change is in flight the one it leaves."""
+    state = t.state
+    current = {state.generation.number} if state.generation is not None else set()
+    if state.changing is not None:
+        current.add(state.changing.from_generation)
+    return current
+
+
+def stale(t: Step, unit_id: str, kind: str, generation: int) -> None:
+    """A message of a world already replaced: counted, logged, and nothing decided on it."""
+    t.emit(StaleMessageCounted(),
+           Note("stale_message_ignored", {"unit": unit_id, "kind": kind, "message_generation": generation}))
+
+
 def on_worker_exited(t: Step, unit_id: str, exited: launcher_pb2.WorkerExited) -> None:
     state = t.state
     if t.job.state is JobState.FINISHING:
         finishing.on_exit_after_finish(t, unit_id, exited)
         return
-    if state.live and exited.exit_code == EXIT_STATE_LOST:
+    current = current_generations(t)
+    if state.live and exited.exit_code == EXIT_STATE_LOST and exited.generation in current:
         # The worker refused to train: no state at the target and no checkpoint (its
         # own report says more, and normally comes first).
         forming.on_state_lost(t, f"a worker of unit {unit_id} exited {EXIT_STATE_LOST}: no replica holds the "
@@ -221,9 +243,6 @@ def on_worker_exited(t: Step, unit_id: str, exited: launcher_pb2.WorkerExited) -
                  and not SIGNALLED_EXIT_CODES[0] <= exited.exit_code <= SIGNALLED_EXIT_CODES[1])
     reported_at = exited.exited_at.ToNanoseconds() / 1e9 if exited.HasField("exited_at") else None
     exited_at = reported_at if reported_at is not None else t.now.wall
-    current = {state.generation.number} if state.generation is not None else set()
-    if state.changing is not None:
-        current.add(state.changing.from_generation)
     if state.generation is None or exited.generation not in current or t.job.state is not JobState.RUNNING:
         if not own_error:
             # (A worker of a generation counted as a crash was in fact killed: the error
@@ -232,9 +251,7 @@ def on_worker_exited(t: Step, unit_id: str, exited: launcher_pb2.WorkerExited) -
             failure.uncount_crash(t, exited.generation, exited_at)
             if exited.signal != 0 or exited.exit_code != 0:
                 failure.killed_before_the_errors(t, unit_id, exited.generation, exited_at, bool(exited.detail))
-        t.emit(StaleMessageCounted(),
-               Note("stale_message_ignored", {"unit": unit_id, "kind": "worker_exited",
-                                              "message_generation": exited.generation}))
+        stale(t, unit_id, "worker_exited", exited.generation)
         return
     member = state.generation.member(unit_id)
     if member is None:

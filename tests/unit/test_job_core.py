@@ -14,6 +14,7 @@ from tidal.controller.core import job as core
 from tidal.controller.model import JobRecord, JobState, UnitState
 from tidal.controller.spec import normalized_spec
 from tidal.proto import admin_pb2, common_pb2, launcher_pb2
+from tidal.proto.control import EXIT_STATE_LOST
 from tidal.slurm.models import Job as SlurmJob
 from tidal.slurm.models import JobState as SlurmJobState
 from tidal.slurm.models import Node, NodeFlag, NodeState
@@ -170,6 +171,29 @@ def test_a_live_generation_that_holds_no_state_says_so_and_a_worker_that_finds_n
     effects = driver.report("b", 2, launcher_pb2.GENERATION_PHASE_STATE_LOST, step=25)
     assert driver.state.job.state is JobState.FAILED
     assert driver.events(effects)[0] == "state_lost"
+
+
+def test_a_state_lost_of_an_older_generation_does_not_fail_the_job_training_in_a_newer_one() -> None:
+    """a and b hold step 25 in generation 1; a dies and b trains on in generation 2 with the
+    state. A report of state lost, and a worker's exit saying so, that name generation 1
+    (late: queued while the controller was away, say) are stale, as any other message of an
+    older generation: the job used to fail on them. A state truly lost is reported again by
+    the workers of the generation that lacks it, and that still fails the job."""
+    driver = Driver(min_replicas=1)
+    formed(driver, "a", "b")
+    driver.beat("a", 25)
+    driver.beat("b", 25)
+    driver.tick(1.0)
+    driver.exit("a", 1, code=1)
+    generation = driver.state.generation
+    assert generation is not None and generation.number == 2 and generation.unit_ids == ("b",)
+    effects = driver.report("b", 1, launcher_pb2.GENERATION_PHASE_STATE_LOST, step=25)
+    assert driver.state.job.state is JobState.RUNNING and core.StaleMessageCounted() in effects
+    effects = driver.exit("b", 1, code=EXIT_STATE_LOST)
+    assert driver.state.job.state is JobState.RUNNING and core.StaleMessageCounted() in effects
+    assert "state_lost" not in driver.events()
+    driver.report("b", 2, launcher_pb2.GENERATION_PHASE_STATE_LOST, step=25)
+    assert driver.state.job.state is JobState.FAILED and driver.events()[-1] == "state_lost"
 
 
 def test_resuming_from_a_checkpoint_lowers_the_watermark_with_an_event_naming_the_steps_redone() -> None:
