@@ -266,6 +266,12 @@ def maybe_finish_stop(t: Step) -> None:
         t.emit(StopTimed(elapsed))
     if t.job.state.is_final:
         return
+    # Leaves deferred behind a live change this stop replaced: no change is in flight any
+    # more, so they are carried out now, before the next world is decided (else a drained
+    # unit stayed while no world formed, and was put in the next one).
+    deferred = t.take_deferred_leaves()
+    if deferred:
+        leaving.leave_all(t, [(unit_id, cause, detail) for unit_id, (cause, detail) in deferred.items()])
     tick.decide(t, now, after=stop.reason)
     if t.job.state is JobState.RECONFIGURING:
         alive = sum(1 for u in state.units.values() if u.state in (UnitState.ACTIVE, UnitState.JOINING))

@@ -319,6 +319,41 @@ def test_a_leave_during_a_live_change_waits_for_it_and_is_persisted_meanwhile() 
     assert "world_reconfigured" in driver.events(effects) and "unit_leaving" in driver.events(effects)
 
 
+def test_a_leave_deferred_behind_a_change_that_a_stop_replaced_is_carried_out_when_the_stop_ends() -> None:
+    """min 3: a, b and c train; d joins (a live change in flight) and b is drained, which
+    waits for the change. a fails, then c: the change is replaced by a stop, and b and d
+    alone form no world. b used to stay active with its leave deferred for as long as the
+    job waited (its node held, the drain never done), and to be put in the next world
+    that formed. The stop done, b is told to leave, and the next world forms without it."""
+    driver = Driver(min_replicas=3, max_replicas=4)
+    formed(driver, "a", "b", "c")
+    for unit in "abc":
+        driver.beat(unit, 25)
+    driver.tick(1.0)
+    driver.connect("d")
+    driver.tick()
+    assert driver.state.changing is not None
+    driver.feed(core.DrainRequested(("b",), uid=0))
+    assert driver.state.deferred_leaves == {"b": ("drained", "drained by uid 0")}
+    driver.exit("a", 1, code=1)
+    assert driver.state.stopping is not None
+    driver.feed(core.LauncherClosed("c", "connection lost"))
+    driver.links.pop("c")
+    effects: list[core.Effect] = []
+    for unit in "bd":
+        effects += driver.report(unit, 2, launcher_pb2.GENERATION_PHASE_STOPPED)
+    assert driver.state.stopping is None and driver.state.job.state is JobState.DEGRADED
+    assert driver.state.units["b"].state is UnitState.LEAVING and sent(effects, "b") == ["leave"]
+    assert driver.state.deferred_leaves == {}
+    # (It held the last copy of the state: it saved it as it left, and the next world resumes from it.)
+    driver.report("b", 2, launcher_pb2.GENERATION_PHASE_LEFT, step=25)
+    driver.connect("e")
+    driver.connect("f")
+    driver.tick(1.0)
+    generation = driver.state.generation
+    assert generation is not None and generation.number == 3 and generation.unit_ids == ("d", "e", "f")
+
+
 def test_a_restart_resumes_deferred_leaves_and_node_cool_downs() -> None:
     driver = Driver(min_replicas=1)
     formed(driver, "a", "b")
