@@ -178,7 +178,8 @@ def slot_for(units: Mapping[str, UnitRecord], spec: admin_pb2.JobSpec, unit_id: 
     """The slot a registering launcher of `unit_id` is told (None: the job is not grouped):
     the one it holds, the one reserved for it by an earlier registration not yet taken in,
     or a new one, counting the slots reserved for other launchers registering meanwhile
-    (`current`: replicas whose units hold the job's newest state, preferred for a hole)."""
+    whose units are not final (`current`: replicas whose units hold the job's newest
+    state, preferred for a hole)."""
     nodes = nodes_per_replica(spec)
     if nodes <= 1:
         return None
@@ -188,6 +189,9 @@ def slot_for(units: Mapping[str, UnitRecord], spec: admin_pb2.JobSpec, unit_id: 
     if unit_id in reserved:
         return reserved[unit_id]
     others = [u for u in units.values() if u.unit_id != unit_id]
+    # (A reservation lasts until its session is taken in; one never taken in, its launcher
+    # gone as it registered, is void once its unit is final: failed, or cancelled.)
     others += [UnitRecord(job_id="", unit_id=u, state=UnitState.JOINING, replica=s.replica, node_index=s.node_index)
-               for u, s in reserved.items() if u not in units or units[u].replica <= 0]
+               for u, s in reserved.items()
+               if u not in units or (units[u].replica <= 0 and not units[u].state.is_final)]
     return assign_slot(others, nodes, current)

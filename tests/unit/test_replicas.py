@@ -51,6 +51,23 @@ def test_two_launchers_registering_at_once_are_told_different_slots() -> None:
     assert slot_for(units, restart, "b", {}) is None, "restart mode's K-node units are one Slurm job each"
 
 
+def test_a_hole_told_to_a_launcher_whose_unit_then_failed_is_told_to_the_next_one() -> None:
+    """Replica 1 lost node 1. Slurm unit x's launcher registers and is told that hole, but
+    its session is never taken in (it died as it registered: the reservation stays) and
+    Slurm then ends its job: x failed. The next launcher, y, was told a new replica, as if
+    x still held the hole, and replica 1 waited for a node that never came (until
+    replica_patch_wait_s gave it up). A failed or departed unit reserves nothing."""
+    spec = admin_pb2.JobSpec(mode=common_pb2.JOB_MODE_LIVE, nodes_per_replica=2)
+    units = {"a": unit("a", 1, 0), "b": unit("b", 1, 1, UnitState.FAILED), "x": unit("x", 0, 0, UnitState.SUBMITTED)}
+    told = slot_for(units, spec, "x", {})
+    assert told == Slot(1, 1)
+    reserved = {"x": told}
+    assert slot_for(units, spec, "y", reserved) == Slot(2, 0), "held for x while it may still come"
+    for gone in (UnitState.FAILED, UnitState.LEFT):
+        units["x"] = unit("x", 0, 0, gone)
+        assert slot_for(units, spec, "y", reserved) == Slot(1, 1)
+
+
 def test_only_whole_replicas_are_complete() -> None:
     units = {u.unit_id: u for u in [unit("a", 1, 0), unit("b", 1, 1), unit("c", 2, 0)]}
     assert complete(units, ["a", "b", "c"], 2) == {1: ["a", "b"]}
