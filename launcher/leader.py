@@ -167,7 +167,8 @@ class Agent(NodeAgent[LauncherOptions]):
         script's env:// rendezvous writes the same keys in every generation and cannot be
         given a prefix. So once a generation starts on this unit's store, a spare is made at
         once and its port reported with STARTED: the controller can plan the next
-        generation and send it in one message, without a stop round first."""
+        generation and send it in one message, without a stop round first. OSError when
+        the address cannot be listened on (then `store` is None)."""
         previous, self.store = self.store, None
         if previous is not None and previous is not self.serving_store:
             previous.close()
@@ -401,7 +402,15 @@ class Agent(NodeAgent[LauncherOptions]):
             if self.serving_store is not None:
                 self.serving_store.close()
             self.serving_store = self.store
-            self._new_store()
+            try:
+                self._new_store()
+            except OSError as error:
+                # Without a store for the next generation this unit could never host one
+                # again: it fails, as when a store fails later (`_on_tick`).
+                self.log.error("store_not_served", address=self.options.address, error=str(error))
+                self.finish(LauncherState.FAILED, EXIT_UNIT_FAILED,
+                            f"cannot serve the rendezvous store on {self.options.address}: {error}")
+                return
         if not joining:
             self.report(generation, launcher_pb2.GENERATION_PHASE_STARTED, step=start.target_step,
                         store_port=self.store_port)

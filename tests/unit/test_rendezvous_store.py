@@ -4,11 +4,15 @@ the launcher up while that child imports torch."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
@@ -17,8 +21,12 @@ from pathlib import Path
 import pytest
 
 from tests.listening import decode_address, listening_addresses
+from tidal.launcher.leader import Agent, LauncherOptions
+from tidal.launcher.lifecycle import EXIT_UNIT_FAILED, LauncherState
+from tidal.launcher.link import ControllerSaid
 from tidal.launcher.store import ServedStore, StoreNotServed, stop_store_server
 from tidal.launcher.store_server import FAIL_ENV, HOLD_ENV
+from tidal.proto import common_pb2, launcher_pb2
 
 
 @pytest.fixture(autouse=True)
@@ -247,3 +255,46 @@ def test_a_held_store_server_ends_with_its_launcher_before_it_was_released() -> 
     assert _gone(pid, 10)
     with pytest.raises(StoreNotServed):
         store.wait(10)
+
+
+def test_a_launcher_that_cannot_make_its_next_store_fails_the_unit_saying_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Restart mode: a generation hosted on this unit starts, and the launcher makes a
+    fresh store for the next one at once (`Agent._new_store`). When that cannot be made
+    (its address no longer resolves, here, or no socket can be had), the unit fails with
+    the reason, as when a store fails later. It went on with no store, the error left in
+    a handler's traceback: no STARTED report, and the unit could never host again (a job
+    of one unit could form no next generation)."""
+    run_root = Path(tempfile.mkdtemp(prefix="tst-", dir="/tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", str(run_root))
+
+    async def scenario() -> tuple[LauncherState, int, str, bool]:
+        # The address stopped resolving after the launcher opened (its first store is held:
+        # no torch import here).
+        agent = Agent(LauncherOptions(controller="127.0.0.1:9", job_id="j", unit_id="u1", secret="s",
+                                      address="no-such-host.invalid", nodes=("n1",)))
+        agent.store = ServedStore("127.0.0.1", held=True)
+        agent.registered = launcher_pb2.Registered(mode=common_pb2.JOB_MODE_RESTART, procs_per_node=1,
+                                                   command=[sys.executable, "-c", "import time; time.sleep(60)"])
+        agent.state = LauncherState.WAITING
+        start = launcher_pb2.Generation(
+            generation=1, rank_table=common_pb2.RankTable(world_size=1, groups=1, assignments=[
+                common_pb2.RankAssignment(unit_id="u1", nodes=["n1"], group_rank=0, first_rank=0, procs_per_node=1)]),
+            rendezvous=common_pb2.Rendezvous(host="127.0.0.1", port=agent.store.port, host_unit_id="u1"))
+        try:
+            agent._handle(ControllerSaid(launcher_pb2.ControllerMessage(generation=start)))
+            return agent.state, agent.exit_code, agent.exit_reason, agent.workers is not None
+        finally:
+            if agent.workers is not None:
+                for worker in agent.workers.workers:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(worker.pid, signal.SIGKILL)
+                await agent.workers.stop(grace_s=0.1)
+            shutil.rmtree(agent.run_dir, ignore_errors=True)
+
+    try:
+        state, code, reason, started = asyncio.run(scenario())
+    finally:
+        shutil.rmtree(run_root, ignore_errors=True)
+    assert started, "the generation's workers were started before the next store was made"
+    assert (state, code) == (LauncherState.FAILED, EXIT_UNIT_FAILED)
+    assert "cannot serve the rendezvous store on no-such-host.invalid" in reason
