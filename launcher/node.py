@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 from tidal.launcher import decisions
+from tidal.launcher import workers as worker_processes
 from tidal.launcher.events import SignalReceived, Tick, WorkerExit, WorkersStopped
-from tidal.launcher.lifecycle import EXIT_OK, TICK_INTERVAL_S, LauncherState
+from tidal.launcher.lifecycle import EXIT_OK, EXIT_UNIT_FAILED, TICK_INTERVAL_S, LauncherState
 from tidal.launcher.liveness import Now, Observations, liveness_verdicts
 from tidal.launcher.rundirs import sweep_abandoned
 from tidal.launcher.workers import (
@@ -110,7 +111,7 @@ class NodeAgent(Generic[OptionsT]):
         finally:
             if ticker is not None:
                 ticker.cancel()
-            if self.workers is not None and not self.workers.all_exited:
+            if self.workers is not None and not self.workers.all_exited and not self.workers.unkillable:
                 await self.workers.stop(grace_s=1.0, repeat_term_after_s=self.term_repeat_s)
             await self._close()
             shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -131,7 +132,14 @@ class NodeAgent(Generic[OptionsT]):
             case WorkerExit(generation, worker, returncode):
                 self.apply(decisions.on_worker_exit(self.view(), generation, worker.local_rank, returncode))
             case WorkersStopped(generation):
-                self._on_workers_stopped(generation)
+                if self.workers is not None and self.workers.unkillable:
+                    # The node cannot be trusted with workers again.
+                    pids = ", ".join(map(str, self.workers.unkillable))
+                    self.finish(LauncherState.FAILED, EXIT_UNIT_FAILED,
+                                f"worker pid {pids} still there {worker_processes.KILL_WAIT_S:g} s after SIGKILL "
+                                "(uninterruptible sleep: a hung file system or device driver)")
+                else:
+                    self._on_workers_stopped(generation)
             case SignalReceived(signum):
                 self.apply(decisions.on_signal(self.view(), signum, time.monotonic()))
             case Tick():

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import structlog
 
+from tidal.launcher.liveness import read_process_sample
+
 log = structlog.get_logger("tidal.launcher.workers")
 
 # Variables a worker must not inherit from its launcher.
@@ -33,6 +35,11 @@ UNLIMITED_RESTARTS = 2**31 - 1
 MAX_ERROR_MESSAGE_CHARS = 500
 MAX_TRACEBACK_LINES = 20
 MAX_TRACEBACK_CHARS = 3000
+# After its SIGKILL, how long a stop waits for a worker's exit before giving up on it. One
+# in uninterruptible sleep (D state: a hung file system, a wedged GPU driver) dies only when
+# its kernel call returns, which may be never. A GPU process's teardown takes seconds; this
+# is short of Slurm's default KillWait (30 s), so the launcher says so before Slurm kills it.
+KILL_WAIT_S = 20.0
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
@@ -188,6 +195,8 @@ class WorkerGroup:
         self.workers = workers
         # Set once the launcher stops them, so their exits are not reported as failures.
         self.stopping = False
+        # The pids of workers still there KILL_WAIT_S after a stop's SIGKILL.
+        self.unkillable: tuple[int, ...] = ()
 
     @property
     def pids(self) -> list[int]:
@@ -198,7 +207,9 @@ class WorkerGroup:
         return all(w.exited.done() for w in self.workers)
 
     async def stop(self, grace_s: float, repeat_term_after_s: float | None = None) -> None:
-        """SIGTERM every worker's process group, SIGKILL what is left after `grace_s`.
+        """SIGTERM every worker's process group, SIGKILL what is left after `grace_s`, and
+        wait at most KILL_WAIT_S more: a worker still there then is given up on (logged,
+        and named in `unkillable`).
 
         `repeat_term_after_s`: SIGTERM once more after that long. A live-mode worker takes a
         first SIGTERM for Slurm's notice that its allocation ends (it waits briefly for the
@@ -220,7 +231,12 @@ class WorkerGroup:
             # The group may outlive its leader (a child the worker started).
             _signal_group(worker.pid, signal.SIGKILL)
         if alive:
-            await asyncio.wait([w.exited for w in alive])
+            await asyncio.wait([w.exited for w in alive], timeout=KILL_WAIT_S)
+        self.unkillable = tuple(w.pid for w in alive if not w.exited.done())
+        for pid in self.unkillable:
+            sample = read_process_sample(pid, threads=False)
+            log.error("worker_unkillable", pid=pid, state=sample.state if sample is not None else None,
+                      waited_s=KILL_WAIT_S)
 
 
 def _signal_group(pid: int, signum: int) -> None:

@@ -1,15 +1,27 @@
 """A worker's process group on this node: what a worker that exited on its own (a crash, an
-OOM kill) left running in it is stopped with its group, never left behind."""
+OOM kill) left running in it is stopped with its group, never left behind; a worker that
+SIGKILL does not end is given up on."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
+import subprocess
+import tempfile
 from pathlib import Path
 
-from tidal.launcher.workers import WorkerGroup, start_workers
+import pytest
+import structlog
+
+from tidal.launcher import workers as workers_module
+from tidal.launcher.follower import Follower, FollowerOptions, LeaderSaid
+from tidal.launcher.lifecycle import EXIT_UNIT_FAILED, LauncherState
+from tidal.launcher.nodes import UnitNodes
+from tidal.launcher.workers import Worker, WorkerGroup, start_workers
+from tidal.proto import launcher_pb2
 
 
 def group_alive(pgid: int) -> bool:
@@ -62,3 +74,44 @@ def test_what_a_worker_that_exited_started_is_killed_with_its_exit(tmp_path: Pat
                     os.killpg(worker.pid, signal.SIGKILL)
 
     assert asyncio.run(scenario()) == (False, False, True)
+
+
+def test_a_worker_that_sigkill_does_not_end_is_given_up_on_and_its_launcher_fails_naming_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker in uninterruptible sleep (D state: a hung NFS mount, a wedged GPU driver)
+    does not die on SIGKILL until the kernel call returns, which may be never. The stop
+    waited for its exit for ever: the launcher neither went on nor exited, and nothing said
+    why. It gives up KILL_WAIT_S after the SIGKILL, and the launcher fails naming the
+    worker. (The stuck worker here is a process outside the process group the launcher
+    signals: to the launcher, the same as one the kernel does not let die.)"""
+    monkeypatch.setattr(workers_module, "KILL_WAIT_S", 0.5, raising=False)
+    run_root = Path(tempfile.mkdtemp(prefix="tst-", dir="/tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", str(run_root))
+    stuck = subprocess.Popen(["sleep", "300"])  # not a group leader: killpg(its pid) reaches nothing
+
+    async def scenario() -> tuple[LauncherState, int, str]:
+        follower = Follower(FollowerOptions(job_id="j", unit_id="u1", secret="s", slurm_job_id=7, layout=UnitNodes(
+            nodes=("n1", "n2"), index=1, leader_address="127.0.0.1", ports=(1,))))
+        try:
+            worker = Worker(local_rank=0, rank=1, process=stuck, progress_file=tmp_path / "p0",
+                            exited=asyncio.get_running_loop().create_future(), error_file=tmp_path / "e0")
+            follower.workers, follower.generation, follower.state = WorkerGroup(1, [worker]), 1, LauncherState.RUNNING
+            stop = launcher_pb2.LeaderMessage(stop=launcher_pb2.NodeStop(generation=1))
+            stop.stop.grace.FromMilliseconds(200)
+            follower._handle(LeaderSaid(stop))
+            # The stop's end (WorkersStopped), within the grace and the bound.
+            follower._handle(await asyncio.wait_for(follower.events.get(), timeout=10.0))
+            return follower.state, follower.exit_code, follower.exit_reason
+        finally:
+            shutil.rmtree(follower.run_dir, ignore_errors=True)
+
+    try:
+        with structlog.testing.capture_logs() as logged:
+            state, code, reason = asyncio.run(scenario())
+    finally:
+        stuck.kill()
+        stuck.wait()
+        shutil.rmtree(run_root, ignore_errors=True)
+    assert [e["pid"] for e in logged if e["event"] == "worker_unkillable"] == [stuck.pid]
+    assert (state, code) == (LauncherState.FAILED, EXIT_UNIT_FAILED)
+    assert f"worker pid {stuck.pid} still there 0.5 s after SIGKILL" in reason
