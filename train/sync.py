@@ -181,10 +181,11 @@ class StateSync:
         self.has_state = False
         self.log = log.bind(pid=os.getpid())
 
-    def load_checkpoint(self) -> None:
-        """Adopt the newest checkpoint whose digest verifies, if there is one."""
+    def load_checkpoint(self, newer_than: int = -1) -> None:
+        """Adopt the newest checkpoint whose digest verifies, if there is one of a step
+        after `newer_than`."""
         assert self.checkpointer is not None
-        state = self.checkpointer.latest()
+        state = self.checkpointer.latest(after=newer_than)
         if state is None:
             return
         restore(self.parts, self.counters, state)
@@ -239,10 +240,11 @@ class StateSync:
             raise StateLost(detail)
         if max(steps) < world.target_step and self.checkpointer is not None:
             # Nobody holds the target. A joiner skipped its checkpoint (the members were to
-            # bring the state): every rank without state loads its own now, and all gather
-            # again (each rank sees the same steps, so all of them do).
-            if not self.has_state:
-                self.load_checkpoint()
+            # bring the state), and a rank that kept an older state (left out of the worlds
+            # since) would take the world back past what the last holder saved as it left:
+            # every rank without state, or behind the newest checkpoint, loads its own now,
+            # and all gather again (each rank sees the same steps, so all of them do).
+            self.load_checkpoint(newer_than=self.counters.step if self.has_state else -1)
             steps = self._gather_steps(groups)
         target = max(steps)
         self._check_target_step(target, world, channel)

@@ -1,5 +1,6 @@
-"""The streamed per-shard state transfer and the bucketed gradient reduction, between real
-gloo process groups in threads of this process (a HashStore between them)."""
+"""The streamed per-shard state transfer, the state's agreement when a world forms, and the
+bucketed gradient reduction, between real gloo process groups in threads of this process
+(a HashStore between them)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,20 @@ import copy
 import datetime
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tidal.proto.control import Resumed, World
+from tidal.train.checkpoint import AsyncCheckpointer
+from tidal.train.groups import Collectives, Groups
+from tidal.train.ledger import Ledger
 from tidal.train.state import Counters, StateDoesNotFit, TrainingParts, apply_manifest, capture, digest
 from tidal.train.strategy import DataParallel
+from tidal.train.sync import StateSync
 from tidal.train.transfer import plan_items, receive_state, send_state
 
 
@@ -277,3 +284,46 @@ def test_a_garbled_manifest_from_a_peer_is_refused_with_a_clear_error() -> None:
 
     with pytest.raises(StateDoesNotFit, match="cannot be read"):
         _decode(b"\x00not a torch archive")
+
+
+class _SaidToLauncher:
+    """A worker's control channel, as far as the state's agreement uses it: what it says."""
+
+    def __init__(self) -> None:
+        self.said: list[Any] = []
+
+    def send(self, message: Any) -> None:
+        self.said.append(message)
+
+
+def test_ranks_that_kept_an_older_state_resume_from_the_newer_one_saved_on_disk(tmp_path: Path) -> None:
+    """Live mode: two units left out of the world (the size the job allowed) kept their
+    workers and state at step 5, while the world trained on to step 12; its last replica
+    then left saving the state at step 12 (the job's committed step, the next world's
+    target). The next world is the two kept units. Each rank held a state, so none looked
+    at the disk: they resumed at step 5 (steps 5..11 redone, said to be "resumed from the
+    checkpoint at step 5") with the step-12 state unread. Each rank behind the newest
+    checkpoint now loads it, and the world goes on at step 12."""
+    folder = tmp_path / "tidal-state" / "job-1"
+    saved_counters = Counters(step=12, position=48, global_batch=4, samples=48)
+    saved = _parts(seed=1, steps=12)
+    AsyncCheckpointer(folder).write_now(capture(saved, saved_counters), 12)
+    expected = digest(capture(saved, saved_counters))
+    channels = [_SaidToLauncher(), _SaidToLauncher()]
+    kept = [_parts(seed=1, steps=5), _parts(seed=1, steps=5)]
+
+    def body(rank: int, group: Any) -> tuple[int, str]:
+        sync = StateSync(kept[rank], Counters(step=5, position=20, global_batch=4, samples=20),
+                         strategy=DataParallel(), checkpointer=AsyncCheckpointer(folder), checkpoint_every=0,
+                         state_folder=folder, bucket_bytes=1 << 20, device=torch.device("cpu"),
+                         collectives=Collectives(), ledger=Ledger(None))
+        sync.has_state = True
+        groups = Groups(world=group, replica=group, rank=rank, world_size=2, shard_size=1, shard_rank=0)
+        world = World(generation=9, rank=rank, world_size=2, master_addr="h", master_port=1, joining=True,
+                      target_step=12)
+        _, state_digest = sync.agree(groups, world, channels[rank])  # type: ignore[arg-type]
+        return sync.counters.step, state_digest
+
+    assert _in_threads(2, body) == [(12, expected), (12, expected)]
+    assert not [m for channel in channels for m in channel.said if isinstance(m, Resumed)], \
+        "the world holds the target step: nothing was redone"
