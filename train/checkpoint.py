@@ -118,15 +118,22 @@ class AsyncCheckpointer:
                       if (match := NAME.match(entry))}
         return sorted(steps)
 
-    def latest(self, after: int = -1) -> dict[str, Any] | None:
-        """The newest checkpoint (that every sibling shard also wrote) of a step after
-        `after` whose digest verifies, or None; a damaged one is skipped with a warning."""
+    def latest(self) -> dict[str, Any] | None:
+        """The newest checkpoint (that every sibling shard also wrote) whose digest
+        verifies, or None; a damaged one is skipped with a warning."""
+        found = self.newest()
+        return found[1] if found is not None else None
+
+    def newest(self, after: int = -1) -> tuple[int, dict[str, Any]] | None:
+        """The step and state of the newest checkpoint (that every sibling shard also
+        wrote) of a step after `after` whose digest verifies, or None; a damaged one is
+        skipped with a warning."""
         for step in reversed(self.complete_steps()):
             if step <= after:
                 break
             state = self.at(step)
             if state is not None:
-                return state
+                return step, state
         return None
 
     def at(self, step: int) -> dict[str, Any] | None:

@@ -181,11 +181,35 @@ class StateSync:
         self.has_state = False
         self.log = log.bind(pid=os.getpid())
 
-    def load_checkpoint(self, newer_than: int = -1) -> None:
-        """Adopt the newest checkpoint whose digest verifies, if there is one of a step
-        after `newer_than`."""
+    def load_checkpoint(self) -> None:
+        """Adopt the newest checkpoint whose digest verifies, if there is one."""
         assert self.checkpointer is not None
-        state = self.checkpointer.latest(after=newer_than)
+        state = self.checkpointer.latest()
+        if state is None:
+            return
+        restore(self.parts, self.counters, state)
+        self.has_state = True
+        self.log.info("checkpoint_loaded", step=self.counters.step, position=self.counters.position)
+
+    def load_newer_checkpoint(self, groups: Groups | None) -> None:
+        """Every rank (all of them call this) adopts the newest checkpoint that verifies of a
+        step after the one it holds, if there is one; the shards of a replica one step
+        together: the oldest that any of them found (each shard reads its own folder, and a
+        damaged or unreadable file there must not leave the replica's shards at different
+        steps)."""
+        assert self.checkpointer is not None
+        own = self.counters.step if self.has_state else -1
+        found = self.checkpointer.newest(after=own)
+        step, state = found if found is not None else (-1, None)
+        if groups is not None and groups.shard_size > 1:
+            gathered = gather_world(groups, self.collectives,
+                                    torch.tensor([step], dtype=torch.int64, device=self.device))
+            first = groups.replica_index * groups.shard_size
+            agreed = min(int(t.item()) for t in gathered[first:first + groups.shard_size])
+            if agreed != step:
+                # (Read again: an older step than this shard found. Should it no longer read
+                # back, the shards differ and the world says so, as before.)
+                state = self.checkpointer.at(agreed) if agreed > own else None
         if state is None:
             return
         restore(self.parts, self.counters, state)
@@ -244,7 +268,7 @@ class StateSync:
             # since) would take the world back past what the last holder saved as it left:
             # every rank without state, or behind the newest checkpoint, loads its own now,
             # and all gather again (each rank sees the same steps, so all of them do).
-            self.load_checkpoint(newer_than=self.counters.step if self.has_state else -1)
+            self.load_newer_checkpoint(groups)
             steps = self._gather_steps(groups)
         target = max(steps)
         self._check_target_step(target, world, channel)

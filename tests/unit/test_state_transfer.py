@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 from tidal.proto.control import Resumed, World
-from tidal.train.checkpoint import AsyncCheckpointer
+from tidal.train.checkpoint import AsyncCheckpointer, checkpoint_path, deserialize_payload, write_atomically
 from tidal.train.groups import Collectives, Groups
 from tidal.train.ledger import Ledger
-from tidal.train.state import Counters, StateDoesNotFit, TrainingParts, apply_manifest, capture, digest
+from tidal.train.state import Counters, StateDoesNotFit, TrainingParts, apply_manifest, capture, digest, serialize
 from tidal.train.strategy import DataParallel
 from tidal.train.sync import StateSync
 from tidal.train.transfer import plan_items, receive_state, send_state
@@ -327,3 +327,37 @@ def test_ranks_that_kept_an_older_state_resume_from_the_newer_one_saved_on_disk(
     assert _in_threads(2, body) == [(12, expected), (12, expected)]
     assert not [m for channel in channels for m in channel.said if isinstance(m, Resumed)], \
         "the world holds the target step: nothing was redone"
+
+
+def test_a_sharded_replicas_shards_resume_from_one_step_when_a_shards_newest_checkpoint_does_not_read_back(
+        tmp_path: Path) -> None:
+    """One replica of two shards (HybridSharded: each shard index its own checkpoint
+    folder) holds step 10 in memory; the disk has steps 15 and 20 of both shards, but shard
+    1's step 20 does not verify (a damaged file, a read that failed). Nobody holds the
+    target, 20. Each shard alone would take the newest it can read (shard 0 step 20, shard
+    1 step 15), and the replica's shards would hold different steps: the world refused
+    them (StateMismatch). They take the oldest any of them found, 15, together."""
+    folders = [tmp_path / f"shard-{k}-of-2" for k in range(2)]
+    saved = _parts(seed=1, steps=3)
+    for step in (15, 20):
+        for folder in folders:
+            AsyncCheckpointer(folder).write_now(capture(saved, Counters(step=step, position=4 * step,
+                                                                        global_batch=4, samples=4 * step)), step)
+    damaged = checkpoint_path(folders[1], 20)
+    payload = deserialize_payload(damaged.read_bytes())
+    write_atomically(damaged, serialize({"state_digest": "0" * 64, "state": payload["state"]}))
+    assert AsyncCheckpointer(folders[1]).at(20) is None and AsyncCheckpointer(folders[0]).at(20) is not None
+
+    def body(rank: int, group: Any) -> int:
+        sync = StateSync(_parts(seed=1, steps=2), Counters(step=10, position=40, global_batch=4, samples=40),
+                         strategy=DataParallel(), checkpointer=AsyncCheckpointer(folders[rank],
+                                                                                 siblings=(folders[1 - rank],)),
+                         checkpoint_every=0, state_folder=None, bucket_bytes=1 << 20, device=torch.device("cpu"),
+                         collectives=Collectives(), ledger=Ledger(None))
+        sync.has_state = True
+        groups = Groups(world=group, replica=group, rank=rank, world_size=2, shard_size=2, shard_rank=rank)
+        world = World(generation=9, rank=rank, world_size=2, master_addr="h", master_port=1, target_step=20)
+        sync.agree(groups, world, None)
+        return sync.counters.step
+
+    assert _in_threads(2, body) == [15, 15]
