@@ -124,11 +124,13 @@ class AsyncCheckpointer:
         found = self.newest()
         return found[1] if found is not None else None
 
-    def newest(self, after: int = -1) -> tuple[int, dict[str, Any]] | None:
+    def newest(self, after: int = -1, below: int | None = None) -> tuple[int, dict[str, Any]] | None:
         """The step and state of the newest checkpoint (that every sibling shard also
-        wrote) of a step after `after` whose digest verifies, or None; a damaged one is
-        skipped with a warning."""
+        wrote) of a step after `after` (and below `below`) whose digest verifies, or None;
+        a damaged one is skipped with a warning."""
         for step in reversed(self.complete_steps()):
+            if below is not None and step >= below:
+                continue
             if step <= after:
                 break
             state = self.at(step)

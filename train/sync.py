@@ -193,23 +193,29 @@ class StateSync:
 
     def load_newer_checkpoint(self, groups: Groups | None) -> None:
         """Every rank (all of them call this) adopts the newest checkpoint that verifies of a
-        step after the one it holds, if there is one; the shards of a replica one step
-        together: the oldest that any of them found (each shard reads its own folder, and a
-        damaged or unreadable file there must not leave the replica's shards at different
-        steps)."""
+        step after the one it holds, if there is one. The shards of a replica (each reads
+        its own folder) load one step together or none of them loads: each offers the
+        newest step it can read, and while a replica's offers differ, a shard above the
+        lowest offers the newest it can read at or below it, or nothing (it holds that step
+        or a newer one itself), until they agree; a damaged or unreadable file in one
+        shard's folder never leaves a replica's shards at different steps from the disk."""
         assert self.checkpointer is not None
         own = self.counters.step if self.has_state else -1
         found = self.checkpointer.newest(after=own)
-        step, state = found if found is not None else (-1, None)
+        offer, state = found if found is not None else (-1, None)
         if groups is not None and groups.shard_size > 1:
-            gathered = gather_world(groups, self.collectives,
-                                    torch.tensor([step], dtype=torch.int64, device=self.device))
-            first = groups.replica_index * groups.shard_size
-            agreed = min(int(t.item()) for t in gathered[first:first + groups.shard_size])
-            if agreed != step:
-                # (Read again: an older step than this shard found. Should it no longer read
-                # back, the shards differ and the world says so, as before.)
-                state = self.checkpointer.at(agreed) if agreed > own else None
+            size = groups.shard_size
+            while True:
+                # (Every rank sees the same offers, so every rank goes round as often.)
+                gathered = [int(t.item()) for t in gather_world(
+                    groups, self.collectives, torch.tensor([offer], dtype=torch.int64, device=self.device))]
+                replicas = [gathered[first:first + size] for first in range(0, len(gathered), size)]
+                if all(min(offers) == max(offers) for offers in replicas):
+                    break
+                lowest = min(replicas[groups.replica_index])
+                if offer > lowest:
+                    found = self.checkpointer.newest(after=own, below=lowest + 1) if lowest > own else None
+                    offer, state = found if found is not None else (-1, None)
         if state is None:
             return
         restore(self.parts, self.counters, state)
@@ -266,8 +272,9 @@ class StateSync:
             # Nobody holds the target. A joiner skipped its checkpoint (the members were to
             # bring the state), and a rank that kept an older state (left out of the worlds
             # since) would take the world back past what the last holder saved as it left:
-            # every rank without state, or behind the newest checkpoint, loads its own now,
-            # and all gather again (each rank sees the same steps, so all of them do).
+            # every rank without state, or behind a newer checkpoint, loads its own now (a
+            # sharded replica's shards one step together, `load_newer_checkpoint`), and all
+            # gather again (each rank sees the same steps, so all of them do).
             self.load_newer_checkpoint(groups)
             steps = self._gather_steps(groups)
         target = max(steps)

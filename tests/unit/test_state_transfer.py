@@ -329,24 +329,27 @@ def test_ranks_that_kept_an_older_state_resume_from_the_newer_one_saved_on_disk(
         "the world holds the target step: nothing was redone"
 
 
-def test_a_sharded_replicas_shards_resume_from_one_step_when_a_shards_newest_checkpoint_does_not_read_back(
-        tmp_path: Path) -> None:
+@pytest.mark.parametrize(("damaged", "resumed"), [({(1, 20)}, 15), ({(0, 15), (1, 20)}, 10)])
+def test_a_sharded_replicas_shards_resume_from_one_step_when_a_shards_checkpoints_do_not_read_back(
+        tmp_path: Path, damaged: set[tuple[int, int]], resumed: int) -> None:
     """One replica of two shards (HybridSharded: each shard index its own checkpoint
-    folder) holds step 10 in memory; the disk has steps 15 and 20 of both shards, but shard
-    1's step 20 does not verify (a damaged file, a read that failed). Nobody holds the
-    target, 20. Each shard alone would take the newest it can read (shard 0 step 20, shard
-    1 step 15), and the replica's shards would hold different steps: the world refused
-    them (StateMismatch). They take the oldest any of them found, 15, together."""
+    folder) holds step 10 in memory; the disk has steps 15 and 20 of both shards, some of
+    which do not verify (a damaged file, a read that failed). Nobody holds the target, 20.
+    Each shard alone would take the newest it can read, and the replica's shards would
+    hold different steps: the world refused them (StateMismatch). They take one step
+    together: with shard 1's 20 damaged, 15; with shard 1's 20 and shard 0's 15 damaged,
+    no step both can read, so neither loads and both stay at 10."""
     folders = [tmp_path / f"shard-{k}-of-2" for k in range(2)]
     saved = _parts(seed=1, steps=3)
     for step in (15, 20):
         for folder in folders:
             AsyncCheckpointer(folder).write_now(capture(saved, Counters(step=step, position=4 * step,
                                                                         global_batch=4, samples=4 * step)), step)
-    damaged = checkpoint_path(folders[1], 20)
-    payload = deserialize_payload(damaged.read_bytes())
-    write_atomically(damaged, serialize({"state_digest": "0" * 64, "state": payload["state"]}))
-    assert AsyncCheckpointer(folders[1]).at(20) is None and AsyncCheckpointer(folders[0]).at(20) is not None
+    for shard, step in damaged:
+        path = checkpoint_path(folders[shard], step)
+        payload = deserialize_payload(path.read_bytes())
+        write_atomically(path, serialize({"state_digest": "0" * 64, "state": payload["state"]}))
+        assert AsyncCheckpointer(folders[shard]).at(step) is None
 
     def body(rank: int, group: Any) -> int:
         sync = StateSync(_parts(seed=1, steps=2), Counters(step=10, position=40, global_batch=4, samples=40),
@@ -357,7 +360,7 @@ def test_a_sharded_replicas_shards_resume_from_one_step_when_a_shards_newest_che
         sync.has_state = True
         groups = Groups(world=group, replica=group, rank=rank, world_size=2, shard_size=2, shard_rank=rank)
         world = World(generation=9, rank=rank, world_size=2, master_addr="h", master_port=1, target_step=20)
-        sync.agree(groups, world, None)
+        sync.agree(groups, world, _SaidToLauncher())  # type: ignore[arg-type]
         return sync.counters.step
 
-    assert _in_threads(2, body) == [15, 15]
+    assert _in_threads(2, body) == [resumed, resumed]
