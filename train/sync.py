@@ -21,6 +21,7 @@ import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
@@ -184,12 +185,16 @@ class StateSync:
     def load_checkpoint(self) -> None:
         """Adopt the newest checkpoint whose digest verifies, if there is one."""
         assert self.checkpointer is not None
-        state = self.checkpointer.latest()
+        self._adopt(self.checkpointer.latest())
+
+    def _adopt(self, state: dict[str, Any] | None, exact: bool = False) -> None:
+        """Take a checkpoint's state read from disk, if there is one."""
         if state is None:
             return
         restore(self.parts, self.counters, state)
         self.has_state = True
-        self.log.info("checkpoint_loaded", step=self.counters.step, position=self.counters.position)
+        self.log.info("checkpoint_loaded", step=self.counters.step, position=self.counters.position,
+                      **({"exact": True} if exact else {}))
 
     def load_newer_checkpoint(self, groups: Groups | None) -> None:
         """Every rank (all of them call this) adopts the newest checkpoint that verifies of a
@@ -207,8 +212,7 @@ class StateSync:
             size = groups.shard_size
             while True:
                 # (Every rank sees the same offers, so every rank goes round as often.)
-                gathered = [int(t.item()) for t in gather_world(
-                    groups, self.collectives, torch.tensor([offer], dtype=torch.int64, device=self.device))]
+                gathered = self._gather(groups, offer)
                 replicas = [gathered[first:first + size] for first in range(0, len(gathered), size)]
                 if all(min(offers) == max(offers) for offers in replicas):
                     break
@@ -216,21 +220,12 @@ class StateSync:
                 if offer > lowest:
                     found = self.checkpointer.newest(after=own, below=lowest + 1) if lowest > own else None
                     offer, state = found if found is not None else (-1, None)
-        if state is None:
-            return
-        restore(self.parts, self.counters, state)
-        self.has_state = True
-        self.log.info("checkpoint_loaded", step=self.counters.step, position=self.counters.position)
+        self._adopt(state)
 
     def load_step(self, step: int) -> None:
         """Adopt this shard's own checkpoint of exactly `step`, if it is there and verifies."""
         assert self.checkpointer is not None
-        state = self.checkpointer.at(step)
-        if state is None:
-            return
-        restore(self.parts, self.counters, state)
-        self.has_state = True
-        self.log.info("checkpoint_loaded", step=self.counters.step, position=self.counters.position, exact=True)
+        self._adopt(self.checkpointer.at(step), exact=True)
 
     def agree(self, groups: Groups | None, world: World, channel: WorkerChannel | None) -> tuple[int, str]:
         """Every shard of every replica adopts the state of the most advanced replica (a
@@ -294,9 +289,11 @@ class StateSync:
     def _gather_steps(self, groups: Groups | None) -> list[int]:
         """Every rank's committed steps (-1 for a rank without state), by rank."""
         mine = self.counters.step if self.has_state else -1
-        if groups is None:
-            return [mine]
-        gathered = gather_world(groups, self.collectives, torch.tensor([mine], dtype=torch.int64, device=self.device))
+        return [mine] if groups is None else self._gather(groups, mine)
+
+    def _gather(self, groups: Groups, value: int) -> list[int]:
+        """Every rank's `value`, by world rank."""
+        gathered = gather_world(groups, self.collectives, torch.tensor([value], dtype=torch.int64, device=self.device))
         return [int(t.item()) for t in gathered]
 
     def _transfer(self, groups: Groups, world: World, sources: list[int], receivers: list[int]) -> None:

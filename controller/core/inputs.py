@@ -338,4 +338,3 @@ def on_resize(t: Step, min_replicas: int, max_replicas: int, uid: int) -> None:
         surplus = len(generation.members) - limit
         leaving.leave_all(t, [(member.unit_id, "resized", detail)
                               for member in sorted(generation.members, key=lambda m: -m.group_rank)[:max(0, surplus)]])
-
