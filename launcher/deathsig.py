@@ -4,11 +4,16 @@ PR_SET_PDEATHSIG has to be set in the child, and running Python code between for
 exec in a launcher that has gRPC threads is not safe (a child crashed in our tests). So
 the launcher starts this small program with a plain fork+exec, and it sets the signal and
 execs the worker; the setting survives exec. If the launcher (PID) is already gone, the
-worker is not started at all."""
+worker is not started at all. A command that cannot be run (no such file, not executable)
+exits 127, as a shell's does, and says why in the worker's error file
+(TORCHELASTIC_ERROR_FILE, when its environment names one), where the launcher reads a
+failed worker's own account: the job's events then name the command and the error, not
+only the exit code."""
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import sys
@@ -30,9 +35,24 @@ def main(argv: list[str]) -> int:
     try:
         os.execvp(command[0], command)
     except OSError as error:
-        print(f"deathsig: cannot run {command[0]}: {error.strerror}", file=sys.stderr)
+        message = f"cannot run {command[0]}: {error.strerror}"
+        print(f"deathsig: {message}", file=sys.stderr)
+        _write_error_file(message)
         return 127
     return 0  # not reached
+
+
+def _write_error_file(message: str) -> None:
+    """`message` as torch's ErrorHandler writes a failure ({"message": ...}), into the file
+    TORCHELASTIC_ERROR_FILE names (none named, or not writable: only stderr has it)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as file:
+            json.dump({"message": message}, file)
+    except OSError as error:
+        print(f"deathsig: cannot write the error file {path}: {error.strerror}", file=sys.stderr)
 
 
 if __name__ == "__main__":

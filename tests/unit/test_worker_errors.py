@@ -97,3 +97,32 @@ def test_the_failure_event_names_the_workers_exception() -> None:
     assert "boom 42" in first and "cause=worker_exit" in first and "traceback" not in first
     assert rest == ["    traceback:", "      Traceback (most recent call last):",
                     '        File "train.py", line 9, in main', "      ValueError: boom 42"]
+
+
+@pytest.mark.parametrize(("make", "why"), [(None, "No such file or directory"),
+                                           ("not executable", "Permission denied")])
+def test_a_command_that_cannot_be_run_says_so_in_its_error_file(tmp_path: Path, make: str | None, why: str) -> None:
+    """A job whose command is not there (a typo, a path of another machine) or not
+    executable: the worker exits 127, as under a shell, and its error file says which
+    command and why, so the job's failure names them, not only the exit code."""
+    import asyncio
+    import os
+
+    from tidal.launcher.workers import start_workers
+
+    command = tmp_path / "train.sh"
+    if make is not None:
+        command.write_text("echo never\n")
+    error_file = tmp_path / "errors" / "local-rank-0.json"
+
+    async def run() -> int:
+        exits: list[int] = []
+        group = start_workers([str(command), "--lr", "3"], [{**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)}],
+                              generation=1, first_rank=0, working_dir="", progress_files=[tmp_path / "progress"],
+                              error_files=[error_file], on_exit=lambda _, code: exits.append(code))
+        await asyncio.wait_for(group.workers[0].exited, timeout=30)
+        return exits[0]
+
+    assert asyncio.run(run()) == 127
+    error = read_worker_error(error_file)
+    assert error is not None and error.message == f"cannot run {command}: {why}"
