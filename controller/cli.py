@@ -195,6 +195,8 @@ def command_submit(args: argparse.Namespace) -> int:
     except SubmitUsageError as error:
         print(f"tidal {args.command}: {error}", file=sys.stderr)
         return EXIT_USAGE
+    for warning in submission.warnings:
+        print(f"tidal {args.command}: warning: {warning}", file=sys.stderr)
     with _client(args) as client:
         response = client.submit(submission.spec)
     if parsable:

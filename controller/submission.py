@@ -37,6 +37,9 @@ class Submission:
     spec: admin_pb2.JobSpec
     # Where the options came from, for messages ("#TIDAL line 3", "command line").
     script: Path | None = None
+    # What looks wrong but may be right on the nodes (a command not found here), for the
+    # CLI to print: the job is submitted all the same.
+    warnings: tuple[str, ...] = ()
 
 
 # The largest values the JobSpec's fields hold (int32; global_batch is int64).
@@ -241,7 +244,26 @@ def parse_submit(argv: Sequence[str], *, cwd: Path,
     spec.command.extend(command)
     _apply_sbatch_options(spec, sbatch, cwd)
     spec.name = spec.name or _default_name(script, command)
-    return Submission(spec=spec, script=script)
+    warnings = () if script is not None else _command_warnings(command[0], cwd, Path(spec.working_dir))
+    return Submission(spec=spec, script=script, warnings=warnings)
+
+
+def _command_warnings(program: str, cwd: Path, working_dir: Path) -> tuple[str, ...]:
+    """A command given by its path (it has a `/`) that is not here, or not executable, in
+    the folder its units run in (`working_dir`) or this one: it fails on the nodes unless it
+    is there (a node's own disk), with exit 127, and the job fails after
+    crash_loop_generations. Only a warning: the nodes may see what this machine does not.
+    A bare name is looked up on the nodes' PATH, not checked."""
+    if os.sep not in program:
+        return ()
+    found = [path for path in dict.fromkeys((working_dir / program, cwd / program)) if path.exists()]
+    if not found:
+        return (f"{program}: no such file here (nor in {working_dir}); its units will fail to start it "
+                "unless it exists on the nodes",)
+    if not any(path.is_file() and os.access(path, os.X_OK) for path in found):
+        return (f"{program} is not an executable file; its units will fail to start it "
+                f"(chmod +x it, or name its interpreter: ... bash {program})",)
+    return ()
 
 
 def _apply_sbatch_options(spec: admin_pb2.JobSpec, sbatch: Sequence[str], cwd: Path) -> None:

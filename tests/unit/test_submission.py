@@ -78,3 +78,21 @@ def test_directives_stop_at_the_first_command() -> None:
     sbatch, tidal = script_directives(SCRIPT)
     assert sbatch == [["--partition=debug"], ["-t", "10:00", "--gres=gpu:1"]]
     assert tidal == [["--max-replicas", "8", "--mode", "live"], ["--env", "OMP_NUM_THREADS=4"]]
+
+
+def test_a_command_given_by_a_path_that_is_not_here_is_submitted_with_a_warning(tmp_path: Path) -> None:
+    """`tidal submit /path/typo.sh`: sbatch would refuse a missing batch script, but a
+    command's path may be a node's own (not checked, as `srun` does not): the job goes in,
+    and the submitter is told now, not after its units failed three times."""
+    submission = parse_submit(["--max-replicas", "2", "/no/such/train.sh", "--lr", "3"], cwd=tmp_path)
+    assert list(submission.spec.command) == ["/no/such/train.sh", "--lr", "3"]
+    assert len(submission.warnings) == 1 and submission.warnings[0].startswith("/no/such/train.sh: no such file here")
+    (tmp_path / "data.txt").write_text("not a program\n")
+    assert "is not an executable file" in parse_submit(["./data.txt"], cwd=tmp_path).warnings[0]
+    # Found in the units' folder (-D), or here; a bare name is the nodes' PATH's: no warning.
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "go").write_text("#!/bin/sh\n")
+    (tmp_path / "runs" / "go").chmod(0o755)
+    assert parse_submit(["-D", "runs", "./go"], cwd=tmp_path).warnings == ()
+    assert parse_submit(["python", "train.py"], cwd=tmp_path).warnings == ()
+    assert parse_submit(["/bin/sh", "-c", "true"], cwd=tmp_path).warnings == ()
