@@ -40,6 +40,8 @@ EXIT_SLURM_UNAVAILABLE = 3
 EXIT_UNREACHABLE = 4
 EXIT_NOT_FOUND = 5
 EXIT_DENIED = 6
+# Its output's reader went before it was written (a pipe into `head`).
+EXIT_BROKEN_PIPE = 128 + 13
 
 _EXIT_BY_STATUS = {
     grpc.StatusCode.UNAVAILABLE: EXIT_UNREACHABLE,
@@ -405,6 +407,8 @@ def _run_admin(handler: Callable[[argparse.Namespace], int], args: argparse.Name
         else:
             print(f"tidal {args.command}: {details}", file=sys.stderr)
         return status
+    except BrokenPipeError:
+        raise
     except OSError as error:
         print(f"tidal {args.command}: {error}", file=sys.stderr)
         return EXIT_ERROR
@@ -524,9 +528,16 @@ def main(argv: list[str] | None = None) -> int:
         args.rest = rest
     else:
         args = parser.parse_args(argv)
-    if getattr(args, "admin", False):
-        return _run_admin(args.handler, args)
-    return int(args.handler(args))
+    try:
+        status = _run_admin(args.handler, args) if getattr(args, "admin", False) else int(args.handler(args))
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        # The reader went (`tidal status | head -1`): stop quietly, as a program the
+        # SIGPIPE ends does (128 + 13), with nothing more written to the closed pipe.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import ControllerProcess, TidalRun
+from tests.unit.test_logging_and_cli import run_into_a_closed_pipe
 
 pytestmark = pytest.mark.integration
 
@@ -75,6 +76,10 @@ def test_errors_are_one_clear_line_and_an_exit_code(tidal_run: TidalRun, tmp_pat
     too_many = tidal(controller, "resize", "x", "--max", "3000000000")
     assert too_many.returncode == 2 and "--max must be within 1..2147483647" in too_many.stderr, too_many.stderr
     assert "no jobs" in tidal(controller, "status").stdout, "a refused submit leaves nothing behind"
+    # `tidal status | head -1`, the reader gone before the output is written: quiet, 141.
+    into_closed_pipe = run_into_a_closed_pipe([sys.executable, "-m", "tidal.controller.cli",
+                                               "--socket", str(controller.socket), "status"])
+    assert (into_closed_pipe.returncode, into_closed_pipe.stderr) == (141, "")
 
     controller.stop()
     down = tidal(controller, "status")

@@ -70,3 +70,23 @@ def test_a_launcher_or_worker_starts_without_importing_rich_and_rich_stays_impor
                             cwd=REPO_ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[:2] == ["[]", "True"]
+
+
+
+def test_output_piped_into_a_reader_that_went_ends_quietly() -> None:
+    """`tidal recipes | head -1`: the reader closes the pipe before the rest is written.
+    The CLI stops quietly, as a program SIGPIPE ends does (141), not with "[Errno 32]
+    Broken pipe" on stderr (nor Python's "Exception ignored" at exit). (The job commands:
+    tests/integration/test_cli.py.)"""
+    result = run_into_a_closed_pipe([sys.executable, "-m", "tidal.controller.cli", "recipes"])
+    assert (result.returncode, result.stderr) == (cli.EXIT_BROKEN_PIPE, "")
+
+
+def run_into_a_closed_pipe(command: list[str]) -> subprocess.CompletedProcess[str]:
+    """`command` with its stdout a pipe whose reader has gone."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run(command, stdout=write, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write)
