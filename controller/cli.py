@@ -188,14 +188,29 @@ def sbatch_arguments(argv: Sequence[str]) -> tuple[list[str], bool]:
     return rest, parsable
 
 
+def not_a_batch_script(argument: str, cwd: Path) -> str:
+    """Why `tidal sbatch ARGUMENT` is refused, in sbatch's words: ARGUMENT is no file
+    here, or not a batch script (no `#!` line, no #SBATCH or #TIDAL line)."""
+    path = cwd / argument
+    if not path.is_file():
+        return f"unable to open file {argument} (a batch script, as sbatch takes; a command: --wrap, or tidal submit)"
+    return (f"{argument} does not look like a batch script: its first line must start with #! followed by the "
+            "path to an interpreter (a command: --wrap, or tidal submit)")
+
+
 def command_submit(args: argparse.Namespace) -> int:
-    parsable = False
+    parsable = wrapped = False
     if args.command == "sbatch":
+        wrapped = any(token == "--wrap" or token.startswith("--wrap=") for token in args.rest)
         args.rest, parsable = sbatch_arguments(args.rest)
     try:
         submission = parse_submit(args.rest, cwd=Path.cwd())
     except SubmitUsageError as error:
         print(f"tidal {args.command}: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.command == "sbatch" and not wrapped and submission.script is None:
+        # sbatch's drop-in takes a batch script, as sbatch does, not a command.
+        print(f"tidal sbatch: {not_a_batch_script(submission.spec.command[0], Path.cwd())}", file=sys.stderr)
         return EXIT_USAGE
     for warning in submission.warnings:
         print(f"tidal {args.command}: warning: {warning}", file=sys.stderr)

@@ -107,3 +107,11 @@ def test_tidal_sbatch_is_a_drop_in_for_sbatch(tidal_run: TidalRun, tmp_path: Pat
     assert plain.returncode == 0 and plain.stdout.startswith("Submitted elastic job lm-")
     refused = sbatch("--min-replicas", "0")
     assert refused.returncode == 2 and "no script or command" in refused.stderr
+    # As sbatch: a script that is not there, or is no batch script, is refused; nothing submitted.
+    missing = sbatch("--parsable", "nonexist.sh")
+    assert missing.returncode == 2 and "unable to open file nonexist.sh" in missing.stderr, missing.stderr
+    (tmp_path / "notes.txt").write_text("python lm.py\n")
+    not_a_script = sbatch("notes.txt")
+    assert not_a_script.returncode == 2 and "does not look like a batch script" in not_a_script.stderr
+    listed = json.loads(tidal(controller, "status", "--all", "--json").stdout)
+    assert not any(job["spec"]["name"] in ("nonexist", "notes") for job in listed)
