@@ -183,7 +183,12 @@ def on_said(t: Step, unit_id: str, message: launcher_pb2.LauncherMessage) -> Non
             finishing.begin_finishing(t, unit_id, report.generation, report.step,
                                       f"unit {unit_id} committed the last step, {report.step}")
         elif report.phase == launcher_pb2.GENERATION_PHASE_RESUMED_FROM_CHECKPOINT:
-            forming.on_resumed_from_checkpoint(t, unit_id, report)
+            if report.generation in current_generations(t):
+                forming.on_resumed_from_checkpoint(t, unit_id, report)
+            else:
+                # Of a world already replaced (said again in a later session): the
+                # watermark has moved on since, and its step is no longer the job's.
+                stale(t, unit_id, "generation_report", report.generation)
         elif report.phase == launcher_pb2.GENERATION_PHASE_STATE_LOST:
             if report.generation in current_generations(t):
                 forming.on_state_lost(t, report.detail or f"no member of generation {report.generation} holds "

@@ -207,6 +207,29 @@ def test_resuming_from_a_checkpoint_lowers_the_watermark_with_an_event_naming_th
     assert fields == {"checkpoint_step": 20, "target_step": 30, "steps_redone": 10}
 
 
+def test_a_resumed_from_checkpoint_report_of_an_older_generation_leaves_the_watermark_where_it_is() -> None:
+    """b resumed generation 1 from its checkpoint at step 10 and said so; its stream broke
+    (a failure: generation 2 forms) and its launcher, not sure the report was taken, says it
+    again in its next session, after the world trained on to step 40. That report is of a
+    world already replaced: the watermark stayed at 40 for the next world's target, and no
+    second resumed_from_checkpoint claimed 30 steps redone (it went back to 10)."""
+    driver = Driver(min_replicas=1)
+    formed(driver, "a", "b")
+    driver.report("b", 1, launcher_pb2.GENERATION_PHASE_RESUMED_FROM_CHECKPOINT, step=10)
+    driver.exit("a", 1, code=1)
+    generation = driver.state.generation
+    assert generation is not None and generation.number == 2 and generation.unit_ids == ("b",)
+    driver.beat("b", 40)
+    driver.tick(1.0)
+    assert driver.state.job.step == 40
+    effects = driver.report("b", 1, launcher_pb2.GENERATION_PHASE_RESUMED_FROM_CHECKPOINT, step=10)
+    assert driver.state.job.step == 40 and core.StaleMessageCounted() in effects
+    assert "resumed_from_checkpoint" not in driver.events(effects)
+    driver.connect("c")
+    start = next(e.message.generation for e in driver.tick() if isinstance(e, core.Send))
+    assert start.target_step == 40
+
+
 def start_of(effects: list[core.Effect], unit: str) -> launcher_pb2.StartGeneration:
     return next(e.message.generation for e in effects
                 if isinstance(e, core.Send) and e.unit_id == unit
