@@ -564,6 +564,9 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                         context: grpc.aio.ServicerContext) -> admin_pb2.Job:
         caller = await self._caller(context)
         actor = await self._actor(context, request.job_id, caller)
+        if actor.job.state.is_final:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"resize refused: job {actor.job.job_id} is {actor.job.state.value}")
         spec = actor.job.spec
         new_min = request.min_replicas or spec.min_replicas
         new_max = request.max_replicas or spec.max_replicas

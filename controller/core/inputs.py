@@ -311,6 +311,10 @@ def on_disconnected(t: Step, unit_id: str, reason: str) -> None:
 
 def on_resize(t: Step, min_replicas: int, max_replicas: int, uid: int) -> None:
     state = t.state
+    if t.job.state.is_final:
+        # (The admin call refuses an ended job; one that ended while the resize was queued
+        # keeps the bounds it ended with.)
+        return
     spec = admin_pb2.JobSpec()
     spec.CopyFrom(t.job.spec)
     t.job.spec = spec

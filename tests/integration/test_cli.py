@@ -115,3 +115,21 @@ def test_tidal_sbatch_is_a_drop_in_for_sbatch(tidal_run: TidalRun, tmp_path: Pat
     assert not_a_script.returncode == 2 and "does not look like a batch script" in not_a_script.stderr
     listed = json.loads(tidal(controller, "status", "--all", "--json").stdout)
     assert not any(job["spec"]["name"] in ("nonexist", "notes") for job in listed)
+
+
+def test_an_ended_job_is_cancelled_again_but_never_resized(tidal_run: TidalRun) -> None:
+    """Cancelling an ended job again says what it is; a resize of one is refused, naming
+    why (it used to change the ended job's bounds and log a job_resized after its end)."""
+    controller = tidal_run.controller
+    submitted = tidal(controller, "submit", "--json", "--", "true")
+    job_id = json.loads(submitted.stdout)["job"]["job_id"]
+    for _ in range(2):
+        cancelled = tidal(controller, "cancel", job_id)
+        assert cancelled.returncode == 0 and f"{job_id}: cancelled" in cancelled.stdout, cancelled.stderr
+    resized = tidal(controller, "resize", job_id, "--max", "4")
+    assert resized.returncode == 2, (resized.stdout, resized.stderr)
+    assert f"job {job_id} is cancelled" in resized.stderr and "Traceback" not in resized.stderr
+    job = json.loads(tidal(controller, "status", job_id, "--json").stdout)[0]
+    assert job["state"] == "JOB_STATE_CANCELLED" and job["spec"]["max_replicas"] == 1
+    kinds = [line.split()[2] for line in tidal(controller, "events", job_id).stdout.splitlines()]
+    assert kinds == ["job_submitted", "job_cancelled"]
