@@ -424,6 +424,12 @@ def _run_admin(handler: Callable[[argparse.Namespace], int], args: argparse.Name
         return status
     except BrokenPipeError:
         raise
+    except UnicodeEncodeError as error:
+        # An argument, a file's name or the folder that is not UTF-8 (Linux allows any
+        # bytes; Python keeps them as surrogates): the controller's messages hold text only.
+        print(f"tidal {args.command}: {os.fsencode(error.object)!r} is not UTF-8, which the controller's messages "
+              "need", file=sys.stderr)
+        return EXIT_USAGE
     except OSError as error:
         print(f"tidal {args.command}: {error}", file=sys.stderr)
         return EXIT_ERROR

@@ -72,7 +72,6 @@ def test_a_launcher_or_worker_starts_without_importing_rich_and_rich_stays_impor
     assert result.stdout.split("\n")[:2] == ["[]", "True"]
 
 
-
 def test_output_piped_into_a_reader_that_went_ends_quietly() -> None:
     """`tidal recipes | head -1`: the reader closes the pipe before the rest is written.
     The CLI stops quietly, as a program SIGPIPE ends does (141), not with "[Errno 32]
@@ -90,3 +89,20 @@ def run_into_a_closed_pipe(command: list[str]) -> subprocess.CompletedProcess[st
         return subprocess.run(command, stdout=write, stderr=subprocess.PIPE, text=True, timeout=60)
     finally:
         os.close(write)
+
+
+def test_job_commands_refuse_text_that_is_not_utf8_in_one_line(tmp_path: Path) -> None:
+    """A file name, an argument or a folder that is not UTF-8 (Linux allows any bytes)
+    cannot travel in the controller's messages: a one-line usage error naming it, not a
+    traceback (the request is refused before any controller is asked)."""
+    socket = str(tmp_path / "no-controller.sock")
+    folder = os.path.join(os.fsencode(tmp_path), b"run-\xff")
+    os.mkdir(folder)
+    for argv, cwd in (([b"submit", b"--", b"python", b"train-\xff.py"], None),
+                      ([b"submit", b"--", b"true"], folder),
+                      ([b"status", b"job-\xfe"], None), ([b"cancel", b"job-\xfe"], None)):
+        result = subprocess.run([sys.executable, "-m", "tidal.controller.cli", "--socket", socket, *argv],
+                                capture_output=True, timeout=60, cwd=cwd or tmp_path)
+        stderr = result.stderr.decode(errors="replace")
+        assert result.returncode == cli.EXIT_USAGE, (argv, stderr)
+        assert "is not UTF-8" in stderr and "Traceback" not in stderr and len(stderr.splitlines()) == 1, stderr
