@@ -157,6 +157,13 @@ class StateStore:
                 self._db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
             elif int(row[0]) != SCHEMA_VERSION:
                 raise StoreError(f"{path}: schema version {row[0]}, this controller knows {SCHEMA_VERSION}")
+            # A file it may read but not write (its mode, its owner, an immutable flag) opens
+            # and answers reads: a write, rolled back, says so now rather than at each decision.
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("UPDATE meta SET value=value WHERE key='schema_version'")
+            finally:
+                self._db.execute("ROLLBACK")
         except sqlite3.DatabaseError as error:
             raise StoreError(f"cannot open state database {path}: {error}") from error
 

@@ -22,7 +22,7 @@ from tidal.controller.security import (
     write_private_file,
 )
 from tidal.controller.spec import SpecError, normalized_spec
-from tidal.controller.store import StateStore
+from tidal.controller.store import StateStore, StoreError
 from tidal.launcher.link import Backoff
 from tidal.launcher.workers import Placement, read_progress, worker_environment
 from tidal.proto import admin_pb2, common_pb2
@@ -99,7 +99,7 @@ def test_a_state_file_of_schema_1_is_converted_in_place_and_a_newer_one_refused(
     does not know is refused with a clear error, untouched."""
     import sqlite3
 
-    from tidal.controller.store import SCHEMA_VERSION, StoreError
+    from tidal.controller.store import SCHEMA_VERSION
 
     path = tmp_path / "old.db"
     spec = admin_pb2.JobSpec(name="lm", min_replicas=1, max_replicas=2, command=["python", "train.py"])
@@ -148,6 +148,28 @@ def test_a_state_file_of_schema_1_is_converted_in_place_and_a_newer_one_refused(
     db.close()
     with pytest.raises(StoreError, match=f"schema version {SCHEMA_VERSION + 1}"):
         StateStore(newer)
+
+
+def test_a_state_file_the_controller_may_read_but_not_write_is_refused_at_start(tmp_path: Path) -> None:
+    """A state file left read-only (its mode, another owner, an immutable flag) in a folder
+    the controller may write: it opened, health said SERVING (a read answers), and then
+    every decision failed to be written (a submission refused with an internal error, every
+    launcher's session broken again and again). It is refused at start, saying why."""
+    import subprocess
+
+    path = tmp_path / "tidal.db"
+    StateStore(path).close()
+    # (Root writes whatever the mode says: an immutable file is one it may only read.)
+    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+        pytest.skip("needs chattr +i (root, and a file system that has the flag)")
+    try:
+        with pytest.raises(StoreError, match="readonly"):
+            StateStore(path)
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+    store = StateStore(path)
+    assert store.jobs() == []
+    store.close()
 
 
 def test_a_state_file_of_schema_2_gains_the_units_replica_places(tmp_path: Path) -> None:
