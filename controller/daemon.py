@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import fcntl
 import gc
 import json
 import os
@@ -17,7 +18,7 @@ import signal
 import socket
 import sys
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import grpc
 import structlog
@@ -107,8 +108,32 @@ def unit_address(listen: str, port: int) -> str:
     return f"{host}:{port}"
 
 
+def hold_state_lock(database: Path) -> IO[str] | str:
+    """Take `database`'s lock file (`tidal.db.lock`) for this process's life, its pid in it:
+    the open file, or why not (another controller holds it). Two controllers on one state
+    file both decided for its jobs, and the second took the first one's Unix socket."""
+    lock_path = database.with_name(database.name + ".lock")
+    lock = open(lock_path, "a+")  # noqa: SIM115 (held until the process ends)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "unknown"
+        lock.close()
+        return f"another tidal-controller (pid {holder}) uses {database} (its lock: {lock_path})"
+    lock.truncate(0)
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
+
+
 async def serve(config: ControllerConfig, ready_file: Path | None = None) -> int:
     config.state_dir.mkdir(parents=True, exist_ok=True)
+    config.database_path.parent.mkdir(parents=True, exist_ok=True)
+    state_lock = hold_state_lock(config.database_path)
+    if isinstance(state_lock, str):
+        log.error("controller_start_failed", reason=state_lock)
+        return EXIT_STARTUP
     try:
         store = StateStore(config.database_path)
     except StoreError as error:
@@ -188,6 +213,7 @@ async def serve(config: ControllerConfig, ready_file: Path | None = None) -> int
     store.close()
     if metrics_server is not None:
         metrics_server.shutdown()
+    state_lock.close()
     log.info("controller_stopped")
     return 0
 

@@ -172,3 +172,37 @@ def test_roots_jobs_are_refused_unless_the_config_allows_them(tmp_path: Path) ->
         assert "no account named 'no-such-user-here'" in (unknown.value.details() or "")
     finally:
         controller.stop()
+
+
+def test_a_second_controller_on_the_same_state_is_refused_and_the_first_serves_on(tmp_path: Path) -> None:
+    """A second tidal-controller started on a state file that one already uses (by hand
+    beside the service, say, on another port) opened it, took the first one's Unix socket
+    for itself where it was the same path, and both then decided for the same jobs. It exits at start, naming the
+    first one; the first keeps its socket and its jobs."""
+    first = ControllerProcess(tmp_path, {})
+    first.start()
+    second = None
+    try:
+        with first.admin() as admin:
+            job_id = admin.submit(admin_pb2.JobSpec(name="one", command=["true"])).job.job_id
+        # The same state folder; its own port and socket.
+        second_socket = first.socket_dir / "second.sock"
+        second = subprocess.Popen(
+            [sys.executable, "-m", "tidal.controller.daemon", "--state-dir", str(first.state_dir),
+             "--listen", "127.0.0.1:0", "--unix-socket", str(second_socket), "--metrics-listen", "",
+             "--set", "allow_root_jobs=true"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            output, _ = second.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the second controller is serving the first one's state")
+        assert second.returncode == 1, output
+        assert b"controller_start_failed" in output and f"pid {first.ready['pid']}".encode() in output, output
+        assert not second_socket.exists()
+        with first.admin() as admin:
+            assert [j.job_id for j in admin.jobs()] == [job_id]
+    finally:
+        if second is not None and second.poll() is None:
+            second.kill()
+            second.wait(10)
+        first.stop()
