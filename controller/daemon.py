@@ -128,9 +128,14 @@ def hold_state_lock(database: Path) -> IO[str] | str:
 
 
 async def serve(config: ControllerConfig, ready_file: Path | None = None) -> int:
-    config.state_dir.mkdir(parents=True, exist_ok=True)
-    config.database_path.parent.mkdir(parents=True, exist_ok=True)
-    state_lock = hold_state_lock(config.database_path)
+    try:
+        config.state_dir.mkdir(parents=True, exist_ok=True)
+        config.database_path.parent.mkdir(parents=True, exist_ok=True)
+        state_lock = hold_state_lock(config.database_path)
+    except OSError as error:
+        log.error("controller_start_failed", reason=f"cannot use the state folder {config.database_path.parent}: "
+                  f"{error.strerror or error}")
+        return EXIT_STARTUP
     if isinstance(state_lock, str):
         log.error("controller_start_failed", reason=state_lock)
         return EXIT_STARTUP
@@ -139,14 +144,27 @@ async def serve(config: ControllerConfig, ready_file: Path | None = None) -> int
     except StoreError as error:
         log.error("controller_start_failed", reason=str(error))
         return EXIT_STARTUP
-    admin_token = load_or_create_admin_token(config.admin_token_path)
     metrics = ControllerMetrics()
     metrics_port = 0
     metrics_server = None
-    if config.metrics_listen:
-        host, port = split_host_port(config.metrics_listen, "metrics_listen")
-        metrics_server, _thread = start_http_server(port, addr=host, registry=metrics.registry)
-        metrics_port = metrics_server.server_port
+    try:
+        admin_token = load_or_create_admin_token(config.admin_token_path)
+        tls = ((config.tls_key_file.read_bytes(), config.tls_cert_file.read_bytes())
+               if config.tls_cert_file and config.tls_key_file else None)
+        if config.metrics_listen:
+            host, port = split_host_port(config.metrics_listen, "metrics_listen")
+            try:
+                metrics_server, _thread = start_http_server(port, addr=host, registry=metrics.registry)
+            except OSError as error:
+                raise OSError(error.errno, f"cannot serve metrics on {config.metrics_listen}: {error.strerror}") \
+                    from error
+            metrics_port = metrics_server.server_port
+    except OSError as error:
+        # (A file it cannot read or make, a metrics port already taken: named, not a traceback.)
+        where = f" ({error.filename})" if error.filename else ""
+        log.error("controller_start_failed", reason=f"{error.strerror or error}{where}")
+        store.close()
+        return EXIT_STARTUP
 
     controller = Controller(config, store, metrics)
     controller.load()
@@ -157,10 +175,8 @@ async def serve(config: ControllerConfig, ready_file: Path | None = None) -> int
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     launcher_pb2_grpc.add_LauncherServiceServicer_to_server(LauncherServicer(controller), server)
 
-    if config.tls_cert_file and config.tls_key_file:
-        credentials = grpc.ssl_server_credentials(
-            [(config.tls_key_file.read_bytes(), config.tls_cert_file.read_bytes())])
-        tcp_port = server.add_secure_port(config.listen, credentials)
+    if tls is not None:
+        tcp_port = server.add_secure_port(config.listen, grpc.ssl_server_credentials([tls]))
     else:
         tcp_port = server.add_insecure_port(config.listen)
     relay_port = server.add_insecure_port("127.0.0.1:0")

@@ -56,6 +56,36 @@ def test_daemons_refuse_bad_configuration_with_exit_2(tmp_path: Path) -> None:
     assert result.returncode == 2 and "no job secret" in result.stderr
 
 
+@pytest.mark.parametrize("case", ["state folder under a file", "metrics port taken", "TLS key missing"])
+def test_a_controller_that_cannot_get_what_it_needs_at_start_says_what_in_one_line(tmp_path: Path, case: str) -> None:
+    """The state folder cannot be made (a path under a file, a read-only mount), the metrics
+    port is taken, a TLS file is not there: exit 1 with controller_start_failed naming it,
+    not a traceback (an admin reads one line in `journalctl -u tidal-controller`)."""
+    import socket
+
+    options = ["--state-dir", str(tmp_path / "state"), "--unix-socket", str(tmp_path / "controller.sock"),
+               "--listen", "127.0.0.1:0"]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        if case == "state folder under a file":
+            (tmp_path / "file").write_text("")
+            options[1], expected = str(tmp_path / "file" / "state"), "Not a directory"
+        elif case == "metrics port taken":
+            address = f"127.0.0.1:{taken.getsockname()[1]}"
+            options += ["--set", f"metrics_listen={address}"]
+            expected = f"cannot serve metrics on {address}: Address already in use"
+        else:
+            options += ["--set", f"tls_cert_file={tmp_path / 'cert.pem'}",
+                        "--set", f"tls_key_file={tmp_path / 'key.pem'}"]
+            expected = f"No such file or directory ({tmp_path / 'key.pem'})"
+        result = subprocess.run([sys.executable, "-m", "tidal.controller.daemon", *options], capture_output=True,
+                                text=True, timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    failed = [json.loads(line) for line in result.stderr.splitlines() if "controller_start_failed" in line]
+    assert len(failed) == 1 and expected in failed[0]["reason"], result.stderr
+
+
 @pytest.mark.parametrize("entry", ["tidal.launcher.agent", "torch, tidal.train"])
 def test_a_launcher_or_worker_starts_without_importing_rich_and_rich_stays_importable(entry: str) -> None:
     # structlog imports rich (and pygments) for its console tracebacks when installed: a
