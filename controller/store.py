@@ -116,8 +116,8 @@ def _migrate(db: sqlite3.Connection, path: Path) -> None:
     if "meta" not in tables:
         return
     row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-    if row is None or int(row[0]) >= SCHEMA_VERSION:
-        return
+    if row is None or not str(row[0]).isdigit() or int(row[0]) >= SCHEMA_VERSION:
+        return  # (a version that is no number is refused by the check after the schema)
     version = int(row[0])
     db.execute("BEGIN IMMEDIATE")
     try:
@@ -155,7 +155,7 @@ class StateStore:
             row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
             if row is None:
                 self._db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-            elif int(row[0]) != SCHEMA_VERSION:
+            elif str(row[0]) != str(SCHEMA_VERSION):
                 raise StoreError(f"{path}: schema version {row[0]}, this controller knows {SCHEMA_VERSION}")
             # A file it may read but not write (its mode, its owner, an immutable flag) opens
             # and answers reads: a write, rolled back, says so now rather than at each decision.

@@ -148,6 +148,13 @@ def test_a_state_file_of_schema_1_is_converted_in_place_and_a_newer_one_refused(
     db.close()
     with pytest.raises(StoreError, match=f"schema version {SCHEMA_VERSION + 1}"):
         StateStore(newer)
+    # A version that is no number (a file edited by hand, another program's): refused alike.
+    db = sqlite3.connect(str(newer))
+    db.execute("UPDATE meta SET value='v3' WHERE key='schema_version'")
+    db.commit()
+    db.close()
+    with pytest.raises(StoreError, match=f"schema version v3, this controller knows {SCHEMA_VERSION}"):
+        StateStore(newer)
 
 
 def test_a_state_file_the_controller_may_read_but_not_write_is_refused_at_start(tmp_path: Path) -> None:
