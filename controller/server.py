@@ -598,7 +598,8 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             actor = await self._actor(context, job_id, caller)
             if unit_id not in actor.units:
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"job {job_id} has no unit {unit_id!r}")
-            unit_ids = (unit_id,)
+            # (One that already ended is not drained again: nothing to drain.)
+            unit_ids = () if actor.units[unit_id].state.is_final else (unit_id,)
         else:
             # Unit ids are a job's own (u1, u2, ...): a bare one names a unit only where
             # one job the caller may act on has it live.
@@ -612,7 +613,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"unit {target} is in {len(live)} jobs: say which ({choices})")
             actor = await self._actor(context, live[0].job.job_id, caller)
-            unit_ids = (target,)
+            unit_ids = () if actor.units[target].state.is_final else (target,)
         await actor.put_and_wait(DrainRequested(unit_ids, caller.uid))
         return admin_pb2.DrainResponse(unit_ids=list(unit_ids))
 

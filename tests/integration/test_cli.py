@@ -49,6 +49,9 @@ def test_submit_status_events_resize_drain_cancel(tidal_run: TidalRun, tmp_path:
     drained = tidal(controller, "drain", "u1")
     assert drained.returncode == 0 and "draining u1" in drained.stdout
     controller.wait_event(job_id, "unit_left")
+    # Drained again, gone already: nothing to do, and nothing said to be draining.
+    again = tidal(controller, "drain", f"{job_id}/u1")
+    assert again.returncode == 0 and again.stdout.strip() == f"{job_id}/u1: nothing to drain", again.stdout
 
     cancelled = tidal(controller, "cancel", job_id)
     assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout
