@@ -167,7 +167,14 @@ async def serve(config: ControllerConfig, ready_file: Path | None = None) -> int
         return EXIT_STARTUP
 
     controller = Controller(config, store, metrics)
-    controller.load()
+    try:
+        controller.load()
+    except StoreError as error:
+        log.error("controller_start_failed", reason=str(error))
+        store.close()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+        return EXIT_STARTUP
     server = grpc.aio.server(options=server_options(config))
     health_servicer = health.aio.HealthServicer()
     for name in SERVICE_NAMES:

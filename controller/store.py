@@ -14,7 +14,9 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from google.protobuf.message import DecodeError
 
 from tidal.controller.history import HISTORY_MAX_SAMPLES, ProgressSample, thinned
 from tidal.controller.model import (
@@ -33,6 +35,8 @@ from tidal.proto import admin_pb2, common_pb2
 # 3: a unit's place in a replica of several nodes (`units.replica`, `units.node_index`).
 # `_migrate` converts a schema-1 or -2 file in place.
 SCHEMA_VERSION = 3
+# A record read back from a row (JobRecord, UnitRecord).
+RecordT = TypeVar("RecordT")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -232,9 +236,22 @@ class StateStore:
         rows = self._db.execute(
             "SELECT job_id, spec, state, owner_uid, secret_sha256, generation, step, created_at, updated_at "
             "FROM jobs ORDER BY created_at").fetchall()
-        return [JobRecord(job_id=r[0], spec=admin_pb2.JobSpec.FromString(r[1]), state=JobState(r[2]),
-                          owner_uid=r[3], secret_sha256=r[4], generation=r[5], step=r[6], created_at=r[7],
-                          updated_at=r[8]) for r in rows]
+        return self._records(rows, lambda r: f"job {r[0]!r}", lambda r: JobRecord(
+            job_id=r[0], spec=admin_pb2.JobSpec.FromString(r[1]), state=JobState(r[2]), owner_uid=r[3],
+            secret_sha256=r[4], generation=r[5], step=r[6], created_at=r[7], updated_at=r[8]))
+
+    def _records(self, rows: Sequence[Any], name: Callable[[Any], str],
+                 make: Callable[[Any], RecordT]) -> list[RecordT]:
+        """Rows read into records. One that does not read back (a state no controller
+        writes, a spec that does not parse: a file edited by hand) is a StoreError naming
+        the file and the record, not a traceback at the controller's start."""
+        records = []
+        for row in rows:
+            try:
+                records.append(make(row))
+            except (ValueError, TypeError, DecodeError) as error:
+                raise StoreError(f"{self.path}: {name(row)} does not read back: {error}") from error
+        return records
 
     # Units.
 
@@ -253,10 +270,10 @@ class StateStore:
             "SELECT job_id, unit_id, state, nodes, address, procs_per_node, slurm_job_id, group_rank, "
             "registered_at, reason, replica, node_index FROM units WHERE job_id=? ORDER BY registered_at, unit_id",
             (job_id,)).fetchall()
-        return [UnitRecord(job_id=r[0], unit_id=r[1], state=UnitState(r[2]), nodes=json.loads(r[3]), address=r[4],
-                           procs_per_node=r[5], slurm_job_id=r[6], group_rank=r[7], registered_at=r[8], reason=r[9],
-                           replica=r[10], node_index=r[11])
-                for r in rows]
+        return self._records(rows, lambda r: f"unit {r[1]!r} of job {r[0]!r}", lambda r: UnitRecord(
+            job_id=r[0], unit_id=r[1], state=UnitState(r[2]), nodes=json.loads(r[3]), address=r[4],
+            procs_per_node=r[5], slurm_job_id=r[6], group_rank=r[7], registered_at=r[8], reason=r[9],
+            replica=r[10], node_index=r[11]))
 
     # Generations.
 

@@ -371,3 +371,37 @@ def test_state_gauges_are_read_from_the_jobs_at_scrape_time() -> None:
         assert line in text
     jobs.clear()
     assert 'tidal_jobs{state="running"} 0.0' in generate_latest(metrics.registry).decode()
+
+
+@pytest.mark.parametrize(("column", "value", "message"), [
+    ("state", "flying", "job 'lm-1' does not read back: 'flying' is not a valid JobState"),
+    ("spec", b"\xff\xff\xff", "job 'lm-1' does not read back: Error parsing message"),
+])
+def test_a_job_row_that_does_not_read_back_stops_the_start_naming_it(tmp_path: Path, column: str, value: object,
+                                                                     message: str) -> None:
+    """A state file edited by hand (a state no controller writes, a spec that does not
+    parse): the controller does not start, and says which job of which file, in one line,
+    not a ValueError traceback (the file is left as it is for the admin to mend)."""
+    import json
+    import subprocess
+    import sys
+
+    path = tmp_path / "state" / "tidal.db"
+    store = StateStore(path)
+    with store.transaction():
+        store.insert_job(JobRecord(job_id="lm-1", spec=admin_pb2.JobSpec(name="lm", command=["x"]),
+                                   state=JobState.RUNNING, owner_uid=0, secret_sha256="ab", created_at=1.0,
+                                   updated_at=1.0))
+    store.close()
+    db = sqlite3.connect(str(path))
+    db.execute(f"UPDATE jobs SET {column}=?", (value,))
+    db.commit()
+    db.close()
+    with pytest.raises(StoreError, match=message.replace("(", r"\(")):
+        StateStore(path).jobs()
+    result = subprocess.run([sys.executable, "-m", "tidal.controller.daemon", "--state-dir", str(path.parent),
+                             "--unix-socket", str(tmp_path / "controller.sock"), "--listen", "127.0.0.1:0"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    failed = [json.loads(line) for line in result.stderr.splitlines() if "controller_start_failed" in line]
+    assert len(failed) == 1 and message in failed[0]["reason"] and str(path) in failed[0]["reason"]
