@@ -46,7 +46,7 @@ from tidal.controller.sessions import LauncherSession
 from tidal.controller.store import StateStore
 from tidal.proto import admin_pb2, launcher_pb2
 from tidal.slurm.client import SlurmClient
-from tidal.slurm.errors import SlurmError
+from tidal.slurm.errors import SlurmError, answer_lost
 from tidal.slurm.models import UnitOwner
 from tidal.slurm.snapshot import ClusterView
 
@@ -445,7 +445,9 @@ class JobActor:
                     controller=slurm.controller_address, secret_path=files.secret, output_dir=files.folder,
                     exclude=excluded, owner=owner)
                 self.put(UnitSubmitted(unit_id, slurm.client.submit(submission)))
-            except (SlurmError, OSError, owners.UnknownOwner, subprocess.SubprocessError) as error:
+            except SlurmError as error:
+                self.put(UnitSubmitted(unit_id, 0, str(error), answer_lost=answer_lost(error)))
+            except (OSError, owners.UnknownOwner, subprocess.SubprocessError) as error:
                 self.put(UnitSubmitted(unit_id, 0, str(error)))
 
         asyncio.get_running_loop().run_in_executor(None, submit)

@@ -97,7 +97,8 @@ class UnitFacts:
     disconnected_at: float | None = None
     # Live mode: a leave asked for while a world change was in flight (cause, detail).
     deferred_leave: tuple[str, str] | None = None
-    # When sbatch accepted it (wall clock): an older Slurm view proves nothing of it.
+    # When sbatch accepted it, or its answer was lost (wall clock): an older Slurm view
+    # proves nothing of it.
     submitted_at: float = 0.0
     # Submitted by this controller, sbatch's answer not read yet (a unit SUBMITTED with no
     # Slurm job id and none in flight was decided by a controller that stopped before

@@ -42,6 +42,15 @@ class SlurmReportedError(SlurmError):
     read as "no jobs"."""
 
 
+def answer_lost(error: SlurmError) -> bool:
+    """Whether a submission that raised `error` may have been carried out all the same:
+    sbatch timed out, printed no job id, or lost slurmctld after sending the job ('Socket
+    timed out on send/recv operation', which an overloaded slurmctld answers to jobs it
+    took: nextflow-io/nextflow#970). Only Slurm's queue can say whether the job exists."""
+    return isinstance(error, SlurmTimeout | SlurmParseError) or (
+        isinstance(error, SlurmCommandFailed) and "Socket timed out" in error.stderr)
+
+
 class SlurmJobNotFound(SlurmError):
     def __init__(self, job_id: int) -> None:
         super().__init__(f"Slurm job {job_id} is unknown (never existed, or left squeue after MinJobAge)")

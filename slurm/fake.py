@@ -6,6 +6,7 @@ cluster. Failure switches make it answer as a sick Slurm would:
     fake = FakeSlurmClient.with_nodes(4)
     fake.fail_next("list_jobs", SlurmTimeout(["squeue"], 10))   # one failed call
     fake.unavailable = True                                     # every call times out
+    fake.fail_after_next("submit", SlurmTimeout(["sbatch"], 10))  # submitted, answer lost
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class FakeSlurmClient:
         self.unavailable = False
         self.calls: list[str] = []
         self._failures: dict[str, list[SlurmError]] = {}
+        self._lost_answers: dict[str, list[SlurmError]] = {}
         self._ids = itertools.count(1)
 
     @classmethod
@@ -66,6 +68,16 @@ class FakeSlurmClient:
     def fail_next(self, operation: str, error: SlurmError) -> None:
         """The next call of `operation` raises `error` (queue several to fail several)."""
         self._failures.setdefault(operation, []).append(error)
+
+    def fail_after_next(self, operation: str, error: SlurmError) -> None:
+        """The next call of `operation` does its work, then raises `error`: Slurm acted and
+        its answer was lost (sbatch timed out after slurmctld took the job)."""
+        self._lost_answers.setdefault(operation, []).append(error)
+
+    def _answer(self, operation: str) -> None:
+        queued = self._lost_answers.get(operation)
+        if queued:
+            raise queued.pop(0)
 
     def _enter(self, operation: str) -> None:
         self.calls.append(operation)
@@ -110,6 +122,7 @@ class FakeSlurmClient:
                                 unit.comment)
         self.submissions[job_id] = unit
         self.schedule()
+        self._answer("submit")
         return job_id
 
     def check(self, unit: UnitSubmission) -> None:

@@ -57,8 +57,8 @@ def handle(t: Step, event: Input) -> None:
             on_resize(t, min_replicas, max_replicas, uid)
         case SlurmObserved(view, grow_allowance, yields, next_in_line):
             slurm_units.on_slurm(t, view, t.now.monotonic, grow_allowance, yields, next_in_line)
-        case UnitSubmitted(unit_id, slurm_job_id, error):
-            slurm_units.on_unit_submitted(t, unit_id, slurm_job_id, error)
+        case UnitSubmitted(unit_id, slurm_job_id, error, answer_lost):
+            slurm_units.on_unit_submitted(t, unit_id, slurm_job_id, error, answer_lost)
 
 
 def on_connected(t: Step, unit_id: str, register: launcher_pb2.Register, slot: Slot | None = None) -> None:

@@ -315,7 +315,11 @@ def submit_unit(t: Step, reason: str, excluded: tuple[str, ...], queued_ahead: b
     t.emit(Submit(unit_id, excluded))
 
 
-def on_unit_submitted(t: Step, unit_id: str, slurm_job_id: int, error: str) -> None:
+def on_unit_submitted(t: Step, unit_id: str, slurm_job_id: int, error: str, answer_lost: bool = False) -> None:
+    """sbatch's answer for a unit. Its answer lost (`answer_lost`: sbatch timed out, or
+    printed no job id), the job may exist all the same: the unit stays SUBMITTED with no
+    Slurm job id, and the first view taken after it finds the job by its name or loses the
+    unit (`find_unanswered`); failing it at once put a second unit beside the job that ran."""
     state = t.state
     unit = state.units.get(unit_id)
     if unit is None:
@@ -325,6 +329,12 @@ def on_unit_submitted(t: Step, unit_id: str, slurm_job_id: int, error: str) -> N
         state.submit_failures += 1
         backoff = min(60.0, t.config.slurm_poll_interval_s * 2 ** state.submit_failures)
         state.next_submit_at = t.now.monotonic + backoff
+        if answer_lost and not (t.job.state.is_final or unit.state.is_final):
+            t.note(unit, submitted_at=t.now.wall)
+            t.record("unit_submit_unanswered", f"sbatch's answer was lost: {error}; its Slurm job may exist, and the "
+                     f"next Slurm view finds it by its name ({unit_rules.unit_job_name(t.job.job_id, unit_id)}) "
+                     "or loses the unit", unit_id=unit_id, fields={"retry_in_s": f"{backoff:.0f}"})
+            return
         unit_lost(t, unit, f"sbatch refused the unit: {error}", kind="unit_submit_failed",
                   fields={"retry_in_s": f"{backoff:.0f}"})
         return
@@ -343,12 +353,17 @@ def find_unanswered(t: Step, unit: UnitRecord, view: ClusterView) -> None:
     earlier controller decided it and stopped before it read sbatch's answer (or before
     sbatch ran). Its Slurm job is found by its name, and its id kept; none there (or only
     a finished one): sbatch never ran, or its job is over, and the unit is lost (one
-    replaces it). Without this it counted as alive, and on its way, for good."""
+    replaces it). Without this it counted as alive, and on its way, for good. The same for
+    a unit whose sbatch answer this controller lost (`on_unit_submitted`), on a view taken
+    after it."""
+    if view.observed_at < unit.facts.submitted_at + 1.0:
+        return  # (A view taken before sbatch's answer was lost proves nothing.)
     name = unit_rules.unit_job_name(t.job.job_id, unit.unit_id)
     found = next((job for job in view.jobs if job.name == name and not job.state.is_finished), None)
     if found is None:
-        unit_lost(t, unit, f"no Slurm job {name}: the controller that submitted it stopped before sbatch "
-                  "answered, and none ran")
+        why = ("sbatch's answer was lost" if unit.facts.submitted_at
+               else "the controller that submitted it stopped before sbatch answered")
+        unit_lost(t, unit, f"no Slurm job {name}: {why}, and none ran")
         return
     unit = t.own(unit)
     unit.slurm_job_id = found.job_id

@@ -125,11 +125,13 @@ class SlurmObserved:
 
 @dataclasses.dataclass(frozen=True)
 class UnitSubmitted:
-    """sbatch answered for a unit: its Slurm job id, or why it refused."""
+    """sbatch answered for a unit: its Slurm job id, or why it refused; or, with
+    `answer_lost`, why its answer did not come (the job may exist all the same)."""
 
     unit_id: str
     slurm_job_id: int
     error: str = ""
+    answer_lost: bool = False
 
 
 Input = (LauncherConnected | LauncherSaid | LauncherClosed | ClockTick | CancelRequested | DrainRequested

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tidal.slurm import CliJsonSlurmClient, SlurmError, SlurmVersion, UnsupportedSlurmVersion, parse
+from tidal.slurm import CliJsonSlurmClient, SlurmError, SlurmVersion, UnitSubmission, UnsupportedSlurmVersion, parse
 from tidal.slurm.cli_json import json_flag
+from tidal.slurm.errors import answer_lost
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 
@@ -76,3 +77,17 @@ def test_a_slurm_command_that_cannot_be_run_is_a_slurm_error(tmp_path: Path) -> 
     stand_in(tmp_path, "scontrol", 'echo "slurm 24.11.5"')
     with pytest.raises(SlurmError, match="cannot run it"):
         CliJsonSlurmClient(bin_dir=str(tmp_path), timeout_s=10).list_jobs()
+
+
+@pytest.mark.parametrize("body, lost", [
+    # slurmctld took the job and timed out answering (nextflow-io/nextflow#970).
+    ('echo "sbatch: error: Batch job submission failed: Socket timed out on send/recv operation" >&2; exit 1', True),
+    ('exec sleep 5', True),
+    ('echo "Submitted batch job"', True),
+    ('echo "sbatch: error: invalid partition specified: gpu" >&2; exit 1', False),
+])
+def test_an_sbatch_whose_answer_may_hide_a_submitted_job_says_so(tmp_path: Path, body: str, lost: bool) -> None:
+    stand_in(tmp_path, "sbatch", f"cat > /dev/null\n{body}")
+    with pytest.raises(SlurmError) as raised:
+        CliJsonSlurmClient(bin_dir=str(tmp_path), timeout_s=1).submit(UnitSubmission(name="u", script="#!/bin/sh\n"))
+    assert answer_lost(raised.value) is lost, raised.value

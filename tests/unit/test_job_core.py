@@ -564,6 +564,27 @@ def test_a_unit_whose_sbatch_answer_was_never_recorded_is_named_by_its_slurm_job
     assert driver.state.units["u2"].slurm_job_id == 502
 
 
+def test_a_unit_whose_sbatch_answer_was_lost_and_whose_job_never_ran_is_lost_on_a_later_view_only() -> None:
+    """sbatch timed out and slurmctld had not taken the job: a view taken before the answer
+    was lost proves nothing; the first one after it, without the job, loses the unit, and a
+    replacement follows once the submission backoff is over."""
+    driver = Driver(min_replicas=1, max_replicas=1, slurm_units=True)
+    driver.feed(core.SlurmObserved(view(driver, (node("n1"),))))
+    before = view(driver, (node("n1"),))
+    driver.feed(core.UnitSubmitted("u1", 0, "sbatch --parsable: no answer within 10s", answer_lost=True))
+    assert driver.state.units["u1"].state is UnitState.SUBMITTED
+    assert "no answer within 10s" in driver.event("unit_submit_unanswered").reason
+    assert not [e for e in driver.feed(core.SlurmObserved(before)) if isinstance(e, core.Submit)]
+    assert driver.state.units["u1"].state is UnitState.SUBMITTED
+    driver.clock += 2.0
+    driver.feed(core.SlurmObserved(view(driver, (node("n1"),))))
+    assert driver.state.units["u1"].state is UnitState.FAILED
+    assert driver.state.units["u1"].reason == "no Slurm job tidal-j-1-u1: sbatch's answer was lost, and none ran"
+    driver.clock += 60.0
+    effects = driver.feed(core.SlurmObserved(view(driver, (node("n1"),))))
+    assert [e.unit_id for e in effects if isinstance(e, core.Submit)] == ["u2"]
+
+
 def test_a_silent_worker_or_an_error_excludes_its_node_at_once_and_a_first_kill_is_forgotten() -> None:
     """A worker its launcher had to end (silent, hung; a node lost from a unit is said the
     same way) or one that exits with its own error (a crash loop counts those) excludes the

@@ -38,6 +38,7 @@ from tidal.controller.units import (
     units_to_submit,
 )
 from tidal.proto import admin_pb2, common_pb2, launcher_pb2
+from tidal.slurm.errors import SlurmError, SlurmParseError, SlurmTimeout
 from tidal.slurm.fake import FakeSlurmClient
 from tidal.slurm.models import Gres, Node, NodeFlag, NodeState
 from tidal.slurm.models import JobState as SlurmJobState
@@ -269,6 +270,43 @@ def test_a_requeued_unit_is_cancelled_and_replaced_by_a_new_unit(tmp_path: Path)
         assert "unit_requeued" in kinds
         assert fake.get_job(first).state is SlurmJobState.CANCELLED, "the requeued copy would start again"
         assert actor.units["u1"].state is UnitState.FAILED
+        task.cancel()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("lost", [
+    SlurmTimeout(["sbatch", "--parsable"], 10.0),
+    SlurmParseError("sbatch printed no job id: 'sbatch: warning: slurmctld slow'"),
+])
+def test_a_unit_whose_sbatch_answer_was_lost_is_found_by_its_name_and_not_submitted_twice(
+        tmp_path: Path, lost: SlurmError) -> None:
+    """sbatch timed out, or printed no job id, after slurmctld had taken the job (an
+    overloaded slurmctld: 'Socket timed out on send/recv operation'). The unit was failed as
+    refused ('sbatch refused the unit'), and a second unit submitted beside the Slurm job
+    that did run. The unit waits for the next view instead, which shows its job by name."""
+    async def scenario() -> None:
+        fake = FakeSlurmClient.with_nodes(2)
+        actor = slurm_actor(tmp_path, fake, min_replicas=1, max_replicas=1)
+        task = asyncio.create_task(actor.run())
+        later = [0.0]
+        poll = ClusterPoll(fake, clock=lambda: time.time() + later[0])
+        fake.fail_after_next("submit", lost)
+        actor.put(SlurmObserved(poll.poll()))
+        await settle(lambda: "u1" in actor.units and not actor.units["u1"].facts.sbatch_in_flight)
+        assert list(fake.jobs) == [1], "slurmctld took the job; only its answer was lost"
+        assert actor.units["u1"].state is UnitState.SUBMITTED, actor.units["u1"].reason
+        # Views taken after the lost answer: the unit is found by its job's name, and no
+        # unit is submitted beside it.
+        later[0] = 5.0
+        for _ in range(3):
+            actor.put(SlurmObserved(poll.poll()))
+            await actor.settled()
+        assert actor.units["u1"].slurm_job_id == 1 and actor.units["u1"].state is UnitState.SUBMITTED
+        assert sorted(actor.units) == ["u1"] and list(fake.jobs) == [1]
+        kinds = [e.kind for e in actor.store.events("lm-1")]
+        assert "unit_submit_failed" not in kinds and "unit_submit_unanswered" in kinds
+        assert str(lost) in next(e.reason for e in actor.store.events("lm-1") if e.kind == "unit_submit_unanswered")
         task.cancel()
 
     asyncio.run(scenario())
