@@ -335,9 +335,14 @@ def parse_partitions_oneliner(text: str) -> list[Partition]:
     return partitions
 
 
+#: Slurm's job ids are 32-bit and never 0 (`uint32_t job_id` in slurm.h).
+_JOB_IDS = range(1, 2**32)
+
+
 def parse_sbatch_parsable(text: str) -> int:
-    """`sbatch --parsable` prints `JOBID` or `JOBID;CLUSTER`."""
+    """`sbatch --parsable` prints `JOBID` or `JOBID;CLUSTER`. Anything else, digits that are
+    not ASCII or an id Slurm never gives (0, past 32 bits) included, is SlurmParseError."""
     first = text.strip().split(";")[0]
-    if not first.isdigit():
+    if not re.fullmatch(r"[0-9]+", first) or int(first) not in _JOB_IDS:
         raise SlurmParseError(f"sbatch printed no job id: {text.strip()[:80]!r}")
     return int(first)

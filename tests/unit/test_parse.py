@@ -272,5 +272,9 @@ def test_fields_a_newer_schema_drops_read_as_empty(release: str, name: str, key:
 def test_sbatch_output() -> None:
     assert parse.parse_sbatch_parsable("42\n") == 42
     assert parse.parse_sbatch_parsable("42;tidalmini\n") == 42
+    # Digits that are no Slurm job id: ids are 32 bits and never 0, and only ASCII digits.
+    for nonsense in ("0", "4294967296", "99999999999999999999", "\u00b2", "\u0661\u0662"):
+        with pytest.raises(SlurmParseError, match="sbatch printed no job id"):
+            parse.parse_sbatch_parsable(nonsense)
     with pytest.raises(SlurmParseError):
         parse.parse_sbatch_parsable("sbatch: error: Batch job submission failed")

@@ -38,6 +38,7 @@ from tidal.controller.units import (
     units_to_submit,
 )
 from tidal.proto import admin_pb2, common_pb2, launcher_pb2
+from tidal.slurm.cli_json import CliJsonSlurmClient
 from tidal.slurm.errors import SlurmError, SlurmParseError, SlurmTimeout
 from tidal.slurm.fake import FakeSlurmClient
 from tidal.slurm.models import Gres, Node, NodeFlag, NodeState
@@ -307,6 +308,35 @@ def test_a_unit_whose_sbatch_answer_was_lost_is_found_by_its_name_and_not_submit
         kinds = [e.kind for e in actor.store.events("lm-1")]
         assert "unit_submit_failed" not in kinds and "unit_submit_unanswered" in kinds
         assert str(lost) in next(e.reason for e in actor.store.events("lm-1") if e.kind == "unit_submit_unanswered")
+        task.cancel()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("printed", ["99999999999999999999", "\u00b2", "0"])
+def test_an_sbatch_that_prints_a_job_id_slurm_never_gives_leaves_no_unit_waiting_for_ever(
+        tmp_path: Path, printed: str) -> None:
+    """sbatch printed digits that are no Slurm job id (past the 32 bits Slurm's ids have,
+    a superscript digit, 0). A 20-digit id did not fit SQLite: the answer's transition was
+    refused (job_input_failed) and the unit stayed with its sbatch in flight for good,
+    counted as on its way, so the job was never given a unit in its place; a superscript
+    raised a ValueError that no one read, with the same end."""
+    async def scenario() -> None:
+        fake = FakeSlurmClient.with_nodes(2)
+        actor = slurm_actor(tmp_path, fake, min_replicas=1, max_replicas=1)
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir()
+        sbatch = bin_dir / "sbatch"
+        sbatch.write_text(f"#!/bin/sh\ncat > /dev/null\necho '{printed}'\n", encoding="utf-8")
+        sbatch.chmod(0o755)
+        assert actor.slurm is not None
+        actor.slurm = dataclasses.replace(actor.slurm, client=CliJsonSlurmClient(bin_dir=str(bin_dir), timeout_s=10))
+        task = asyncio.create_task(actor.run())
+        actor.put(SlurmObserved(ClusterPoll(fake).poll()))
+        await settle(lambda: "u1" in actor.units and not actor.units["u1"].facts.sbatch_in_flight)
+        unanswered = [e for e in actor.store.events("lm-1") if e.kind == "unit_submit_unanswered"]
+        assert len(unanswered) == 1 and "sbatch printed no job id" in unanswered[0].reason
+        assert actor.units["u1"].slurm_job_id == 0
         task.cancel()
 
     asyncio.run(scenario())
