@@ -44,7 +44,7 @@ from tidal.controller.spec import SpecError, normalized_spec
 from tidal.controller.store import StateStore
 from tidal.proto import admin_pb2, admin_pb2_grpc, common_pb2, launcher_pb2, launcher_pb2_grpc
 from tidal.slurm import SlurmClient, SlurmError, default_client
-from tidal.slurm.errors import SlurmCommandFailed
+from tidal.slurm.errors import SlurmCommandFailed, slurmctld_unanswered
 from tidal.slurm.models import UnitOwner
 from tidal.slurm.snapshot import ClusterPoll, ClusterView
 
@@ -208,7 +208,8 @@ class Controller:
     def check_with_slurm(self, spec: admin_pb2.JobSpec, owner: UnitOwner) -> None:
         """Before a job is accepted, ask Slurm whether it would take the job's units (runs
         sbatch, so off the event loop): SpecError naming the field if not, SlurmError if
-        Slurm does not answer. Nothing is submitted."""
+        Slurm does not answer (sbatch exiting 1 because slurmctld is down or overloaded
+        included). Nothing is submitted."""
         if self.slurm_units is None:
             return
         client = self.slurm_units.client
@@ -226,6 +227,8 @@ class Controller:
         try:
             client.check(probe)
         except SlurmCommandFailed as error:
+            if slurmctld_unanswered(error):
+                raise  # (slurmctld down or overloaded: no verdict on the spec)
             said = "; ".join(line.strip() for line in error.stderr.splitlines() if line.strip())
             raise SpecError(f"sbatch_options: Slurm would refuse the job's units: {said}") from None
 

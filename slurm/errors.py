@@ -42,6 +42,18 @@ class SlurmReportedError(SlurmError):
     read as "no jobs"."""
 
 
+# What Slurm's commands print when slurmctld gave no answer (down, overloaded, a network
+# fault), whatever the command asked: an exit 1 that is no refusal.
+_NO_SLURMCTLD = ("Unable to contact slurm controller", "Socket timed out on send/recv operation",
+                 "Zero Bytes were transmitted or received")
+
+
+def slurmctld_unanswered(error: SlurmCommandFailed) -> bool:
+    """Whether a failed command failed for want of an answer (it could not be run, or
+    slurmctld could not be reached or timed out) rather than by Slurm's refusal."""
+    return error.returncode < 0 or any(words in error.stderr for words in _NO_SLURMCTLD)
+
+
 def answer_lost(error: SlurmError) -> bool:
     """Whether a submission that raised `error` may have been carried out all the same:
     sbatch timed out, printed no job id, or lost slurmctld after sending the job ('Socket

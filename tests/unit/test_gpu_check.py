@@ -4,14 +4,22 @@ job) is not checked, and a Slurm that does not answer skips the check rather tha
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import structlog
 
+from tidal.controller import owners
+from tidal.controller.config import ControllerConfig
+from tidal.controller.jobs import SlurmUnits
+from tidal.controller.metrics import ControllerMetrics
 from tidal.controller.server import Controller
 from tidal.controller.spec import SpecError
+from tidal.controller.store import StateStore
 from tidal.controller.units import gpu_shortfall
 from tidal.proto import admin_pb2
-from tidal.slurm import SlurmTimeout
+from tidal.slurm import SlurmCommandFailed, SlurmError, SlurmTimeout
 from tidal.slurm.fake import FakeSlurmClient
 from tidal.slurm.models import Gres, Node, NodeState, Partition, PreemptMode
 
@@ -73,3 +81,26 @@ def test_the_controller_refuses_at_submit_and_skips_the_check_when_slurm_does_no
         Controller._check_gpus(_spec(3, "train"), fake)
     assert [entry["event"] for entry in logged] == ["gpu_check_skipped"]
     assert "Slurm did not answer" in logged[0]["reason"]
+
+
+@pytest.mark.parametrize("said, refused", [
+    ("sbatch: error: Batch job submission failed: Unable to contact slurm controller (connect failure)", False),
+    ("sbatch: error: Batch job submission failed: Socket timed out on send/recv operation", False),
+    ("sbatch: error: invalid partition specified: train", True),
+])
+def test_a_slurm_that_cannot_be_reached_at_the_check_is_not_the_specs_fault(tmp_path: Path, said: str,
+                                                                             refused: bool) -> None:
+    """`sbatch --test-only` exits 1 when slurmctld is down or overloaded, as when it refuses
+    the job. The first was told to the user as 'invalid job spec: sbatch_options: Slurm would
+    refuse the job's units' (INVALID_ARGUMENT), blaming options that were fine."""
+    fake = FakeSlurmClient.with_nodes(2)
+    controller = Controller(ControllerConfig(state_dir=tmp_path), StateStore(tmp_path / "tidal.db"),
+                            ControllerMetrics())
+    controller.enable_slurm_units(SlurmUnits(client=fake, launcher=("tidal-launcher",),
+                                             controller_address="127.0.0.1:1", output_template=str(tmp_path / "units"),
+                                             secrets_dir=tmp_path))
+    fake.fail_next("check", SlurmCommandFailed(["sbatch", "--test-only"], 1, said + "\n"))
+    with pytest.raises((SlurmError, SpecError)) as raised:
+        controller.check_with_slurm(_spec(1, "train"), owners.account(os.geteuid()))
+    assert isinstance(raised.value, SpecError) is refused, raised.value
+    assert said in str(raised.value)
