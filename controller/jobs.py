@@ -28,6 +28,7 @@ from tidal.controller.config import ControllerConfig
 from tidal.controller.core import forming, replicas, sharing
 from tidal.controller.core import job as core
 from tidal.controller.core.job import (
+    CancelFailed,
     CancelRequested,
     DrainRequested,
     ResizeRequested,
@@ -46,7 +47,7 @@ from tidal.controller.sessions import LauncherSession
 from tidal.controller.store import StateStore
 from tidal.proto import admin_pb2, launcher_pb2
 from tidal.slurm.client import SlurmClient
-from tidal.slurm.errors import SlurmError, answer_lost
+from tidal.slurm.errors import SlurmError, SlurmJobNotFound, answer_lost, slurmctld_unanswered
 from tidal.slurm.models import UnitOwner
 from tidal.slurm.snapshot import ClusterView
 
@@ -68,7 +69,7 @@ class Refusal(Exception):
 
 # Inputs of the actor's loop that carry sessions (the core sees unit ids); the others are
 # the core's own (`CancelRequested`, `DrainRequested`, `ResizeRequested`, `SlurmObserved`,
-# `UnitSubmitted`).
+# `UnitSubmitted`, `CancelFailed`).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +119,7 @@ class SlurmUnits:
 
 
 JobInput = (Connected | Said | Disconnected | Tick | CancelRequested | DrainRequested | ResizeRequested | Barrier
-            | SlurmObserved | UnitSubmitted)
+            | SlurmObserved | UnitSubmitted | CancelFailed)
 
 
 class Throughput:
@@ -421,8 +422,10 @@ class JobActor:
         def cancel() -> None:
             try:
                 client.cancel(slurm_job_id)
+            except SlurmJobNotFound:
+                pass  # (gone already: nothing left to cancel)
             except SlurmError as error:
-                self.log.warning("unit_cancel_failed", unit=unit_id, slurm_job_id=slurm_job_id, error=str(error))
+                self.put(CancelFailed(unit_id, slurm_job_id, str(error), unanswered=slurmctld_unanswered(error)))
 
         asyncio.get_running_loop().run_in_executor(None, cancel)
 

@@ -171,6 +171,10 @@ class Controller:
             job_id = actor.job.job_id
             actor.put(SlurmObserved(view, allowances.get(job_id), tuple(yields.get(job_id, ())),
                                     next_in_line=in_line is None or job_id in in_line))
+        for actor in self.actors.values():
+            if actor.job.state.is_final and actor.state.cancels_to_retry:
+                # An ended job whose units' scancel failed: the view makes them again.
+                actor.put(SlurmObserved(view))
 
     def _plan_yields(self, view: ClusterView, actors: list[JobActor]) -> list[sharing.YieldOrder]:
         waiting = {j.job_id: j for j in units.waiting_for_nodes(view)}

@@ -48,10 +48,13 @@ _NO_SLURMCTLD = ("Unable to contact slurm controller", "Socket timed out on send
                  "Zero Bytes were transmitted or received")
 
 
-def slurmctld_unanswered(error: SlurmCommandFailed) -> bool:
-    """Whether a failed command failed for want of an answer (it could not be run, or
-    slurmctld could not be reached or timed out) rather than by Slurm's refusal."""
-    return error.returncode < 0 or any(words in error.stderr for words in _NO_SLURMCTLD)
+def slurmctld_unanswered(error: SlurmError) -> bool:
+    """Whether a command failed for want of an answer (it could not be run, timed out, or
+    slurmctld could not be reached or timed out) rather than by Slurm's refusal: asked
+    again later, it may well be carried out."""
+    if isinstance(error, SlurmCommandFailed):
+        return error.returncode < 0 or any(words in error.stderr for words in _NO_SLURMCTLD)
+    return isinstance(error, SlurmTimeout | SlurmNotInstalled)
 
 
 def answer_lost(error: SlurmError) -> bool:

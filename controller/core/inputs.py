@@ -12,6 +12,7 @@ from tidal.controller.core.queries import (
 )
 from tidal.controller.core.replicas import Slot
 from tidal.controller.core.state import (
+    CancelFailed,
     CancelRequested,
     ClockTick,
     DrainRequested,
@@ -59,6 +60,8 @@ def handle(t: Step, event: Input) -> None:
             slurm_units.on_slurm(t, view, t.now.monotonic, grow_allowance, yields, next_in_line)
         case UnitSubmitted(unit_id, slurm_job_id, error, answer_lost):
             slurm_units.on_unit_submitted(t, unit_id, slurm_job_id, error, answer_lost)
+        case CancelFailed(unit_id, slurm_job_id, error, unanswered):
+            slurm_units.on_cancel_failed(t, unit_id, slurm_job_id, error, unanswered)
 
 
 def on_connected(t: Step, unit_id: str, register: launcher_pb2.Register, slot: Slot | None = None) -> None:

@@ -46,6 +46,7 @@ from tidal.controller.core.queries import (
 )
 from tidal.controller.core.state import (
     PERSISTENT,
+    CancelFailed,
     CancelInSlurm,
     CancelRequested,
     ChangeKind,
@@ -102,6 +103,7 @@ __all__ = [
     "MAX_WORKER_ERROR_CHARS",
     "MAX_WORKER_TRACEBACK_CHARS",
     "PERSISTENT",
+    "CancelFailed",
     "CancelInSlurm",
     "CancelRequested",
     "ChangeKind",

@@ -40,7 +40,10 @@ def on_slurm(t: Step, view: ClusterView, now: float, grow_allowance: int | None,
         for unit in list(state.units.values()):
             if unit.state is UnitState.SUBMITTED and unit.facts.queued_in_slurm:
                 t.note(unit, queued_in_slurm=False)
-    if not state.slurm_units or t.job.state.is_final or view.stale:
+    if not state.slurm_units or view.stale:
+        return
+    retry_cancels(t, view)
+    if t.job.state.is_final:
         return
     # When the view was taken, on the monotonic clock.
     seen = now - max(0.0, t.now.wall - view.observed_at)
@@ -381,6 +384,28 @@ def unit_lost(t: Step, unit: UnitRecord, reason: str, kind: str = "unit_lost",
     unit.reason = reason
     t.emit(SaveUnit(unit))
     t.record(kind, reason, unit_id=unit.unit_id, fields=fields)
+
+
+def on_cancel_failed(t: Step, unit_id: str, slurm_job_id: int, error: str, unanswered: bool) -> None:
+    """scancel of a unit's Slurm job failed: said; when Slurm did not answer, made again on
+    the next view that shows the job active (`retry_cancels`). Logged alone, the cancel was
+    never made again, and what was left of the unit (a hung launcher) held its node until
+    Slurm's time limit. (A refusal is not asked again: it would be refused again.)"""
+    then = "made again on the next Slurm view that shows the job" if unanswered else "not asked again"
+    if unanswered:
+        t.state.cancels_to_retry = {**t.state.cancels_to_retry, slurm_job_id: unit_id}
+    t.record("unit_cancel_failed", f"scancel of Slurm job {slurm_job_id} failed: {error}; {then}", unit_id=unit_id,
+             fields={"slurm_job_id": slurm_job_id})
+
+
+def retry_cancels(t: Step, view: ClusterView) -> None:
+    """The cancels that failed, made again where this (fresh) view shows the job active; a
+    job it shows finished, or no longer shows, needs none."""
+    retries, t.state.cancels_to_retry = t.state.cancels_to_retry, {}
+    for slurm_job_id, unit_id in sorted(retries.items()):
+        found = view.job(slurm_job_id)
+        if found is not None and found.is_active:
+            t.emit(CancelInSlurm(unit_id, slurm_job_id))
 
 
 def cancel_in_slurm(t: Step, unit: UnitRecord) -> None:

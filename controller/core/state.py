@@ -134,8 +134,18 @@ class UnitSubmitted:
     answer_lost: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class CancelFailed:
+    """scancel of a unit's Slurm job failed: Slurm did not answer (`unanswered`), or refused."""
+
+    unit_id: str
+    slurm_job_id: int
+    error: str
+    unanswered: bool = False
+
+
 Input = (LauncherConnected | LauncherSaid | LauncherClosed | ClockTick | CancelRequested | DrainRequested
-         | ResizeRequested | SlurmObserved | UnitSubmitted)
+         | ResizeRequested | SlurmObserved | UnitSubmitted | CancelFailed)
 
 
 # Effects. The persistent ones are applied first, in one transaction.
@@ -391,6 +401,9 @@ class State:
     # peer's report that lifts one comes within moments).
     error_exclusions: dict[str, ErrorExclusion] = dataclasses.field(default_factory=dict)
     growth_held_reason: str = ""
+    # Slurm job id -> unit: cancels that failed, made again on the next view that shows the
+    # job active (not persisted; replaced, never changed in place).
+    cancels_to_retry: dict[int, str] = dataclasses.field(default_factory=dict)
     # Since when the job is DEGRADED (below min_replicas), monotonic; None otherwise.
     degraded_since: float | None = None
     # Live mode with Slurm units: the job gave its nodes back below min_replicas

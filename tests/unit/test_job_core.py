@@ -585,6 +585,29 @@ def test_a_unit_whose_sbatch_answer_was_lost_and_whose_job_never_ran_is_lost_on_
     assert [e.unit_id for e in effects if isinstance(e, core.Submit)] == ["u2"]
 
 
+def test_a_cancel_slurm_did_not_answer_is_made_again_once_per_failure_and_a_refused_one_is_not() -> None:
+    driver = Driver(min_replicas=1, max_replicas=1, slurm_units=True)
+    driver.feed(core.SlurmObserved(view(driver, (node("n1"),))))
+    driver.feed(core.UnitSubmitted("u1", 501))
+    driver.clock += 2.0
+    running = view(driver, (node("n1"),), (slurm_job(501, SlurmJobState.RUNNING),))
+
+    def cancels(effects: list[core.Effect]) -> list[core.CancelInSlurm]:
+        return [e for e in effects if isinstance(e, core.CancelInSlurm)]
+
+    driver.feed(core.CancelFailed("u1", 501, "scancel 501: exit 1: Access/permission denied"))
+    assert driver.event("unit_cancel_failed").reason.endswith("not asked again")
+    assert cancels(driver.feed(core.SlurmObserved(running))) == []
+    driver.feed(core.CancelFailed("u1", 501, "scancel 501: no answer within 10s", unanswered=True))
+    stale = dataclasses.replace(running, stale=True)
+    assert cancels(driver.feed(core.SlurmObserved(stale))) == []
+    assert cancels(driver.feed(core.SlurmObserved(running))) == [core.CancelInSlurm("u1", 501)]
+    assert cancels(driver.feed(core.SlurmObserved(running))) == [], "made again once per failure"
+    driver.feed(core.CancelFailed("u1", 501, "scancel 501: no answer within 10s", unanswered=True))
+    ended = view(driver, (node("n1"),), (slurm_job(501, SlurmJobState.CANCELLED),))
+    assert cancels(driver.feed(core.SlurmObserved(ended))) == []
+
+
 def test_a_silent_worker_or_an_error_excludes_its_node_at_once_and_a_first_kill_is_forgotten() -> None:
     """A worker its launcher had to end (silent, hung; a node lost from a unit is said the
     same way) or one that exits with its own error (a crash loop counts those) excludes the

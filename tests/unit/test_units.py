@@ -25,6 +25,7 @@ from tidal.controller.jobs import (
 from tidal.controller.metrics import ControllerMetrics
 from tidal.controller.model import JobRecord, JobState, UnitState
 from tidal.controller.security import secret_digest
+from tidal.controller.server import Controller
 from tidal.controller.sessions import LauncherSession
 from tidal.controller.spec import SpecError, normalized_spec
 from tidal.controller.store import StateStore
@@ -410,6 +411,47 @@ def test_a_unit_that_does_not_leave_in_time_is_cancelled_in_slurm(tmp_path: Path
         await settle(lambda: fake.get_job(slurm_job).state is SlurmJobState.CANCELLED)
         overdue = [e for e in actor.store.events("lm-1") if e.kind == "unit_leave_overdue"]
         assert len(overdue) == 1 and f"Slurm job {slurm_job} cancelled" in overdue[0].reason
+        task.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_a_cancel_that_slurm_did_not_answer_is_made_again_on_the_next_view_that_shows_the_job(
+        tmp_path: Path) -> None:
+    """scancel timed out (slurmctld overloaded) for a unit whose launcher hangs: the failure
+    was logged and the cancel never made again, so the hung launcher held its node until
+    Slurm's time limit. A view that still shows the job running cancels it again."""
+    async def scenario() -> None:
+        fake = FakeSlurmClient.with_nodes(2)
+        actor = slurm_actor(tmp_path, fake, min_replicas=1, max_replicas=1)
+        task = asyncio.create_task(actor.run())
+        poll = ClusterPoll(fake)
+        actor.put(SlurmObserved(poll.poll()))
+        await settle(lambda: "u1" in actor.units and actor.units["u1"].slurm_job_id)
+        slurm_job = actor.units["u1"].slurm_job_id
+        now = time.monotonic()
+        session = LauncherSession(job_id="lm-1", unit_id="u1", opened_at=now, last_heartbeat_at=now, store_port=1,
+                                  worker_pids=())
+        actor.put(Connected(session, launcher_pb2.Register(job_id="lm-1", unit_id="u1", secret="s", nodes=["n1"],
+                                                           address="127.0.0.1", store_port=1)))
+        actor.put(CancelRequested(0))
+        await settle(lambda: actor.units["u1"].state is UnitState.LEAVING)
+        leaver = actor.units["u1"]
+        assert leaver.facts.leaving_since is not None
+        leaver.facts = dataclasses.replace(leaver.facts, leaving_since=leaver.facts.leaving_since - (
+            actor.config.restart_grace_s + actor.config.heartbeat_timeout_s + 1))
+        fake.fail_next("cancel", SlurmTimeout(["scancel", str(slurm_job)], 10.0))
+        actor.put(Tick())
+        await settle(lambda: "unit_cancel_failed" in [e.kind for e in actor.store.events("lm-1")])
+        assert fake.get_job(slurm_job).state is SlurmJobState.RUNNING
+        failed = next(e for e in actor.store.events("lm-1") if e.kind == "unit_cancel_failed")
+        assert f"scancel {slurm_job}: no answer within 10s" in failed.reason
+        # The job ended (cancelled) meanwhile; the controller's next view still reaches it.
+        assert actor.job.state is JobState.CANCELLED
+        controller = Controller(actor.config, actor.store, ControllerMetrics())
+        controller.actors[actor.job.job_id] = actor
+        controller.observe_slurm(poll.poll(), time.monotonic())
+        await settle(lambda: fake.get_job(slurm_job).state is SlurmJobState.CANCELLED)
         task.cancel()
 
     asyncio.run(scenario())
