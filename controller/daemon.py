@@ -69,8 +69,12 @@ def server_options(config: ControllerConfig) -> list[tuple[str, Any]]:
 
 
 def _slurm_problem() -> str | None:
+    """Why Slurm does not answer, or None: its commands run and slurmctld answers them
+    (`scontrol --version` alone is answered by the local binary with slurmctld down)."""
     try:
-        default_client(timeout_s=10.0).version()
+        client = default_client(timeout_s=10.0)
+        client.version()
+        client.list_partitions()
     except SlurmError as error:
         return f"Slurm does not answer: {error}"
     return None

@@ -3,6 +3,9 @@ never reads as "nothing changed"."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from tidal.slurm import CliJsonSlurmClient, JobState, SlurmClient, SlurmTimeout, UnitSubmission
@@ -80,3 +83,21 @@ def test_a_poll_whose_reading_raises_anything_is_a_stale_view_not_a_dead_poll_lo
     stale = poll.poll()
     assert stale.stale and isinstance(stale.error, SlurmParseError) and stale.consecutive_failures == 1
     assert "unexpected AttributeError" in str(stale.error) and len(stale.nodes) == 2
+
+
+def test_readiness_asks_slurmctld_not_only_the_local_scontrol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under require_slurm the health check reported SERVING with slurmctld down: it ran
+    `scontrol --version`, which the local binary answers without asking slurmctld. The
+    check asks slurmctld too, and says why it is not ready, naming the command."""
+    from tidal.controller import daemon
+
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo "slurm 24.11.5"; exit 0; fi\n'
+                        'echo "slurm_load_partitions error: Unable to contact slurm controller (connect failure)" >&2\n'
+                        "exit 1\n")
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("TIDAL_SLURM_BACKEND", "cli")
+    problem = daemon._slurm_problem()
+    assert problem is not None and "Unable to contact slurm controller" in problem, problem
+    assert problem.startswith("Slurm does not answer: scontrol show partition")
