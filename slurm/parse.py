@@ -77,7 +77,7 @@ def load_document(text: str, key: str) -> tuple[str, list[Mapping[str, Any]]]:
     schema Tidal does not read is refused by its schema before anything else is looked at."""
     try:
         document = json.loads(text)
-    except ValueError as error:
+    except (ValueError, RecursionError) as error:  # (RecursionError: nested past Python's limit)
         raise SlurmParseError(f"Slurm printed no valid JSON: {error}") from None
     named = named_schema(document) if isinstance(document, dict) else None
     if named is not None:

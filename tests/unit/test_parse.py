@@ -174,6 +174,9 @@ def test_recorded_26_05_partitions_are_the_24_11_lines_as_the_source_said() -> N
 @pytest.mark.parametrize("text, message", [
     ("", "no valid JSON"),
     ("squeue: error: Unable to contact slurm controller", "no valid JSON"),
+    # Nested deeper than Python's recursion limit: json raised a RecursionError, which the
+    # submit check (`sinfo`) and `tidal nodes` passed on as gRPC UNKNOWN, not Slurm's fault.
+    ("[" * 100_000 + "]" * 100_000, "no valid JSON"),
     ('{"meta": {}, "jobs": "nope"}', "no 'jobs' list"),
     ('{"meta": {"plugin": {"type": "openapi/v0.0.39"}}, "jobs": []}', "unsupported Slurm JSON schema v0.0.39"),
     ('{"meta": {"plugin": {"data_parser": "data_parser/v0.0.46"}}, "jobs": []}',
