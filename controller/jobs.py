@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import os
 import sqlite3
@@ -418,6 +419,7 @@ class JobActor:
         if self._slurm is None:
             return
         client = self._slurm.client
+        post = self._poster()
 
         def cancel() -> None:
             try:
@@ -425,9 +427,21 @@ class JobActor:
             except SlurmJobNotFound:
                 pass  # (gone already: nothing left to cancel)
             except SlurmError as error:
-                self.put(CancelFailed(unit_id, slurm_job_id, str(error), unanswered=slurmctld_unanswered(error)))
+                post(CancelFailed(unit_id, slurm_job_id, str(error), unanswered=slurmctld_unanswered(error)))
 
         asyncio.get_running_loop().run_in_executor(None, cancel)
+
+    def _poster(self) -> Callable[[JobInput], None]:
+        """`put` for a thread of the executor (sbatch, scancel): asyncio's queue is the event
+        loop's alone; put from another thread, the actor waiting on it was not woken (until
+        the loop woke for something else), and under asyncio's debug mode never was."""
+        loop = asyncio.get_running_loop()
+
+        def post(item: JobInput) -> None:
+            with contextlib.suppress(RuntimeError):  # (the loop closed: the controller stops)
+                loop.call_soon_threadsafe(self.put, item)
+
+        return post
 
     def _submit(self, unit_id: str, excluded: tuple[str, ...]) -> None:
         slurm = self._slurm
@@ -435,6 +449,7 @@ class JobActor:
             self.put(UnitSubmitted(unit_id, 0, "this controller runs no units in Slurm"))
             return
         job_id, spec, owner_uid = self.job.job_id, self.job.spec, self.job.owner_uid
+        post = self._poster()
 
         def submit() -> None:
             # As the job's owner: the account is read when the unit is submitted, the unit's
@@ -447,11 +462,13 @@ class JobActor:
                     spec, job_id=job_id, unit_id=unit_id, launcher=slurm.launcher,
                     controller=slurm.controller_address, secret_path=files.secret, output_dir=files.folder,
                     exclude=excluded, owner=owner)
-                self.put(UnitSubmitted(unit_id, slurm.client.submit(submission)))
+                slurm_job_id = slurm.client.submit(submission)
             except SlurmError as error:
-                self.put(UnitSubmitted(unit_id, 0, str(error), answer_lost=answer_lost(error)))
+                post(UnitSubmitted(unit_id, 0, str(error), answer_lost=answer_lost(error)))
             except (OSError, owners.UnknownOwner, subprocess.SubprocessError) as error:
-                self.put(UnitSubmitted(unit_id, 0, str(error)))
+                post(UnitSubmitted(unit_id, 0, str(error)))
+            else:
+                post(UnitSubmitted(unit_id, slurm_job_id))
 
         asyncio.get_running_loop().run_in_executor(None, submit)
 

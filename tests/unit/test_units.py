@@ -277,6 +277,24 @@ def test_a_requeued_unit_is_cancelled_and_replaced_by_a_new_unit(tmp_path: Path)
     asyncio.run(scenario())
 
 
+def test_sbatchs_answer_from_the_executor_wakes_the_actor_under_asyncios_debug_mode(tmp_path: Path) -> None:
+    """sbatch and scancel run on executor threads; their answers reach the job's actor on
+    the event loop's thread (`call_soon_threadsafe`). Put on its asyncio queue from the
+    thread, the actor waiting on it was not woken until the loop woke for something else,
+    and under asyncio's debug mode (which checks that) never: its unit stayed with its
+    sbatch in flight for good."""
+    async def scenario() -> None:
+        fake = FakeSlurmClient.with_nodes(2)
+        actor = slurm_actor(tmp_path, fake, min_replicas=1, max_replicas=1)
+        task = asyncio.create_task(actor.run())
+        actor.put(SlurmObserved(ClusterPoll(fake).poll()))
+        await settle(lambda: "u1" in actor.units and actor.units["u1"].slurm_job_id)
+        assert not actor.units["u1"].facts.sbatch_in_flight and list(fake.jobs) == [1]
+        task.cancel()
+
+    asyncio.run(scenario(), debug=True)
+
+
 @pytest.mark.parametrize("lost", [
     SlurmTimeout(["sbatch", "--parsable"], 10.0),
     SlurmParseError("sbatch printed no job id: 'sbatch: warning: slurmctld slow'"),
