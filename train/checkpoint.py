@@ -147,8 +147,8 @@ class AsyncCheckpointer:
             return None
         try:
             payload = deserialize_payload(path.read_bytes())
-        except (OSError, ValueError, RuntimeError) as error:
-            log.warning("checkpoint_unreadable", path=str(path), error=str(error))
+        except Exception as error:  # torch.load raises many kinds on garbage (zeros, an empty file)
+            log.warning("checkpoint_unreadable", path=str(path), error=f"{type(error).__name__}: {error}")
             return None
         if digest(payload["state"]) != payload["state_digest"]:
             log.warning("checkpoint_digest_mismatch", path=str(path))

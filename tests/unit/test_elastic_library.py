@@ -246,6 +246,23 @@ def test_a_job_restarted_from_its_checkpoint_goes_on_at_the_exact_step_and_sampl
     assert attempts[0]["indices"] == GlobalOrder(50, seed=5).samples(newest * 12, 12)
 
 
+@pytest.mark.parametrize("content", [pytest.param(b"\0" * 4096, id="zeros"), pytest.param(b"", id="empty"),
+                                     pytest.param(b"step 25\n", id="text")])
+def test_a_newest_checkpoint_file_that_is_no_archive_is_skipped_when_a_job_restarts(tmp_path: Path,
+                                                                                     content: bytes) -> None:
+    """A file under a checkpoint's name that torch.load cannot even start on (zeros left by
+    a disk error, an empty file, text) is skipped like a torn one: the job resumes from the
+    checkpoint before it. torch.load raised UnpicklingError, EOFError or KeyError for these,
+    which ended the worker at its start."""
+    uninterrupted = _train(30)
+    _train(20, checkpoint_dir=tmp_path / "ckpt", every=10)
+    checkpoint_path(tmp_path / "ckpt", 25).write_bytes(content)
+    resumed = _train(30, checkpoint_dir=tmp_path / "ckpt", every=10)
+    assert resumed.step == 30
+    assert digest(capture(resumed.parts, resumed.counters)) == digest(capture(uninterrupted.parts,
+                                                                              uninterrupted.counters))
+
+
 def test_scaled_batch_follows_the_world_size_with_its_learning_rate_rule() -> None:
     linear = ScaledBatch(per_rank=8, lr_rule="linear", reference_world_size=2)
     assert linear.batch_for(4) == 32 and linear.lr_factor(4) == 2.0
