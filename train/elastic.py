@@ -279,7 +279,8 @@ class Elastic:
             # is. A handler the script installed itself (say, for Slurm's --signal) stays.
             faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
         joining = self.membership.open(os.environ, self._beat)
-        if self.state.checkpointer is not None and not joining:
+        if self.state.checkpointer is not None and not joining and not self.state.has_state:
+            # (A second train() call goes on from the state the first left, not from the disk.)
             self.state.load_checkpoint()
         self.membership.enter()
 

@@ -246,6 +246,17 @@ def test_a_job_restarted_from_its_checkpoint_goes_on_at_the_exact_step_and_sampl
     assert attempts[0]["indices"] == GlobalOrder(50, seed=5).samples(newest * 12, 12)
 
 
+def test_a_second_train_call_goes_on_from_the_first_not_from_the_checkpoint(tmp_path: Path) -> None:
+    """A script that trains in two calls (`train(4)`, an evaluation, `train(6)`) computes
+    what `train(6)` computes. The second call loaded the newest checkpoint again (step 3)
+    over the state it held (step 4): step 4 was taken twice."""
+    once = _train(6)
+    job = _train(4, checkpoint_dir=tmp_path / "ckpt", every=3)
+    steps = [result.step for result in job.train(6)]
+    assert steps == [5, 6]
+    assert digest(capture(job.parts, job.counters)) == digest(capture(once.parts, once.counters))
+
+
 @pytest.mark.parametrize("content", [pytest.param(b"\0" * 4096, id="zeros"), pytest.param(b"", id="empty"),
                                      pytest.param(b"step 25\n", id="text")])
 def test_a_newest_checkpoint_file_that_is_no_archive_is_skipped_when_a_job_restarts(tmp_path: Path,
