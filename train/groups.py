@@ -62,6 +62,21 @@ def fixed_world_store() -> Any:
     return _fixed_store
 
 
+# The fixed worlds this process formed groups in (`next_fixed_world_store`).
+_fixed_worlds = 0
+
+
+def next_fixed_world_store() -> Any:
+    """Where this process's next fixed world forms its groups: a prefix of its own on
+    `fixed_world_store()`, numbered in the order the process forms them (every rank forms
+    the same ones, one per `train()` call, in the same order). Under the keys of the one
+    before (a script that calls `train()` twice), a rank read a peer's previous, closed,
+    address: gloo's connect failed with "Connection refused", or the peers waited for it."""
+    global _fixed_worlds
+    _fixed_worlds += 1
+    return dist.PrefixStore(f"tidal/fixed/{_fixed_worlds}", fixed_world_store())
+
+
 @dataclasses.dataclass
 class Groups:
     """One generation's groups, as this rank sees them."""

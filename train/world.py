@@ -63,7 +63,7 @@ from tidal.train.backend import abort_from_outside, aborts_from_outside
 from tidal.train.backend import close_groups as close_groups_of
 from tidal.train.channel import ChannelClosed, WorkerChannel
 from tidal.train.errors import AccountingError, StateLost, StateMismatch, WorldBroken
-from tidal.train.groups import Collectives, Groups, fixed_world_store, form_groups
+from tidal.train.groups import Collectives, Groups, form_groups, next_fixed_world_store
 from tidal.train.ledger import Ledger
 from tidal.train.quick_exit import end_after_exit_handlers
 from tidal.train.shard_group import ShardGroup
@@ -397,8 +397,7 @@ class Membership:
             groups = None
             if self.world.world_size > 1:
                 timeout = datetime.timedelta(seconds=self.timeout_s)
-                groups = self._form_groups(dist.PrefixStore("tidal/fixed", fixed_world_store()), self.world,
-                                           timeout, timeout)
+                groups = self._form_groups(next_fixed_world_store(), self.world, timeout, timeout)
             self.groups = groups
             self._agree(groups, self.world)
             self.phase = Phase.FORMED
