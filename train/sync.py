@@ -380,7 +380,12 @@ class StateSync:
         refuses to train)."""
         if self.checkpointer is None:
             return ""
-        self.checkpointer.wait()
+        try:
+            self.checkpointer.wait()
+        except RuntimeError as error:
+            # A periodic checkpoint failed (logged as it did): the leave goes on, and the
+            # state is written below when asked (the disk may take it now).
+            self.log.warning("checkpoint_failed_before_leaving", error=str(error))
         if not save or not writes_on_leaving(has_state=self.has_state, shard_size=self.strategy.shard_size,
                                              local_rank=int(os.environ.get("LOCAL_RANK", "0"))):
             return ""

@@ -364,3 +364,28 @@ def test_a_sharded_replicas_shards_resume_from_one_step_when_a_shards_checkpoint
         return sync.counters.step
 
     assert _in_threads(2, body) == [resumed, resumed]
+
+
+def test_a_leaving_replica_saves_the_state_even_when_an_earlier_checkpoint_failed_to_write(tmp_path: Path) -> None:
+    """A periodic checkpoint failed (a file in the way, the disk full at the time); later
+    the unit is asked to leave holding the job's last copy. Waiting for the checkpoint in
+    flight raised that old error out of the leave: no state written, no `left`, the worker
+    ended with the error (exit 1) and the job lost its state. The leave says the old error
+    and writes the state."""
+    folder = tmp_path / "ckpt"
+    parts = _parts(seed=1, steps=5)
+    counters = Counters(step=5, position=20, global_batch=4, samples=20)
+    checkpointer = AsyncCheckpointer(folder)
+    sync = StateSync(parts, counters, strategy=DataParallel(), checkpointer=checkpointer, checkpoint_every=5,
+                     state_folder=None, bucket_bytes=1 << 20, device=torch.device("cpu"), collectives=Collectives(),
+                     ledger=Ledger(None))
+    sync.has_state = True
+    folder.write_text("a file where the checkpoint folder goes")
+    sync.after_commit(5, rank=0)
+    assert checkpointer._thread is not None
+    checkpointer._thread.join(10)
+    assert checkpointer.error is not None, "the periodic write failed"
+    folder.unlink()
+    assert sync.before_leaving(True) == str(folder)
+    saved = checkpointer.latest()
+    assert saved is not None and digest(saved) == digest(capture(parts, counters))
