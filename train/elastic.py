@@ -241,6 +241,10 @@ class Elastic:
         membership = self.membership
         try:
             self._open()
+            if self.counters.step >= steps and membership.live:
+                # The state already holds the last step (a job resumed at its end): training
+                # is over, said as when the last step commits; no step is taken.
+                self._finish()
             while self.counters.step < steps:
                 # Recovery runs outside the except clause (see `guarded`).
                 broken = guarded(self._attempt_step)
@@ -259,8 +263,7 @@ class Elastic:
                     else:
                         change_pending = voted
                 if self.counters.step >= steps and membership.live:
-                    membership.finish(result.generation)
-                    self.state.remove_state_folder(self.rank)
+                    self._finish()
                 yield result
                 if broke_after is not None:
                     # The step stands (every rank's vote on it returned); the world broke after it.
@@ -272,6 +275,14 @@ class Elastic:
             raise SystemExit(EXIT_STATE_LOST) from lost
         finally:
             self._close()
+
+    def _finish(self) -> None:
+        """The job's last step is committed: tell the launcher (`Membership.finish`), and drop
+        the state a leaving replica wrote, of no more use."""
+        world = self.membership.world
+        assert world is not None
+        self.membership.finish(world.generation)
+        self.state.remove_state_folder(self.rank)
 
     def _open(self) -> None:
         if signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:

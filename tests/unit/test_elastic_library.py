@@ -5,13 +5,17 @@ channel, and whole training runs in a world of one (in this process)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import json
+import queue
+import signal
 import threading
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.utils.data import TensorDataset
 
 from tidal.launcher.control import LauncherChannel, WorkerSaid
@@ -272,6 +276,40 @@ def test_a_newest_checkpoint_file_that_is_no_archive_is_skipped_when_a_job_resta
     assert resumed.step == 30
     assert digest(capture(resumed.parts, resumed.counters)) == digest(capture(uninterrupted.parts,
                                                                               uninterrupted.counters))
+
+
+def test_a_live_job_whose_state_holds_its_last_step_says_it_finished_and_takes_no_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Live mode, a world of one under a launcher (its control channel, a store): the job's
+    state already holds its last step (its checkpoint of step 6, of `train(6)`). The worker
+    takes no step, and says `finished` as when it commits the last step: the job is over and
+    the script's code after the loop runs as after training. It said nothing and returned,
+    so the job went on until its worker exited (no `job_finishing` at the step)."""
+    _train(6, checkpoint_dir=tmp_path / "ckpt", every=3)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    said: queue.Queue[WorkerSaid] = queue.Queue()
+    loop = asyncio.new_event_loop()
+    server = LauncherChannel(tmp_path / "control.sock", post=said.put)
+    serving = threading.Thread(target=loop.run_forever, daemon=True)
+    serving.start()
+    asyncio.run_coroutine_threadsafe(server.start(), loop).result(5)
+    for name, value in {"TIDAL_CONTROL_SOCKET": str(server.path), "TIDAL_GENERATION": "1", "RANK": "0",
+                        "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(store.port), "TIDAL_TARGET_STEP": "6"}.items():
+        monkeypatch.setenv(name, value)
+    results: list[float | None] = []
+    messages: list[Message] = []
+    try:
+        job = _train(6, checkpoint_dir=tmp_path / "ckpt", every=3, norms=results)
+        with contextlib.suppress(queue.Empty):
+            while not messages or not isinstance(messages[-1], (Finished, Left)):
+                messages.append(said.get(timeout=2).message)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        loop.call_soon_threadsafe(loop.stop)
+        serving.join(5)
+    assert job.step == 6 and results == []
+    assert Finished(generation=1, step=6) in messages, messages
 
 
 def test_scaled_batch_follows_the_world_size_with_its_learning_rate_rule() -> None:
