@@ -783,9 +783,12 @@ class Membership:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         self._sigterm_held = True
         wait_s = float(os.environ.get("TIDAL_TERM_WAIT_S", TERM_WAIT_S))
-        self.log.info("sigterm_held", wait_s=wait_s, step=self.counters.step)
 
         def end_unless_leaving() -> None:
+            # Logged here, not in the handler: the handler runs on the main thread wherever
+            # it was, perhaps in the middle of writing a log line, holding the (not
+            # reentrant) lock of structlog's output; logging there waited for it for ever.
+            self.log.info("sigterm_held", wait_s=wait_s, step=self.counters.step)
             deadline = time.monotonic() + wait_s
             while time.monotonic() < deadline:
                 if self.phase is Phase.LEAVING or self._leave_announced():

@@ -222,6 +222,36 @@ def test_a_change_is_coming_once_the_launcher_says_so_or_slurms_sigterm_came() -
     assert membership.change_coming()
 
 
+SIGTERM_WHILE_LOGGING = """
+import os, signal, sys, time
+from structlog._output import _get_lock_for_file
+from tidal.train.ledger import Ledger
+from tidal.train.state import Counters
+from tidal.train.world import Membership
+
+os.environ["TIDAL_TERM_WAIT_S"] = "0.5"
+membership = Membership(backend="gloo", shard_size=1, shard_rank=0, timeout_s=5.0, counters=Counters(),
+                        ledger=Ledger(None), agree=lambda groups, world: (0, ""), before_leaving=lambda save: "")
+signal.signal(signal.SIGTERM, membership._on_sigterm)
+with _get_lock_for_file(sys.stdout):  # the main thread in the middle of writing a log line
+    signal.raise_signal(signal.SIGTERM)
+time.sleep(10)
+"""
+
+
+def test_slurms_sigterm_held_while_the_worker_writes_a_log_line_still_ends_it_after_the_wait() -> None:
+    """The first SIGTERM, held for TIDAL_TERM_WAIT_S with no leave announced, ends the worker
+    as SIGTERM does. Its handler logged, on the main thread, which may be inside structlog's
+    write (its lock held; a blocked write to the launcher's pipe runs the handler right
+    there): the handler waited for that lock for ever, and the worker hung."""
+    import subprocess
+    import sys
+
+    child = subprocess.run([sys.executable, "-c", SIGTERM_WHILE_LOGGING], capture_output=True, text=True, timeout=15)
+    assert child.returncode == -signal.SIGTERM, (child.returncode, child.stdout[-1000:], child.stderr[-1000:])
+    assert "sigterm_held" in child.stdout
+
+
 def test_a_broken_world_waits_for_the_next_and_a_stop_while_forming_waits_again() -> None:
     # Generation 3 is stopped before this rank reached its store, and generation 4 named:
     # it tells this unit to leave holding the job's last copy of the state.
