@@ -59,7 +59,7 @@ from torch.utils.data import default_collate
 
 from tidal.proto.control import EXIT_STATE_LOST, Beat, World
 from tidal.train.backend import device_mismatch, prepare_worker
-from tidal.train.batch import BatchPolicy, FixedBatch, ScaledBatch
+from tidal.train.batch import BatchPolicy, FixedBatch, ScaledBatch, scale_learning_rates
 from tidal.train.data import GlobalOrder, StepSamples, micro_batches, step_samples
 from tidal.train.errors import AccountingError, StateLost, StateMismatch, WorldBroken, raised_by_a_collective
 from tidal.train.groups import Collectives, Groups, start_world_allreduce
@@ -176,7 +176,6 @@ class Elastic:
         folder = checkpoint_path or state_folder
         checkpointer = checkpointer_for(folder, self.strategy) if folder is not None else None
         self.ledger = Ledger(Path(ledger_dir) if ledger_dir else None)
-        self.base_lrs = [group["lr"] for group in optimizer.param_groups]
         self.params = [p for p in model.parameters() if p.requires_grad]
         # The model's modules, each step's training mode checked on them (`_train_mode`).
         self._modules = list(model.modules())
@@ -321,9 +320,9 @@ class Elastic:
     def _apply_batch_policy(self, world_size: int) -> None:
         self.counters.global_batch = self.policy.batch_for(world_size)
         if isinstance(self.policy, ScaledBatch):
-            factor = self.policy.lr_factor(world_size)
-            for group, base in zip(self.parts.optimizer.param_groups, self.base_lrs, strict=True):
-                group["lr"] = base * factor
+            # From the factor the state's lr holds (the scheduler's decay kept), not from the
+            # lr the optimizer was made with: that undid the decay at each world change.
+            scale_learning_rates(self.parts.optimizer, self.parts.scheduler, self.policy.lr_factor(world_size))
 
     def _close(self) -> None:
         try:

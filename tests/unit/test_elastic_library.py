@@ -322,6 +322,62 @@ def test_scaled_batch_follows_the_world_size_with_its_learning_rate_rule() -> No
     assert job.counters.global_batch == 10 and job.parts.optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
 
 
+def test_a_scaled_learning_rate_keeps_the_schedulers_decay_across_world_changes() -> None:
+    """ScaledBatch with a scheduler: each world formation set lr to the optimizer's first lr
+    × the new factor, undoing the scheduler's decay (StepLR: 0.025 back to 0.1), and a
+    scheduler that recomputes lr from its base_lrs (LambdaLR) undid the factor at its next
+    step. Now the factor the state's lr holds is replaced by the new one, and a joiner that
+    received the state (optimizer and scheduler) scales from what it received."""
+    from tidal.train.batch import scale_learning_rates
+
+    def parts(kind: str) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+        optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+        scheduler = (torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5) if kind == "step"
+                     else torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 0.5 ** epoch))
+        return optimizer, scheduler
+
+    for kind in ("step", "lambda"):
+        optimizer, scheduler = parts(kind)
+        scale_learning_rates(optimizer, scheduler, 2.0)  # a world of 4, reference 2
+        optimizer.step()
+        scheduler.step()
+        optimizer.step()
+        scheduler.step()  # decayed twice: 0.1 × 2 × 0.25
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05), kind
+        scale_learning_rates(optimizer, scheduler, 1.0)  # the world shrinks to 2
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(0.025), kind
+        # A joiner: made with lr 0.1, it receives the state, then the world of 3 forms.
+        joiner, joiner_scheduler = parts(kind)
+        joiner.load_state_dict(optimizer.state_dict())
+        joiner_scheduler.load_state_dict(scheduler.state_dict())
+        for holder, its_scheduler in ((optimizer, scheduler), (joiner, joiner_scheduler)):
+            scale_learning_rates(holder, its_scheduler, 1.5)
+            assert holder.param_groups[0]["lr"] == pytest.approx(0.0375), kind
+            holder.step()
+            its_scheduler.step()  # the decay goes on from there, the factor kept
+            assert holder.param_groups[0]["lr"] == pytest.approx(0.01875), kind
+
+
+def test_a_second_world_under_scaled_batch_keeps_the_decayed_learning_rate() -> None:
+    """Through `Elastic`: a script that trains in two calls (each forms its world) under
+    ScaledBatch with StepLR. The second world's formation set lr back to the first one
+    (0.1), as if the scheduler had never stepped."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+    def loss_fn(model: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(model(batch[0]), batch[1], reduction="sum")
+
+    job = Elastic(model, optimizer, _dataset(), loss_fn=loss_fn, batch_policy=ScaledBatch(per_rank=4),
+                  lr_scheduler=scheduler, seed=5)
+    list(job.train(2))
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.025)
+    list(job.train(3))
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.0125)
+
+
 def test_a_step_that_miscounts_its_samples_fails_loudly() -> None:
     expected = GlobalOrder(50, seed=5).samples(12, 12)
     control = torch.tensor([11.0, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
