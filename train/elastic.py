@@ -70,7 +70,7 @@ from tidal.train.state import Counters, TrainingParts
 from tidal.train.strategy import DataParallel, Strategy
 from tidal.train.sync import StateSync, checkpointer_for, leave_state_folder
 from tidal.train.transfer import DEFAULT_BUCKET_BYTES
-from tidal.train.world import TERM_WAIT_S, Membership, guarded
+from tidal.train.world import TERM_WAIT_S, Membership, Phase, guarded
 
 __all__ = ["CHECKSUM_MODULUS", "TERM_WAIT_S", "AccountingError", "BatchPolicy", "Elastic", "FixedBatch", "Ledger",
            "ScaledBatch", "StateLost", "StateMismatch", "StepResult", "WorldBroken", "check_accounting",
@@ -238,6 +238,13 @@ class Elastic:
         live rank holds it and there is no checkpoint) it exits with EXIT_STATE_LOST rather
         than train from step 0."""
         membership = self.membership
+        if membership.phase is Phase.FINISHED:
+            # Live mode: the launcher was told the job finished (and the job is finishing);
+            # another world cannot form. Steps in chunks: one train(total), with the
+            # evaluation inside the loop.
+            raise RuntimeError(f"train() already ran this job to its end (step {self.counters.step}, its launcher "
+                               "told): in live mode call train(steps) once, with the job's last step, and "
+                               "evaluate inside its loop")
         try:
             self._open()
             if self.counters.step >= steps and membership.live:

@@ -285,7 +285,9 @@ def test_a_live_job_whose_state_holds_its_last_step_says_it_finished_and_takes_n
     takes no step, and says `finished` as when it commits the last step: the job is over and
     the script's code after the loop runs as after training. It said nothing and returned,
     so the job went on until its worker exited (no `job_finishing` at the step)."""
-    _train(6, checkpoint_dir=tmp_path / "ckpt", every=3)
+    # (Every 6: the one write is step 6's. Every 3, step 6's was skipped when step 3's was
+    # still being written, as designed, and the job resumed at 3.)
+    _train(6, checkpoint_dir=tmp_path / "ckpt", every=6)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     said: queue.Queue[WorkerSaid] = queue.Queue()
     loop = asyncio.new_event_loop()
@@ -300,7 +302,7 @@ def test_a_live_job_whose_state_holds_its_last_step_says_it_finished_and_takes_n
     results: list[float | None] = []
     messages: list[Message] = []
     try:
-        job = _train(6, checkpoint_dir=tmp_path / "ckpt", every=3, norms=results)
+        job = _train(6, checkpoint_dir=tmp_path / "ckpt", every=6, norms=results)
         with contextlib.suppress(queue.Empty):
             while not messages or not isinstance(messages[-1], (Finished, Left)):
                 messages.append(said.get(timeout=2).message)
@@ -310,6 +312,9 @@ def test_a_live_job_whose_state_holds_its_last_step_says_it_finished_and_takes_n
         serving.join(5)
     assert job.step == 6 and results == []
     assert Finished(generation=1, step=6) in messages, messages
+    # Called again (steps in chunks): the job was told over; a clear error, no world.
+    with pytest.raises(RuntimeError, match=r"train\(\) already ran this job to its end \(step 6"):
+        next(job.train(8))
 
 
 def test_scaled_batch_follows_the_world_size_with_its_learning_rate_rule() -> None:
