@@ -255,6 +255,21 @@ async def settle(check: Callable[[], object], timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
+async def registered_then_cancelled(actor: JobActor, poll: ClusterPoll) -> int:
+    """The actor's one unit submitted, its launcher registered, then the job cancelled:
+    the unit is LEAVING. Its Slurm job id."""
+    actor.put(SlurmObserved(poll.poll()))
+    await settle(lambda: "u1" in actor.units and actor.units["u1"].slurm_job_id)
+    now = time.monotonic()
+    session = LauncherSession(job_id="lm-1", unit_id="u1", opened_at=now, last_heartbeat_at=now, store_port=1,
+                              worker_pids=())
+    actor.put(Connected(session, launcher_pb2.Register(job_id="lm-1", unit_id="u1", secret="s", nodes=["n1"],
+                                                       address="127.0.0.1", store_port=1)))
+    actor.put(CancelRequested(0))
+    await settle(lambda: actor.units["u1"].state is UnitState.LEAVING)
+    return actor.units["u1"].slurm_job_id
+
+
 def test_a_requeued_unit_is_cancelled_and_replaced_by_a_new_unit(tmp_path: Path) -> None:
     async def scenario() -> None:
         fake = FakeSlurmClient.with_nodes(2)
@@ -406,16 +421,7 @@ def test_a_unit_that_does_not_leave_in_time_is_cancelled_in_slurm(tmp_path: Path
         fake = FakeSlurmClient.with_nodes(2)
         actor = slurm_actor(tmp_path, fake, min_replicas=1, max_replicas=1)
         task = asyncio.create_task(actor.run())
-        actor.put(SlurmObserved(ClusterPoll(fake).poll()))
-        await settle(lambda: "u1" in actor.units and actor.units["u1"].slurm_job_id)
-        slurm_job = actor.units["u1"].slurm_job_id
-        now = time.monotonic()
-        session = LauncherSession(job_id="lm-1", unit_id="u1", opened_at=now, last_heartbeat_at=now, store_port=1,
-                                  worker_pids=())
-        actor.put(Connected(session, launcher_pb2.Register(job_id="lm-1", unit_id="u1", secret="s", nodes=["n1"],
-                                                           address="127.0.0.1", store_port=1)))
-        actor.put(CancelRequested(0))
-        await settle(lambda: actor.units["u1"].state is UnitState.LEAVING)
+        slurm_job = await registered_then_cancelled(actor, ClusterPoll(fake))
         # The launcher was told to leave and hangs: within the grace nothing happens ...
         actor.put(Tick())
         await asyncio.sleep(0.05)
@@ -444,16 +450,7 @@ def test_a_cancel_that_slurm_did_not_answer_is_made_again_on_the_next_view_that_
         actor = slurm_actor(tmp_path, fake, min_replicas=1, max_replicas=1)
         task = asyncio.create_task(actor.run())
         poll = ClusterPoll(fake)
-        actor.put(SlurmObserved(poll.poll()))
-        await settle(lambda: "u1" in actor.units and actor.units["u1"].slurm_job_id)
-        slurm_job = actor.units["u1"].slurm_job_id
-        now = time.monotonic()
-        session = LauncherSession(job_id="lm-1", unit_id="u1", opened_at=now, last_heartbeat_at=now, store_port=1,
-                                  worker_pids=())
-        actor.put(Connected(session, launcher_pb2.Register(job_id="lm-1", unit_id="u1", secret="s", nodes=["n1"],
-                                                           address="127.0.0.1", store_port=1)))
-        actor.put(CancelRequested(0))
-        await settle(lambda: actor.units["u1"].state is UnitState.LEAVING)
+        slurm_job = await registered_then_cancelled(actor, poll)
         leaver = actor.units["u1"]
         assert leaver.facts.leaving_since is not None
         leaver.facts = dataclasses.replace(leaver.facts, leaving_since=leaver.facts.leaving_since - (
