@@ -8,7 +8,10 @@ worker is not started at all. A command that cannot be run (no such file, not ex
 exits 127, as a shell's does, and says why in the worker's error file
 (TORCHELASTIC_ERROR_FILE, when its environment names one), where the launcher reads a
 failed worker's own account: the job's events then name the command and the error, not
-only the exit code."""
+only the exit code. SIGPIPE and SIGXFSZ, which Python ignores at its start (and an exec
+keeps ignored), are set back to their default first, as subprocess's `restore_signals`
+does for torchrun's workers: a shell script's `yes | head` ends its writer by SIGPIPE, not
+with EPIPE and "Broken pipe"."""
 
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ import signal
 import sys
 
 _PR_SET_PDEATHSIG = 1
+# What Python ignores at its start, and subprocess.Popen(restore_signals=True) restores.
+_RESTORED_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ)
 
 
 def main(argv: list[str]) -> int:
@@ -32,6 +37,8 @@ def main(argv: list[str]) -> int:
     if os.getppid() != int(argv[0]):
         return 1
     command = argv[1:]
+    for signum in _RESTORED_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
     try:
         os.execvp(command[0], command)
     except OSError as error:

@@ -1,10 +1,12 @@
 """What a torchrun script sees under a real launcher: the environment torchrun sets, its
-exception (written by torch's `@record`) in the failure event, and a rendezvous store that
-listens on the launcher's address only."""
+exception (written by torch's `@record`) in the failure event, the signal dispositions a
+worker that is no Python program starts with, and a rendezvous store that listens on the
+launcher's address only."""
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -63,6 +65,33 @@ def test_a_record_decorated_workers_exception_is_in_the_failure_event(tidal_run:
                    "TORCHELASTIC_MAX_RESTARTS": "2147483647", "TORCHELASTIC_RUN_ID": job.job_id,
                    "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
     assert env["TORCHELASTIC_ERROR_FILE"].endswith("/errors/generation-1/local-rank-0.json")
+
+
+# A worker that is a shell script (torchrun --no-python): how a pipe whose reader went
+# ends for its writer, and the signals it started with ignored (/proc's SigIgn mask).
+SHELL_SCRIPT = """#!/bin/bash
+yes | head -n 1 > /dev/null
+echo "${PIPESTATUS[0]}" > "$1.partial"
+grep '^SigIgn:' /proc/$$/status | cut -f2 >> "$1.partial"
+mv "$1.partial" "$1"
+"""
+
+
+def test_a_shell_worker_starts_with_sigpipe_and_sigxfsz_at_their_default(tidal_run: TidalRun, tmp_path: Path) -> None:
+    # torchrun starts its workers with subprocess.Popen, whose restore_signals puts back
+    # the dispositions Python ignores at its start: a writer to a closed pipe dies of
+    # SIGPIPE (exit status 141 in the shell), as in a terminal.
+    script = tmp_path / "pipes.sh"
+    script.write_text(SHELL_SCRIPT)
+    script.chmod(0o755)
+    seen = tmp_path / "pipes.txt"
+    tidal_run.submit(min_replicas=1, max_replicas=1, command=[str(script), str(seen)])
+    tidal_run.start_launcher("u1")
+
+    status, ignored = wait_until(lambda: seen.exists() and seen.read_text().split(), 60, "the shell worker's report")
+    assert status == str(128 + signal.SIGPIPE), f"yes | head: yes exited {status}, not killed by SIGPIPE"
+    mask = int(ignored, 16)
+    assert not mask & (1 << (signal.SIGPIPE - 1)) and not mask & (1 << (signal.SIGXFSZ - 1)), ignored
 
 
 def test_the_rendezvous_store_listens_on_the_launchers_address_only(tidal_run: TidalRun) -> None:
