@@ -42,6 +42,7 @@ def main(argv: list[str]) -> int:
     try:
         os.execvp(command[0], command)
     except OSError as error:
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # (Python's again: say why, even to a closed pipe)
         message = f"cannot run {command[0]}: {error.strerror}"
         print(f"deathsig: {message}", file=sys.stderr)
         _write_error_file(message)
