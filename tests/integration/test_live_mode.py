@@ -216,10 +216,15 @@ def test_live_grow_kill_leave_matches_a_fixed_run(tidal_run: TidalRun, tmp_path:
     # of a leave too, which its world may have overtaken; no other world took that vote
     # (the kill came with no word before it): the word ends with the world it announced.
     end_votes = [r for r in records if r["kind"] == "end_vote"]
-    assert formed.generation in {r["generation"] for r in end_votes} <= {formed.generation, reformed.generation}
+    assert {r["generation"] for r in end_votes} <= {formed.generation, reformed.generation}
     before_grow = [r for r in end_votes if r["generation"] == formed.generation]
-    assert {r["pid"] for r in before_grow} == {pids[host], pids[other]}
-    assert len(before_grow) >= 2 * 3, "a vote at each step's end while the joiner starts"
+    # (Steps take about 20 ms. A joiner whose workers, started on standby at its
+    # registration, were up by the time the grow was decided leaves no step's end to vote
+    # at: its world follows the word at once. That happened on a loaded host.)
+    [ready] = [e for e in controller.events(job_id) if e.kind == "joiners_ready" and e.generation == grown.generation]
+    if float(ready.fields["decision_to_ready_s"]) >= 0.5:
+        assert {r["pid"] for r in before_grow} == {pids[host], pids[other]}
+        assert len(before_grow) >= 2 * 3, "a vote at each step's end while the joiner starts"
 
     # Recovery time, recorded as an event.
     assert float(recovered.fields["failure_to_first_step_s"]) > 0
