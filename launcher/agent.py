@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--secret-file", default=None, help="file holding the job's secret ($TIDAL_SECRET_FILE)")
     parser.add_argument("--address", default=env("TIDAL_ADDRESS"),
                         help="address other nodes reach this one at ($TIDAL_ADDRESS; default the host name)")
-    parser.add_argument("--tls-ca", type=Path, default=env("TIDAL_TLS_CA"),
+    parser.add_argument("--tls-ca", type=Path, default=env("TIDAL_TLS_CA") or None,
                         help="CA certificate to verify the controller's TLS ($TIDAL_TLS_CA)")
     parser.add_argument("--leave-timeout", type=float, default=20.0,
                         help="seconds after SIGTERM to wait for the controller before leaving alone")
@@ -87,6 +87,14 @@ def main(argv: list[str] | None = None) -> int:
         print("tidal-launcher: no job secret (set --secret-file, $TIDAL_SECRET_FILE or $TIDAL_JOB_SECRET)",
               file=sys.stderr)
         return EXIT_USAGE
+    if args.tls_ca is not None:
+        # Read by each session with the controller: unreadable, the link ended unseen and the
+        # launcher waited out --connect-timeout, then exited with a traceback.
+        try:
+            args.tls_ca.read_bytes()
+        except OSError as error:
+            print(f"tidal-launcher: cannot read the TLS CA certificate (--tls-ca): {error}", file=sys.stderr)
+            return EXIT_USAGE
     host = socket.gethostname()
     slurm_job_id = int(os.environ.get("SLURM_JOB_ID", "0") or 0)
     nodename = os.environ.get("SLURMD_NODENAME", host)

@@ -56,6 +56,32 @@ def test_daemons_refuse_bad_configuration_with_exit_2(tmp_path: Path) -> None:
     assert result.returncode == 2 and "no job secret" in result.stderr
 
 
+@pytest.mark.parametrize("ca", ["missing", "empty variable"])
+def test_a_launcher_whose_tls_ca_cannot_be_read_says_so_at_once_with_exit_2(tmp_path: Path, ca: str) -> None:
+    """--tls-ca naming no file, or $TIDAL_TLS_CA set but empty (a batch script's export
+    with TLS off, which argparse made the path "."): the link read it at its first session
+    and ended there unseen, and the launcher waited out --connect-timeout (10 minutes by
+    default), then exited 1 with a traceback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")}
+    env["TIDAL_JOB_SECRET"] = "s"
+    argv = [sys.executable, "-m", "tidal.launcher.agent", "--controller", "127.0.0.1:1", "--job", "j",
+            "--unit", "u1", "--address", "127.0.0.1"]
+    if ca == "missing":
+        argv += ["--tls-ca", str(tmp_path / "ca.pem"), "--connect-timeout", "120"]
+    else:
+        env["TIDAL_TLS_CA"] = ""
+        argv += ["--connect-timeout", "3"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+    if ca == "missing":
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert "cannot read the TLS CA certificate (--tls-ca)" in result.stderr and "ca.pem" in result.stderr
+        assert "Traceback" not in result.stderr
+    else:
+        # An empty variable is no CA: a plain connection, which here finds no controller.
+        assert result.returncode == 4, result.stderr[-2000:]
+        assert "Traceback" not in result.stderr
+
+
 @pytest.mark.parametrize("case", ["state folder under a file", "metrics port taken", "TLS key missing"])
 def test_a_controller_that_cannot_get_what_it_needs_at_start_says_what_in_one_line(tmp_path: Path, case: str) -> None:
     """The state folder cannot be made (a path under a file, a read-only mount), the metrics
