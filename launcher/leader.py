@@ -207,7 +207,14 @@ class Agent(NodeAgent[LauncherOptions]):
         else:
             # The unit registers once every node is there: the controller then sees whole
             # replicas only.
-            await self.hub.start()
+            try:
+                await self.hub.start()
+            except OSError as error:
+                self.log.error("unit_channel_not_served", error=str(error))
+                print(f"tidal-launcher: cannot serve the unit's other nodes: {error} (--node-port-base picks "
+                      "other ports)", file=sys.stderr)
+                self.finish(LauncherState.FAILED, EXIT_USAGE, "cannot serve the unit's other nodes")
+                return False
         self.log.info("launcher_started", controller=self.options.controller, address=self.options.address,
                       store_port=self.store_port, pid=os.getpid(), nodes=list(self.options.nodes))
         return True

@@ -8,6 +8,8 @@ import asyncio
 import os
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -240,3 +242,39 @@ async def wait_until(condition: Callable[[], object], timeout_s: float = 5.0) ->
     while not condition():
         assert time.monotonic() < deadline, "not in time"
         await asyncio.sleep(0.05)
+
+
+def test_a_leader_that_finds_none_of_its_ports_free_says_so_in_one_line_with_exit_2(tmp_path: Path) -> None:
+    """Every port of the leader's list is taken (another service, a neighbouring job's
+    leader on a base that overlaps): the leader exits 2 with one line naming the ports and
+    --node-port-base. The OSError went out of the loop: a traceback, exit 1, after a
+    'launcher_exited' line that said exit_code 0."""
+    taken: list[socket.socket] = []
+    try:
+        for base in range(31000, 60000, 97):
+            try:
+                for port in leader_ports(0, base=base):
+                    listener = socket.socket()
+                    taken.append(listener)
+                    listener.bind(("", port))
+                    listener.listen()
+                break
+            except OSError:
+                for listener in taken:
+                    listener.close()
+                taken.clear()
+        assert taken, "no run of 8 free ports to take"
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TIDAL_", "SLURM_"))}
+        env.update({"TIDAL_JOB_SECRET": "s", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NODEID": "0",
+                    "SLURM_JOB_ID": "0", "TMPDIR": str(tmp_path)})
+        result = subprocess.run(
+            [sys.executable, "-m", "tidal.launcher.agent", "--controller", "127.0.0.1:1", "--job", "j",
+             "--address", "127.0.0.1", "--unit-nodes", "2", "--node-port-base", str(base), "--connect-timeout", "60"],
+            capture_output=True, text=True, timeout=120, env=env)
+    finally:
+        for listener in taken:
+            listener.close()
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert f"cannot serve the unit's other nodes: no free port among [{base}," in result.stderr
+    assert "--node-port-base" in result.stderr
