@@ -95,7 +95,10 @@ class NodeAgent(Generic[OptionsT]):
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        # SIGHUP (the terminal it was started from closed) and SIGQUIT (^\\) as torchrun's
+        # agent takes them: like SIGTERM. By default they ended the launcher at once, its
+        # workers SIGKILLed with it and the controller told nothing.
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
             loop.add_signal_handler(signum, self.events.put_nowait, SignalReceived(signum))
         ticker: asyncio.Task[None] | None = None
         try:
