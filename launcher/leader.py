@@ -31,11 +31,12 @@ from tidal.launcher.events import SignalReceived, WorkersStopped
 from tidal.launcher.lifecycle import (
     EXIT_REFUSED,
     EXIT_UNIT_FAILED,
+    EXIT_UNREACHABLE,
     EXIT_USAGE,
     TICK_INTERVAL_S,
     LauncherState,
 )
-from tidal.launcher.link import ControllerLink, ControllerSaid, LinkDown, LinkRefused, LinkUp
+from tidal.launcher.link import ControllerLink, ControllerSaid, LinkBroken, LinkDown, LinkRefused, LinkUp
 from tidal.launcher.live import LIVE_TERM_REPEAT_S, LiveMode
 from tidal.launcher.liveness import Now, Observations, WorkerWatch
 from tidal.launcher.node import NodeAgent
@@ -276,6 +277,8 @@ class Agent(NodeAgent[LauncherOptions]):
                 self._on_registered(registered)
             case LinkDown(error):
                 self.log.warning("controller_lost", error=error, state=self.state.value)
+            case LinkBroken(error):
+                self.finish(LauncherState.FAILED, EXIT_UNREACHABLE, f"the link to the controller broke: {error}")
             case LinkRefused(code, details):
                 self.finish(LauncherState.FAILED, EXIT_REFUSED, f"controller refused this launcher: {code.name}: "
                             f"{details}")

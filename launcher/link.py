@@ -48,11 +48,20 @@ class LinkRefused:
 
 
 @dataclasses.dataclass(frozen=True)
+class LinkBroken:
+    """The link itself failed (a fault of this process: a certificate it can no longer
+    read, a bug): it does not reconnect. Said, where it ended unseen and the launcher
+    waited out its connect timeout."""
+
+    error: str
+
+
+@dataclasses.dataclass(frozen=True)
 class ControllerSaid:
     message: launcher_pb2.ControllerMessage
 
 
-LinkEvent = LinkUp | LinkDown | LinkRefused | ControllerSaid
+LinkEvent = LinkUp | LinkDown | LinkRefused | LinkBroken | ControllerSaid
 
 
 # What a session writes stays under the controller's default bound on a launcher's
@@ -153,6 +162,13 @@ class ControllerLink:
         return grpc.aio.insecure_channel(self.target, options=options)
 
     async def run(self) -> None:
+        try:
+            await self._run()
+        except Exception as error:  # said (LinkBroken), not left in a task nobody reads
+            log.exception("controller_link_broken", target=self.target)
+            self._post(LinkBroken(f"{type(error).__name__}: {error}"))
+
+    async def _run(self) -> None:
         attempt = 0
         while self._reconnecting():
             error = await self._session()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from pathlib import Path
 
 import grpc
 
@@ -187,3 +188,18 @@ def test_the_pacer_allows_a_burst_then_its_rate() -> None:
     # After its wait, the next comes 0.1 s later again.
     assert abs(pacer.wait(now + 0.1) - 0.1) < 1e-9
     assert pacer.wait(now + 10.0) == 0.0
+
+
+def test_a_link_that_fails_in_itself_says_so_instead_of_ending_unseen(tmp_path: Path) -> None:
+    """A fault of the link itself, not the controller's absence (here its CA certificate,
+    read at each session, gone since the launcher's start): it posts LinkBroken naming the
+    error, and the launcher fails at once. The task ended with the exception, which nobody
+    read, and the launcher waited out --connect-timeout (10 minutes by default)."""
+    from tidal.launcher.link import LinkBroken, LinkEvent
+
+    said: list[LinkEvent] = []
+    link = ControllerLink(f"127.0.0.1:{unused_port()}", register=launcher_pb2.Register, post=said.append,
+                          tls_ca=tmp_path / "rotated-away.pem")
+    asyncio.run(asyncio.wait_for(link.run(), timeout=30))
+    assert len(said) == 1 and isinstance(said[0], LinkBroken), said
+    assert said[0].error.startswith("FileNotFoundError") and "rotated-away.pem" in said[0].error
