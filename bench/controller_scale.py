@@ -166,11 +166,10 @@ def measure(folder: Path, launchers: int, window_s: float, windows: int, broadca
             count = min(LAUNCHERS_PER_CLIENT, launchers - first)
             log = open(folder / f"client-{first}.log", "wb")  # noqa: SIM115
             clients.append(subprocess.Popen(
-                [sys.executable, "-m", "bench.controller_scale", "--client", "--target", controller.address,
-                 "--job", job_id, "--secret", secret, "--first", str(first), "--count", str(count),
-                 "--trigger", str(trigger), "--done", str(done), "--out", str(folder / f"client-{first}.jsonl"),
-                 "--victims", str(broadcasts), *(["--victim"] if first == 0 else [])], stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True))
+                [sys.executable, "-m", "bench.controller_scale", *client_arguments(
+                    target=controller.address, job_id=job_id, secret=secret, first=first, count=count,
+                    trigger=trigger, done=done, out=folder / f"client-{first}.jsonl", victims=broadcasts)],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
             log.close()
 
         def running(replicas: int) -> admin_pb2.Job | None:
@@ -247,7 +246,17 @@ def measure(folder: Path, launchers: int, window_s: float, windows: int, broadca
         controller.stop()
 
 
-def main() -> None:
+def client_arguments(*, target: str, job_id: str, secret: str, first: int, count: int, trigger: Path, done: Path,
+                     out: Path, victims: int) -> list[str]:
+    """A client process's arguments (`command_line` reads them). `--secret=VALUE` in one: a
+    job secret (token_urlsafe) starts with "-" one time in 64, which argparse took for an
+    option ("--secret: expected one argument"), and the benchmark waited 300 s for a world."""
+    return ["--client", "--target", target, "--job", job_id, f"--secret={secret}", "--first", str(first),
+            "--count", str(count), "--trigger", str(trigger), "--done", str(done), "--out", str(out),
+            "--victims", str(victims), *(["--victim"] if first == 0 else [])]
+
+
+def command_line() -> argparse.ArgumentParser:
     command = parser(__doc__.split("\n\n")[0])
     command.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     for name in ("--target", "--job", "--secret", "--trigger", "--done", "--out"):
@@ -256,7 +265,11 @@ def main() -> None:
     command.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
     command.add_argument("--victim", action="store_true", help=argparse.SUPPRESS)
     command.add_argument("--victims", type=int, default=1, help=argparse.SUPPRESS)
-    args = command.parse_args()
+    return command
+
+
+def main() -> None:
+    args = command_line().parse_args()
     if args.client:
         asyncio.run(client_main(args))
         return

@@ -31,3 +31,16 @@ def test_the_report_names_the_code_a_result_measured_and_says_when_it_was_not_re
     assert report.measured_code({"settings": {"code": "7df2574 with uncommitted changes"}}) == (
         "7df2574 with uncommitted changes")
     assert report.measured_code({"settings": {}}) == "not recorded"
+
+
+def test_controller_scale_clients_read_back_a_secret_that_starts_with_a_dash(tmp_path: Path) -> None:
+    """A job secret is token_urlsafe: one in 64 starts with "-". Passed as `--secret VALUE`,
+    argparse took it for an option, every client exited at once, and the benchmark (in
+    `make test`, bench-quick) waited 300 s for a world that never formed."""
+    from bench.controller_scale import client_arguments, command_line
+
+    for secret in ("-Xy_0", "--looks-like-an-option", "plain"):
+        arguments = client_arguments(target="127.0.0.1:1", job_id="j-1", secret=secret, first=0, count=5,
+                                     trigger=tmp_path / "t", done=tmp_path / "d", out=tmp_path / "o", victims=1)
+        args = command_line().parse_args(arguments)
+        assert (args.client, args.secret, args.job, args.count, args.victim) == (True, secret, "j-1", 5, True)
