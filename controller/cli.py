@@ -164,9 +164,10 @@ def _as_dict(message: object) -> dict[str, object]:
     return json_format.MessageToDict(message, preserving_proto_field_name=True)  # type: ignore[arg-type]
 
 
-def sbatch_arguments(argv: Sequence[str]) -> tuple[list[str], bool]:
+def sbatch_arguments(argv: Sequence[str]) -> tuple[list[str], bool, bool]:
     """sbatch's own spellings that `tidal submit` lacks, for `tidal-sbatch`: `--wrap CMD`
-    becomes the command `bash -c CMD`, and `--parsable` asks for the bare job id."""
+    becomes the command `bash -c CMD`, and `--parsable` asks for the bare job id. (The
+    arguments, whether `--parsable` was given, whether `--wrap` was.)"""
     rest: list[str] = []
     wrap: str | None = None
     parsable = False
@@ -185,7 +186,7 @@ def sbatch_arguments(argv: Sequence[str]) -> tuple[list[str], bool]:
         index += 1
     if wrap is not None:
         rest += ["--", "bash", "-c", wrap]
-    return rest, parsable
+    return rest, parsable, wrap is not None
 
 
 def not_a_batch_script(argument: str, cwd: Path) -> str:
@@ -201,8 +202,7 @@ def not_a_batch_script(argument: str, cwd: Path) -> str:
 def command_submit(args: argparse.Namespace) -> int:
     parsable = wrapped = False
     if args.command == "sbatch":
-        wrapped = any(token == "--wrap" or token.startswith("--wrap=") for token in args.rest)
-        args.rest, parsable = sbatch_arguments(args.rest)
+        args.rest, parsable, wrapped = sbatch_arguments(args.rest)
     try:
         submission = parse_submit(args.rest, cwd=Path.cwd())
     except SubmitUsageError as error:

@@ -600,13 +600,12 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         job_id, slash, unit_id = target.rpartition("/")
         if target in self.controller.actors:
             actor = await self._actor(context, target, caller)
-            unit_ids = tuple(u for u, unit in actor.units.items() if not unit.state.is_final)
+            unit_ids = tuple(actor.units)
         elif slash:
             actor = await self._actor(context, job_id, caller)
             if unit_id not in actor.units:
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"job {job_id} has no unit {unit_id!r}")
-            # (One that already ended is not drained again: nothing to drain.)
-            unit_ids = () if actor.units[unit_id].state.is_final else (unit_id,)
+            unit_ids = (unit_id,)
         else:
             # Unit ids are a job's own (u1, u2, ...): a bare one names a unit only where
             # one job the caller may act on has it live.
@@ -620,7 +619,9 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"unit {target} is in {len(live)} jobs: say which ({choices})")
             actor = await self._actor(context, live[0].job.job_id, caller)
-            unit_ids = () if actor.units[target].state.is_final else (target,)
+            unit_ids = (target,)
+        # A unit that already ended is not drained again: nothing to drain.
+        unit_ids = tuple(u for u in unit_ids if not actor.units[u].state.is_final)
         await actor.put_and_wait(DrainRequested(unit_ids, caller.uid))
         return admin_pb2.DrainResponse(unit_ids=list(unit_ids))
 
